@@ -1,0 +1,93 @@
+"""Fixtures that launch the real stack (`cadence launch`: shard + router) on a free port."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class LaunchedServer:
+    url: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def launch(tmp_dir: Path, *args: str, timeout: float = 300.0) -> LaunchedServer:
+    """Starts `cadence launch` and waits until its router answers /health."""
+    port = free_port()
+    log_path = tmp_dir / f"launch-{port}.log"
+    log_file = log_path.open("w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "cadence", "launch", "--port", str(port), *args],
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    server = LaunchedServer(f"http://127.0.0.1:{port}", process, log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"cadence launch exited with {process.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    stop(server)
+    raise TimeoutError(f"cadence launch not ready after {timeout}s:\n{server.log()}")
+
+
+def stop(server: LaunchedServer) -> int:
+    """SIGTERM, as an orchestrator would; returns the launcher's exit code."""
+    if server.process.poll() is None:
+        server.process.send_signal(signal.SIGTERM)
+        try:
+            server.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.process.pid, signal.SIGKILL)
+            server.process.wait()
+    return server.process.returncode
+
+
+@pytest.fixture(scope="session")
+def smollm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedServer]:
+    """The embedded SmolLM2-135M-Instruct in float32, as `cadence launch` serves it."""
+    tmp = tmp_path_factory.mktemp("smollm")
+    server = launch(tmp, "--dtype", "float32", "--kv-cache-memory", "512MiB")
+    yield server
+    code = stop(server)
+    assert code == 0, f"launcher exited with {code} on SIGTERM:\n{server.log()}"
+
+
+@pytest.fixture(scope="session")
+def smollm_dir() -> str:
+    from cadence.model_source import resolve_model
+
+    return resolve_model(None)
+
+
+@pytest.fixture
+def client(smollm_server: LaunchedServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=smollm_server.url, timeout=300) as http:
+        yield http

@@ -1,0 +1,168 @@
+//! Command-line flags. Every flag has a `CADENCE_<FLAG_NAME>` environment twin.
+
+use std::path::PathBuf;
+
+use clap::{Parser, ValueEnum};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// cadence's HTTP router: validation, tokenization, continuous batching and streaming in
+/// front of the model shards.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "cadence-router", version, about)]
+pub struct Args {
+    /// Address to listen on.
+    #[arg(long, env = "CADENCE_HOSTNAME", default_value = "127.0.0.1")]
+    pub hostname: String,
+
+    /// Port to listen on.
+    #[arg(long, env = "CADENCE_PORT", default_value_t = 8080)]
+    pub port: u16,
+
+    /// Unix socket of a shard's gRPC server; repeat once per tensor-parallel rank, rank 0
+    /// first (the environment variable takes a comma-separated list).
+    #[arg(long = "shard-uds-path", env = "CADENCE_SHARD_UDS_PATH", required = true, value_delimiter = ',')]
+    pub shard_uds_path: Vec<PathBuf>,
+
+    /// Model folder holding tokenizer.json.
+    #[arg(long, env = "CADENCE_TOKENIZER")]
+    pub tokenizer: PathBuf,
+
+    /// Model name reported by /info.
+    #[arg(long, env = "CADENCE_MODEL_ID")]
+    pub model_id: String,
+
+    /// Number of KV-cache blocks the shards allocated.
+    #[arg(long, env = "CADENCE_NUM_BLOCKS")]
+    pub num_blocks: u32,
+
+    /// Tokens per KV-cache block (must match the shards).
+    #[arg(long, env = "CADENCE_BLOCK_SIZE", default_value_t = 16)]
+    pub block_size: u32,
+
+    /// Most tokens computed in one step (prefill chunks and decodes together).
+    #[arg(long, env = "CADENCE_MAX_BATCH_TOKENS", default_value_t = 1024)]
+    pub max_batch_tokens: u32,
+
+    /// Most requests in one step.
+    #[arg(long, env = "CADENCE_MAX_BATCH_SIZE", default_value_t = 64)]
+    pub max_batch_size: u32,
+
+    /// Longest prompt accepted, in tokens [default: max total tokens - 1].
+    #[arg(long, env = "CADENCE_MAX_INPUT_TOKENS")]
+    pub max_input_tokens: Option<u32>,
+
+    /// Most prompt + generated tokens per request [default: the model's
+    /// max_position_embeddings].
+    #[arg(long, env = "CADENCE_MAX_TOTAL_TOKENS")]
+    pub max_total_tokens: Option<u32>,
+
+    /// Requests in flight (queued or running) beyond which new ones get 429.
+    #[arg(long, env = "CADENCE_MAX_CONCURRENT_REQUESTS", default_value_t = 128)]
+    pub max_concurrent_requests: usize,
+
+    /// Most stop sequences per request.
+    #[arg(long, env = "CADENCE_MAX_STOP_SEQUENCES", default_value_t = 4)]
+    pub max_stop_sequences: usize,
+
+    /// Log format.
+    #[arg(long, env = "CADENCE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+}
+
+/// The limits every request is checked against, resolved once at start from the flags
+/// and the shard's `Info`.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    pub max_input_tokens: usize,
+    pub max_total_tokens: usize,
+    pub max_stop_sequences: usize,
+    pub block_size: usize,
+    pub num_blocks: usize,
+}
+
+impl Args {
+    /// Resolves the token limits against the model's context length.
+    pub fn limits(&self, max_position_embeddings: u32) -> Result<Limits, String> {
+        let max_total = self.max_total_tokens.unwrap_or(max_position_embeddings) as usize;
+        let max_input = match self.max_input_tokens {
+            Some(n) => n as usize,
+            None => max_total.saturating_sub(1),
+        };
+        if max_total == 0 || max_input == 0 {
+            return Err("max_total_tokens and max_input_tokens must be positive".into());
+        }
+        if max_input >= max_total {
+            return Err(format!(
+                "max_input_tokens ({max_input}) must be less than max_total_tokens ({max_total})"
+            ));
+        }
+        if max_position_embeddings > 0 && max_total > max_position_embeddings as usize {
+            return Err(format!(
+                "max_total_tokens ({max_total}) exceeds the model's max_position_embeddings \
+                 ({max_position_embeddings})"
+            ));
+        }
+        if self.block_size == 0 || self.num_blocks == 0 {
+            return Err("block_size and num_blocks must be positive".into());
+        }
+        if self.max_batch_tokens == 0 || self.max_batch_size == 0 {
+            return Err("max_batch_tokens and max_batch_size must be positive".into());
+        }
+        Ok(Limits {
+            max_input_tokens: max_input,
+            max_total_tokens: max_total,
+            max_stop_sequences: self.max_stop_sequences,
+            block_size: self.block_size as usize,
+            num_blocks: self.num_blocks as usize,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_parse_with_defaults_and_limits_derive_from_the_model() {
+        let args = Args::try_parse_from([
+            "cadence-router",
+            "--shard-uds-path",
+            "/tmp/a.sock",
+            "--shard-uds-path",
+            "/tmp/b.sock",
+            "--tokenizer",
+            "/m",
+            "--model-id",
+            "m",
+            "--num-blocks",
+            "100",
+        ])
+        .unwrap();
+        assert_eq!(args.shard_uds_path.len(), 2);
+        assert_eq!(args.port, 8080);
+        assert_eq!(args.block_size, 16);
+        let limits = args.limits(2048).unwrap();
+        assert_eq!(limits.max_total_tokens, 2048);
+        assert_eq!(limits.max_input_tokens, 2047);
+    }
+
+    #[test]
+    fn shard_uds_path_is_required() {
+        let err = Args::try_parse_from([
+            "cadence-router",
+            "--tokenizer",
+            "/m",
+            "--model-id",
+            "m",
+            "--num-blocks",
+            "1",
+        ])
+        .unwrap_err();
+        assert!(err.to_string().contains("--shard-uds-path"));
+    }
+}

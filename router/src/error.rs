@@ -1,0 +1,93 @@
+//! Errors: what clients see (`InferError`, TGI's `{"error", "error_type"}` shape) and
+//! what stops the router from starting (`RouterError`).
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Serialize;
+
+/// An error answered to a client. The variant decides the status code and `error_type`.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum InferError {
+    /// Bad input: 422.
+    #[error("{0}")]
+    Validation(String),
+    /// Too many requests in flight: 429.
+    #[error("{0}")]
+    Overloaded(String),
+    /// A shard failed while generating: 424.
+    #[error("{0}")]
+    Generation(String),
+    /// The shards do not answer: 503.
+    #[error("{0}")]
+    Unhealthy(String),
+}
+
+/// The JSON body of every error on the TGI routes.
+#[derive(Debug, Serialize)]
+pub struct ErrorBody {
+    pub error: String,
+    pub error_type: &'static str,
+}
+
+impl InferError {
+    pub fn error_type(&self) -> &'static str {
+        match self {
+            InferError::Validation(_) => "validation",
+            InferError::Overloaded(_) => "overloaded",
+            InferError::Generation(_) => "generation",
+            InferError::Unhealthy(_) => "unhealthy",
+        }
+    }
+
+    pub fn status(&self) -> StatusCode {
+        match self {
+            InferError::Validation(_) => StatusCode::UNPROCESSABLE_ENTITY,
+            InferError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
+            InferError::Generation(_) => StatusCode::FAILED_DEPENDENCY,
+            InferError::Unhealthy(_) => StatusCode::SERVICE_UNAVAILABLE,
+        }
+    }
+
+    pub fn body(&self) -> ErrorBody {
+        ErrorBody {
+            error: self.to_string(),
+            error_type: self.error_type(),
+        }
+    }
+}
+
+impl IntoResponse for InferError {
+    fn into_response(self) -> Response {
+        (self.status(), Json(self.body())).into_response()
+    }
+}
+
+/// A failed gRPC call to a shard.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("shard {rank}: {message}")]
+pub struct ShardError {
+    pub rank: usize,
+    pub message: String,
+}
+
+/// Why the router could not start or stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum RouterError {
+    #[error("invalid arguments: {0}")]
+    Args(String),
+    #[error("cannot load the tokenizer from {path}: {message}")]
+    Tokenizer { path: String, message: String },
+    #[error("cannot connect to shard {rank} at {path}: {message}")]
+    Connect {
+        rank: usize,
+        path: String,
+        message: String,
+    },
+    #[error(transparent)]
+    Shard(#[from] ShardError),
+    #[error("the shards disagree with the router: {0}")]
+    Mismatch(String),
+    #[error("HTTP server: {0}")]
+    Io(#[from] std::io::Error),
+}

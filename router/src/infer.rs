@@ -1,0 +1,426 @@
+//! The batching loop and its handle.
+//!
+//! One task owns every piece of batch state (the scheduler, each request's decoding
+//! state); HTTP handlers talk to it over channels. Each iteration: take new requests,
+//! drop those whose client left, schedule, send the Step diff to the shards, then turn
+//! the sampled tokens into text, check EOS / stop strings / length, stream, and retire
+//! finished requests (their blocks are freed at once, their shard state at the next step).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Instant;
+
+use serde::Serialize;
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+
+use crate::blocks::RequestId;
+use crate::client::Backend;
+use crate::detokenize::{Detokenizer, TokenizerInfo};
+use crate::error::InferError;
+use crate::pb;
+use crate::scheduler::{Scheduler, SchedulerConfig, Sequence};
+use crate::stop::StopMatcher;
+use crate::validation::{GenerateRequest, ValidRequest, Validation};
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Token {
+    pub id: u32,
+    pub text: String,
+    pub logprob: Option<f32>,
+    pub special: bool,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    Length,
+    EosToken,
+    StopSequence,
+}
+
+/// How a request ended; carried by its last event.
+#[derive(Debug, Clone)]
+pub struct End {
+    pub finish_reason: FinishReason,
+    /// The generated text (stop string excluded), prefixed by the prompt when asked.
+    pub generated_text: String,
+    pub generated_tokens: usize,
+    pub seed: Option<u64>,
+}
+
+/// One generated token, as sent to the request's handler.
+#[derive(Debug, Clone)]
+pub struct TokenEvent {
+    pub token: Token,
+    pub top_tokens: Vec<Token>,
+    pub end: Option<End>,
+}
+
+pub type EventResult = Result<TokenEvent, InferError>;
+
+/// A validated request on its way to the loop.
+struct Admission {
+    request: ValidRequest,
+    events: mpsc::UnboundedSender<EventResult>,
+    permit: OwnedSemaphorePermit,
+}
+
+/// What the HTTP side holds: validation, the concurrency limit, the way to the loop.
+#[derive(Clone)]
+pub struct Infer {
+    pub validation: Arc<Validation>,
+    limiter: Arc<Semaphore>,
+    tx: mpsc::UnboundedSender<Admission>,
+}
+
+/// The loop's fixed inputs.
+pub struct LoopConfig {
+    pub scheduler: SchedulerConfig,
+    pub eos_token_ids: Vec<u32>,
+}
+
+impl Infer {
+    /// Starts the batching loop on the current runtime.
+    pub fn spawn<B: Backend>(
+        backend: B,
+        validation: Validation,
+        max_concurrent_requests: usize,
+        config: LoopConfig,
+    ) -> Self {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let tokenizer = validation.tokenizer.clone();
+        tokio::spawn(batching_loop(backend, rx, tokenizer, config));
+        Self {
+            validation: Arc::new(validation),
+            limiter: Arc::new(Semaphore::new(max_concurrent_requests)),
+            tx,
+        }
+    }
+
+    /// Takes a slot among the concurrent requests, or answers 429.
+    pub fn try_permit(&self) -> Result<OwnedSemaphorePermit, InferError> {
+        self.limiter.clone().try_acquire_owned().map_err(|_| {
+            InferError::Overloaded("too many requests in flight, try again later".into())
+        })
+    }
+
+    /// Validates a request and queues it. Errors come before any token, so a handler can
+    /// still answer with a status code.
+    pub async fn submit(
+        &self,
+        request: GenerateRequest,
+    ) -> Result<(ValidRequest, mpsc::UnboundedReceiver<EventResult>), InferError> {
+        let permit = self.try_permit()?;
+        let valid = self.validation.validate(request).await?;
+        let (events, rx) = mpsc::unbounded_channel();
+        let admission = Admission {
+            request: valid.clone(),
+            events,
+            permit,
+        };
+        self.tx
+            .send(admission)
+            .map_err(|_| InferError::Generation("the batching loop has stopped".into()))?;
+        Ok((valid, rx))
+    }
+}
+
+/// Per-request state the loop keeps beside the scheduler's `Sequence`.
+struct Entry {
+    events: mpsc::UnboundedSender<EventResult>,
+    detokenizer: Detokenizer,
+    stop: StopMatcher,
+    max_new_tokens: usize,
+    generated: usize,
+    text: String,
+    prefix: Option<String>,
+    seed: Option<u64>,
+    queued_at: Instant,
+    first_token_at: Option<Instant>,
+    _permit: OwnedSemaphorePermit,
+}
+
+struct Loop<B> {
+    backend: B,
+    tokenizer: TokenizerInfo,
+    eos: HashSet<u32>,
+    scheduler: Scheduler,
+    entries: HashMap<RequestId, Entry>,
+    next_id: RequestId,
+    /// A step failed: the shards may hold stale state and must be cleared first.
+    needs_clear: bool,
+}
+
+async fn batching_loop<B: Backend>(
+    backend: B,
+    mut rx: mpsc::UnboundedReceiver<Admission>,
+    tokenizer: TokenizerInfo,
+    config: LoopConfig,
+) {
+    let mut lp = Loop {
+        backend,
+        tokenizer,
+        eos: config.eos_token_ids.into_iter().collect(),
+        scheduler: Scheduler::new(config.scheduler),
+        entries: HashMap::new(),
+        next_id: 0,
+        needs_clear: false,
+    };
+    loop {
+        // 1. New requests; sleep on the channel only when there is nothing to run.
+        if !lp.scheduler.has_work() {
+            match rx.recv().await {
+                Some(admission) => lp.admit(admission),
+                None => return,
+            }
+        }
+        while let Ok(admission) = rx.try_recv() {
+            lp.admit(admission);
+        }
+        // 2. Clients that went away.
+        lp.drop_cancelled();
+        if !lp.scheduler.has_work() {
+            continue;
+        }
+        lp.iterate().await;
+    }
+}
+
+impl<B: Backend> Loop<B> {
+    fn admit(&mut self, admission: Admission) {
+        let Admission {
+            request,
+            events,
+            permit,
+        } = admission;
+        let id = self.next_id;
+        self.next_id += 1;
+        let mut seq = Sequence::new(id, request.input_ids, request.sampling);
+        seq.top_n_tokens = request.top_n_tokens;
+        seq.adapter_id = request.adapter_id;
+        let entry = Entry {
+            events,
+            detokenizer: Detokenizer::new(&seq.token_ids),
+            stop: StopMatcher::new(request.stop),
+            max_new_tokens: request.max_new_tokens,
+            generated: 0,
+            text: String::new(),
+            prefix: request.prefix,
+            seed: request.seed,
+            queued_at: Instant::now(),
+            first_token_at: None,
+            _permit: permit,
+        };
+        tracing::debug!(id, input_tokens = seq.prompt_len, "queued");
+        self.scheduler.add(seq);
+        self.entries.insert(id, entry);
+    }
+
+    fn drop_cancelled(&mut self) {
+        let gone: Vec<RequestId> = self
+            .entries
+            .iter()
+            .filter(|(_, e)| e.events.is_closed())
+            .map(|(&id, _)| id)
+            .collect();
+        for id in gone {
+            tracing::debug!(id, "client went away; cancelled");
+            self.retire(id);
+        }
+    }
+
+    /// Drops a request everywhere: blocks now, shard state at the next step.
+    fn retire(&mut self, id: RequestId) -> Option<Entry> {
+        self.scheduler.finish(id);
+        self.entries.remove(&id)
+    }
+
+    fn fail(&mut self, id: RequestId, error: InferError) {
+        if let Some(entry) = self.retire(id) {
+            let _ = entry.events.send(Err(error));
+        }
+    }
+
+    /// 3-6: schedule, run one step on the shards, apply what they sampled.
+    async fn iterate(&mut self) {
+        let schedule = self.scheduler.schedule();
+        for id in schedule.failed {
+            self.fail(
+                id,
+                InferError::Generation("the request does not fit in the KV cache".into()),
+            );
+        }
+        if !schedule.preempted.is_empty() {
+            tracing::debug!(ids = ?schedule.preempted, "preempted (recompute)");
+        }
+        let Some(step) = schedule.step else {
+            // Only preemptions happened; the next iteration admits again.
+            tokio::task::yield_now().await;
+            return;
+        };
+        if self.needs_clear {
+            if let Err(e) = self.backend.clear_cache().await {
+                tracing::warn!(error = %e, "clearing the shards failed");
+            }
+            self.needs_clear = false;
+        }
+        let step_id = step.step_id;
+        let started = Instant::now();
+        match self.backend.step(step).await {
+            Ok(response) => {
+                let router_start = Instant::now();
+                let mut sampled = HashSet::with_capacity(response.generations.len());
+                for generation in response.generations {
+                    sampled.insert(generation.id);
+                    self.apply(generation);
+                }
+                for id in schedule.samples {
+                    if !sampled.contains(&id) && self.entries.contains_key(&id) {
+                        self.fail(
+                            id,
+                            InferError::Generation("the shard returned no token".into()),
+                        );
+                    }
+                }
+                tracing::trace!(
+                    step_id,
+                    tokens = schedule.num_tokens,
+                    step_us = router_start.duration_since(started).as_micros() as u64,
+                    forward_us = response.forward_ns / 1000,
+                    apply_us = router_start.elapsed().as_micros() as u64,
+                    "step"
+                );
+            }
+            Err(e) => {
+                tracing::error!(step_id, error = %e, "step failed; failing every request in flight");
+                let message = format!("generation failed: {e}");
+                for id in self.scheduler.reset() {
+                    if let Some(entry) = self.entries.remove(&id) {
+                        let _ = entry.events.send(Err(InferError::Generation(message.clone())));
+                    }
+                }
+                self.needs_clear = true;
+            }
+        }
+    }
+
+    /// Applies one request's sampled tokens: text, stops, events, retirement.
+    fn apply(&mut self, generation: pb::Generation) {
+        let id = generation.id;
+        let Some(entry) = self.entries.get_mut(&id) else {
+            return; // cancelled while the step ran
+        };
+        let mut accepted = Vec::with_capacity(generation.token_ids.len());
+        let mut finished = false;
+        for (i, &token_id) in generation.token_ids.iter().enumerate() {
+            let top_tokens = generation
+                .top_tokens
+                .get(i)
+                .map(|top| {
+                    top.ids
+                        .iter()
+                        .zip(&top.logprobs)
+                        .map(|(&id, &logprob)| Token {
+                            id,
+                            text: self.tokenizer.token_text(id),
+                            logprob: Some(logprob),
+                            special: self.tokenizer.is_special(id),
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            let event = entry.on_token(
+                &self.tokenizer,
+                &self.eos,
+                token_id,
+                generation.logprobs.get(i).copied(),
+                top_tokens,
+            );
+            accepted.push(token_id);
+            finished = event.end.is_some();
+            if let Some(end) = &event.end {
+                let elapsed = entry.queued_at.elapsed();
+                let ttft = entry.first_token_at.map(|t| t.duration_since(entry.queued_at));
+                tracing::info!(
+                    id,
+                    generated_tokens = end.generated_tokens,
+                    finish_reason = ?end.finish_reason,
+                    total_ms = elapsed.as_millis() as u64,
+                    ttft_ms = ttft.map(|t| t.as_millis() as u64),
+                    "finished"
+                );
+            }
+            let _ = entry.events.send(Ok(event));
+            if finished {
+                break;
+            }
+        }
+        if finished {
+            self.retire(id);
+        } else {
+            self.scheduler.append_tokens(id, &accepted);
+        }
+    }
+}
+
+impl Entry {
+    fn on_token(
+        &mut self,
+        tokenizer: &TokenizerInfo,
+        eos: &HashSet<u32>,
+        id: u32,
+        logprob: Option<f32>,
+        top_tokens: Vec<Token>,
+    ) -> TokenEvent {
+        self.generated += 1;
+        if self.first_token_at.is_none() {
+            self.first_token_at = Some(Instant::now());
+        }
+        let mut text = String::new();
+        let mut finish = None;
+        if eos.contains(&id) {
+            finish = Some(FinishReason::EosToken);
+        } else {
+            let piece = self.detokenizer.push(tokenizer, id);
+            let release = self.stop.push(&piece);
+            text = release.text;
+            if release.stopped {
+                finish = Some(FinishReason::StopSequence);
+            }
+        }
+        if finish.is_none() && self.generated >= self.max_new_tokens {
+            finish = Some(FinishReason::Length);
+        }
+        if matches!(finish, Some(FinishReason::Length | FinishReason::EosToken)) {
+            // Release what was held back (an incomplete character, a partial stop).
+            let rest = self.detokenizer.flush(tokenizer);
+            let release = self.stop.push(&rest);
+            text.push_str(&release.text);
+            if release.stopped {
+                finish = Some(FinishReason::StopSequence);
+            } else {
+                text.push_str(&self.stop.flush());
+            }
+        }
+        self.text.push_str(&text);
+        let end = finish.map(|finish_reason| End {
+            finish_reason,
+            generated_text: match &self.prefix {
+                Some(prefix) => format!("{prefix}{}", self.text),
+                None => self.text.clone(),
+            },
+            generated_tokens: self.generated,
+            seed: self.seed,
+        });
+        TokenEvent {
+            token: Token {
+                id,
+                text,
+                logprob,
+                special: tokenizer.is_special(id),
+            },
+            top_tokens,
+            end,
+        }
+    }
+}

@@ -1,0 +1,186 @@
+//! cadence's router: HTTP API, validation, tokenization, queue, continuous-batching
+//! scheduler, KV block accounting, incremental detokenization, stop strings, streaming,
+//! in front of the Python model shards (gRPC over unix sockets).
+//!
+//! The per-token path: `server` (HTTP) → `validation` → `infer` (the batching loop) →
+//! `scheduler` (+ `queue`, `blocks`) → `client` (Step to every shard) → `infer` again
+//! (`detokenize`, `stop`) → the client's stream.
+
+pub mod args;
+pub mod blocks;
+pub mod client;
+pub mod detokenize;
+pub mod error;
+pub mod infer;
+#[cfg(feature = "python")]
+mod python;
+pub mod queue;
+pub mod scheduler;
+pub mod server;
+pub mod stop;
+pub mod validation;
+#[cfg(test)]
+mod tests;
+
+/// Generated from `proto/shard.proto`.
+pub mod pb {
+    tonic::include_proto!("cadence.shard.v1");
+}
+
+use std::time::Duration;
+
+use clap::Parser;
+
+use crate::args::{Args, LogFormat};
+use crate::client::ShardClient;
+use crate::detokenize::TokenizerInfo;
+use crate::error::RouterError;
+use crate::infer::{Infer, LoopConfig};
+use crate::scheduler::SchedulerConfig;
+use crate::server::{AppState, Info};
+use crate::validation::Validation;
+
+/// How long to wait for the shards' sockets at start.
+const CONNECT_WAIT: Duration = Duration::from_secs(60);
+
+/// Parses `argv` (program name first), runs the router until SIGINT/SIGTERM on a new
+/// multi-threaded runtime. `--help` and `--version` print and return Ok.
+pub fn run(argv: Vec<String>) -> Result<(), RouterError> {
+    let args = match Args::try_parse_from(argv) {
+        Ok(args) => args,
+        Err(e) if !e.use_stderr() => {
+            print!("{e}");
+            return Ok(());
+        }
+        Err(e) => return Err(RouterError::Args(e.render().to_string())),
+    };
+    init_logging(args.log_format);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("cadence-router")
+        .build()?;
+    runtime.block_on(serve(args))
+}
+
+/// Installs the global tracing subscriber (`RUST_LOG` filters, default info). A second
+/// call (a Python process starting the router twice) keeps the first.
+pub fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    let _ = match format {
+        LogFormat::Json => builder.json().flatten_event(true).try_init(),
+        LogFormat::Text => builder.try_init(),
+    };
+}
+
+/// Connects to the shards, checks them against the flags, serves HTTP until a signal.
+pub async fn serve(args: Args) -> Result<(), RouterError> {
+    let tokenizer = TokenizerInfo::from_dir(&args.tokenizer).map_err(|message| {
+        RouterError::Tokenizer {
+            path: args.tokenizer.display().to_string(),
+            message,
+        }
+    })?;
+    let shards = ShardClient::connect(&args.shard_uds_path, CONNECT_WAIT).await?;
+    let infos = shards.info().await?;
+    let info = &infos[0];
+    for (rank, i) in infos.iter().enumerate() {
+        if i.block_size != 0 && i.block_size != args.block_size {
+            return Err(RouterError::Mismatch(format!(
+                "shard {rank} uses block_size {} but --block-size is {}",
+                i.block_size, args.block_size
+            )));
+        }
+        if i.world_size != 0 && i.world_size as usize != shards.world_size() {
+            return Err(RouterError::Mismatch(format!(
+                "shard {rank} has world_size {} but {} --shard-uds-path were given",
+                i.world_size,
+                shards.world_size()
+            )));
+        }
+    }
+    let limits = args
+        .limits(info.max_position_embeddings)
+        .map_err(RouterError::Args)?;
+    tracing::info!(
+        model = %info.model_id,
+        model_type = %info.model_type,
+        dtype = %info.dtype,
+        device = %info.device,
+        world_size = shards.world_size(),
+        max_input_tokens = limits.max_input_tokens,
+        max_total_tokens = limits.max_total_tokens,
+        num_blocks = args.num_blocks,
+        "shards ready"
+    );
+    let app_info = Info {
+        model_id: args.model_id.clone(),
+        model_dtype: info.dtype.clone(),
+        model_device_type: info.device.split(':').next().unwrap_or("").to_string(),
+        model_pipeline_tag: "text-generation",
+        max_input_tokens: limits.max_input_tokens,
+        max_total_tokens: limits.max_total_tokens,
+        max_batch_tokens: args.max_batch_tokens as usize,
+        max_batch_size: args.max_batch_size as usize,
+        max_concurrent_requests: args.max_concurrent_requests,
+        max_best_of: 1,
+        max_stop_sequences: args.max_stop_sequences,
+        block_size: args.block_size as usize,
+        num_blocks: args.num_blocks as usize,
+        world_size: shards.world_size(),
+        version: env!("CARGO_PKG_VERSION"),
+        router: "cadence",
+    };
+    let validation = Validation {
+        tokenizer,
+        limits,
+        model_id: args.model_id.clone(),
+    };
+    let config = LoopConfig {
+        scheduler: SchedulerConfig {
+            max_batch_tokens: args.max_batch_tokens as usize,
+            max_batch_size: args.max_batch_size as usize,
+            num_blocks: args.num_blocks as usize,
+            block_size: args.block_size as usize,
+        },
+        eos_token_ids: info.eos_token_ids.clone(),
+    };
+    let infer = Infer::spawn(
+        shards.clone(),
+        validation,
+        args.max_concurrent_requests,
+        config,
+    );
+    let app = server::router(AppState {
+        infer,
+        info: app_info,
+        shards: Some(shards),
+    });
+    let listener = tokio::net::TcpListener::bind((args.hostname.as_str(), args.port)).await?;
+    tracing::info!(address = %listener.local_addr()?, "listening");
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown_signal())
+        .await?;
+    tracing::info!("shut down");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = terminate => {},
+    }
+    tracing::info!("signal received, shutting down");
+}

@@ -1,0 +1,53 @@
+//! The waiting queue: requests not running, first come first served. Preempted requests
+//! go back to the front so they resume before anything that arrived after them.
+
+use std::collections::VecDeque;
+
+use crate::blocks::RequestId;
+use crate::scheduler::Sequence;
+
+#[derive(Debug, Default)]
+pub struct Queue {
+    entries: VecDeque<Sequence>,
+}
+
+impl Queue {
+    pub fn push_back(&mut self, seq: Sequence) {
+        self.entries.push_back(seq);
+    }
+
+    /// Puts a preempted request back at the head of the line.
+    pub fn push_front(&mut self, seq: Sequence) {
+        self.entries.push_front(seq);
+    }
+
+    pub fn front(&self) -> Option<&Sequence> {
+        self.entries.front()
+    }
+
+    pub fn pop_front(&mut self) -> Option<Sequence> {
+        self.entries.pop_front()
+    }
+
+    /// Takes a request out of the line (cancellation).
+    pub fn remove(&mut self, id: RequestId) -> Option<Sequence> {
+        let pos = self.entries.iter().position(|s| s.id == id)?;
+        self.entries.remove(pos)
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &Sequence> {
+        self.entries.iter()
+    }
+
+    pub fn drain(&mut self) -> impl Iterator<Item = Sequence> + '_ {
+        self.entries.drain(..)
+    }
+}

@@ -1,0 +1,584 @@
+//! Tests of the whole router without a shard process: the HTTP routes, validation, the
+//! batching loop and the Step protocol, against `FakeShard`, an in-memory shard that
+//! checks every diff it receives and generates tokens as a pure function of each
+//! request's token history (so recompute preemption must reproduce the same output).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use axum::Router;
+use serde_json::{json, Value};
+use tower::ServiceExt;
+
+use crate::args::Limits;
+use crate::client::Backend;
+use crate::detokenize::testing;
+use crate::error::ShardError;
+use crate::infer::{Infer, LoopConfig};
+use crate::pb;
+use crate::scheduler::SchedulerConfig;
+use crate::server::{router, AppState, Info};
+use crate::validation::Validation;
+
+const BLOCK_SIZE: usize = 4;
+
+#[derive(Default)]
+struct FakeRequest {
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    computed: usize,
+    blocks: Vec<u32>,
+}
+
+/// How the fake picks tokens.
+#[derive(Clone)]
+enum Script {
+    /// A function of the whole token history: lowercase letters.
+    Hash,
+    /// The n-th generated token is `tokens[n % len]`.
+    Fixed(Vec<u32>),
+}
+
+#[derive(Default)]
+struct FakeState {
+    requests: HashMap<u64, FakeRequest>,
+    /// Protocol violations seen (the test asserts none).
+    violations: Vec<String>,
+    /// Requests ever removed, in order.
+    removed: Vec<u64>,
+    /// Fail the next this-many steps.
+    fail_steps: usize,
+    steps: usize,
+    max_live_blocks: usize,
+}
+
+#[derive(Clone)]
+struct FakeShard {
+    state: Arc<Mutex<FakeState>>,
+    script: Script,
+    num_blocks: usize,
+    delay: Duration,
+}
+
+impl FakeShard {
+    fn new(script: Script, num_blocks: usize) -> Self {
+        Self {
+            state: Arc::default(),
+            script,
+            num_blocks,
+            delay: Duration::ZERO,
+        }
+    }
+
+    fn next_token(&self, r: &FakeRequest) -> u32 {
+        match &self.script {
+            Script::Hash => {
+                let mut h: u64 = 0xcbf29ce484222325;
+                for &t in &r.tokens {
+                    h = (h ^ t as u64).wrapping_mul(0x100000001b3);
+                }
+                b'a' as u32 + (h % 26) as u32
+            }
+            Script::Fixed(tokens) => tokens[(r.tokens.len() - r.prompt_len) % tokens.len()],
+        }
+    }
+
+    fn apply(&self, s: &mut FakeState, req: pb::StepRequest) -> pb::StepResponse {
+        let mut v = Vec::new();
+        for id in &req.removed {
+            if s.requests.remove(id).is_none() {
+                v.push(format!("removed unknown request {id}"));
+            }
+            s.removed.push(*id);
+        }
+        for j in &req.joined {
+            if s.requests.contains_key(&j.id) {
+                v.push(format!("request {} joined twice", j.id));
+            }
+            s.requests.insert(
+                j.id,
+                FakeRequest {
+                    tokens: j.token_ids.clone(),
+                    prompt_len: j.prompt_len as usize,
+                    computed: j.num_cached as usize,
+                    blocks: j.block_table.clone(),
+                },
+            );
+        }
+        let mut scheduled: Vec<(u64, usize)> = req
+            .joined
+            .iter()
+            .map(|j| (j.id, j.num_compute as usize))
+            .collect();
+        for c in &req.continuing {
+            match s.requests.get_mut(&c.id) {
+                Some(r) => r.blocks.extend(&c.new_blocks),
+                None => v.push(format!("continuing unknown request {}", c.id)),
+            }
+            scheduled.push((c.id, c.num_compute as usize));
+        }
+        let mut owners: HashMap<u32, u64> = HashMap::new();
+        for (&id, r) in &s.requests {
+            for &b in &r.blocks {
+                if b as usize >= self.num_blocks {
+                    v.push(format!("request {id} uses block {b} beyond the cache"));
+                }
+                if let Some(other) = owners.insert(b, id) {
+                    v.push(format!("block {b} shared by {id} and {other}"));
+                }
+            }
+        }
+        s.max_live_blocks = s.max_live_blocks.max(owners.len());
+        let mut generations = Vec::new();
+        let mut computed_tokens = 0;
+        for (id, n) in scheduled {
+            let Some(r) = s.requests.get(&id) else { continue };
+            if n == 0 || r.computed + n > r.tokens.len() {
+                v.push(format!("request {id}: computes {n} of {} known tokens from {}", r.tokens.len(), r.computed));
+                continue;
+            }
+            if r.blocks.len() * BLOCK_SIZE < r.computed + n {
+                v.push(format!("request {id}: {} blocks for {} tokens", r.blocks.len(), r.computed + n));
+            }
+            computed_tokens += n;
+            let done = r.computed + n == r.tokens.len();
+            let token = done.then(|| self.next_token(r));
+            let r = s.requests.get_mut(&id).unwrap();
+            r.computed += n;
+            if let Some(token) = token {
+                r.tokens.push(token);
+                generations.push(pb::Generation {
+                    id,
+                    token_ids: vec![token],
+                    logprobs: vec![-0.5],
+                    top_tokens: vec![],
+                });
+            }
+        }
+        s.violations.extend(v);
+        pb::StepResponse {
+            generations,
+            forward_ns: 1000,
+            computed_tokens: computed_tokens as u32,
+        }
+    }
+}
+
+impl Backend for FakeShard {
+    async fn step(&self, req: pb::StepRequest) -> Result<pb::StepResponse, ShardError> {
+        if !self.delay.is_zero() {
+            tokio::time::sleep(self.delay).await;
+        }
+        let mut s = self.state.lock().unwrap();
+        s.steps += 1;
+        if s.fail_steps > 0 {
+            s.fail_steps -= 1;
+            return Err(ShardError {
+                rank: 0,
+                message: "boom".into(),
+            });
+        }
+        Ok(self.apply(&mut s, req))
+    }
+
+    async fn clear_cache(&self) -> Result<(), ShardError> {
+        self.state.lock().unwrap().requests.clear();
+        Ok(())
+    }
+}
+
+struct Harness {
+    app: Router,
+    shard: FakeShard,
+}
+
+fn harness_with(shard: FakeShard, max_concurrent: usize, max_batch_tokens: usize) -> Harness {
+    let tokenizer = testing::tokenizer();
+    let limits = Limits {
+        max_input_tokens: 48,
+        max_total_tokens: 64,
+        max_stop_sequences: 2,
+        block_size: BLOCK_SIZE,
+        num_blocks: shard.num_blocks,
+    };
+    let validation = Validation {
+        tokenizer,
+        limits: limits.clone(),
+        model_id: "test-model".into(),
+    };
+    let config = LoopConfig {
+        scheduler: SchedulerConfig {
+            max_batch_tokens,
+            max_batch_size: 8,
+            num_blocks: shard.num_blocks,
+            block_size: BLOCK_SIZE,
+        },
+        eos_token_ids: vec![testing::eos_id()],
+    };
+    let infer = Infer::spawn(shard.clone(), validation, max_concurrent, config);
+    let info = Info {
+        model_id: "test-model".into(),
+        model_dtype: "float32".into(),
+        model_device_type: "cpu".into(),
+        model_pipeline_tag: "text-generation",
+        max_input_tokens: limits.max_input_tokens,
+        max_total_tokens: limits.max_total_tokens,
+        max_batch_tokens,
+        max_batch_size: 8,
+        max_concurrent_requests: max_concurrent,
+        max_best_of: 1,
+        max_stop_sequences: 2,
+        block_size: BLOCK_SIZE,
+        num_blocks: shard.num_blocks,
+        world_size: 1,
+        version: "test",
+        router: "cadence",
+    };
+    let app = router(AppState {
+        infer,
+        info,
+        shards: None,
+    });
+    Harness { app, shard }
+}
+
+fn harness(script: Script) -> Harness {
+    harness_with(FakeShard::new(script, 64), 16, 32)
+}
+
+impl Harness {
+    async fn post_raw(&self, path: &str, body: &str, content_type: Option<&str>) -> (StatusCode, String) {
+        let mut req = Request::post(path);
+        if let Some(ct) = content_type {
+            req = req.header("content-type", ct);
+        }
+        let resp = self
+            .app
+            .clone()
+            .oneshot(req.body(Body::from(body.to_string())).unwrap())
+            .await
+            .unwrap();
+        let status = resp.status();
+        let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX).await.unwrap();
+        (status, String::from_utf8(bytes.to_vec()).unwrap())
+    }
+
+    async fn post(&self, path: &str, body: Value) -> (StatusCode, Value) {
+        let (status, text) = self.post_raw(path, &body.to_string(), Some("application/json")).await;
+        let value = serde_json::from_str(&text).unwrap_or_else(|_| panic!("not JSON: {text}"));
+        (status, value)
+    }
+
+    async fn stream(&self, body: Value) -> (StatusCode, Vec<Value>) {
+        let (status, text) = self.post_raw("/generate_stream", &body.to_string(), Some("application/json")).await;
+        let events = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("data:"))
+            .map(|d| serde_json::from_str(d.trim()).unwrap())
+            .collect();
+        (status, events)
+    }
+
+    fn assert_protocol_ok(&self) {
+        let s = self.shard.state.lock().unwrap();
+        assert!(s.violations.is_empty(), "{:?}", s.violations);
+    }
+}
+
+fn ids(text: &str) -> Vec<u32> {
+    testing::tokenizer().encode(text).unwrap()[1..].to_vec()
+}
+
+async fn expect_422(h: &Harness, body: Value, needle: &str) {
+    for path in ["/generate", "/generate_stream"] {
+        let (status, v) = h.post(path, body.clone()).await;
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{path} {body}: {v}");
+        assert_eq!(v["error_type"], "validation", "{v}");
+        let msg = v["error"].as_str().unwrap();
+        assert!(msg.contains(needle), "{path}: {msg:?} should name {needle:?}");
+    }
+}
+
+#[tokio::test]
+async fn each_invalid_parameter_is_a_422_naming_the_field_on_both_routes() {
+    let h = harness(Script::Hash);
+    let p = |params: Value| json!({"inputs": "hello", "parameters": params});
+    expect_422(&h, json!({"inputs": ""}), "inputs").await;
+    expect_422(&h, json!({"parameters": {}}), "inputs").await;
+    expect_422(&h, p(json!({"max_new_tokens": "ten"})), "parameters.max_new_tokens").await;
+    expect_422(&h, p(json!({"max_new_tokens": -1})), "parameters.max_new_tokens").await;
+    expect_422(&h, p(json!({"max_new_tokens": 0})), "max_new_tokens").await;
+    expect_422(&h, p(json!({"temprature": 0.5})), "temprature").await;
+    expect_422(&h, json!({"inputs": "a", "prameters": {}}), "prameters").await;
+    expect_422(&h, p(json!({"temperature": 0.0})), "temperature").await;
+    expect_422(&h, p(json!({"temperature": -1.0})), "temperature").await;
+    expect_422(&h, p(json!({"top_p": 0.0})), "top_p").await;
+    expect_422(&h, p(json!({"top_p": 1.5})), "top_p").await;
+    expect_422(&h, p(json!({"top_k": 0})), "top_k").await;
+    expect_422(&h, p(json!({"typical_p": 0.0})), "typical_p").await;
+    expect_422(&h, p(json!({"min_p": 1.0})), "min_p").await;
+    expect_422(&h, p(json!({"repetition_penalty": 0.0})), "repetition_penalty").await;
+    expect_422(&h, p(json!({"frequency_penalty": 3.0})), "frequency_penalty").await;
+    expect_422(&h, p(json!({"stop": ["a", "b", "c"]})), "stop").await;
+    expect_422(&h, p(json!({"stop": [""]})), "stop").await;
+    expect_422(&h, p(json!({"best_of": 2})), "best_of").await;
+    expect_422(&h, p(json!({"decoder_input_details": true})), "decoder_input_details").await;
+    expect_422(&h, p(json!({"watermark": true})), "watermark").await;
+    expect_422(&h, p(json!({"grammar": {"type": "json", "value": {}}})), "grammar").await;
+    expect_422(&h, p(json!({"adapter_id": "lora-x"})), "adapter_id").await;
+    expect_422(&h, p(json!({"top_n_tokens": 50})), "top_n_tokens").await;
+    expect_422(&h, p(json!({"truncate": 0})), "truncate").await;
+    // 60 input tokens > max_input_tokens (48).
+    let long = "x".repeat(60);
+    expect_422(&h, json!({"inputs": long}), "inputs").await;
+    // 41 input tokens + 30 new > max_total_tokens (64).
+    let medium = "x".repeat(40);
+    expect_422(&h, json!({"inputs": medium, "parameters": {"max_new_tokens": 30}}), "max_new_tokens").await;
+    // Malformed JSON.
+    let (status, text) = h.post_raw("/generate", "{\"inputs\": ", Some("application/json")).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["error_type"], "validation");
+    h.assert_protocol_ok();
+}
+
+#[tokio::test]
+async fn requests_that_could_never_fit_in_the_kv_cache_are_rejected() {
+    // 8 blocks of 4 = 32 tokens of KV.
+    let h = harness_with(FakeShard::new(Script::Hash, 8), 16, 32);
+    let body = json!({"inputs": "x".repeat(20), "parameters": {"max_new_tokens": 20}});
+    let (status, v) = h.post("/generate", body).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(v["error"].as_str().unwrap().contains("KV blocks"), "{v}");
+    let body = json!({"inputs": "x".repeat(40), "parameters": {"max_new_tokens": 1}});
+    let (status, v) = h.post("/generate", body).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(v["error"].as_str().unwrap().starts_with("inputs"), "{v}");
+}
+
+#[tokio::test]
+async fn bodies_without_json_content_type_and_tgi_client_nulls_are_accepted() {
+    let h = harness(Script::Hash);
+    let body = json!({"inputs": "hello", "parameters": {"max_new_tokens": 3}}).to_string();
+    let (status, text) = h.post_raw("/generate", &body, None).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let (status, text) = h.post_raw("/generate", &body, Some("text/plain")).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    // What text-generation's Client sends to `/`.
+    let body = json!({
+        "inputs": "hello",
+        "stream": false,
+        "parameters": {
+            "best_of": null, "decoder_input_details": false, "details": true,
+            "do_sample": false, "frequency_penalty": null, "grammar": null,
+            "max_new_tokens": 4, "repetition_penalty": null, "return_full_text": false,
+            "seed": null, "stop": [], "temperature": null, "top_k": null,
+            "top_n_tokens": null, "top_p": null, "truncate": null, "typical_p": null,
+            "watermark": false, "adapter_id": null
+        }
+    });
+    let (status, v) = h.post("/", body).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(v["details"]["generated_tokens"], 4);
+    assert_eq!(v["details"]["seed"], Value::Null);
+    h.assert_protocol_ok();
+}
+
+#[tokio::test]
+async fn generate_returns_text_and_details_and_stops_at_max_new_tokens() {
+    let h = harness(Script::Fixed(ids("abc")));
+    let (status, v) = h
+        .post("/generate", json!({"inputs": "hi", "parameters": {"max_new_tokens": 5, "details": true}}))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(v["generated_text"], "abcab");
+    let d = &v["details"];
+    assert_eq!(d["finish_reason"], "length");
+    assert_eq!(d["generated_tokens"], 5);
+    assert_eq!(d["prefill"], json!([]));
+    assert_eq!(d["tokens"].as_array().unwrap().len(), 5);
+    assert_eq!(d["tokens"][0], json!({"id": b'a', "text": "a", "logprob": -0.5, "special": false}));
+    // Without details there is no details key; return_full_text prepends the prompt.
+    let (_, v) = h
+        .post("/generate", json!({"inputs": "hi ", "parameters": {"max_new_tokens": 2, "return_full_text": true}}))
+        .await;
+    assert_eq!(v, json!({"generated_text": "hi ab"}));
+    h.assert_protocol_ok();
+}
+
+#[tokio::test]
+async fn eos_ends_generation_and_is_not_in_the_text() {
+    let mut script = ids("ok");
+    script.push(testing::eos_id());
+    let h = harness(Script::Fixed(script));
+    let (_, v) = h
+        .post("/generate", json!({"inputs": "hi", "parameters": {"max_new_tokens": 10, "details": true}}))
+        .await;
+    assert_eq!(v["generated_text"], "ok");
+    assert_eq!(v["details"]["finish_reason"], "eos_token");
+    assert_eq!(v["details"]["generated_tokens"], 3);
+    let last = &v["details"]["tokens"][2];
+    assert_eq!(last["special"], true);
+    assert_eq!(last["text"], "");
+}
+
+#[tokio::test]
+async fn stop_sequences_end_generation_and_are_never_streamed() {
+    let h = harness(Script::Fixed(ids("one two###three")));
+    let body = json!({"inputs": "hi", "parameters": {"max_new_tokens": 30, "stop": ["###"], "details": true}});
+    let (_, v) = h.post("/generate", body.clone()).await;
+    assert_eq!(v["generated_text"], "one two");
+    assert_eq!(v["details"]["finish_reason"], "stop_sequence");
+    let (status, events) = h.stream(body).await;
+    assert_eq!(status, StatusCode::OK);
+    let texts: String = events.iter().map(|e| e["token"]["text"].as_str().unwrap()).collect();
+    assert_eq!(texts, "one two");
+    assert!(events.iter().all(|e| !e["token"]["text"].as_str().unwrap().contains('#')));
+    let last = events.last().unwrap();
+    assert_eq!(last["generated_text"], "one two");
+    assert_eq!(last["details"]["finish_reason"], "stop_sequence");
+    h.assert_protocol_ok();
+}
+
+#[tokio::test]
+async fn streaming_sends_one_event_per_token_and_whole_multibyte_characters() {
+    let h = harness(Script::Fixed(ids("日本 é👍")));
+    let n = ids("日本 é👍").len();
+    let body = json!({"inputs": "hi", "parameters": {"max_new_tokens": n, "details": true, "seed": 5}});
+    let (status, events) = h.stream(body).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(events.len(), n);
+    for (i, e) in events.iter().enumerate() {
+        assert_eq!(e["index"], i + 1);
+        let text = e["token"]["text"].as_str().unwrap();
+        assert!(!text.contains('\u{FFFD}'));
+        if i + 1 < n {
+            assert_eq!(e["generated_text"], Value::Null);
+            assert_eq!(e["details"], Value::Null);
+        }
+    }
+    assert_eq!(events[0]["token"]["text"], ""); // first byte of 日
+    assert_eq!(events[2]["token"]["text"], "日");
+    let texts: String = events.iter().map(|e| e["token"]["text"].as_str().unwrap()).collect();
+    let last = events.last().unwrap();
+    assert_eq!(texts, "日本 é👍");
+    assert_eq!(last["generated_text"], "日本 é👍");
+    assert_eq!(last["details"]["generated_tokens"], n);
+    assert_eq!(last["details"]["seed"], 5);
+    // `/` with stream: true streams too.
+    let (status, text) = h
+        .post_raw("/", &json!({"inputs": "hi", "stream": true, "parameters": {"max_new_tokens": 2}}).to_string(), None)
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(text.matches("data:").count(), 2);
+}
+
+#[tokio::test]
+async fn sampling_without_a_seed_reports_a_random_one() {
+    let h = harness(Script::Hash);
+    let (_, v) = h
+        .post("/generate", json!({"inputs": "hi", "parameters": {"max_new_tokens": 2, "temperature": 0.7, "details": true}}))
+        .await;
+    assert!(v["details"]["seed"].is_u64(), "{v}");
+    let (_, v) = h
+        .post("/generate", json!({"inputs": "hi", "parameters": {"max_new_tokens": 2, "details": true}}))
+        .await;
+    assert_eq!(v["details"]["seed"], Value::Null);
+}
+
+#[tokio::test]
+async fn truncate_keeps_the_last_input_tokens() {
+    let h = harness(Script::Hash);
+    let body = json!({"inputs": "x".repeat(100), "parameters": {"max_new_tokens": 2, "truncate": 10}});
+    let (status, v) = h.post("/generate", body).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let s = h.shard.state.lock().unwrap();
+    assert!(s.violations.is_empty());
+}
+
+#[tokio::test]
+async fn preemption_under_a_tiny_cache_gives_the_same_greedy_output() {
+    async fn run_all(num_blocks: usize) -> (Vec<String>, usize) {
+        let h = harness_with(FakeShard::new(Script::Hash, num_blocks), 64, 32);
+        let prompts = ["alpha", "beta gamma", "delta epsilon zeta", "eta", "theta iota"];
+        let outputs = futures::future::join_all(prompts.iter().map(|p| {
+            h.post("/generate", json!({"inputs": p, "parameters": {"max_new_tokens": 20}}))
+        }))
+        .await;
+        h.assert_protocol_ok();
+        let s = h.shard.state.lock().unwrap();
+        assert!(s.max_live_blocks <= num_blocks);
+        let texts = outputs
+            .into_iter()
+            .map(|(status, v)| {
+                assert_eq!(status, StatusCode::OK, "{v}");
+                v["generated_text"].as_str().unwrap().to_string()
+            })
+            .collect();
+        // Removals beyond one per request are preemptions.
+        (texts, s.removed.len())
+    }
+    let (roomy, roomy_removed) = run_all(200).await;
+    // 10 blocks of 4: five requests of ~25 tokens each cannot all stay resident.
+    let (tight, tight_removed) = run_all(10).await;
+    assert_eq!(roomy, tight);
+    assert!(roomy.iter().all(|t| t.len() == 20));
+    assert!(tight_removed > roomy_removed, "the tiny cache should force preemptions");
+}
+
+#[tokio::test]
+async fn a_failed_step_fails_requests_in_flight_and_later_requests_succeed() {
+    let h = harness(Script::Hash);
+    h.shard.state.lock().unwrap().fail_steps = 1;
+    let (status, v) = h.post("/generate", json!({"inputs": "hi"})).await;
+    assert_eq!(status, StatusCode::FAILED_DEPENDENCY, "{v}");
+    assert_eq!(v["error_type"], "generation");
+    let (status, v) = h.post("/generate", json!({"inputs": "hi", "parameters": {"max_new_tokens": 3}})).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    h.assert_protocol_ok();
+}
+
+#[tokio::test]
+async fn beyond_max_concurrent_requests_is_429_and_cancelled_streams_free_their_slot() {
+    let mut shard = FakeShard::new(Script::Hash, 64);
+    shard.delay = Duration::from_millis(5);
+    let h = harness_with(shard, 1, 32);
+    let body = json!({"inputs": "hi", "parameters": {"max_new_tokens": 60}}).to_string();
+    let req = Request::post("/generate_stream").body(Body::from(body.clone())).unwrap();
+    let resp = h.app.clone().oneshot(req).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    let (status, v) = h.post("/generate", json!({"inputs": "hi"})).await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(v["error_type"], "overloaded");
+    // The client goes away: the request is cancelled and removed from the shard.
+    drop(resp);
+    let mut ok = false;
+    for _ in 0..100 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let s = h.shard.state.lock().unwrap();
+        if s.removed.contains(&0) || s.requests.is_empty() {
+            ok = true;
+            break;
+        }
+    }
+    assert!(ok, "the cancelled request should be dropped");
+    let (status, v) = h.post("/generate", json!({"inputs": "hi", "parameters": {"max_new_tokens": 2}})).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    h.assert_protocol_ok();
+}
+
+#[tokio::test]
+async fn info_and_health_answer() {
+    let h = harness(Script::Hash);
+    let resp = h.app.clone().oneshot(Request::get("/info").body(Body::empty()).unwrap()).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX).await.unwrap();
+    let v: Value = serde_json::from_slice(&bytes).unwrap();
+    assert_eq!(v["router"], "cadence");
+    assert_eq!(v["max_total_tokens"], 64);
+    let resp = h.app.clone().oneshot(Request::get("/health").body(Body::empty()).unwrap()).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
+}

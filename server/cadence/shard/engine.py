@@ -1,0 +1,327 @@
+"""The model runner: loads the model, sizes and allocates the KV cache (Warmup), and runs
+one Step: apply the diff, one forward over every scheduled token, sample."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from loguru import logger
+
+from cadence.config import ShardConfig
+from cadence.kv_cache import KVCache, bytes_per_block
+from cadence.layers.attention import AttentionContext, forward_context
+from cadence.models import load_model, read_config, to_dtype
+from cadence.pb import shard_pb2
+from cadence.sampling import TOP_N, SamplingBatch, sample
+from cadence.shard.memory import PeakMeter, available_bytes
+from cadence.shard.state import BatchState, ForwardBatch, StepPlan
+
+MiB = 1 << 20
+
+
+class NotReadyError(RuntimeError):
+    """A Step before Warmup allocated the KV cache."""
+
+
+def init_distributed(cfg: ShardConfig) -> None:
+    """Joins the tensor-parallel group when there is more than one rank."""
+    if cfg.world_size > 1 and not dist.is_initialized():
+        backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{cfg.master_addr}:{cfg.master_port}",
+            rank=cfg.rank,
+            world_size=cfg.world_size,
+        )
+
+
+def _eos_ids(model_dir: str, config: dict) -> list[int]:
+    ids: list[int] = []
+    sources = [config]
+    gen = Path(model_dir) / "generation_config.json"
+    if gen.exists():
+        import json
+
+        sources.append(json.loads(gen.read_text()))
+    for src in sources:
+        eos = src.get("eos_token_id")
+        for i in eos if isinstance(eos, list) else [eos]:
+            if isinstance(i, int) and i not in ids:
+                ids.append(i)
+    return ids
+
+
+class Engine:
+    def __init__(self, cfg: ShardConfig) -> None:
+        self.cfg = cfg
+        self.device = torch.device(cfg.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", cfg.rank % torch.cuda.device_count())
+        self.dtype = to_dtype(cfg.dtype)
+        self.kv_dtype = to_dtype(cfg.kv_cache_dtype or cfg.dtype)
+        self.config = read_config(cfg.model_dir)
+        started = time.perf_counter()
+        self.model = load_model(cfg.model_dir, self.dtype, self.device)
+        self.attention = self.model.attention_layers()
+        unique = {p.data_ptr(): p for p in self.model.parameters()}.values()
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in unique)
+        self.block_size = cfg.block_size
+        first = self.attention[0]
+        self.bytes_per_block = bytes_per_block(
+            len(self.attention), cfg.block_size, first.num_kv_heads, first.head_dim, self.kv_dtype
+        )
+        self.kv: KVCache | None = None
+        self.state: BatchState | None = None
+        logger.info(
+            f"loaded {self.config.get('model_type')} from {cfg.model_dir} "
+            f"({self.weight_bytes / MiB:.0f} MiB {cfg.dtype} on {self.device}) "
+            f"in {time.perf_counter() - started:.1f}s"
+        )
+
+    # -- RPCs ----------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self.state is not None
+
+    def info(self) -> shard_pb2.InfoResponse:
+        c = self.config
+        return shard_pb2.InfoResponse(
+            model_id=self.cfg.model_id or self.cfg.model_dir,
+            model_type=c.get("model_type", ""),
+            dtype=self.cfg.dtype,
+            device=str(self.device),
+            block_size=self.block_size,
+            rank=self.cfg.rank,
+            world_size=self.cfg.world_size,
+            max_position_embeddings=c.get("max_position_embeddings", 0),
+            vocab_size=c["vocab_size"],
+            eos_token_ids=_eos_ids(self.cfg.model_dir, c),
+        )
+
+    def warmup(
+        self,
+        max_batch_tokens: int,
+        max_batch_size: int,
+        kv_cache_bytes: int = 0,
+        memory_fraction: float = 0.9,
+    ) -> shard_pb2.WarmupResponse:
+        """Profiles the largest step, sizes the KV cache and allocates it."""
+        max_batch_size = max(1, min(max_batch_size, max_batch_tokens))
+        activation = self._profile(max_batch_tokens, max_batch_size)
+        if kv_cache_bytes > 0:
+            budget = kv_cache_bytes
+        else:
+            fraction = memory_fraction if 0 < memory_fraction <= 1 else 0.9
+            total = available_bytes(self.device)
+            used = self.weight_bytes if self.device.type == "cuda" else 0
+            budget = int(fraction * total) - used - activation
+        num_blocks = budget // self.bytes_per_block
+        if dist.is_initialized():  # every rank must hold the same block ids
+            n = torch.tensor([num_blocks], device=self.device)
+            dist.all_reduce(n, op=dist.ReduceOp.MIN)
+            num_blocks = int(n.item())
+        if num_blocks < 1:
+            raise RuntimeError(
+                f"no memory left for the KV cache (budget {budget / MiB:.0f} MiB, "
+                f"weights {self.weight_bytes / MiB:.0f} MiB, activations "
+                f"{activation / MiB:.0f} MiB)"
+            )
+        self._allocate(num_blocks, max_batch_size)
+        assert self.kv is not None
+        tokens = num_blocks * self.block_size
+        logger.info(
+            f"KV cache: {num_blocks} blocks of {self.block_size} tokens "
+            f"({self.kv.nbytes / MiB:.1f} MiB, {tokens} tokens)"
+        )
+        if tokens < max_batch_tokens:
+            logger.warning(
+                f"the KV cache holds fewer tokens than max_batch_tokens={max_batch_tokens}"
+            )
+        return shard_pb2.WarmupResponse(
+            num_blocks=num_blocks,
+            block_size=self.block_size,
+            bytes_per_block=self.bytes_per_block,
+            weight_bytes=self.weight_bytes,
+            activation_bytes=activation,
+            kv_cache_bytes=self.kv.nbytes,
+        )
+
+    def clear_cache(self) -> None:
+        if self.state is not None:
+            self.state.clear()
+
+    def step(self, req: shard_pb2.StepRequest) -> shard_pb2.StepResponse:
+        if self.state is None or self.kv is None:
+            raise NotReadyError("Step before Warmup: the KV cache is not allocated")
+        with torch.inference_mode():
+            return self._step(req, self.state, self.kv)
+
+    # -- internals -----------------------------------------------------------------
+
+    def _step(
+        self, req: shard_pb2.StepRequest, state: BatchState, kv: KVCache
+    ) -> shard_pb2.StepResponse:
+        plan = self.apply(req, state, kv)
+        if not plan.rows:
+            return shard_pb2.StepResponse()
+        started = time.perf_counter_ns()
+        batch = state.prepare(plan.rows)
+        hidden = self.forward(batch)
+        generations: list[shard_pb2.Generation] = []
+        if batch.sample_rows.numel():
+            logits = self.model.compute_logits(hidden[batch.sample_tokens.to(self.device)])
+            sb = self._on_device(state.sampling_batch(batch))
+            out = sample(logits, sb)
+            ids = out.ids.cpu()
+            state.commit(batch, ids)
+            generations = self._generations(batch, sb, ids, out)
+        else:
+            state.commit(batch, torch.empty(0, dtype=torch.long))
+        return shard_pb2.StepResponse(
+            generations=generations,
+            forward_ns=time.perf_counter_ns() - started,
+            computed_tokens=batch.num_tokens,
+        )
+
+    @staticmethod
+    def apply(req: shard_pb2.StepRequest, state: BatchState, kv: KVCache) -> StepPlan:
+        """Validates the diff, then applies it in the contract's order: drop `removed`,
+        block copies, swap-out, swap-in, add `joined`, extend `continuing` tables."""
+        plan = state.validate(req, host_blocks_limit=4 * kv.num_blocks)
+        state.remove(plan.removed)
+        kv.copy_blocks([c.src for c in req.copies], [c.dst for c in req.copies])
+        kv.swap_out([c.src for c in req.swap_out], [c.dst for c in req.swap_out])
+        kv.swap_in([c.src for c in req.swap_in], [c.dst for c in req.swap_in])
+        state.join(plan.joined)
+        state.extend_blocks(list(req.continuing))
+        return plan
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """One forward over the flat batch -> hidden states [T, hidden]."""
+        d = self.device
+        ctx = AttentionContext.build(
+            slot_mapping=batch.slot_mapping.to(d, non_blocking=True),
+            query_start=batch.query_start.to(d, non_blocking=True),
+            context_lens=batch.context_lens.to(d, non_blocking=True),
+            block_tables=batch.block_tables.to(d, non_blocking=True),
+            block_size=self.block_size,
+            num_decode=batch.num_decode,
+            max_query_len=batch.max_query_len,
+        )
+        with forward_context(ctx):
+            return self.model(batch.input_ids.to(d), batch.positions.to(d))
+
+    def _on_device(self, b: SamplingBatch) -> SamplingBatch:
+        if self.device.type == "cpu":
+            return b
+        for name in ("params", "seeds", "positions", "history", "seq_lens", "prompt_lens"):
+            t = getattr(b, name)
+            if t is not None:
+                setattr(b, name, t.to(self.device, non_blocking=True))
+        return b
+
+    def _generations(
+        self,
+        batch: ForwardBatch,
+        sb: SamplingBatch,
+        ids: torch.Tensor,
+        out: object,
+    ) -> list[shard_pb2.Generation]:
+        rows = batch.sample_rows.tolist()
+        tokens = ids.tolist()
+        logprobs = out.logprobs.tolist()  # type: ignore[attr-defined]
+        top_n = sb.params[:, TOP_N].long().tolist()
+        top_ids = top_lps = None
+        if out.top_ids is not None:  # type: ignore[attr-defined]
+            top_ids = out.top_ids.tolist()  # type: ignore[attr-defined]
+            top_lps = out.top_logprobs.tolist()  # type: ignore[attr-defined]
+        gens = []
+        for i, row in enumerate(rows):
+            g = shard_pb2.Generation(
+                id=batch.ids[row], token_ids=[tokens[i]], logprobs=[logprobs[i]]
+            )
+            if top_ids is not None and top_n[i] > 0:
+                n = top_n[i]
+                g.top_tokens.append(
+                    shard_pb2.TopTokens(ids=top_ids[i][:n], logprobs=top_lps[i][:n])
+                )
+            gens.append(g)
+        return gens
+
+    def _allocate(self, num_blocks: int, max_batch_size: int) -> None:
+        first = self.attention[0]
+        self.kv = None
+        self.kv = KVCache(
+            len(self.attention),
+            num_blocks,
+            self.block_size,
+            first.num_kv_heads,
+            first.head_dim,
+            self.kv_dtype,
+            self.device,
+        )
+        for i, layer in enumerate(self.attention):
+            layer.k_cache, layer.v_cache = self.kv.layer(i)
+        vocab = self.config["vocab_size"]
+        self.state = BatchState(
+            self.block_size, num_blocks, vocab, capacity=max(16, max_batch_size)
+        )
+
+    def _profile(self, max_batch_tokens: int, max_batch_size: int) -> int:
+        """Runs the largest step the router may send (one long prefill next to
+        max_batch_size - 1 single-token rows, every row sampling with filters on) on a
+        scratch cache, and returns its peak activation memory in bytes."""
+        bs = self.block_size
+        long = max_batch_tokens - (max_batch_size - 1)
+        blocks_long = -(-long // bs)
+        scratch_blocks = blocks_long + max_batch_size - 1
+        params = shard_pb2.SamplingParams(
+            do_sample=True, temperature=0.7, top_k=50, top_p=0.9, repetition_penalty=1.1
+        )
+        joined = [
+            shard_pb2.NewRequest(
+                id=0,
+                token_ids=[1] * long,
+                prompt_len=long,
+                num_compute=long,
+                block_table=list(range(blocks_long)),
+                sampling=params,
+                top_n_tokens=5,
+            )
+        ]
+        for i in range(1, max_batch_size):
+            joined.append(
+                shard_pb2.NewRequest(
+                    id=i,
+                    token_ids=[1],
+                    prompt_len=1,
+                    num_compute=1,
+                    block_table=[blocks_long + i - 1],
+                    sampling=params,
+                    top_n_tokens=5,
+                )
+            )
+        self._allocate(scratch_blocks, max_batch_size)
+        assert self.kv is not None and self.state is not None
+        scratch = self.kv.nbytes
+        try:
+            with PeakMeter(self.device) as meter, torch.inference_mode():
+                self._step(shard_pb2.StepRequest(joined=joined), self.state, self.kv)
+            peak = meter.peak()
+        finally:
+            self.kv, self.state = None, None
+            for layer in self.attention:
+                layer.k_cache = layer.v_cache = torch.empty(0)
+        if peak is None:  # no peak counter: a generous estimate from the shapes
+            hidden = self.config["hidden_size"]
+            inter = self.config.get("intermediate_size", 4 * hidden)
+            vocab = self.config["vocab_size"]
+            item = self.dtype.itemsize
+            heads = self.config["num_attention_heads"]
+            peak = max_batch_tokens * (6 * hidden + 3 * inter) * item
+            peak += heads * long * long * 4 + 8 * max_batch_size * vocab * 4
+        return max(0, peak - scratch)

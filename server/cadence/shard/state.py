@@ -1,0 +1,303 @@
+"""Persistent per-request state, kept in slot-indexed CPU tensors, and the StepRequest
+diff applied to it.
+
+A request occupies one slot: its token ids (prompt, then generated), prompt length,
+number of tokens whose KV is computed, block table and sampling parameters. A step is
+`{request: tokens to compute}`; a request samples iff after the step every token it
+knows is computed, and the sampled token is appended to its ids, to be computed by the
+next step (`num_compute = 1`). Chunked prefill, prefix hits, recompute after
+preemption and decode are all the same mechanism.
+
+`StepPlan` is the validated diff; `BatchState.prepare` turns it into flat forward inputs
+with vectorized tensor ops (a handful of Python operations per request, none per token).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from cadence.pb import shard_pb2
+from cadence.sampling import DO_SAMPLE, NUM_PARAMS, PENALTY, TOP_N, SamplingBatch, param_row
+
+
+class StepError(ValueError):
+    """A malformed StepRequest; nothing of it has been applied."""
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    """Flat inputs of one forward, on CPU (the engine moves them to the device)."""
+
+    ids: list[int]  # request id of each scheduled row (decode rows first)
+    slots: torch.Tensor  # [B]
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T]
+    query_start: torch.Tensor  # [B+1]
+    context_lens: torch.Tensor  # [B]
+    block_tables: torch.Tensor  # [B, max_blocks]
+    num_decode: int
+    max_query_len: int
+    sample_rows: torch.Tensor  # [R] rows that sample
+    sample_tokens: torch.Tensor  # [R] their last token's index in the flat batch
+    sampling: SamplingBatch | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+@dataclass(slots=True)
+class StepPlan:
+    removed: list[int] = field(default_factory=list)
+    joined: list[shard_pb2.NewRequest] = field(default_factory=list)
+    rows: list[tuple[int, int]] = field(default_factory=list)  # (request id, num_compute)
+
+
+def _grown(t: torch.Tensor, rows: int, cols: int = 0) -> torch.Tensor:
+    """`t` copied into a larger zero tensor (each dimension at least doubling) when it
+    has fewer than `rows` rows or, for 2-d tensors, fewer than `cols` columns."""
+    shape = list(t.shape)
+    new = list(shape)
+    if rows > shape[0]:
+        new[0] = max(rows, 2 * shape[0])
+    if t.dim() > 1 and cols > shape[1]:
+        new[1] = max(cols, 2 * shape[1])
+    if new == shape:
+        return t
+    out = torch.zeros(new, dtype=t.dtype)
+    out[tuple(slice(0, n) for n in shape)] = t
+    return out
+
+
+class BatchState:
+    def __init__(
+        self, block_size: int, num_blocks: int, vocab_size: int, capacity: int = 64
+    ) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.vocab_size = vocab_size
+        self.slot_of: dict[int, int] = {}
+        self.free: list[int] = []
+        self.features = Counter[str]()
+        self.slot_features: dict[int, set[str]] = {}
+        self.tokens = torch.zeros(capacity, 256, dtype=torch.long)
+        self.seq_lens = torch.zeros(capacity, dtype=torch.long)
+        self.prompt_lens = torch.zeros(capacity, dtype=torch.long)
+        self.computed = torch.zeros(capacity, dtype=torch.long)
+        self.block_tables = torch.zeros(capacity, 16, dtype=torch.long)
+        self.num_block_ids = torch.zeros(capacity, dtype=torch.long)
+        self.params = torch.zeros(capacity, NUM_PARAMS, dtype=torch.float32)
+        self.seeds = torch.zeros(capacity, dtype=torch.long)
+        self.free = list(range(capacity - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self.slot_of)
+
+    def clear(self) -> None:
+        self.slot_of.clear()
+        self.slot_features.clear()
+        self.features.clear()
+        self.free = list(range(self.tokens.shape[0] - 1, -1, -1))
+
+    # -- validation ---------------------------------------------------------------
+
+    def validate(self, req: shard_pb2.StepRequest, host_blocks_limit: int) -> StepPlan:
+        """Checks the whole diff against the current state without changing anything."""
+        nb = self.num_blocks
+        plan = StepPlan(removed=list(req.removed))
+        held = set(self.slot_of) - set(plan.removed)
+        for kind, ops in (("copies", req.copies), ("swap_out", req.swap_out)):
+            for op in ops:
+                if op.src >= nb or (kind == "copies" and op.dst >= nb):
+                    raise StepError(f"{kind}: block {op.src}->{op.dst} out of range ({nb})")
+        for op in req.swap_out:
+            if op.dst >= host_blocks_limit:
+                raise StepError(f"swap_out: host block {op.dst} >= {host_blocks_limit}")
+        for op in req.swap_in:
+            if op.dst >= nb or op.src >= host_blocks_limit:
+                raise StepError(f"swap_in: block {op.src}->{op.dst} out of range")
+        bs = self.block_size
+        for r in req.joined:
+            n = len(r.token_ids)
+            if r.id in held:
+                raise StepError(f"request {r.id} joined but is already held")
+            if n == 0 or r.prompt_len > n or r.num_cached + r.num_compute > n:
+                raise StepError(
+                    f"request {r.id}: {n} tokens, prompt_len {r.prompt_len}, "
+                    f"num_cached {r.num_cached} + num_compute {r.num_compute}"
+                )
+            if len(r.block_table) * bs < r.num_cached + r.num_compute:
+                raise StepError(f"request {r.id}: {len(r.block_table)} blocks are too few")
+            if r.block_table and max(r.block_table) >= nb:
+                raise StepError(f"request {r.id}: block {max(r.block_table)} >= {nb}")
+            if max(r.token_ids) >= self.vocab_size:
+                raise StepError(f"request {r.id}: token id {max(r.token_ids)} >= vocab")
+            held.add(r.id)
+            if r.num_compute > 0:
+                plan.rows.append((r.id, r.num_compute))
+        plan.joined = list(req.joined)
+        cont: list[shard_pb2.ContinuingRequest] = []
+        for c in req.continuing:
+            if c.id not in held or c.id in {j.id for j in req.joined}:
+                raise StepError(f"continuing request {c.id} is not held")
+            if c.new_blocks and max(c.new_blocks) >= nb:
+                raise StepError(f"request {c.id}: new block {max(c.new_blocks)} >= {nb}")
+            if c.num_compute > 0:
+                plan.rows.append((c.id, c.num_compute))
+                cont.append(c)
+        if len({i for i, _ in plan.rows}) != len(plan.rows):
+            raise StepError("a request is scheduled twice")
+        if cont:
+            slots = torch.tensor([self.slot_of[c.id] for c in cont])
+            n = torch.tensor([c.num_compute for c in cont])
+            blocks = torch.tensor([len(c.new_blocks) for c in cont])
+            end = self.computed[slots] + n
+            bad = (end > self.seq_lens[slots]) | (end > (self.num_block_ids[slots] + blocks) * bs)
+            if bool(bad.any()):
+                c = cont[int(bad.nonzero()[0, 0])]
+                raise StepError(
+                    f"request {c.id}: num_compute {c.num_compute} exceeds its known tokens "
+                    "or its blocks"
+                )
+        return plan
+
+    # -- applying the diff ----------------------------------------------------------
+
+    def remove(self, ids: list[int]) -> None:
+        for i in ids:
+            slot = self.slot_of.pop(i, None)
+            if slot is not None:
+                self.free.append(slot)
+                self.features.subtract(self.slot_features.pop(slot))
+
+    def join(self, joined: list[shard_pb2.NewRequest]) -> None:
+        if not joined:
+            return
+        self._reserve(len(self.slot_of) + len(joined))
+        width = max(len(r.token_ids) for r in joined) + 1
+        blocks = max(len(r.block_table) for r in joined)
+        self.tokens = _grown(self.tokens, self.tokens.shape[0], width)
+        self.block_tables = _grown(self.block_tables, self.block_tables.shape[0], blocks)
+        slots: list[int] = []
+        rows: list[list[float]] = []
+        for r in joined:
+            slot = self.free.pop()
+            self.slot_of[r.id] = slot
+            slots.append(slot)
+            row, features = param_row(r.sampling, r.top_n_tokens)
+            rows.append(row)
+            self.slot_features[slot] = features
+            self.features.update(features)
+            self.tokens[slot, : len(r.token_ids)] = torch.tensor(r.token_ids)
+            self.block_tables[slot, : len(r.block_table)] = torch.tensor(r.block_table)
+        s = torch.tensor(slots)
+        self.seq_lens[s] = torch.tensor([len(r.token_ids) for r in joined])
+        self.prompt_lens[s] = torch.tensor([r.prompt_len for r in joined])
+        self.computed[s] = torch.tensor([r.num_cached for r in joined])
+        self.num_block_ids[s] = torch.tensor([len(r.block_table) for r in joined])
+        self.params[s] = torch.tensor(rows, dtype=torch.float32)
+        seeds = [
+            r.sampling.seed - (1 << 64) if r.sampling.seed >= 1 << 63 else r.sampling.seed
+            for r in joined
+        ]
+        self.seeds[s] = torch.tensor(seeds, dtype=torch.long)
+
+    def extend_blocks(self, continuing: list[shard_pb2.ContinuingRequest]) -> None:
+        for c in continuing:
+            if c.new_blocks:
+                slot = self.slot_of[c.id]
+                n = int(self.num_block_ids[slot])
+                end = n + len(c.new_blocks)
+                self.block_tables = _grown(self.block_tables, self.block_tables.shape[0], end)
+                self.block_tables[slot, n:end] = torch.tensor(c.new_blocks)
+                self.num_block_ids[slot] = end
+
+    def _reserve(self, n: int) -> None:
+        have = self.tokens.shape[0]
+        if n <= have:
+            return
+        for name in (
+            "tokens",
+            "seq_lens",
+            "prompt_lens",
+            "computed",
+            "block_tables",
+            "num_block_ids",
+            "params",
+            "seeds",
+        ):
+            setattr(self, name, _grown(getattr(self, name), n))
+        self.free.extend(range(self.tokens.shape[0] - 1, have - 1, -1))
+
+    # -- forward inputs -------------------------------------------------------------
+
+    def prepare(self, rows: list[tuple[int, int]]) -> ForwardBatch:
+        """Flat inputs for the scheduled (request id, num_compute) rows, decode first."""
+        rows = sorted(rows, key=lambda r: r[1] != 1)  # stable: single-token rows first
+        ids = [i for i, _ in rows]
+        counts = [n for _, n in rows]
+        num_decode = sum(1 for n in counts if n == 1)
+        slots = torch.tensor([self.slot_of[i] for i in ids])
+        n = torch.tensor(counts)
+        total = sum(counts)
+        bs = self.block_size
+        query_start = torch.zeros(len(rows) + 1, dtype=torch.long)
+        torch.cumsum(n, 0, out=query_start[1:])
+        row = torch.repeat_interleave(torch.arange(len(rows)), n, output_size=total)
+        start = self.computed[slots]
+        positions = start[row] + torch.arange(total) - query_start[row]
+        token_slot = slots[row]
+        input_ids = self.tokens[token_slot, positions]
+        blocks = self.block_tables[token_slot, positions // bs]
+        slot_mapping = blocks * bs + positions % bs
+        context_lens = start + n
+        max_blocks = -(-int(context_lens.max()) // bs)
+        sample_rows = (context_lens == self.seq_lens[slots]).nonzero().squeeze(1)
+        return ForwardBatch(
+            ids=ids,
+            slots=slots,
+            input_ids=input_ids,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            query_start=query_start,
+            context_lens=context_lens,
+            block_tables=self.block_tables[slots, :max_blocks],
+            num_decode=num_decode,
+            max_query_len=max(counts[num_decode:], default=1),
+            sample_rows=sample_rows,
+            sample_tokens=query_start[1:][sample_rows] - 1,
+        )
+
+    def sampling_batch(self, batch: ForwardBatch) -> SamplingBatch:
+        slots = batch.slots[batch.sample_rows]
+        params = self.params[slots]
+        features = frozenset(f for f, c in self.features.items() if c > 0)
+        penalties = PENALTY in features
+        seq_lens = self.seq_lens[slots]
+        any_sample = bool(params[:, DO_SAMPLE].any())
+        return SamplingBatch(
+            params=params,
+            seeds=self.seeds[slots],
+            positions=seq_lens,
+            history=self.tokens[slots, : int(seq_lens.max())] if penalties else None,
+            seq_lens=seq_lens if penalties else None,
+            prompt_lens=self.prompt_lens[slots] if penalties else None,
+            features=features,
+            any_sample=any_sample,
+            max_top_n=int(params[:, TOP_N].max()) if len(slots) else 0,
+        )
+
+    def commit(self, batch: ForwardBatch, sampled: torch.Tensor) -> None:
+        """After a successful forward: advance computed counts, append sampled tokens."""
+        self.computed[batch.slots] = batch.context_lens
+        if sampled.numel() == 0:
+            return
+        slots = batch.slots[batch.sample_rows]
+        lens = self.seq_lens[slots]
+        self.tokens = _grown(self.tokens, self.tokens.shape[0], int(lens.max()) + 1)
+        self.tokens[slots, lens] = sampled.to(self.tokens.device)
+        self.seq_lens[slots] = lens + 1

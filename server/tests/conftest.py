@@ -1,0 +1,108 @@
+"""Fixtures: tiny random models of each supported architecture, built with transformers
+and saved as safetensors, and a small driver that plays the router's part."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cadence.config import ShardConfig  # noqa: E402
+from cadence.shard.engine import Engine  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    LlamaConfig,
+    PreTrainedModel,
+    Qwen2Config,
+)
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=512,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+# name -> (config class, overrides)
+VARIANTS: dict[str, tuple[type, dict]] = {
+    "llama_gqa": (LlamaConfig, {}),
+    "llama_mha_tied": (LlamaConfig, {"num_key_value_heads": 4, "tie_word_embeddings": True}),
+    "llama_bias": (LlamaConfig, {"attention_bias": True}),
+    "llama3_rope": (
+        LlamaConfig,
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+            "rope_theta": 500000.0,
+        },
+    ),
+    "qwen2": (Qwen2Config, {"tie_word_embeddings": True}),
+}
+
+
+def _build(name: str, root: Path) -> Path:
+    cls, overrides = VARIANTS[name]
+    torch.manual_seed(0)
+    config = cls(**{**TINY, **overrides})
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # larger weights than the default init: sharper distributions
+        for p in model.parameters():
+            p.normal_(0, 0.15 if p.dim() > 1 else 0.5).add_(1.0 if p.dim() == 1 else 0.0)
+    path = root / name
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    root = tmp_path_factory.mktemp("models")
+    cache: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in cache:
+            cache[name] = _build(name, root)
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_model() -> Callable[[Path], PreTrainedModel]:
+    cache: dict[Path, PreTrainedModel] = {}
+
+    def get(path: Path) -> PreTrainedModel:
+        if path not in cache:
+            cache[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        return cache[path]
+
+    return get
+
+
+def make_engine(model_dir: Path, num_blocks: int = 64, dtype: str = "float32") -> Engine:
+    engine = Engine(ShardConfig(model_dir=str(model_dir), uds_path="", dtype=dtype))
+    engine.warmup(
+        max_batch_tokens=64,
+        max_batch_size=8,
+        kv_cache_bytes=num_blocks * engine.bytes_per_block,
+    )
+    return engine
+
+
+@pytest.fixture
+def engine_for() -> Callable[..., Engine]:
+    return make_engine

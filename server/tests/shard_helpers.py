@@ -1,0 +1,130 @@
+"""A miniature router for the shard tests: allocates blocks, keeps each request's
+known tokens, and writes StepRequest diffs the way the real scheduler does."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from cadence.pb import shard_pb2
+from cadence.shard.engine import Engine
+from transformers import PreTrainedModel
+
+
+@dataclass
+class Req:
+    tokens: list[int]
+    prompt_len: int
+    computed: int = 0
+    blocks: list[int] = field(default_factory=list)
+
+
+class MiniRouter:
+    def __init__(
+        self,
+        engine: Engine | None = None,
+        seed: int = 0,
+        *,
+        num_blocks: int = 0,
+        block_size: int = 16,
+        step_fn: Callable[[shard_pb2.StepRequest], shard_pb2.StepResponse] | None = None,
+    ) -> None:
+        """Drives an in-process `engine`, or any `step_fn` (a gRPC client) given the
+        cache's `num_blocks`."""
+        if engine is not None:
+            assert engine.kv is not None
+            num_blocks, block_size, step_fn = engine.kv.num_blocks, engine.block_size, engine.step
+        assert step_fn is not None
+        self.engine = engine
+        self.step_fn = step_fn
+        self.bs = block_size
+        self.free = list(range(num_blocks))
+        random.Random(seed).shuffle(self.free)  # non-contiguous block tables
+        self.reqs: dict[int, Req] = {}
+
+    def _blocks_for(self, r: Req, end: int) -> list[int]:
+        need = -(-end // self.bs) - len(r.blocks)
+        new = [self.free.pop() for _ in range(max(0, need))]
+        r.blocks += new
+        return new
+
+    def join(
+        self,
+        rid: int,
+        tokens: list[int],
+        num_compute: int | None = None,
+        prompt_len: int | None = None,
+        sampling: shard_pb2.SamplingParams | None = None,
+        top_n: int = 0,
+    ) -> shard_pb2.NewRequest:
+        r = Req(list(tokens), prompt_len if prompt_len is not None else len(tokens))
+        self.reqs[rid] = r
+        n = len(tokens) if num_compute is None else num_compute
+        self._blocks_for(r, n)
+        r.computed = n
+        return shard_pb2.NewRequest(
+            id=rid,
+            token_ids=tokens,
+            prompt_len=r.prompt_len,
+            num_cached=0,
+            num_compute=n,
+            block_table=r.blocks,
+            sampling=sampling or shard_pb2.SamplingParams(),
+            top_n_tokens=top_n,
+        )
+
+    def cont(self, rid: int, num_compute: int | None = None) -> shard_pb2.ContinuingRequest:
+        """Next chunk of a prefill (`num_compute`), or the decode of the last token."""
+        r = self.reqs[rid]
+        n = len(r.tokens) - r.computed if num_compute is None else num_compute
+        new = self._blocks_for(r, r.computed + n)
+        r.computed += n
+        return shard_pb2.ContinuingRequest(id=rid, num_compute=n, new_blocks=new)
+
+    def remove(self, rid: int) -> int:
+        r = self.reqs.pop(rid)
+        self.free += r.blocks
+        return rid
+
+    def step(
+        self,
+        joined: Sequence[shard_pb2.NewRequest] = (),
+        continuing: Sequence[shard_pb2.ContinuingRequest] = (),
+        removed: Sequence[int] = (),
+    ) -> shard_pb2.StepResponse:
+        req = shard_pb2.StepRequest(joined=joined, continuing=continuing, removed=removed)
+        resp = self.step_fn(req)
+        for g in resp.generations:
+            self.reqs[g.id].tokens += list(g.token_ids)
+        return resp
+
+    def logits_step(
+        self,
+        joined=(),
+        continuing=(),
+        forced: dict[int, int] | None = None,
+    ) -> dict[int, torch.Tensor]:
+        """Runs one step through the engine's own pieces and returns the logits of every
+        computed token, per request; sampling is replaced by the `forced` next tokens."""
+        e = self.engine
+        assert e is not None and e.state is not None and e.kv is not None
+        req = shard_pb2.StepRequest(joined=joined, continuing=continuing)
+        with torch.inference_mode():
+            plan = e.apply(req, e.state, e.kv)
+            batch = e.state.prepare(plan.rows)
+            logits = e.model.compute_logits(e.forward(batch)).float()
+            forced = forced or {}
+            sampled = [forced[batch.ids[i]] for i in batch.sample_rows.tolist()]
+            e.state.commit(batch, torch.tensor(sampled, dtype=torch.long))
+        starts = batch.query_start.tolist()
+        out = {rid: logits[starts[i] : starts[i + 1]] for i, rid in enumerate(batch.ids)}
+        for i in batch.sample_rows.tolist():
+            self.reqs[batch.ids[i]].tokens.append(forced[batch.ids[i]])
+        return out
+
+
+def hf_logits(hf: PreTrainedModel, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([tokens])).logits[0].float()

@@ -1,0 +1,131 @@
+"""Flag parsing: defaults, CADENCE_* environment twins, sizes, typed configs."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from cadence.cli import ConvertConfig, build_parser, config_from
+from cadence.config import ShardConfig
+from cadence.flags import env_name, parse_size
+from cadence.launcher import LaunchConfig, LaunchError, launch, router_argv, shard_argv
+
+
+@pytest.fixture(autouse=True)
+def _no_cadence_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("CADENCE_"):
+            monkeypatch.delenv(name)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("4096", 4096),
+        ("512MiB", 512 * 1024**2),
+        ("2GiB", 2 * 1024**3),
+        ("1.5 GiB", int(1.5 * 1024**3)),
+        ("1GB", 10**9),
+        ("64kib", 64 * 1024),
+    ],
+)
+def test_parse_size_accepts_bytes_and_units(text: str, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "lots", "12 parsecs", "-1GiB"])
+def test_parse_size_rejects_garbage(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_size(text)
+
+
+def test_env_name_is_cadence_prefixed_upper_snake() -> None:
+    assert env_name("--max-batch-tokens") == "CADENCE_MAX_BATCH_TOKENS"
+
+
+def test_launch_defaults_build_the_documented_config() -> None:
+    cfg = config_from(build_parser().parse_args(["launch"]), LaunchConfig)
+    assert cfg == LaunchConfig()
+    assert (cfg.hostname, cfg.port, cfg.dtype, cfg.device) == ("127.0.0.1", 8080, "bfloat16", "cpu")
+    assert (cfg.kv_cache_memory, cfg.memory_fraction) == (None, 0.1)
+
+
+def test_launch_flags_reach_the_config() -> None:
+    args = build_parser().parse_args(
+        ["launch", "--port", "9000", "--kv-cache-memory", "512MiB", "--max-input-tokens", "100"]
+    )
+    cfg = config_from(args, LaunchConfig)
+    assert (cfg.port, cfg.kv_cache_memory, cfg.max_input_tokens) == (9000, 512 * 1024**2, 100)
+
+
+def test_environment_twins_set_defaults_and_flags_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CADENCE_PORT", "9100")
+    monkeypatch.setenv("CADENCE_KV_CACHE_MEMORY", "1GiB")
+    monkeypatch.setenv("CADENCE_LOG_FORMAT", "json")
+    cfg = config_from(build_parser().parse_args(["launch"]), LaunchConfig)
+    assert (cfg.port, cfg.kv_cache_memory, cfg.log_format) == (9100, 1024**3, "json")
+    cfg = config_from(build_parser().parse_args(["launch", "--port", "1234"]), LaunchConfig)
+    assert cfg.port == 1234
+
+
+def test_bad_environment_values_are_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CADENCE_DTYPE", "float64")
+    with pytest.raises(SystemExit):
+        build_parser()
+    monkeypatch.setenv("CADENCE_DTYPE", "float16")
+    monkeypatch.setenv("CADENCE_PORT", "eighty")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["launch"])
+
+
+def test_every_flag_documents_its_environment_twin() -> None:
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices  # noqa: SLF001
+    for name, sub in commands.items():
+        for action in sub._actions:  # noqa: SLF001
+            if action.option_strings and action.dest != "help":
+                assert "env: CADENCE_" in action.help, (name, action.dest)
+
+
+def test_serve_requires_model_and_socket_unless_in_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve"])
+    monkeypatch.setenv("CADENCE_MODEL_ID", "/models/m")
+    monkeypatch.setenv("CADENCE_UDS_PATH", "/tmp/s.sock")
+    args = build_parser().parse_args(["serve", "--rank", "1", "--world-size", "2"])
+    cfg = config_from(args, ShardConfig, model_dir=args.model_id)
+    assert cfg == ShardConfig(
+        model_dir="/models/m", uds_path="/tmp/s.sock", rank=1, world_size=2, model_id="/models/m"
+    )
+
+
+def test_convert_has_its_own_dtype_twin(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CADENCE_DTYPE", "bfloat16")  # launch's, not convert's
+    cfg = config_from(build_parser().parse_args(["convert"]), ConvertConfig)
+    assert cfg == ConvertConfig(dtype="float32")
+    monkeypatch.setenv("CADENCE_CONVERT_DTYPE", "float16")
+    assert config_from(build_parser().parse_args(["convert"]), ConvertConfig).dtype == "float16"
+
+
+def test_shard_and_router_command_lines_use_their_exact_flags() -> None:
+    cfg = LaunchConfig(port=9000, max_total_tokens=2048)
+    shard = shard_argv(cfg, "/m", "/u/shard-0.sock", 0)
+    assert shard[1:4] == ["-m", "cadence", "serve"]
+    assert shard[shard.index("--uds-path") + 1] == "/u/shard-0.sock"
+    router = router_argv(cfg, "/m", ["/u/shard-0.sock", "/u/shard-1.sock"], 321)
+    assert router[1:3] == ["-m", "cadence.router"]
+    assert router.count("--shard-uds-path") == 2
+    assert router[router.index("--num-blocks") + 1] == "321"
+    assert router[router.index("--tokenizer") + 1] == "/m"
+    assert router[router.index("--max-total-tokens") + 1] == "2048"
+    assert "--max-input-tokens" not in router
+
+
+def test_launch_refuses_more_than_one_shard() -> None:
+    with pytest.raises(LaunchError, match="only 1 shard"):
+        launch(LaunchConfig(num_shard=2))

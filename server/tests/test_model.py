@@ -1,0 +1,102 @@
+"""Our Llama-family model through the paged KV cache gives transformers' logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cadence.models import load_model
+from shard_helpers import MiniRouter, hf_logits
+
+TOL = 1e-4
+
+
+@pytest.mark.parametrize(
+    "variant", ["llama_gqa", "llama_mha_tied", "llama_bias", "llama3_rope", "qwen2"]
+)
+def test_prefill_and_ten_decode_steps_match_transformers(variant, model_dirs, hf_model, engine_for):
+    path = model_dirs(variant)
+    hf = hf_model(path)
+    engine = engine_for(path)
+    router = MiniRouter(engine)
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, 256, (21,), generator=g).tolist()
+    future = torch.randint(3, 256, (10,), generator=g).tolist()
+    full = prompt + future
+    ref = hf_logits(hf, full)
+
+    got = router.logits_step(joined=[router.join(1, prompt)], forced={1: future[0]})
+    torch.testing.assert_close(got[1], ref[: len(prompt)], atol=TOL, rtol=0)
+    for i in range(1, len(future)):
+        got = router.logits_step(continuing=[router.cont(1)], forced={1: future[i]})
+        pos = len(prompt) + i - 1
+        torch.testing.assert_close(got[1], ref[pos : pos + 1], atol=TOL, rtol=0)
+
+
+def test_chunked_prefill_in_three_chunks_matches_transformers(model_dirs, hf_model, engine_for):
+    path = model_dirs("llama_gqa")
+    hf, engine = hf_model(path), engine_for(path)
+    router = MiniRouter(engine)
+    prompt = torch.randint(3, 256, (37,), generator=torch.Generator().manual_seed(2)).tolist()
+    ref = hf_logits(hf, prompt + [5, 6])
+    a = router.logits_step(joined=[router.join(1, prompt, num_compute=13)], forced={})
+    b = router.logits_step(continuing=[router.cont(1, 12)], forced={})
+    c = router.logits_step(continuing=[router.cont(1, 12)], forced={1: 5})
+    d = router.logits_step(continuing=[router.cont(1)], forced={1: 6})
+    got = torch.cat([a[1], b[1], c[1], d[1]])
+    torch.testing.assert_close(got, ref[:38], atol=TOL, rtol=0)
+
+
+def test_mixed_batch_of_prefills_and_decodes_matches_each_sequence_alone(
+    model_dirs, hf_model, engine_for
+):
+    """Two requests prefill (one chunked) while two decode, at block-boundary lengths."""
+    path = model_dirs("llama_gqa")
+    hf, engine = hf_model(path), engine_for(path)
+    router = MiniRouter(engine, seed=3)
+    g = torch.Generator().manual_seed(3)
+    lengths = {1: 16, 2: 33, 3: 15, 4: 17}
+    prompts = {i: torch.randint(3, 256, (n,), generator=g).tolist() for i, n in lengths.items()}
+    nxt = {i: torch.randint(3, 256, (4,), generator=g).tolist() for i in lengths}
+    refs = {i: hf_logits(hf, prompts[i] + nxt[i]) for i in lengths}
+
+    got: dict[int, list[torch.Tensor]] = {i: [] for i in lengths}
+    # step 1: 1 and 2 prefill
+    out = router.logits_step(
+        joined=[router.join(1, prompts[1]), router.join(2, prompts[2])],
+        forced={1: nxt[1][0], 2: nxt[2][0]},
+    )
+    for i in out:
+        got[i].append(out[i])
+    # step 2: 1 and 2 decode while 3 prefills whole and 4 prefills its first chunk
+    out = router.logits_step(
+        joined=[router.join(3, prompts[3]), router.join(4, prompts[4], num_compute=9)],
+        continuing=[router.cont(1), router.cont(2)],
+        forced={1: nxt[1][1], 2: nxt[2][1], 3: nxt[3][0]},
+    )
+    for i in out:
+        got[i].append(out[i])
+    # steps 3-4: everyone goes on (4 finishes its prefill in step 3)
+    for step in (2, 3):
+        forced = {i: nxt[i][step] for i in (1, 2)}
+        forced |= {3: nxt[3][step - 1], 4: nxt[4][step - 2]}
+        out = router.logits_step(continuing=[router.cont(i) for i in (4, 3, 2, 1)], forced=forced)
+        for i in out:
+            got[i].append(out[i])
+    for i in lengths:
+        mine = torch.cat(got[i])
+        torch.testing.assert_close(mine, refs[i][: mine.shape[0]], atol=TOL, rtol=0)
+
+
+def test_load_model_names_an_unsupported_model_type(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "gpt_neox"}')
+    with pytest.raises(ValueError, match="unsupported model_type 'gpt_neox'"):
+        load_model(tmp_path, "float32", "cpu")
+
+
+def test_bfloat16_weights_load_in_the_target_dtype(model_dirs, hf_model):
+    path = model_dirs("llama_gqa")
+    model = load_model(path, "bfloat16", "cpu")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    hf = hf_model(path)
+    embed = hf.model.embed_tokens.weight.to(torch.bfloat16)
+    assert torch.equal(model.model.embed_tokens.weight, embed)

@@ -1,0 +1,222 @@
+"""The supervisor and the launcher's orchestration, with dummy child processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from cadence import launcher
+from cadence.launcher import LaunchConfig, launch
+from cadence.supervisor import ChildExited, Stopped, Supervisor
+
+PY = sys.executable
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_child_death_raises_with_its_last_lines() -> None:
+    supervisor = Supervisor(tail_lines=3)
+    script = (
+        "import sys\n"
+        "for i in range(5): print('line', i)\n"
+        "print('boom', file=sys.stderr)\n"
+        "sys.exit(3)"
+    )
+    supervisor.start("dummy", [PY, "-c", script])
+    with pytest.raises(ChildExited) as caught:
+        supervisor.watch(interval=0.05)
+    supervisor.stop()
+    assert caught.value.child.proc.returncode == 3
+    report = caught.value.report()
+    assert "dummy exited with code 3" in report
+    assert "boom" in report and "line 4" in report and "line 0" not in report  # ring of 3
+
+
+def test_stop_terminates_then_kills_stubborn_children() -> None:
+    supervisor = Supervisor()
+    polite = supervisor.start("polite", [PY, "-c", "import time; time.sleep(60)"])
+    stubborn = supervisor.start(
+        "stubborn",
+        [
+            PY,
+            "-c",
+            "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "print('ready', flush=True); time.sleep(60)",
+        ],
+    )
+    supervisor.wait_until(lambda: "ready" in stubborn.tail, 10, "stubborn ready")
+    started = time.monotonic()
+    supervisor.stop(timeout=1.0)
+    assert time.monotonic() - started < 5
+    assert polite.proc.returncode == -signal.SIGTERM
+    assert stubborn.proc.returncode == -signal.SIGKILL
+
+
+def test_wait_until_fails_fast_when_a_child_exits() -> None:
+    supervisor = Supervisor()
+    supervisor.start("quitter", [PY, "-c", "print('bye')"])
+    started = time.monotonic()
+    with pytest.raises(ChildExited):
+        supervisor.wait_until(lambda: False, timeout=30, what="never")
+    assert time.monotonic() - started < 10
+    supervisor.stop()
+
+
+def test_wait_until_times_out_and_stops_on_request() -> None:
+    supervisor = Supervisor()
+    with pytest.raises(TimeoutError, match="never"):
+        supervisor.wait_until(lambda: False, timeout=0.3, what="never", interval=0.05)
+    supervisor.request_stop()
+    with pytest.raises(Stopped):
+        supervisor.wait_until(lambda: False, timeout=30, what="never")
+
+
+def test_child_dies_when_the_launcher_is_killed(tmp_path: Path) -> None:
+    """PR_SET_PDEATHSIG: a SIGKILLed launcher leaves no orphaned shard."""
+    pid_file = tmp_path / "child.pid"
+    parent = (
+        "import sys, time\n"
+        "from cadence.supervisor import Supervisor\n"
+        "s = Supervisor()\n"
+        f"c = s.start('orphan', [sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(c.proc.pid))\n"
+        "time.sleep(60)\n"
+    )
+    import subprocess
+
+    env = os.environ | {"PYTHONPATH": str(Path(launcher.__file__).parents[1])}
+    proc = subprocess.Popen([PY, "-c", parent], env=env)
+    deadline = time.monotonic() + 20
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while not _gone(child):  # the orphan is re-parented and reaped by init once it dies
+        assert time.monotonic() < deadline, "child outlived its killed parent"
+        time.sleep(0.05)
+
+
+class FakeShardClient:
+    """Stands in for cadence.shard.client.ShardClient."""
+
+    calls: list[dict] = []
+
+    def __init__(self, uds_path: str) -> None:
+        self.uds_path = uds_path
+
+    def health(self) -> SimpleNamespace:
+        return SimpleNamespace(ready=False)
+
+    def warmup(self, **kwargs: object) -> SimpleNamespace:
+        FakeShardClient.calls.append(kwargs)
+        return SimpleNamespace(
+            num_blocks=100,
+            block_size=16,
+            bytes_per_block=16 * 2 * 30 * 192 * 2,
+            weight_bytes=270 * 2**20,
+            activation_bytes=50 * 2**20,
+            kv_cache_bytes=100 * 16 * 2 * 30 * 192 * 2,
+        )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def fake_stack(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> SimpleNamespace:
+    """Shard: a sleeper that creates its socket file. Router: http.server serving /health."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "www").mkdir()
+    (tmp_path / "www" / "health").write_text("ok")
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    shard_script = (
+        "import os, sys, time\n"
+        "open(sys.argv[1], 'w').close()\n"
+        "open(os.path.join(sys.argv[2], str(os.getpid())), 'w').close()\n"
+        "print('shard listening', flush=True)\n"
+        "time.sleep(float(sys.argv[3]))\n"
+        "print('shard crashed', file=sys.stderr); sys.exit(7)\n"
+    )
+    stack = SimpleNamespace(shard_lifetime=60.0, model=str(tmp_path / "model"), pids=pids)
+
+    def shard_argv(cfg: LaunchConfig, model_dir: str, uds_path: str, rank: int) -> list[str]:
+        return [PY, "-c", shard_script, uds_path, str(pids), str(stack.shard_lifetime)]
+
+    def router_argv(cfg: LaunchConfig, model_dir: str, uds: list[str], blocks: int) -> list[str]:
+        www = str(tmp_path / "www")
+        return [PY, "-m", "http.server", str(cfg.port), "--bind", "127.0.0.1", "-d", www]
+
+    monkeypatch.setattr(launcher, "shard_argv", shard_argv)
+    monkeypatch.setattr(launcher, "router_argv", router_argv)
+    monkeypatch.setattr(launcher, "shard_client", FakeShardClient)
+    FakeShardClient.calls = []
+    return stack
+
+
+def test_launch_starts_warms_up_serves_and_stops_cleanly_on_sigterm(
+    fake_stack: SimpleNamespace, tmp_path: Path
+) -> None:
+    port = _free_port()
+    uds_dir = tmp_path / "uds"
+    cfg = LaunchConfig(
+        model_id=fake_stack.model,
+        port=port,
+        kv_cache_memory=2**20,
+        uds_dir=str(uds_dir),
+        startup_timeout=30,
+    )
+
+    def stop_when_ready() -> None:
+        deadline = time.monotonic() + 30
+        while not launcher._http_ok(f"http://127.0.0.1:{port}/health"):  # noqa: SLF001
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop_when_ready, daemon=True).start()
+    assert launch(cfg) == 0
+    assert FakeShardClient.calls == [
+        dict(max_batch_tokens=1024, max_batch_size=64, kv_cache_bytes=2**20, memory_fraction=0.1)
+    ]
+    assert not launcher._http_ok(f"http://127.0.0.1:{port}/health")  # noqa: SLF001
+    assert all(_gone(int(p.name)) for p in fake_stack.pids.iterdir())
+    assert list(uds_dir.iterdir()) == []  # sockets removed (the folder was given, so it stays)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_launch_exits_nonzero_naming_the_dead_child_and_its_lines(
+    fake_stack: SimpleNamespace, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    from cadence.logs import setup_logging
+
+    setup_logging()  # to this test's captured stderr
+    fake_stack.shard_lifetime = 3.0
+    cfg = LaunchConfig(model_id=fake_stack.model, port=_free_port(), startup_timeout=30)
+    assert launch(cfg) == 1
+    err = capfd.readouterr().err
+    assert "shard-0 exited with code 7" in err
+    assert "shard crashed" in err.split("shard-0 exited with code 7")[1]
+    assert all(_gone(int(p.name)) for p in fake_stack.pids.iterdir())
