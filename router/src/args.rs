@@ -25,7 +25,12 @@ pub struct Args {
 
     /// Unix socket of a shard's gRPC server; repeat once per tensor-parallel rank, rank 0
     /// first (the environment variable takes a comma-separated list).
-    #[arg(long = "shard-uds-path", env = "CADENCE_SHARD_UDS_PATH", required = true, value_delimiter = ',')]
+    #[arg(
+        long = "shard-uds-path",
+        env = "CADENCE_SHARD_UDS_PATH",
+        required = true,
+        value_delimiter = ','
+    )]
     pub shard_uds_path: Vec<PathBuf>,
 
     /// Model folder holding tokenizer.json.

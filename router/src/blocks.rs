@@ -129,10 +129,15 @@ impl BlockAllocator {
         }
         for (block, (&rc, &refs)) in self.refcounts.iter().zip(&seen).enumerate() {
             if rc != refs {
-                return Err(format!("block {block}: refcount {rc} but {refs} references"));
+                return Err(format!(
+                    "block {block}: refcount {rc} but {refs} references"
+                ));
             }
             if (rc == 0) != in_free[block] {
-                return Err(format!("block {block}: refcount {rc}, in free list: {}", in_free[block]));
+                return Err(format!(
+                    "block {block}: refcount {rc}, in free list: {}",
+                    in_free[block]
+                ));
             }
         }
         Ok(())

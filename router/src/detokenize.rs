@@ -184,10 +184,8 @@ pub(crate) mod testing {
             vocab.insert(c.to_string(), (*b).into());
         }
         let merges = [("h", "e"), ("l", "l"), ("he", "ll"), ("Ġ", "w")];
-        let mut next = 256;
-        for (a, b) in merges {
-            vocab.insert(format!("{a}{b}"), next.into());
-            next += 1;
+        for (id, (a, b)) in (256u32..).zip(merges) {
+            vocab.insert(format!("{a}{b}"), id.into());
         }
         let merges: Vec<String> = merges.iter().map(|(a, b)| format!("{a} {b}")).collect();
         serde_json::json!({
@@ -266,7 +264,10 @@ mod tests {
         }
         // "é" is two byte tokens: the first emits "", the second the whole character.
         let ids = tok.encode("é").unwrap();
-        assert_eq!(stream(&tok, &ids[..1], &ids[1..]), vec!["".to_string(), "é".to_string()]);
+        assert_eq!(
+            stream(&tok, &ids[..1], &ids[1..]),
+            vec!["".to_string(), "é".to_string()]
+        );
     }
 
     #[test]

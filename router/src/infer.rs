@@ -45,6 +45,7 @@ pub struct End {
     /// The generated text (stop string excluded), prefixed by the prompt when asked.
     pub generated_text: String,
     pub generated_tokens: usize,
+    pub input_length: usize,
     pub seed: Option<u64>,
 }
 
@@ -131,6 +132,7 @@ struct Entry {
     detokenizer: Detokenizer,
     stop: StopMatcher,
     max_new_tokens: usize,
+    input_length: usize,
     generated: usize,
     text: String,
     prefix: Option<String>,
@@ -203,6 +205,7 @@ impl<B: Backend> Loop<B> {
             detokenizer: Detokenizer::new(&seq.token_ids),
             stop: StopMatcher::new(request.stop),
             max_new_tokens: request.max_new_tokens,
+            input_length: seq.prompt_len,
             generated: 0,
             text: String::new(),
             prefix: request.prefix,
@@ -251,7 +254,11 @@ impl<B: Backend> Loop<B> {
             );
         }
         if !schedule.preempted.is_empty() {
-            tracing::debug!(ids = ?schedule.preempted, "preempted (recompute)");
+            tracing::info!(
+                ids = ?schedule.preempted,
+                free_blocks = self.scheduler.blocks().num_free(),
+                "KV cache full: preempted by recomputation"
+            );
         }
         let Some(step) = schedule.step else {
             // Only preemptions happened; the next iteration admits again.
@@ -269,8 +276,18 @@ impl<B: Backend> Loop<B> {
         match self.backend.step(step).await {
             Ok(response) => {
                 let router_start = Instant::now();
+                let expected: HashSet<RequestId> = schedule.samples.iter().copied().collect();
                 let mut sampled = HashSet::with_capacity(response.generations.len());
                 for generation in response.generations {
+                    if !expected.contains(&generation.id) {
+                        // A token for a request that had not caught up: its state would
+                        // diverge from the shard's, so it cannot go on.
+                        self.fail(
+                            generation.id,
+                            InferError::Generation("the shard sampled out of turn".into()),
+                        );
+                        continue;
+                    }
                     sampled.insert(generation.id);
                     self.apply(generation);
                 }
@@ -296,7 +313,9 @@ impl<B: Backend> Loop<B> {
                 let message = format!("generation failed: {e}");
                 for id in self.scheduler.reset() {
                     if let Some(entry) = self.entries.remove(&id) {
-                        let _ = entry.events.send(Err(InferError::Generation(message.clone())));
+                        let _ = entry
+                            .events
+                            .send(Err(InferError::Generation(message.clone())));
                     }
                 }
                 self.needs_clear = true;
@@ -340,7 +359,9 @@ impl<B: Backend> Loop<B> {
             finished = event.end.is_some();
             if let Some(end) = &event.end {
                 let elapsed = entry.queued_at.elapsed();
-                let ttft = entry.first_token_at.map(|t| t.duration_since(entry.queued_at));
+                let ttft = entry
+                    .first_token_at
+                    .map(|t| t.duration_since(entry.queued_at));
                 tracing::info!(
                     id,
                     generated_tokens = end.generated_tokens,
@@ -410,6 +431,7 @@ impl Entry {
                 None => self.text.clone(),
             },
             generated_tokens: self.generated,
+            input_length: self.input_length,
             seed: self.seed,
         });
         TokenEvent {

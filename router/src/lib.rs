@@ -18,9 +18,9 @@ pub mod queue;
 pub mod scheduler;
 pub mod server;
 pub mod stop;
-pub mod validation;
 #[cfg(test)]
 mod tests;
+pub mod validation;
 
 /// Generated from `proto/shard.proto`.
 pub mod pb {
@@ -67,7 +67,10 @@ pub fn run(argv: Vec<String>) -> Result<(), RouterError> {
 pub fn init_logging(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stdout());
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(ansi);
     let _ = match format {
         LogFormat::Json => builder.json().flatten_event(true).try_init(),
         LogFormat::Text => builder.try_init(),
@@ -76,12 +79,11 @@ pub fn init_logging(format: LogFormat) {
 
 /// Connects to the shards, checks them against the flags, serves HTTP until a signal.
 pub async fn serve(args: Args) -> Result<(), RouterError> {
-    let tokenizer = TokenizerInfo::from_dir(&args.tokenizer).map_err(|message| {
-        RouterError::Tokenizer {
+    let tokenizer =
+        TokenizerInfo::from_dir(&args.tokenizer).map_err(|message| RouterError::Tokenizer {
             path: args.tokenizer.display().to_string(),
             message,
-        }
-    })?;
+        })?;
     let shards = ShardClient::connect(&args.shard_uds_path, CONNECT_WAIT).await?;
     let infos = shards.info().await?;
     let info = &infos[0];

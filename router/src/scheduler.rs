@@ -203,7 +203,8 @@ impl Scheduler {
 
     /// Most tokens `seq` can compute from its current position with the free blocks.
     fn fits(&self, seq: &Sequence) -> usize {
-        let capacity = (self.blocks.table(seq.id).len() + self.blocks.num_free()) * self.blocks.block_size();
+        let capacity =
+            (self.blocks.table(seq.id).len() + self.blocks.num_free()) * self.blocks.block_size();
         capacity.saturating_sub(seq.num_computed)
     }
 
@@ -260,8 +261,10 @@ impl Scheduler {
             let Some(seq) = self.waiting.front() else {
                 break;
             };
-            let n = seq.remaining().min(budget).min(self.fits(seq));
-            if n == 0 {
+            // The whole chunk must fit: a newcomer squeezed into the last free blocks
+            // would only be preempted by the next decode that needs a block.
+            let n = seq.remaining().min(budget);
+            if n > self.fits(seq) {
                 break;
             }
             let mut seq = self.waiting.pop_front().expect("front exists");
@@ -290,7 +293,9 @@ impl Scheduler {
         };
         self.step_id += 1;
         for (id, n) in plan {
-            let i = self.running_index(id).expect("planned requests are running");
+            let i = self
+                .running_index(id)
+                .expect("planned requests are running");
             let table = self.blocks.table(id);
             let seq = &mut self.running[i];
             if seq.on_shard {
@@ -336,7 +341,10 @@ impl Scheduler {
         for seq in &self.running {
             let held = self.blocks.table(seq.id).len() * self.blocks.block_size();
             if held < seq.num_computed {
-                return Err(format!("request {} computed {} tokens in {held} slots", seq.id, seq.num_computed));
+                return Err(format!(
+                    "request {} computed {} tokens in {held} slots",
+                    seq.id, seq.num_computed
+                ));
             }
         }
         for seq in self.waiting.iter() {
@@ -352,7 +360,11 @@ impl Scheduler {
 mod tests {
     use super::*;
 
-    fn config(max_batch_tokens: usize, max_batch_size: usize, num_blocks: usize) -> SchedulerConfig {
+    fn config(
+        max_batch_tokens: usize,
+        max_batch_size: usize,
+        num_blocks: usize,
+    ) -> SchedulerConfig {
         SchedulerConfig {
             max_batch_tokens,
             max_batch_size,
@@ -362,7 +374,11 @@ mod tests {
     }
 
     fn seq(id: u64, prompt_len: usize) -> Sequence {
-        Sequence::new(id, (0..prompt_len as u32).map(|t| t + 100).collect(), Default::default())
+        Sequence::new(
+            id,
+            (0..prompt_len as u32).map(|t| t + 100).collect(),
+            Default::default(),
+        )
     }
 
     /// Plays the shard: every request that samples gets token `1000 + id`.
@@ -407,18 +423,33 @@ mod tests {
         let out = step(&mut s);
         let step_req = out.step.as_ref().unwrap();
         assert_eq!(
-            step_req.continuing.iter().map(|r| (r.id, r.num_compute)).collect::<Vec<_>>(),
+            step_req
+                .continuing
+                .iter()
+                .map(|r| (r.id, r.num_compute))
+                .collect::<Vec<_>>(),
             vec![(0, 1), (1, 1)]
         );
         assert_eq!(step_req.joined.len(), 1);
         let joined = &step_req.joined[0];
-        assert_eq!((joined.id, joined.num_compute, joined.num_cached), (2, 6, 0));
+        assert_eq!(
+            (joined.id, joined.num_compute, joined.num_cached),
+            (2, 6, 0)
+        );
         assert_eq!(joined.token_ids.len(), 20);
         assert_eq!(joined.block_table.len(), 2); // 6 tokens, blocks of 4
         assert_eq!(out.samples, vec![0, 1]); // the chunked prefill does not sample yet
-        // The rest of the prompt arrives in later chunks with the new blocks only.
+                                             // The rest of the prompt arrives in later chunks with the new blocks only.
         let out = step(&mut s);
-        let c = out.step.as_ref().unwrap().continuing.iter().find(|r| r.id == 2).unwrap().clone();
+        let c = out
+            .step
+            .as_ref()
+            .unwrap()
+            .continuing
+            .iter()
+            .find(|r| r.id == 2)
+            .unwrap()
+            .clone();
         assert_eq!(c.num_compute, 6);
         assert_eq!(c.new_blocks.len(), 1); // 12 tokens: 3 blocks
         let out = step(&mut s);
@@ -509,7 +540,11 @@ mod tests {
         use rand::{Rng, SeedableRng};
         let mut rng = StdRng::seed_from_u64(3);
         for _ in 0..30 {
-            let mut s = Scheduler::new(config(rng.random_range(1..40), rng.random_range(1..6), rng.random_range(8..30)));
+            let mut s = Scheduler::new(config(
+                rng.random_range(1..40),
+                rng.random_range(1..6),
+                rng.random_range(8..30),
+            ));
             let mut targets = std::collections::HashMap::new();
             let mut next_id = 0;
             let mut done = 0;

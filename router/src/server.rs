@@ -113,6 +113,7 @@ struct GenerateResponse {
 struct StreamDetails {
     finish_reason: FinishReason,
     generated_tokens: usize,
+    input_length: usize,
     seed: Option<u64>,
 }
 
@@ -125,11 +126,15 @@ struct StreamResponse {
     details: Option<StreamDetails>,
 }
 
+/// TGI's `/`: streams when `stream` is true; otherwise answers like /generate but wrapped
+/// in a one-element array (what `text-generation`'s client and the HF inference API read).
 async fn compat_generate(state: State<AppState>, body: TgiJson<GenerateRequest>) -> Response {
     if body.0.stream.unwrap_or(false) {
-        generate_stream(state, body).await
-    } else {
-        generate(state, body).await
+        return generate_stream(state, body).await;
+    }
+    match generate_inner(&state.0, body.0).await {
+        Ok(response) => Json([response]).into_response(),
+        Err(e) => e.into_response(),
     }
 }
 
@@ -203,6 +208,7 @@ fn sse_events(
                         details.then_some(StreamDetails {
                             finish_reason: end.finish_reason,
                             generated_tokens: end.generated_tokens,
+                            input_length: end.input_length,
                             seed: end.seed,
                         }),
                     ),

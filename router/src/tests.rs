@@ -135,13 +135,23 @@ impl FakeShard {
         let mut generations = Vec::new();
         let mut computed_tokens = 0;
         for (id, n) in scheduled {
-            let Some(r) = s.requests.get(&id) else { continue };
+            let Some(r) = s.requests.get(&id) else {
+                continue;
+            };
             if n == 0 || r.computed + n > r.tokens.len() {
-                v.push(format!("request {id}: computes {n} of {} known tokens from {}", r.tokens.len(), r.computed));
+                v.push(format!(
+                    "request {id}: computes {n} of {} known tokens from {}",
+                    r.tokens.len(),
+                    r.computed
+                ));
                 continue;
             }
             if r.blocks.len() * BLOCK_SIZE < r.computed + n {
-                v.push(format!("request {id}: {} blocks for {} tokens", r.blocks.len(), r.computed + n));
+                v.push(format!(
+                    "request {id}: {} blocks for {} tokens",
+                    r.blocks.len(),
+                    r.computed + n
+                ));
             }
             computed_tokens += n;
             let done = r.computed + n == r.tokens.len();
@@ -250,7 +260,12 @@ fn harness(script: Script) -> Harness {
 }
 
 impl Harness {
-    async fn post_raw(&self, path: &str, body: &str, content_type: Option<&str>) -> (StatusCode, String) {
+    async fn post_raw(
+        &self,
+        path: &str,
+        body: &str,
+        content_type: Option<&str>,
+    ) -> (StatusCode, String) {
         let mut req = Request::post(path);
         if let Some(ct) = content_type {
             req = req.header("content-type", ct);
@@ -262,18 +277,28 @@ impl Harness {
             .await
             .unwrap();
         let status = resp.status();
-        let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX).await.unwrap();
+        let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX)
+            .await
+            .unwrap();
         (status, String::from_utf8(bytes.to_vec()).unwrap())
     }
 
     async fn post(&self, path: &str, body: Value) -> (StatusCode, Value) {
-        let (status, text) = self.post_raw(path, &body.to_string(), Some("application/json")).await;
+        let (status, text) = self
+            .post_raw(path, &body.to_string(), Some("application/json"))
+            .await;
         let value = serde_json::from_str(&text).unwrap_or_else(|_| panic!("not JSON: {text}"));
         (status, value)
     }
 
     async fn stream(&self, body: Value) -> (StatusCode, Vec<Value>) {
-        let (status, text) = self.post_raw("/generate_stream", &body.to_string(), Some("application/json")).await;
+        let (status, text) = self
+            .post_raw(
+                "/generate_stream",
+                &body.to_string(),
+                Some("application/json"),
+            )
+            .await;
         let events = text
             .lines()
             .filter_map(|l| l.strip_prefix("data:"))
@@ -295,10 +320,17 @@ fn ids(text: &str) -> Vec<u32> {
 async fn expect_422(h: &Harness, body: Value, needle: &str) {
     for path in ["/generate", "/generate_stream"] {
         let (status, v) = h.post(path, body.clone()).await;
-        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{path} {body}: {v}");
+        assert_eq!(
+            status,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "{path} {body}: {v}"
+        );
         assert_eq!(v["error_type"], "validation", "{v}");
         let msg = v["error"].as_str().unwrap();
-        assert!(msg.contains(needle), "{path}: {msg:?} should name {needle:?}");
+        assert!(
+            msg.contains(needle),
+            "{path}: {msg:?} should name {needle:?}"
+        );
     }
 }
 
@@ -308,8 +340,18 @@ async fn each_invalid_parameter_is_a_422_naming_the_field_on_both_routes() {
     let p = |params: Value| json!({"inputs": "hello", "parameters": params});
     expect_422(&h, json!({"inputs": ""}), "inputs").await;
     expect_422(&h, json!({"parameters": {}}), "inputs").await;
-    expect_422(&h, p(json!({"max_new_tokens": "ten"})), "parameters.max_new_tokens").await;
-    expect_422(&h, p(json!({"max_new_tokens": -1})), "parameters.max_new_tokens").await;
+    expect_422(
+        &h,
+        p(json!({"max_new_tokens": "ten"})),
+        "parameters.max_new_tokens",
+    )
+    .await;
+    expect_422(
+        &h,
+        p(json!({"max_new_tokens": -1})),
+        "parameters.max_new_tokens",
+    )
+    .await;
     expect_422(&h, p(json!({"max_new_tokens": 0})), "max_new_tokens").await;
     expect_422(&h, p(json!({"temprature": 0.5})), "temprature").await;
     expect_422(&h, json!({"inputs": "a", "prameters": {}}), "prameters").await;
@@ -320,14 +362,34 @@ async fn each_invalid_parameter_is_a_422_naming_the_field_on_both_routes() {
     expect_422(&h, p(json!({"top_k": 0})), "top_k").await;
     expect_422(&h, p(json!({"typical_p": 0.0})), "typical_p").await;
     expect_422(&h, p(json!({"min_p": 1.0})), "min_p").await;
-    expect_422(&h, p(json!({"repetition_penalty": 0.0})), "repetition_penalty").await;
-    expect_422(&h, p(json!({"frequency_penalty": 3.0})), "frequency_penalty").await;
+    expect_422(
+        &h,
+        p(json!({"repetition_penalty": 0.0})),
+        "repetition_penalty",
+    )
+    .await;
+    expect_422(
+        &h,
+        p(json!({"frequency_penalty": 3.0})),
+        "frequency_penalty",
+    )
+    .await;
     expect_422(&h, p(json!({"stop": ["a", "b", "c"]})), "stop").await;
     expect_422(&h, p(json!({"stop": [""]})), "stop").await;
     expect_422(&h, p(json!({"best_of": 2})), "best_of").await;
-    expect_422(&h, p(json!({"decoder_input_details": true})), "decoder_input_details").await;
+    expect_422(
+        &h,
+        p(json!({"decoder_input_details": true})),
+        "decoder_input_details",
+    )
+    .await;
     expect_422(&h, p(json!({"watermark": true})), "watermark").await;
-    expect_422(&h, p(json!({"grammar": {"type": "json", "value": {}}})), "grammar").await;
+    expect_422(
+        &h,
+        p(json!({"grammar": {"type": "json", "value": {}}})),
+        "grammar",
+    )
+    .await;
     expect_422(&h, p(json!({"adapter_id": "lora-x"})), "adapter_id").await;
     expect_422(&h, p(json!({"top_n_tokens": 50})), "top_n_tokens").await;
     expect_422(&h, p(json!({"truncate": 0})), "truncate").await;
@@ -336,9 +398,16 @@ async fn each_invalid_parameter_is_a_422_naming_the_field_on_both_routes() {
     expect_422(&h, json!({"inputs": long}), "inputs").await;
     // 41 input tokens + 30 new > max_total_tokens (64).
     let medium = "x".repeat(40);
-    expect_422(&h, json!({"inputs": medium, "parameters": {"max_new_tokens": 30}}), "max_new_tokens").await;
+    expect_422(
+        &h,
+        json!({"inputs": medium, "parameters": {"max_new_tokens": 30}}),
+        "max_new_tokens",
+    )
+    .await;
     // Malformed JSON.
-    let (status, text) = h.post_raw("/generate", "{\"inputs\": ", Some("application/json")).await;
+    let (status, text) = h
+        .post_raw("/generate", "{\"inputs\": ", Some("application/json"))
+        .await;
     assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
     let v: Value = serde_json::from_str(&text).unwrap();
     assert_eq!(v["error_type"], "validation");
@@ -382,8 +451,9 @@ async fn bodies_without_json_content_type_and_tgi_client_nulls_are_accepted() {
     });
     let (status, v) = h.post("/", body).await;
     assert_eq!(status, StatusCode::OK, "{v}");
-    assert_eq!(v["details"]["generated_tokens"], 4);
-    assert_eq!(v["details"]["seed"], Value::Null);
+    // `/` answers a one-element array, as TGI does.
+    assert_eq!(v[0]["details"]["generated_tokens"], 4);
+    assert_eq!(v[0]["details"]["seed"], Value::Null);
     h.assert_protocol_ok();
 }
 
@@ -391,7 +461,10 @@ async fn bodies_without_json_content_type_and_tgi_client_nulls_are_accepted() {
 async fn generate_returns_text_and_details_and_stops_at_max_new_tokens() {
     let h = harness(Script::Fixed(ids("abc")));
     let (status, v) = h
-        .post("/generate", json!({"inputs": "hi", "parameters": {"max_new_tokens": 5, "details": true}}))
+        .post(
+            "/generate",
+            json!({"inputs": "hi", "parameters": {"max_new_tokens": 5, "details": true}}),
+        )
         .await;
     assert_eq!(status, StatusCode::OK, "{v}");
     assert_eq!(v["generated_text"], "abcab");
@@ -400,10 +473,16 @@ async fn generate_returns_text_and_details_and_stops_at_max_new_tokens() {
     assert_eq!(d["generated_tokens"], 5);
     assert_eq!(d["prefill"], json!([]));
     assert_eq!(d["tokens"].as_array().unwrap().len(), 5);
-    assert_eq!(d["tokens"][0], json!({"id": b'a', "text": "a", "logprob": -0.5, "special": false}));
+    assert_eq!(
+        d["tokens"][0],
+        json!({"id": b'a', "text": "a", "logprob": -0.5, "special": false})
+    );
     // Without details there is no details key; return_full_text prepends the prompt.
     let (_, v) = h
-        .post("/generate", json!({"inputs": "hi ", "parameters": {"max_new_tokens": 2, "return_full_text": true}}))
+        .post(
+            "/generate",
+            json!({"inputs": "hi ", "parameters": {"max_new_tokens": 2, "return_full_text": true}}),
+        )
         .await;
     assert_eq!(v, json!({"generated_text": "hi ab"}));
     h.assert_protocol_ok();
@@ -415,7 +494,10 @@ async fn eos_ends_generation_and_is_not_in_the_text() {
     script.push(testing::eos_id());
     let h = harness(Script::Fixed(script));
     let (_, v) = h
-        .post("/generate", json!({"inputs": "hi", "parameters": {"max_new_tokens": 10, "details": true}}))
+        .post(
+            "/generate",
+            json!({"inputs": "hi", "parameters": {"max_new_tokens": 10, "details": true}}),
+        )
         .await;
     assert_eq!(v["generated_text"], "ok");
     assert_eq!(v["details"]["finish_reason"], "eos_token");
@@ -434,9 +516,14 @@ async fn stop_sequences_end_generation_and_are_never_streamed() {
     assert_eq!(v["details"]["finish_reason"], "stop_sequence");
     let (status, events) = h.stream(body).await;
     assert_eq!(status, StatusCode::OK);
-    let texts: String = events.iter().map(|e| e["token"]["text"].as_str().unwrap()).collect();
+    let texts: String = events
+        .iter()
+        .map(|e| e["token"]["text"].as_str().unwrap())
+        .collect();
     assert_eq!(texts, "one two");
-    assert!(events.iter().all(|e| !e["token"]["text"].as_str().unwrap().contains('#')));
+    assert!(events
+        .iter()
+        .all(|e| !e["token"]["text"].as_str().unwrap().contains('#')));
     let last = events.last().unwrap();
     assert_eq!(last["generated_text"], "one two");
     assert_eq!(last["details"]["finish_reason"], "stop_sequence");
@@ -447,7 +534,8 @@ async fn stop_sequences_end_generation_and_are_never_streamed() {
 async fn streaming_sends_one_event_per_token_and_whole_multibyte_characters() {
     let h = harness(Script::Fixed(ids("日本 é👍")));
     let n = ids("日本 é👍").len();
-    let body = json!({"inputs": "hi", "parameters": {"max_new_tokens": n, "details": true, "seed": 5}});
+    let body =
+        json!({"inputs": "hi", "parameters": {"max_new_tokens": n, "details": true, "seed": 5}});
     let (status, events) = h.stream(body).await;
     assert_eq!(status, StatusCode::OK);
     assert_eq!(events.len(), n);
@@ -462,7 +550,10 @@ async fn streaming_sends_one_event_per_token_and_whole_multibyte_characters() {
     }
     assert_eq!(events[0]["token"]["text"], ""); // first byte of 日
     assert_eq!(events[2]["token"]["text"], "日");
-    let texts: String = events.iter().map(|e| e["token"]["text"].as_str().unwrap()).collect();
+    let texts: String = events
+        .iter()
+        .map(|e| e["token"]["text"].as_str().unwrap())
+        .collect();
     let last = events.last().unwrap();
     assert_eq!(texts, "日本 é👍");
     assert_eq!(last["generated_text"], "日本 é👍");
@@ -470,7 +561,12 @@ async fn streaming_sends_one_event_per_token_and_whole_multibyte_characters() {
     assert_eq!(last["details"]["seed"], 5);
     // `/` with stream: true streams too.
     let (status, text) = h
-        .post_raw("/", &json!({"inputs": "hi", "stream": true, "parameters": {"max_new_tokens": 2}}).to_string(), None)
+        .post_raw(
+            "/",
+            &json!({"inputs": "hi", "stream": true, "parameters": {"max_new_tokens": 2}})
+                .to_string(),
+            None,
+        )
         .await;
     assert_eq!(status, StatusCode::OK);
     assert_eq!(text.matches("data:").count(), 2);
@@ -484,7 +580,10 @@ async fn sampling_without_a_seed_reports_a_random_one() {
         .await;
     assert!(v["details"]["seed"].is_u64(), "{v}");
     let (_, v) = h
-        .post("/generate", json!({"inputs": "hi", "parameters": {"max_new_tokens": 2, "details": true}}))
+        .post(
+            "/generate",
+            json!({"inputs": "hi", "parameters": {"max_new_tokens": 2, "details": true}}),
+        )
         .await;
     assert_eq!(v["details"]["seed"], Value::Null);
 }
@@ -492,7 +591,8 @@ async fn sampling_without_a_seed_reports_a_random_one() {
 #[tokio::test]
 async fn truncate_keeps_the_last_input_tokens() {
     let h = harness(Script::Hash);
-    let body = json!({"inputs": "x".repeat(100), "parameters": {"max_new_tokens": 2, "truncate": 10}});
+    let body =
+        json!({"inputs": "x".repeat(100), "parameters": {"max_new_tokens": 2, "truncate": 10}});
     let (status, v) = h.post("/generate", body).await;
     assert_eq!(status, StatusCode::OK, "{v}");
     let s = h.shard.state.lock().unwrap();
@@ -503,9 +603,18 @@ async fn truncate_keeps_the_last_input_tokens() {
 async fn preemption_under_a_tiny_cache_gives_the_same_greedy_output() {
     async fn run_all(num_blocks: usize) -> (Vec<String>, usize) {
         let h = harness_with(FakeShard::new(Script::Hash, num_blocks), 64, 32);
-        let prompts = ["alpha", "beta gamma", "delta epsilon zeta", "eta", "theta iota"];
+        let prompts = [
+            "alpha",
+            "beta gamma",
+            "delta epsilon zeta",
+            "eta",
+            "theta iota",
+        ];
         let outputs = futures::future::join_all(prompts.iter().map(|p| {
-            h.post("/generate", json!({"inputs": p, "parameters": {"max_new_tokens": 20}}))
+            h.post(
+                "/generate",
+                json!({"inputs": p, "parameters": {"max_new_tokens": 20}}),
+            )
         }))
         .await;
         h.assert_protocol_ok();
@@ -526,7 +635,10 @@ async fn preemption_under_a_tiny_cache_gives_the_same_greedy_output() {
     let (tight, tight_removed) = run_all(10).await;
     assert_eq!(roomy, tight);
     assert!(roomy.iter().all(|t| t.len() == 20));
-    assert!(tight_removed > roomy_removed, "the tiny cache should force preemptions");
+    assert!(
+        tight_removed > roomy_removed,
+        "the tiny cache should force preemptions"
+    );
 }
 
 #[tokio::test]
@@ -536,7 +648,12 @@ async fn a_failed_step_fails_requests_in_flight_and_later_requests_succeed() {
     let (status, v) = h.post("/generate", json!({"inputs": "hi"})).await;
     assert_eq!(status, StatusCode::FAILED_DEPENDENCY, "{v}");
     assert_eq!(v["error_type"], "generation");
-    let (status, v) = h.post("/generate", json!({"inputs": "hi", "parameters": {"max_new_tokens": 3}})).await;
+    let (status, v) = h
+        .post(
+            "/generate",
+            json!({"inputs": "hi", "parameters": {"max_new_tokens": 3}}),
+        )
+        .await;
     assert_eq!(status, StatusCode::OK, "{v}");
     h.assert_protocol_ok();
 }
@@ -547,7 +664,9 @@ async fn beyond_max_concurrent_requests_is_429_and_cancelled_streams_free_their_
     shard.delay = Duration::from_millis(5);
     let h = harness_with(shard, 1, 32);
     let body = json!({"inputs": "hi", "parameters": {"max_new_tokens": 60}}).to_string();
-    let req = Request::post("/generate_stream").body(Body::from(body.clone())).unwrap();
+    let req = Request::post("/generate_stream")
+        .body(Body::from(body.clone()))
+        .unwrap();
     let resp = h.app.clone().oneshot(req).await.unwrap();
     assert_eq!(resp.status(), StatusCode::OK);
     let (status, v) = h.post("/generate", json!({"inputs": "hi"})).await;
@@ -565,7 +684,12 @@ async fn beyond_max_concurrent_requests_is_429_and_cancelled_streams_free_their_
         }
     }
     assert!(ok, "the cancelled request should be dropped");
-    let (status, v) = h.post("/generate", json!({"inputs": "hi", "parameters": {"max_new_tokens": 2}})).await;
+    let (status, v) = h
+        .post(
+            "/generate",
+            json!({"inputs": "hi", "parameters": {"max_new_tokens": 2}}),
+        )
+        .await;
     assert_eq!(status, StatusCode::OK, "{v}");
     h.assert_protocol_ok();
 }
@@ -573,12 +697,24 @@ async fn beyond_max_concurrent_requests_is_429_and_cancelled_streams_free_their_
 #[tokio::test]
 async fn info_and_health_answer() {
     let h = harness(Script::Hash);
-    let resp = h.app.clone().oneshot(Request::get("/info").body(Body::empty()).unwrap()).await.unwrap();
+    let resp = h
+        .app
+        .clone()
+        .oneshot(Request::get("/info").body(Body::empty()).unwrap())
+        .await
+        .unwrap();
     assert_eq!(resp.status(), StatusCode::OK);
-    let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX).await.unwrap();
+    let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX)
+        .await
+        .unwrap();
     let v: Value = serde_json::from_slice(&bytes).unwrap();
     assert_eq!(v["router"], "cadence");
     assert_eq!(v["max_total_tokens"], 64);
-    let resp = h.app.clone().oneshot(Request::get("/health").body(Body::empty()).unwrap()).await.unwrap();
+    let resp = h
+        .app
+        .clone()
+        .oneshot(Request::get("/health").body(Body::empty()).unwrap())
+        .await
+        .unwrap();
     assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
 }

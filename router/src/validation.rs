@@ -90,7 +90,9 @@ fn sampling(p: &GenerateParameters) -> Result<(pb::SamplingParams, Option<u64>),
     }
     let top_p = p.top_p.unwrap_or(1.0);
     if top_p <= 0.0 || top_p > 1.0 {
-        return Err(invalid(format!("parameters.top_p must be in (0, 1], got {top_p}")));
+        return Err(invalid(format!(
+            "parameters.top_p must be in (0, 1], got {top_p}"
+        )));
     }
     let typical_p = p.typical_p.unwrap_or(1.0);
     if typical_p <= 0.0 || typical_p > 1.0 {
@@ -100,7 +102,9 @@ fn sampling(p: &GenerateParameters) -> Result<(pb::SamplingParams, Option<u64>),
     }
     let min_p = p.min_p.unwrap_or(0.0);
     if !(0.0..1.0).contains(&min_p) {
-        return Err(invalid(format!("parameters.min_p must be in [0, 1), got {min_p}")));
+        return Err(invalid(format!(
+            "parameters.min_p must be in [0, 1), got {min_p}"
+        )));
     }
     let top_k = match p.top_k {
         None => 0,
@@ -191,7 +195,9 @@ impl Validation {
             }
         };
         if p.max_new_tokens == Some(0) {
-            return Err(invalid("parameters.max_new_tokens must be strictly positive"));
+            return Err(invalid(
+                "parameters.max_new_tokens must be strictly positive",
+            ));
         }
         let top_n_tokens = p.top_n_tokens.unwrap_or(0);
         if top_n_tokens > MAX_TOP_N_TOKENS {

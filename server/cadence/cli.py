@@ -13,11 +13,14 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
+from loguru import logger
+
 from cadence import __version__
 from cadence.config import ShardConfig
 from cadence.flags import add_flag, parse_size
-from cadence.launcher import LaunchConfig
+from cadence.launcher import LaunchConfig, LaunchError
 from cadence.logs import LOG_FORMATS, setup_logging
+from cadence.model_source import ModelSourceError
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 T = TypeVar("T")
@@ -178,5 +181,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(args.log_format)
     try:
         return args.run(args)
+    except (LaunchError, ModelSourceError) as err:  # the user's to fix: no traceback
+        logger.error(str(err))
+        return 2
     except KeyboardInterrupt:
         return 130

@@ -22,6 +22,7 @@ from cadence.supervisor import ChildExited, Stopped, Supervisor
 
 EMBEDDED_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 MiB = 1024**2
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # both stop the stack cleanly, exit 0
 
 
 class LaunchError(RuntimeError):
@@ -117,9 +118,6 @@ def launch(cfg: LaunchConfig) -> int:
                 Path(path).unlink(missing_ok=True)
 
 
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
 def shard_client(uds_path: str) -> Any:
     from cadence.shard.client import ShardClient
 
@@ -154,7 +152,7 @@ def _answers_health(client: Any, uds_path: str) -> bool:
     if not os.path.exists(uds_path):
         return False
     try:
-        client.health()
+        client.health(timeout=2.0)
         return True
     except Exception:  # grpc.RpcError while the server is still coming up
         return False

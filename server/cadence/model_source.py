@@ -60,6 +60,8 @@ def resolve_model(model_id: str | None) -> str:
         return str(path.resolve())
     if path.exists():
         raise ModelSourceError(f"{model_id!r} exists but holds no config.json")
+    if model_id.startswith(("/", ".", "~")) or os.sep + os.sep in model_id:
+        raise ModelSourceError(f"no such model folder: {model_id!r}")
     return _download(model_id)
 
 

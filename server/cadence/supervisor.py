@@ -4,11 +4,15 @@ Children start in their own process group (so stopping one takes its own childre
 with it) and get PR_SET_PDEATHSIG, so no child outlives a launcher that is killed.
 PR_SET_PDEATHSIG fires when the *thread* that started the child ends: start children from
 the main thread.
+
+The death signal is set by a tiny exec shim rather than a `preexec_fn`: a `preexec_fn`
+forces a plain fork() that runs Python's at-fork hooks, and grpc's hooks (the launcher
+talks gRPC to the shards) can abort the child before it reaches exec. Without one,
+subprocess uses vfork() and the child runs no Python before exec.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -22,15 +26,19 @@ from typing import IO
 
 from loguru import logger
 
-_PR_SET_PDEATHSIG = 1
-
 
 class ChildExited(RuntimeError):
     """A supervised child ended while it should have been running."""
 
     def __init__(self, child: Child) -> None:
         self.child = child
-        super().__init__(f"{child.name} exited with code {child.proc.returncode}")
+        code = child.proc.returncode
+        how = (
+            f"was killed by {signal.Signals(-code).name}"
+            if code < 0
+            else f"exited with code {code}"
+        )
+        super().__init__(f"{child.name} {how}")
 
     def report(self) -> str:
         lines = "\n".join(f"  {line}" for line in self.child.tail)
@@ -54,15 +62,13 @@ class Child:
             reader.join(timeout)
 
 
-def _die_with_parent(parent_pid: int) -> Callable[[], None]:
-    libc = ctypes.CDLL(None, use_errno=True)  # loaded before fork: nothing to import after it
-
-    def preexec() -> None:
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent_pid:  # the parent died before prctl took effect
-            os._exit(1)
-
-    return preexec
+# argv: parent pid, then the command. PR_SET_PDEATHSIG survives the exec.
+_EXEC_WITH_PDEATHSIG = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None).prctl(1, signal.SIGTERM)\n"  # 1 = PR_SET_PDEATHSIG
+    "if os.getppid() != int(sys.argv[1]): os._exit(1)\n"  # the parent died before prctl
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
 
 
 class Supervisor:
@@ -78,13 +84,12 @@ class Supervisor:
     def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Child:
         logger.info("starting {}: {}", name, " ".join(argv))
         proc = subprocess.Popen(
-            argv,
+            [sys.executable, "-c", _EXEC_WITH_PDEATHSIG, str(os.getpid()), *argv],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env=env,
             start_new_session=True,
-            preexec_fn=_die_with_parent(os.getpid()),
         )
         child = Child(name, proc, deque(maxlen=self._tail_lines))
         for stream, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):

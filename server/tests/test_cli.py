@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 
 import pytest
-
 from cadence.cli import ConvertConfig, build_parser, config_from
 from cadence.config import ShardConfig
 from cadence.flags import env_name, parse_size

@@ -11,12 +11,11 @@ from pathlib import Path
 import pytest
 import regex
 import torch
-from safetensors.torch import load_file
-from tokenizers import Tokenizer
-
 from cadence.convert import convert_gguf, is_converted
 from cadence.convert.gguf import GGUFModel, hf_tensor_name, unpermute_rotary
 from cadence.model_source import embedded_gguf
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
 
 PROBES = [
     "Hello, world! It's a test; we'll see.",
@@ -236,3 +235,28 @@ def test_second_conversion_returns_the_finished_folder_at_once(
     assert (converted / "model.safetensors").stat().st_mtime_ns == before
     leftovers = [p for p in converted.parent.iterdir() if p.name.endswith(".tmp")]
     assert leftovers == []
+
+
+def test_losing_a_conversion_race_keeps_the_winners_folder(tmp_path: Path) -> None:
+    from cadence.convert.folder import REQUIRED_FILES, _publish
+
+    winner, loser = tmp_path / "model", tmp_path / ".model.x.tmp"
+    for folder, text in ((winner, "winner"), (loser, "loser")):
+        folder.mkdir()
+        for name in REQUIRED_FILES:
+            (folder / name).write_text(text)
+    _publish(loser, winner)  # rename fails: the target is a finished folder
+    assert (winner / "config.json").read_text() == "winner"
+
+
+def test_an_unfinished_output_folder_is_replaced(tmp_path: Path) -> None:
+    from cadence.convert.folder import REQUIRED_FILES, _publish
+
+    output, tmp = tmp_path / "model", tmp_path / ".model.x.tmp"
+    output.mkdir()
+    (output / "config.json").write_text("half")
+    tmp.mkdir()
+    for name in REQUIRED_FILES:
+        (tmp / name).write_text("whole")
+    _publish(tmp, output)
+    assert is_converted(output) and not tmp.exists()

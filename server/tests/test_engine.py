@@ -173,3 +173,10 @@ def test_copy_on_write_and_swap_round_trip_preserve_blocks(model_dirs, engine_fo
     kv.blocks[:, :, 7].zero_()
     kv.swap_in([5], [9])
     assert torch.equal(kv.blocks[:, :, 9], original)
+
+
+def test_a_uint64_seed_above_two_to_the_63_is_accepted(model_dirs, engine_for):
+    router = MiniRouter(engine_for(model_dirs("llama_gqa")))
+    params = shard_pb2.SamplingParams(do_sample=True, temperature=1.0, seed=(1 << 64) - 1)
+    resp = router.step(joined=[router.join(0, [5, 6, 7], sampling=params)])
+    assert len(resp.generations) == 1

@@ -100,3 +100,16 @@ def test_bfloat16_weights_load_in_the_target_dtype(model_dirs, hf_model):
     hf = hf_model(path)
     embed = hf.model.embed_tokens.weight.to(torch.bfloat16)
     assert torch.equal(model.model.embed_tokens.weight, embed)
+
+
+def test_sharded_checkpoints_load_through_their_index(model_dirs, hf_model, tmp_path):
+    hf = hf_model(model_dirs("llama_gqa"))
+    hf.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="50KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    ours = load_model(tmp_path, "float32", "cpu")
+    whole = load_model(model_dirs("llama_gqa"), "float32", "cpu")
+    for (name, a), (_, b) in zip(
+        ours.state_dict().items(), whole.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), name

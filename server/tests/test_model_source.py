@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from cadence.model_source import (
     ModelSourceError,
     default_model_dir,

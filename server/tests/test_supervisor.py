@@ -12,7 +12,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
 from cadence import launcher
 from cadence.launcher import LaunchConfig, launch
 from cadence.supervisor import ChildExited, Stopped, Supervisor
@@ -30,9 +29,9 @@ def _gone(pid: int) -> bool:
 
 def test_child_death_raises_with_its_last_lines() -> None:
     supervisor = Supervisor(tail_lines=3)
-    script = (
+    script = (  # one stream: lines from stdout and stderr have no order between them
         "import sys\n"
-        "for i in range(5): print('line', i)\n"
+        "for i in range(5): print('line', i, file=sys.stderr)\n"
         "print('boom', file=sys.stderr)\n"
         "sys.exit(3)"
     )
@@ -42,8 +41,19 @@ def test_child_death_raises_with_its_last_lines() -> None:
     supervisor.stop()
     assert caught.value.child.proc.returncode == 3
     report = caught.value.report()
-    assert "dummy exited with code 3" in report
-    assert "boom" in report and "line 4" in report and "line 0" not in report  # ring of 3
+    assert report.startswith("dummy exited with code 3; its last 3 lines:")
+    assert report.splitlines()[1:] == ["  line 3", "  line 4", "  boom"]  # a ring of 3
+
+
+def test_child_output_is_forwarded_line_by_line(capfd: pytest.CaptureFixture[str]) -> None:
+    supervisor = Supervisor()
+    script = "import sys\nprint('to stdout')\nprint('to stderr', file=sys.stderr)"
+    child = supervisor.start("echo", [PY, "-c", script])
+    child.proc.wait()
+    child.drain()
+    out, err = capfd.readouterr()
+    assert "[echo] to stdout" in out and "[echo] to stderr" in err
+    supervisor.stop()
 
 
 def test_stop_terminates_then_kills_stubborn_children() -> None:
@@ -121,7 +131,7 @@ class FakeShardClient:
     def __init__(self, uds_path: str) -> None:
         self.uds_path = uds_path
 
-    def health(self) -> SimpleNamespace:
+    def health(self, timeout: float | None = None) -> SimpleNamespace:
         return SimpleNamespace(ready=False)
 
     def warmup(self, **kwargs: object) -> SimpleNamespace:

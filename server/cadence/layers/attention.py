@@ -15,6 +15,7 @@ each sequence's context through its block table into a padded tensor and call
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,6 +23,25 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+class Workspace:
+    """Scratch tensors reused by every layer and every step (grown, never shrunk), so
+    the per-layer context gathers do not allocate and fault in fresh pages each time."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        n = math.prod(shape)
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != device:
+            size = max(n, 2 * buf.numel()) if buf is not None and buf.dtype == dtype else n
+            buf = torch.empty(size, dtype=dtype, device=device)
+            self._buffers[name] = buf
+        return buf[:n].view(shape)
 
 
 @dataclass(slots=True)
@@ -33,10 +53,13 @@ class AttentionContext:
     block_size: int
     num_decode: int  # the first num_decode sequences (and tokens) have one query each
     max_query_len: int  # over the prefill sequences
+    decode_tables: torch.Tensor | None = None  # [Bd, blocks the decodes need]
+    prefill_tables: torch.Tensor | None = None  # [Bp, blocks the prefills need]
     decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, L] key is visible
     prefill_mask: torch.Tensor | None = None  # [Bp, 1, max_q, L]
     prefill_seq: torch.Tensor | None = None  # [Tp] prefill sequence of each prefill token
     prefill_col: torch.Tensor | None = None  # [Tp] index of each token within its chunk
+    workspace: Workspace | None = None
 
     @classmethod
     def build(
@@ -48,9 +71,13 @@ class AttentionContext:
         block_size: int,
         num_decode: int,
         max_query_len: int,
+        decode_blocks: int,
+        prefill_blocks: int,
+        workspace: Workspace | None = None,
     ) -> AttentionContext:
         """Derives the masks and padding indices once per step (shared by every layer).
-        `max_query_len` is passed in by the caller, who knows it without a host sync."""
+        The Python ints (longest prefill chunk, blocks spanned by the longest decode and
+        prefill context) come from the caller, who knows them without a device sync."""
         ctx = cls(
             slot_mapping,
             query_start,
@@ -59,14 +86,18 @@ class AttentionContext:
             block_size,
             num_decode,
             max_query_len,
+            workspace=workspace,
         )
         device = context_lens.device
-        keys = torch.arange(block_tables.shape[1] * block_size, device=device)
         if num_decode > 0:
+            ctx.decode_tables = block_tables[:num_decode, :decode_blocks]
+            keys = torch.arange(decode_blocks * block_size, device=device)
             lens = context_lens[:num_decode]
             ctx.decode_mask = (keys < lens.unsqueeze(1)).view(num_decode, 1, 1, -1)
         num_prefill = context_lens.shape[0] - num_decode
         if num_prefill > 0:
+            ctx.prefill_tables = block_tables[num_decode:, :prefill_blocks]
+            keys = torch.arange(prefill_blocks * block_size, device=device)
             starts = query_start[num_decode:]
             q_lens = starts[1:] - starts[:-1]
             num_tokens = slot_mapping.shape[0] - num_decode
@@ -114,11 +145,24 @@ def write_kv(
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[B, kv_heads, max_blocks * block_size, head_dim]: each sequence's context."""
-    b, n = block_tables.shape
-    x = cache[block_tables].view(b, n * cache.shape[1], cache.shape[2], cache.shape[3])
-    return x.transpose(1, 2).to(dtype)
+def _gather(
+    cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None
+) -> torch.Tensor:
+    """[B, kv_heads, blocks * block_size, head_dim]: each sequence's context, copied block
+    by block through its block table (into `out` when given)."""
+    b, n = tables.shape
+    flat = cache.view(cache.shape[0], -1)
+    rows = torch.index_select(flat, 0, tables.reshape(-1), out=out)
+    x = rows.view(b, n * cache.shape[1], cache.shape[2], cache.shape[3]).transpose(1, 2)
+    return x.to(dtype)
+
+
+def _scratch(name: str, cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor | None:
+    ws = get_context().workspace if _CONTEXT is not None else None
+    if ws is None:
+        return None
+    shape = (tables.numel(), math.prod(cache.shape[1:]))
+    return ws.get(name, shape, cache.dtype, cache.device)
 
 
 def decode_attention(
@@ -130,8 +174,8 @@ def decode_attention(
     scale: float,
 ) -> torch.Tensor:
     """q: [B, heads, head_dim], one query per sequence -> [B, heads, head_dim]."""
-    k = _gather(k_cache, block_tables, q.dtype)
-    v = _gather(v_cache, block_tables, q.dtype)
+    k = _gather(k_cache, block_tables, q.dtype, _scratch("decode_k", k_cache, block_tables))
+    v = _gather(v_cache, block_tables, q.dtype, _scratch("decode_v", v_cache, block_tables))
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True
     )
@@ -147,11 +191,12 @@ def prefill_attention(
 ) -> torch.Tensor:
     """q: [Tp, heads, head_dim], the prefill tokens, packed -> same shape."""
     assert ctx.prefill_seq is not None and ctx.prefill_col is not None
-    tables = ctx.block_tables[ctx.num_decode :]
+    tables = ctx.prefill_tables
+    assert tables is not None
     padded = q.new_zeros(tables.shape[0], ctx.max_query_len, q.shape[1], q.shape[2])
     padded[ctx.prefill_seq, ctx.prefill_col] = q
-    k = _gather(k_cache, tables, q.dtype)
-    v = _gather(v_cache, tables, q.dtype)
+    k = _gather(k_cache, tables, q.dtype, _scratch("prefill_k", k_cache, tables))
+    v = _gather(v_cache, tables, q.dtype, _scratch("prefill_v", v_cache, tables))
     out = F.scaled_dot_product_attention(
         padded.transpose(1, 2), k, v, attn_mask=ctx.prefill_mask, scale=scale, enable_gqa=True
     )
@@ -164,15 +209,16 @@ def paged_attention(
     """Attention for a mixed batch (decode rows first): q [T, heads, head_dim]."""
     ctx = get_context()
     d = ctx.num_decode
-    if d == q.shape[0]:
-        assert ctx.decode_mask is not None
-        return decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.decode_mask, scale)
+    if d > 0:
+        assert ctx.decode_tables is not None and ctx.decode_mask is not None
+        decode = decode_attention(
+            q[:d], k_cache, v_cache, ctx.decode_tables, ctx.decode_mask, scale
+        )
+        if d == q.shape[0]:
+            return decode
     prefill = prefill_attention(q[d:], k_cache, v_cache, ctx, scale)
     if d == 0:
         return prefill
-    assert ctx.decode_mask is not None
-    tables = ctx.block_tables[:d]
-    decode = decode_attention(q[:d], k_cache, v_cache, tables, ctx.decode_mask, scale)
     return torch.cat((decode, prefill), dim=0)
 
 

@@ -12,7 +12,7 @@ from loguru import logger
 
 from cadence.config import ShardConfig
 from cadence.kv_cache import KVCache, bytes_per_block
-from cadence.layers.attention import AttentionContext, forward_context
+from cadence.layers.attention import AttentionContext, Workspace, forward_context
 from cadence.models import load_model, read_config, to_dtype
 from cadence.pb import shard_pb2
 from cadence.sampling import TOP_N, SamplingBatch, sample
@@ -73,6 +73,7 @@ class Engine:
         self.bytes_per_block = bytes_per_block(
             len(self.attention), cfg.block_size, first.num_kv_heads, first.head_dim, self.kv_dtype
         )
+        self.workspace = Workspace()
         self.kv: KVCache | None = None
         self.state: BatchState | None = None
         logger.info(
@@ -211,6 +212,9 @@ class Engine:
             block_size=self.block_size,
             num_decode=batch.num_decode,
             max_query_len=batch.max_query_len,
+            decode_blocks=batch.decode_blocks,
+            prefill_blocks=batch.prefill_blocks,
+            workspace=self.workspace,
         )
         with forward_context(ctx):
             return self.model(batch.input_ids.to(d), batch.positions.to(d))

@@ -41,6 +41,8 @@ class ForwardBatch:
     block_tables: torch.Tensor  # [B, max_blocks]
     num_decode: int
     max_query_len: int
+    decode_blocks: int  # blocks spanned by the longest decode context
+    prefill_blocks: int  # blocks spanned by the longest prefill context
     sample_rows: torch.Tensor  # [R] rows that sample
     sample_tokens: torch.Tensor  # [R] their last token's index in the flat batch
     sampling: SamplingBatch | None = None
@@ -141,8 +143,9 @@ class BatchState:
                 plan.rows.append((r.id, r.num_compute))
         plan.joined = list(req.joined)
         cont: list[shard_pb2.ContinuingRequest] = []
+        joined_ids = {r.id for r in req.joined}
         for c in req.continuing:
-            if c.id not in held or c.id in {j.id for j in req.joined}:
+            if c.id not in held or c.id in joined_ids:
                 raise StepError(f"continuing request {c.id} is not held")
             if c.new_blocks and max(c.new_blocks) >= nb:
                 raise StepError(f"request {c.id}: new block {max(c.new_blocks)} >= {nb}")
@@ -255,7 +258,10 @@ class BatchState:
         blocks = self.block_tables[token_slot, positions // bs]
         slot_mapping = blocks * bs + positions % bs
         context_lens = start + n
-        max_blocks = -(-int(context_lens.max()) // bs)
+        lens = context_lens.tolist()
+        decode_blocks = -(-max(lens[:num_decode], default=0) // bs)
+        prefill_blocks = -(-max(lens[num_decode:], default=0) // bs)
+        max_blocks = max(decode_blocks, prefill_blocks)
         sample_rows = (context_lens == self.seq_lens[slots]).nonzero().squeeze(1)
         return ForwardBatch(
             ids=ids,
@@ -268,6 +274,8 @@ class BatchState:
             block_tables=self.block_tables[slots, :max_blocks],
             num_decode=num_decode,
             max_query_len=max(counts[num_decode:], default=1),
+            decode_blocks=decode_blocks,
+            prefill_blocks=prefill_blocks,
             sample_rows=sample_rows,
             sample_tokens=query_start[1:][sample_rows] - 1,
         )
