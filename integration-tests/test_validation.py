@@ -40,7 +40,9 @@ def test_invalid_parameter_is_a_422_naming_it(
 @pytest.mark.parametrize("route", ["/generate", "/generate_stream"])
 def test_malformed_json_is_a_422(client: httpx.Client, route: str) -> None:
     response = client.post(
-        route, content=b'{"inputs": "hi", "parameters": {', headers={"content-type": "application/json"}
+        route,
+        content=b'{"inputs": "hi", "parameters": {',
+        headers={"content-type": "application/json"},
     )
     assert response.status_code == 422, response.text
     assert response.json()["error_type"] == "validation"
