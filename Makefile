@@ -3,7 +3,7 @@
 PYTHON ?= python3
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/cadence-target
 
-.PHONY: install deps proto router model test test-rust test-python test-integration lint fmt clean
+.PHONY: install deps proto router router-inplace model test test-rust test-python test-integration lint fmt clean
 
 install: deps proto router model
 
@@ -47,3 +47,9 @@ fmt:
 
 clean:
 	rm -rf server/cadence/pb/*_pb2*.py server/cadence/pb/*_pb2*.pyi server/cadence/*.so
+
+# For a second work tree (git worktree) without touching the installed package: builds the
+# extension in place; run with PYTHONPATH=$(CURDIR)/server so this tree's cadence is imported.
+router-inplace: proto
+	cargo build --release --features python --manifest-path router/Cargo.toml
+	cp $(CARGO_TARGET_DIR)/release/libcadence_router.so server/cadence/_router$(shell $(PYTHON) -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
