@@ -16,7 +16,10 @@ from cadence.config import ShardConfig  # noqa: E402
 from cadence.shard.engine import Engine  # noqa: E402
 from transformers import (  # noqa: E402
     AutoModelForCausalLM,
+    GPT2Config,
     LlamaConfig,
+    MistralConfig,
+    OPTConfig,
     PreTrainedModel,
     Qwen2Config,
 )
@@ -33,13 +36,31 @@ TINY = dict(
     eos_token_id=2,
 )
 
-# name -> (config class, overrides)
-VARIANTS: dict[str, tuple[type, dict]] = {
-    "llama_gqa": (LlamaConfig, {}),
-    "llama_mha_tied": (LlamaConfig, {"num_key_value_heads": 4, "tie_word_embeddings": True}),
-    "llama_bias": (LlamaConfig, {"attention_bias": True}),
+# The same tiny sizes in OPT's and GPT-2's vocabulary.
+TINY_OPT = dict(
+    hidden_size=64,
+    ffn_dim=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    vocab_size=256,
+    max_position_embeddings=64,  # a small position table: the layers dominate, as in real OPT
+    word_embed_proj_dim=64,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+TINY_GPT2 = dict(
+    n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64, bos_token_id=1, eos_token_id=2
+)
+
+# name -> (config class, base sizes, overrides)
+VARIANTS: dict[str, tuple[type, dict, dict]] = {
+    "llama_gqa": (LlamaConfig, TINY, {}),
+    "llama_mha_tied": (LlamaConfig, TINY, {"num_key_value_heads": 4, "tie_word_embeddings": True}),
+    "llama_bias": (LlamaConfig, TINY, {"attention_bias": True}),
     "llama3_rope": (
         LlamaConfig,
+        TINY,
         {
             "rope_scaling": {
                 "rope_type": "llama3",
@@ -51,14 +72,31 @@ VARIANTS: dict[str, tuple[type, dict]] = {
             "rope_theta": 500000.0,
         },
     ),
-    "qwen2": (Qwen2Config, {"tie_word_embeddings": True}),
+    "qwen2": (Qwen2Config, TINY, {"tie_word_embeddings": True}),
+    # one KV head: fewer KV heads than 2 shards (replicated); a vocabulary of 257 rows
+    "llama_kv1_odd_vocab": (LlamaConfig, TINY, {"num_key_value_heads": 1, "vocab_size": 257}),
+    "mistral_window": (MistralConfig, TINY, {"sliding_window": 8}),
+    "qwen2_window": (
+        Qwen2Config,
+        TINY,
+        {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
+    ),
+    "opt": (OPTConfig, TINY_OPT, {}),
+    # opt-350m's shape: LayerNorm after each block, project_in/out around a narrower
+    # embedding, no final LayerNorm; and an odd vocabulary
+    "opt_350m": (
+        OPTConfig,
+        TINY_OPT,
+        {"do_layer_norm_before": False, "word_embed_proj_dim": 32, "vocab_size": 257},
+    ),
+    "gpt2": (GPT2Config, TINY_GPT2, {}),
 }
 
 
 def _build(name: str, root: Path) -> Path:
-    cls, overrides = VARIANTS[name]
+    cls, base, overrides = VARIANTS[name]
     torch.manual_seed(0)
-    config = cls(**{**TINY, **overrides})
+    config = cls(**{**base, **overrides})
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # larger weights than the default init: sharper distributions
         for p in model.parameters():

@@ -6,11 +6,14 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from cadence.pb import shard_pb2
 from cadence.shard.engine import Engine
-from transformers import PreTrainedModel
+
+if TYPE_CHECKING:  # transformers is slow to import; tensor-parallel ranks do without it
+    from transformers import PreTrainedModel
 
 
 @dataclass

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +60,10 @@ class AttentionContext:
     prefill_seq: torch.Tensor | None = None  # [Tp] prefill sequence of each prefill token
     prefill_col: torch.Tensor | None = None  # [Tp] index of each token within its chunk
     workspace: Workspace | None = None
+    # sliding-window masks, built on first use per window size: window -> (decode, prefill)
+    windowed: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = field(
+        default_factory=dict
+    )
 
     @classmethod
     def build(
@@ -111,6 +115,35 @@ class AttentionContext:
             pos = first + torch.arange(max_query_len, device=device).view(1, -1, 1)
             ctx.prefill_mask = (keys.view(1, 1, -1) <= pos).unsqueeze(1)
         return ctx
+
+    def masks(self, window: int | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(decode, prefill) masks; with a sliding `window`, a query at position p sees
+        only keys k with p - window < k <= p (Mistral's convention)."""
+        if window is None:
+            return self.decode_mask, self.prefill_mask
+        if window not in self.windowed:
+            self.windowed[window] = (self._windowed_decode(window), self._windowed_prefill(window))
+        return self.windowed[window]
+
+    def _windowed_decode(self, window: int) -> torch.Tensor | None:
+        if self.decode_mask is None:
+            return None
+        d = self.num_decode
+        keys = torch.arange(self.decode_mask.shape[-1], device=self.context_lens.device)
+        first = (self.context_lens[:d] - window).view(d, 1, 1, 1)  # query at lens - 1
+        return self.decode_mask & (keys.view(1, 1, 1, -1) >= first)
+
+    def _windowed_prefill(self, window: int) -> torch.Tensor | None:
+        if self.prefill_mask is None:
+            return None
+        d = self.num_decode
+        device = self.context_lens.device
+        starts = self.query_start[d:]
+        q_lens = starts[1:] - starts[:-1]
+        first = (self.context_lens[d:] - q_lens).view(-1, 1, 1)
+        pos = first + torch.arange(self.max_query_len, device=device).view(1, -1, 1)
+        keys = torch.arange(self.prefill_mask.shape[-1], device=device).view(1, 1, -1)
+        return self.prefill_mask & (keys > pos - window).unsqueeze(1)
 
 
 _CONTEXT: AttentionContext | None = None
@@ -188,9 +221,12 @@ def prefill_attention(
     v_cache: torch.Tensor,
     ctx: AttentionContext,
     scale: float,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [Tp, heads, head_dim], the prefill tokens, packed -> same shape."""
+    """q: [Tp, heads, head_dim], the prefill tokens, packed -> same shape. `mask`
+    defaults to the causal one."""
     assert ctx.prefill_seq is not None and ctx.prefill_col is not None
+    mask = ctx.prefill_mask if mask is None else mask
     tables = ctx.prefill_tables
     assert tables is not None
     padded = q.new_zeros(tables.shape[0], ctx.max_query_len, q.shape[1], q.shape[2])
@@ -198,25 +234,28 @@ def prefill_attention(
     k = _gather(k_cache, tables, q.dtype, _scratch("prefill_k", k_cache, tables))
     v = _gather(v_cache, tables, q.dtype, _scratch("prefill_v", v_cache, tables))
     out = F.scaled_dot_product_attention(
-        padded.transpose(1, 2), k, v, attn_mask=ctx.prefill_mask, scale=scale, enable_gqa=True
+        padded.transpose(1, 2), k, v, attn_mask=mask, scale=scale, enable_gqa=True
     )
     return out.transpose(1, 2)[ctx.prefill_seq, ctx.prefill_col]
 
 
 def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Attention for a mixed batch (decode rows first): q [T, heads, head_dim]."""
     ctx = get_context()
+    decode_mask, prefill_mask = ctx.masks(sliding_window)
     d = ctx.num_decode
     if d > 0:
-        assert ctx.decode_tables is not None and ctx.decode_mask is not None
-        decode = decode_attention(
-            q[:d], k_cache, v_cache, ctx.decode_tables, ctx.decode_mask, scale
-        )
+        assert ctx.decode_tables is not None and decode_mask is not None
+        decode = decode_attention(q[:d], k_cache, v_cache, ctx.decode_tables, decode_mask, scale)
         if d == q.shape[0]:
             return decode
-    prefill = prefill_attention(q[d:], k_cache, v_cache, ctx, scale)
+    prefill = prefill_attention(q[d:], k_cache, v_cache, ctx, scale, prefill_mask)
     if d == 0:
         return prefill
     return torch.cat((decode, prefill), dim=0)
@@ -226,12 +265,20 @@ class Attention(nn.Module):
     """One layer's attention over its slice of the paged cache. The engine assigns
     `k_cache` and `v_cache` once the cache is allocated."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_window = sliding_window  # None: full causal attention
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
@@ -239,5 +286,5 @@ class Attention(nn.Module):
         """q: [T, heads, head_dim], k/v: [T, kv_heads, head_dim] -> [T, heads * head_dim]."""
         ctx = get_context()
         write_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
-        out = paged_attention(q, self.k_cache, self.v_cache, self.scale)
+        out = paged_attention(q, self.k_cache, self.v_cache, self.scale, self.sliding_window)
         return out.reshape(q.shape[0], -1)

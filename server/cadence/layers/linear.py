@@ -105,8 +105,10 @@ class QKVLinear(ColumnParallelLinear):
         size = tp_size()
         self.head_dim = head_dim
         self.num_heads = divide(num_heads, size)
-        self.num_kv_heads = max(1, num_kv_heads // size)
-        self.kv_replicas = divide(size, num_kv_heads) if num_kv_heads < size else 1
+        if num_kv_heads >= size:
+            self.num_kv_heads, self.kv_replicas = divide(num_kv_heads, size), 1
+        else:  # each KV head serves `kv_replicas` consecutive ranks
+            self.num_kv_heads, self.kv_replicas = 1, divide(size, num_kv_heads)
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         LinearBase.__init__(self, hidden_size, out, bias)
 

@@ -1,4 +1,4 @@
-"""RMSNorm with an optional fused residual add."""
+"""RMSNorm with an optional fused residual add, and LayerNorm."""
 
 from __future__ import annotations
 
@@ -26,3 +26,10 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+
+class LayerNorm(nn.LayerNorm):
+    """torch's LayerNorm, its parameters created empty and filled from the checkpoint."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, affine: bool = True) -> None:
+        super().__init__(hidden_size, eps=eps, elementwise_affine=affine)

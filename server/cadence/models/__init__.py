@@ -11,8 +11,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from cadence.models.gpt2 import GPT2Config, GPT2LMHeadModel
 from cadence.models.llama import LlamaConfig, LlamaForCausalLM
 from cadence.models.loader import load_weights
+from cadence.models.opt import OPTConfig, OPTForCausalLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -21,10 +23,22 @@ def _llama(config: dict[str, Any]) -> nn.Module:
     return LlamaForCausalLM(LlamaConfig.from_dict(config))
 
 
+def _opt(config: dict[str, Any]) -> nn.Module:
+    return OPTForCausalLM(OPTConfig.from_dict(config))
+
+
+def _gpt2(config: dict[str, Any]) -> nn.Module:
+    return GPT2LMHeadModel(GPT2Config.from_dict(config))
+
+
+# config.json's model_type -> builder. Adding a family: a module in models/ written
+# against cadence.layers, and one line here (see docs/models.md).
 ARCHITECTURES: dict[str, Callable[[dict[str, Any]], nn.Module]] = {
     "llama": _llama,
     "mistral": _llama,
     "qwen2": _llama,
+    "opt": _opt,
+    "gpt2": _gpt2,
 }
 
 
@@ -61,5 +75,5 @@ def load_model(
             model = build(config)
     finally:
         torch.set_default_dtype(previous)
-    load_weights(model, Path(model_dir))
+    model.checkpoint_bytes_read = load_weights(model, Path(model_dir))
     return model.eval()

@@ -1,5 +1,6 @@
-"""The Llama family (Llama, Mistral, Qwen2): RMSNorm, rotary embeddings, grouped-query
-attention over the paged cache, SwiGLU MLP, optionally tied embeddings.
+"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM): RMSNorm, rotary embeddings,
+grouped-query attention over the paged cache (Mistral's and Qwen2's sliding window per
+layer), SwiGLU MLP, optionally tied embeddings.
 
 Written against the tensor-parallel layers and the attention interface, never against
 a device. `LlamaForCausalLM.forward` returns hidden states; `compute_logits` projects
@@ -38,6 +39,7 @@ class LlamaConfig:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
+    sliding_windows: list[int | None]  # per layer; None: full attention
 
     @classmethod
     def from_dict(cls, c: dict[str, Any]) -> LlamaConfig:
@@ -62,11 +64,29 @@ class LlamaConfig:
             qkv_bias=qwen2 or attention_bias,  # Qwen2 always has q/k/v biases
             o_bias=attention_bias and not qwen2,
             mlp_bias=bool(c.get("mlp_bias", False)),
+            sliding_windows=sliding_windows(c),
         )
 
 
+def sliding_windows(c: dict[str, Any]) -> list[int | None]:
+    """Each layer's attention window: config.json's `layer_types` when written
+    (transformers 5), else Mistral's window on every layer, Qwen2's on the layers from
+    `max_window_layers` on when `use_sliding_window`."""
+    n, window = c["num_hidden_layers"], c.get("sliding_window")
+    if not window:
+        return [None] * n
+    if c.get("layer_types"):
+        return [window if t == "sliding_attention" else None for t in c["layer_types"]]
+    if c.get("model_type") == "qwen2":
+        if not c.get("use_sliding_window", False):
+            return [None] * n
+        first = c.get("max_window_layers", n)
+        return [window if i >= first else None for i in range(n)]
+    return [window] * n
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, layer: int) -> None:
         super().__init__()
         self.qkv_proj = QKVLinear(
             cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, bias=cfg.qkv_bias
@@ -78,7 +98,11 @@ class LlamaAttention(nn.Module):
             cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias
         )
         self.attn = Attention(
-            self.num_heads, self.num_kv_heads, cfg.head_dim, scale=cfg.head_dim**-0.5
+            self.num_heads,
+            self.num_kv_heads,
+            cfg.head_dim,
+            scale=cfg.head_dim**-0.5,
+            sliding_window=cfg.sliding_windows[layer],
         )
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -107,9 +131,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, layer: int) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg)
+        self.self_attn = LlamaAttention(cfg, layer)
         self.mlp = LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -134,7 +158,7 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope)
 

@@ -68,6 +68,7 @@ class Engine:
         self.attention = self.model.attention_layers()
         unique = {p.data_ptr(): p for p in self.model.parameters()}.values()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in unique)
+        self.checkpoint_bytes_read: int = getattr(self.model, "checkpoint_bytes_read", 0)
         self.block_size = cfg.block_size
         first = self.attention[0]
         self.bytes_per_block = bytes_per_block(
@@ -78,7 +79,8 @@ class Engine:
         self.state: BatchState | None = None
         logger.info(
             f"loaded {self.config.get('model_type')} from {cfg.model_dir} "
-            f"({self.weight_bytes / MiB:.0f} MiB {cfg.dtype} on {self.device}) "
+            f"({self.weight_bytes / MiB:.1f} MiB {cfg.dtype} on {self.device}, rank "
+            f"{cfg.rank}/{cfg.world_size}, {self.checkpoint_bytes_read / MiB:.1f} MiB read) "
             f"in {time.perf_counter() - started:.1f}s"
         )
 
@@ -89,7 +91,7 @@ class Engine:
         return self.state is not None
 
     def info(self) -> shard_pb2.InfoResponse:
-        c = self.config
+        c, m = self.config, self.model.config
         return shard_pb2.InfoResponse(
             model_id=self.cfg.model_id or self.cfg.model_dir,
             model_type=c.get("model_type", ""),
@@ -98,8 +100,8 @@ class Engine:
             block_size=self.block_size,
             rank=self.cfg.rank,
             world_size=self.cfg.world_size,
-            max_position_embeddings=c.get("max_position_embeddings", 0),
-            vocab_size=c["vocab_size"],
+            max_position_embeddings=m.max_position_embeddings,
+            vocab_size=m.vocab_size,
             eos_token_ids=_eos_ids(self.cfg.model_dir, c),
         )
 
@@ -119,6 +121,8 @@ class Engine:
             fraction = memory_fraction if 0 < memory_fraction <= 1 else 0.9
             total = available_bytes(self.device)
             used = self.weight_bytes if self.device.type == "cuda" else 0
+            if self.device.type == "cpu":  # the ranks share the host's memory
+                total //= self.cfg.world_size
             budget = int(fraction * total) - used - activation
         num_blocks = budget // self.bytes_per_block
         if dist.is_initialized():  # every rank must hold the same block ids
@@ -270,7 +274,7 @@ class Engine:
         )
         for i, layer in enumerate(self.attention):
             layer.k_cache, layer.v_cache = self.kv.layer(i)
-        vocab = self.config["vocab_size"]
+        vocab = self.model.config.vocab_size
         self.state = BatchState(
             self.block_size, num_blocks, vocab, capacity=max(16, max_batch_size)
         )
@@ -321,11 +325,9 @@ class Engine:
             for layer in self.attention:
                 layer.k_cache = layer.v_cache = torch.empty(0)
         if peak is None:  # no peak counter: a generous estimate from the shapes
-            hidden = self.config["hidden_size"]
-            inter = self.config.get("intermediate_size", 4 * hidden)
-            vocab = self.config["vocab_size"]
+            m = self.model.config
+            hidden, inter, vocab, heads = m.hidden_size, m.intermediate_size, m.vocab_size, m.num_heads
             item = self.dtype.itemsize
-            heads = self.config["num_attention_heads"]
             peak = max_batch_tokens * (6 * hidden + 3 * inter) * item
             peak += heads * long * long * 4 + 8 * max_batch_size * vocab * 4
         return max(0, peak - scratch)

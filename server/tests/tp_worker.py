@@ -1,0 +1,105 @@
+"""One tensor-parallel rank of the shard tests, run in its own process (spawned): joins
+a gloo group, loads each model's slice into an Engine, and records the logits of a
+scripted run (a prefill, decodes, a second request joining mid-way) to a file.
+
+Kept free of transformers imports so a spawned rank starts fast."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+PROMPT_LEN, DECODES, LATE_LEN = 21, 10, 18
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def script_tokens(seed: int = 1) -> tuple[list[int], list[int], list[int], list[int]]:
+    """Prompt and forced continuation of request 1, then of request 2 (joins later)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def draw(n: int) -> list[int]:
+        return torch.randint(3, 256, (n,), generator=g).tolist()
+
+    return draw(PROMPT_LEN), draw(DECODES), draw(LATE_LEN), draw(DECODES)
+
+
+def scripted_logits(engine: object) -> dict[int, torch.Tensor]:
+    """Request 1 prefills then decodes DECODES tokens; request 2 joins at decode 3 and
+    decodes alongside. Returns every computed token's logits per request."""
+    from shard_helpers import MiniRouter
+
+    router = MiniRouter(engine, seed=5)  # type: ignore[arg-type]
+    p1, f1, p2, f2 = script_tokens()
+    got: dict[int, list[torch.Tensor]] = {1: [], 2: []}
+    out = router.logits_step(joined=[router.join(1, p1)], forced={1: f1[0]})
+    got[1].append(out[1])
+    n2 = 0
+    for i in range(1, DECODES):
+        joined, forced = [], {1: f1[i]}
+        continuing = [router.cont(1)]
+        if i == 3:
+            joined = [router.join(2, p2)]
+        elif i > 3:
+            continuing.append(router.cont(2))
+        if i >= 3:
+            forced[2] = f2[n2]
+            n2 += 1
+        out = router.logits_step(joined=joined, continuing=continuing, forced=forced)
+        for rid, logits in out.items():
+            got[rid].append(logits)
+    return {rid: torch.cat(parts) for rid, parts in got.items()}
+
+
+def run_rank(
+    rank: int, world_size: int, port: int, model_dirs: list[str], out_dir: str, dtype: str
+) -> None:
+    from cadence.config import ShardConfig
+    from cadence.shard.engine import Engine, init_distributed
+
+    torch.set_num_threads(1)
+    cfg = ShardConfig(
+        model_dir="", uds_path="", dtype=dtype, rank=rank, world_size=world_size, master_port=port
+    )
+    init_distributed(cfg)
+    results = {}
+    try:
+        for model_dir in model_dirs:
+            cfg.model_dir = model_dir
+            engine = Engine(cfg)
+            engine.warmup(max_batch_tokens=64, max_batch_size=8, kv_cache_bytes=1 << 20)
+            results[Path(model_dir).name] = {
+                "logits": scripted_logits(engine),
+                "weight_bytes": engine.weight_bytes,
+                "checkpoint_bytes_read": engine.checkpoint_bytes_read,
+                "kv_heads": engine.attention[0].num_kv_heads,
+            }
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_group(world_size: int, model_dirs: list[str], out_dir: Path, dtype: str) -> list[dict]:
+    """Runs every rank in its own spawned process; returns each rank's results."""
+    import torch.multiprocessing as mp
+
+    port = free_port()
+    mp.start_processes(
+        _entry,
+        args=(world_size, port, model_dirs, str(out_dir), dtype),
+        nprocs=world_size,
+        start_method="spawn",
+    )
+    return [torch.load(out_dir / f"rank{r}.pt") for r in range(world_size)]
+
+
+def _entry(rank: int, *args: object) -> None:
+    run_rank(rank, *args)  # type: ignore[arg-type]
