@@ -326,7 +326,8 @@ class Engine:
                 layer.k_cache = layer.v_cache = torch.empty(0)
         if peak is None:  # no peak counter: a generous estimate from the shapes
             m = self.model.config
-            hidden, inter, vocab, heads = m.hidden_size, m.intermediate_size, m.vocab_size, m.num_heads
+            hidden, inter, heads = m.hidden_size, m.intermediate_size, m.num_heads
+            vocab = m.vocab_size
             item = self.dtype.itemsize
             peak = max_batch_tokens * (6 * hidden + 3 * inter) * item
             peak += heads * long * long * 4 + 8 * max_batch_size * vocab * 4
