@@ -17,7 +17,7 @@ from loguru import logger
 
 from cadence import __version__
 from cadence.config import ShardConfig
-from cadence.flags import add_flag, parse_size
+from cadence.flags import add_flag, add_switch, parse_size
 from cadence.launcher import LaunchConfig, LaunchError
 from cadence.logs import LOG_FORMATS, setup_logging
 from cadence.model_source import ModelSourceError
@@ -61,8 +61,24 @@ def _launch_parser(sub: Any) -> None:
     add(p, "--hostname", default="127.0.0.1", help="address the HTTP server binds")
     add(p, "--port", type=int, default=8080, help="port the HTTP server binds")
     add(p, "--dtype", default="bfloat16", choices=DTYPE_CHOICES, help="weights and activations")
+    add(p, "--kv-cache-dtype", choices=DTYPE_CHOICES, help="KV cache dtype (default: --dtype)")
     add(p, "--device", default="cpu", help="cpu, cuda or cuda:N")
-    add(p, "--num-shard", type=_positive_int, default=1, help="tensor-parallel shards (only 1)")
+    add(
+        p,
+        "--num-shard",
+        type=_positive_int,
+        default=1,
+        help="tensor-parallel shards: processes that each hold 1/N of every layer "
+        "(torch.distributed: gloo on CPU, NCCL on GPU)",
+    )
+    add(
+        p, "--master-port", type=int, help="torch.distributed rendezvous port (default: a free one)"
+    )
+    add_switch(
+        p,
+        "--check-rank-agreement",
+        help="debug: the router checks that every shard answers each step identically",
+    )
     add(p, "--block-size", type=_positive_int, default=16, help="tokens per KV cache block")
     add(p, "--kv-cache-memory", type=parse_size, help="KV cache size, e.g. 512MiB, 2GiB, bytes")
     add(

@@ -7,12 +7,13 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +36,11 @@ class LaunchConfig:
     hostname: str = "127.0.0.1"
     port: int = 8080
     dtype: str = "bfloat16"
+    kv_cache_dtype: str | None = None  # None: follow dtype
     device: str = "cpu"
-    num_shard: int = 1
+    num_shard: int = 1  # tensor-parallel ranks, one shard process each
+    master_port: int | None = None  # torch.distributed rendezvous; None: a free port
+    check_rank_agreement: bool = False  # router compares every rank's Step answer
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; None: memory_fraction of free memory
     memory_fraction: float = 0.1
@@ -57,6 +61,8 @@ def shard_argv(cfg: LaunchConfig, model_dir: str, uds_path: str, rank: int) -> l
         *("--model-id", model_dir, "--uds-path", uds_path),
         *("--dtype", cfg.dtype, "--device", cfg.device, "--block-size", str(cfg.block_size)),
         *("--rank", str(rank), "--world-size", str(cfg.num_shard)),
+        *("--master-addr", "127.0.0.1", "--master-port", str(cfg.master_port or 29500)),
+        *(("--kv-cache-dtype", cfg.kv_cache_dtype) if cfg.kv_cache_dtype else ()),
         *("--log-format", cfg.log_format),
     ]
 
@@ -79,14 +85,17 @@ def router_argv(
     argv += ["--max-concurrent-requests", str(cfg.max_concurrent_requests)]
     argv += ["--max-stop-sequences", str(cfg.max_stop_sequences)]
     argv += ["--log-format", cfg.log_format]
+    if cfg.check_rank_agreement:
+        argv += ["--check-rank-agreement"]
     return argv
 
 
 def launch(cfg: LaunchConfig) -> int:
     """Runs the whole stack; returns the process exit code."""
-    if cfg.num_shard != 1:
-        raise LaunchError(f"--num-shard {cfg.num_shard}: only 1 shard is supported for now")
     from cadence.model_source import resolve_model
+
+    if cfg.num_shard > 1 and cfg.master_port is None:
+        cfg = replace(cfg, master_port=_free_port())
 
     model_dir = resolve_model(cfg.model_id)
     own_dir = cfg.uds_dir is None
@@ -193,6 +202,12 @@ def _log_capacity(warmup: Any, num_blocks: int) -> None:
         warmup.weight_bytes / MiB,
         warmup.activation_bytes / MiB,
     )
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _connect_host(hostname: str) -> str:

@@ -8,7 +8,7 @@ import pytest
 from cadence.cli import ConvertConfig, build_parser, config_from
 from cadence.config import ShardConfig
 from cadence.flags import env_name, parse_size
-from cadence.launcher import LaunchConfig, LaunchError, launch, router_argv, shard_argv
+from cadence.launcher import LaunchConfig, router_argv, shard_argv
 
 
 @pytest.fixture(autouse=True)
@@ -125,6 +125,21 @@ def test_shard_and_router_command_lines_use_their_exact_flags() -> None:
     assert "--max-input-tokens" not in router
 
 
-def test_launch_refuses_more_than_one_shard() -> None:
-    with pytest.raises(LaunchError, match="only 1 shard"):
-        launch(LaunchConfig(num_shard=2))
+def test_tensor_parallel_flags_reach_every_shard_and_the_router() -> None:
+    cfg = LaunchConfig(
+        num_shard=2, master_port=29555, kv_cache_dtype="float32", check_rank_agreement=True
+    )
+    for rank in (0, 1):
+        shard = shard_argv(cfg, "/m", f"/u/shard-{rank}.sock", rank)
+        args = build_parser().parse_args(shard[3:])
+        assert (args.rank, args.world_size, args.master_port) == (rank, 2, 29555)
+        assert args.kv_cache_dtype == "float32"
+    router = router_argv(cfg, "/m", ["/u/shard-0.sock", "/u/shard-1.sock"], 8)
+    assert "--check-rank-agreement" in router
+    assert "--check-rank-agreement" not in router_argv(LaunchConfig(), "/m", ["/u/s"], 8)
+
+
+def test_check_rank_agreement_has_an_environment_twin(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not build_parser().parse_args(["launch"]).check_rank_agreement
+    monkeypatch.setenv("CADENCE_CHECK_RANK_AGREEMENT", "true")
+    assert config_from(build_parser().parse_args(["launch"]), LaunchConfig).check_rank_agreement
