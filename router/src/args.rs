@@ -77,6 +77,11 @@ pub struct Args {
     /// Log format.
     #[arg(long, env = "CADENCE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
+
+    /// Debug: compare every rank's Step answer with rank 0's and fail the step when they
+    /// differ (tensor-parallel ranks must compute the same tokens).
+    #[arg(long, env = "CADENCE_CHECK_RANK_AGREEMENT")]
+    pub check_rank_agreement: bool,
 }
 
 /// The limits every request is checked against, resolved once at start from the flags

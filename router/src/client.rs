@@ -1,5 +1,6 @@
 //! The one client for all shards. Every call goes to every rank concurrently; rank 0's
 //! answer is used (all ranks compute the same thing) and any rank's failure fails the call.
+//! With `check_agreement` (a debug flag) every rank's Step answer is compared with rank 0's.
 //! Shards listen on unix sockets.
 
 use std::future::Future;
@@ -30,6 +31,7 @@ pub trait Backend: Send + Sync + 'static {
 #[derive(Clone)]
 pub struct ShardClient {
     ranks: Vec<Grpc<Channel>>,
+    check_agreement: bool,
 }
 
 fn shard_error(rank: usize, status: tonic::Status) -> ShardError {
@@ -48,6 +50,27 @@ async fn connect_uds(path: &Path) -> Result<Channel, tonic::transport::Error> {
             async move { Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(path).await?)) }
         }))
         .await
+}
+
+/// Every rank must have sampled the same tokens with the same logprobs as rank 0.
+pub fn check_agreement(answers: &[pb::StepResponse]) -> Result<(), ShardError> {
+    let first = &answers[0].generations;
+    for (rank, answer) in answers.iter().enumerate().skip(1) {
+        if answer.generations != *first {
+            let ids = |g: &[pb::Generation]| -> Vec<(u64, Vec<u32>)> {
+                g.iter().map(|g| (g.id, g.token_ids.clone())).collect()
+            };
+            return Err(ShardError {
+                rank,
+                message: format!(
+                    "rank {rank} disagrees with rank 0: (request, tokens) {:?} != {:?}",
+                    ids(&answer.generations),
+                    ids(first)
+                ),
+            });
+        }
+    }
+    Ok(())
 }
 
 impl ShardClient {
@@ -76,7 +99,16 @@ impl ShardClient {
                     .max_encoding_message_size(MAX_MESSAGE_BYTES),
             );
         }
-        Ok(Self { ranks })
+        Ok(Self {
+            ranks,
+            check_agreement: false,
+        })
+    }
+
+    /// Compare every rank's Step answer with rank 0's (debug).
+    pub fn with_agreement_check(mut self, on: bool) -> Self {
+        self.check_agreement = on;
+        self
     }
 
     pub fn world_size(&self) -> usize {
@@ -133,6 +165,9 @@ impl Backend for ShardClient {
             }
         });
         let mut answers = try_join_all(calls.collect::<Vec<_>>()).await?;
+        if self.check_agreement {
+            check_agreement(&answers)?;
+        }
         Ok(answers.swap_remove(0))
     }
 
@@ -148,5 +183,39 @@ impl Backend for ShardClient {
         }))
         .await?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod agreement_tests {
+    use super::*;
+
+    fn answer(token: u32, logprob: f32) -> pb::StepResponse {
+        pb::StepResponse {
+            generations: vec![pb::Generation {
+                id: 7,
+                token_ids: vec![token],
+                logprobs: vec![logprob],
+                top_tokens: vec![],
+            }],
+            forward_ns: 0,
+            computed_tokens: 1,
+        }
+    }
+
+    #[test]
+    fn ranks_that_agree_pass_even_with_different_timings() {
+        let mut other = answer(3, -0.5);
+        other.forward_ns = 99;
+        assert!(check_agreement(&[answer(3, -0.5), other]).is_ok());
+    }
+
+    #[test]
+    fn a_rank_with_another_token_or_logprob_fails_the_step() {
+        let err = check_agreement(&[answer(3, -0.5), answer(3, -0.5), answer(4, -0.5)])
+            .expect_err("rank 2 sampled another token");
+        assert_eq!(err.rank, 2);
+        assert!(err.message.contains("rank 2 disagrees"), "{}", err.message);
+        assert!(check_agreement(&[answer(3, -0.5), answer(3, -0.25)]).is_err());
     }
 }

@@ -84,7 +84,9 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
             path: args.tokenizer.display().to_string(),
             message,
         })?;
-    let shards = ShardClient::connect(&args.shard_uds_path, CONNECT_WAIT).await?;
+    let shards = ShardClient::connect(&args.shard_uds_path, CONNECT_WAIT)
+        .await?
+        .with_agreement_check(args.check_rank_agreement);
     let infos = shards.info().await?;
     let info = &infos[0];
     for (rank, i) in infos.iter().enumerate() {
