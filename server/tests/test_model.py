@@ -1,17 +1,33 @@
-"""Our Llama-family model through the paged KV cache gives transformers' logits."""
+"""Every model family through the paged KV cache gives transformers' logits, in every
+dtype."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from cadence.config import ShardConfig
 from cadence.models import load_model
+from cadence.shard.engine import Engine
 from shard_helpers import MiniRouter, hf_logits
 
 TOL = 1e-4
 
 
 @pytest.mark.parametrize(
-    "variant", ["llama_gqa", "llama_mha_tied", "llama_bias", "llama3_rope", "qwen2"]
+    "variant",
+    [
+        "llama_gqa",
+        "llama_mha_tied",
+        "llama_bias",
+        "llama3_rope",
+        "qwen2",
+        "llama_kv1_odd_vocab",
+        "mistral_window",
+        "qwen2_window",
+        "opt",
+        "opt_350m",
+        "gpt2",
+    ],
 )
 def test_prefill_and_ten_decode_steps_match_transformers(variant, model_dirs, hf_model, engine_for):
     path = model_dirs(variant)
@@ -113,3 +129,61 @@ def test_sharded_checkpoints_load_through_their_index(model_dirs, hf_model, tmp_
         ours.state_dict().items(), whole.state_dict().items(), strict=True
     ):
         assert torch.equal(a, b), name
+
+
+def _prefill_then_decode(engine: Engine, tokens: list[int], prompt_len: int) -> torch.Tensor:
+    """Logits of tokens[:-1]: a prefill of `prompt_len`, then one decode per token."""
+    router = MiniRouter(engine)
+    first = router.join(1, tokens[:prompt_len])
+    got = [router.logits_step(joined=[first], forced={1: tokens[prompt_len]})[1]]
+    for t in tokens[prompt_len + 1 :]:
+        got.append(router.logits_step(continuing=[router.cont(1)], forced={1: t})[1])
+    return torch.cat(got)
+
+
+@pytest.mark.parametrize(
+    ("variant", "no_window"),
+    [
+        ("mistral_window", {"sliding_window": None}),
+        ("qwen2_window", {"layer_types": ["full_attention"] * 2}),
+    ],
+)
+def test_the_sliding_window_changes_the_logits(variant, no_window, model_dirs, engine_for):
+    """The windowed tests above would pass vacuously if the window never bit: it does."""
+    from transformers import AutoModelForCausalLM
+
+    path = model_dirs(variant)
+    full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **no_window)
+    tokens = torch.randint(3, 256, (31,), generator=torch.Generator().manual_seed(1)).tolist()
+    ours = _prefill_then_decode(engine_for(path), tokens, 21)
+    unwindowed = hf_logits(full.eval(), tokens)[:30]
+    assert (ours[8:] - unwindowed[8:]).abs().max() > 0.1  # beyond the window of 8
+
+
+# (weights dtype, KV cache dtype, tolerance against transformers in the weights' dtype)
+DTYPE_CASES = [
+    ("bfloat16", None, 0.1),
+    ("float16", None, 0.02),
+    ("bfloat16", "float32", 0.1),
+    ("float32", "bfloat16", 0.1),  # K/V rounded to bfloat16 in the cache
+]
+
+
+@pytest.mark.parametrize("variant", ["llama_gqa", "opt", "gpt2"])
+@pytest.mark.parametrize(("dtype", "kv_dtype", "tol"), DTYPE_CASES)
+def test_dtypes_match_transformers_in_the_same_dtype(variant, dtype, kv_dtype, tol, model_dirs):
+    from transformers import AutoModelForCausalLM
+
+    path = model_dirs(variant)
+    engine = Engine(
+        ShardConfig(model_dir=str(path), uds_path="", dtype=dtype, kv_cache_dtype=kv_dtype)
+    )
+    engine.warmup(64, 8, kv_cache_bytes=64 * engine.bytes_per_block)
+    assert engine.kv is not None and engine.kv.blocks.dtype == getattr(torch, kv_dtype or dtype)
+    assert {p.dtype for p in engine.model.parameters()} == {getattr(torch, dtype)}
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    tokens = torch.randint(3, 256, (31,), generator=torch.Generator().manual_seed(1)).tolist()
+    ours = _prefill_then_decode(engine, tokens, 21)
+    ref = hf_logits(hf, tokens)[:30]
+    torch.testing.assert_close(ours, ref, atol=tol, rtol=0)
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
