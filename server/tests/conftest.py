@@ -75,6 +75,12 @@ VARIANTS: dict[str, tuple[type, dict, dict]] = {
     "qwen2": (Qwen2Config, TINY, {"tie_word_embeddings": True}),
     # one KV head: fewer KV heads than 2 shards (replicated); a vocabulary of 257 rows
     "llama_kv1_odd_vocab": (LlamaConfig, TINY, {"num_key_value_heads": 1, "vocab_size": 257}),
+    # SmolLM2-135M's head layout: 9 query heads in 3 KV groups, uneven over 2 ranks
+    "llama_9_heads_3_kv": (
+        LlamaConfig,
+        TINY,
+        {"hidden_size": 72, "num_attention_heads": 9, "num_key_value_heads": 3},
+    ),
     "mistral_window": (MistralConfig, TINY, {"sliding_window": 8}),
     "qwen2_window": (
         Qwen2Config,

@@ -22,6 +22,7 @@ TOL = 1e-4
         "llama3_rope",
         "qwen2",
         "llama_kv1_odd_vocab",
+        "llama_9_heads_3_kv",
         "mistral_window",
         "qwen2_window",
         "opt",

@@ -16,6 +16,7 @@ TOL = 1e-4
 FAMILIES = [
     "llama_gqa",
     "llama_kv1_odd_vocab",  # 1 KV head for 2 ranks (replicated), vocabulary of 257
+    "llama_9_heads_3_kv",  # uneven: 2 KV groups (6 heads) on rank 0, 1 (3 heads) on rank 1
     "qwen2",
     "mistral_window",
     "opt",
@@ -54,6 +55,8 @@ def test_two_ranks_match_transformers_on_every_rank(name, two_ranks, model_dirs,
 def test_kv_heads_are_split_or_replicated(two_ranks):
     assert two_ranks[0]["llama_gqa"]["kv_heads"] == 1  # 2 KV heads over 2 ranks
     assert two_ranks[1]["llama_kv1_odd_vocab"]["kv_heads"] == 1  # 1 KV head, replicated
+    uneven = [r["llama_9_heads_3_kv"]["kv_heads"] for r in two_ranks]
+    assert uneven == [2, 1]
 
 
 @pytest.mark.parametrize("name", ["llama_gqa", "opt", "gpt2"])

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from cadence.layers.parallel import divide, tp_rank, tp_size
+from cadence.layers.parallel import balanced_split, divide, tp_rank, tp_size
 
 # A checkpoint tensor: a safetensors slice (indexable, read lazily) or a torch tensor.
 Loaded = Any
@@ -92,7 +92,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 class QKVLinear(ColumnParallelLinear):
     """Query, key and value projections fused; heads split across ranks. `shard_id` is
-    "q", "k" or "v". Key/value heads are replicated when there are fewer than ranks."""
+    "q", "k" or "v".
+
+    Heads go to ranks whole KV group by whole KV group, so grouped-query attention stays
+    correct; when the KV heads do not divide evenly the ranks get uneven groups
+    (SmolLM2-135M's 3 KV heads over 2 ranks: 2 and 1, with their 6 and 3 query heads).
+    With fewer KV heads than ranks, each KV head is replicated on consecutive ranks that
+    share its query heads. `q_heads` is this rank's (first query head, count)."""
 
     def __init__(
         self,
@@ -102,24 +108,35 @@ class QKVLinear(ColumnParallelLinear):
         num_kv_heads: int,
         bias: bool = False,
     ) -> None:
-        size = tp_size()
+        size, rank = tp_size(), tp_rank()
         self.head_dim = head_dim
-        self.num_heads = divide(num_heads, size)
+        group = divide(num_heads, num_kv_heads)
         if num_kv_heads >= size:
-            self.num_kv_heads, self.kv_replicas = divide(num_kv_heads, size), 1
-        else:  # each KV head serves `kv_replicas` consecutive ranks
-            self.num_kv_heads, self.kv_replicas = 1, divide(size, num_kv_heads)
+            self.kv_start, self.num_kv_heads = balanced_split(num_kv_heads, size, rank)
+            self.q_heads = (self.kv_start * group, self.num_kv_heads * group)
+        else:  # each KV head serves `replicas` consecutive ranks
+            replicas = divide(size, num_kv_heads)
+            per_rank = divide(num_heads, size)
+            self.kv_start, self.num_kv_heads = rank // replicas, 1
+            self.q_heads = (rank * per_rank, per_rank)
+        self.num_heads = self.q_heads[1]
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         LinearBase.__init__(self, hidden_size, out, bias)
+
+    @property
+    def q_features(self) -> tuple[int, int]:
+        """(start, count) of this rank's attention output features: what the output
+        projection's row-parallel slice must take."""
+        return self.q_heads[0] * self.head_dim, self.q_heads[1] * self.head_dim
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: Any = None) -> None:
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         if shard_id == "q":
-            offset, size, start = 0, q_size, self.tp_rank * q_size
+            offset, size, start = 0, q_size, self.q_heads[0] * self.head_dim
         elif shard_id in ("k", "v"):
             offset = q_size if shard_id == "k" else q_size + kv_size
-            size, start = kv_size, (self.tp_rank // self.kv_replicas) * kv_size
+            size, start = kv_size, self.kv_start * self.head_dim
         else:
             raise ValueError(f"unknown qkv shard {shard_id!r}")
         _copy(param.data.narrow(0, offset, size), _rows(loaded, start, size), f"qkv {shard_id}")
@@ -129,15 +146,26 @@ class RowParallelLinear(LinearBase):
     """Input features split across ranks; outputs are summed with an all-reduce. The
     bias is added once, after the reduction."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
-        super().__init__(divide(in_features, tp_size()), out_features, bias)
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        input_split: tuple[int, int] | None = None,
+    ) -> None:
+        """`input_split`: this rank's (start, count) of the input features when they are
+        not split evenly (the attention output after an uneven head split)."""
+        if input_split is None:
+            size = divide(in_features, tp_size())
+            input_split = (tp_rank() * size, size)
+        self.input_start = input_split[0]
+        super().__init__(input_split[1], out_features, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: Any = None) -> None:
         if param.dim() == 1:  # bias: replicated
             _copy(param.data, loaded[:], "row-parallel bias")
             return
-        size = param.shape[1]
-        start = self.tp_rank * size
+        start, size = self.input_start, param.shape[1]
         _copy(param.data, loaded[:, start : start + size], "row-parallel linear")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

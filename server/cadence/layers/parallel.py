@@ -17,3 +17,10 @@ def divide(numerator: int, denominator: int) -> int:
     if numerator % denominator:
         raise ValueError(f"{numerator} is not divisible by {denominator}")
     return numerator // denominator
+
+
+def balanced_split(n: int, size: int, rank: int) -> tuple[int, int]:
+    """(start, count) of `rank`'s share of `n` items over `size` ranks; the first
+    n % size ranks take one more (9 heads over 2 ranks: 5 and 4)."""
+    base, extra = divmod(n, size)
+    return rank * base + min(rank, extra), base + (rank < extra)

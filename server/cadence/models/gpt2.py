@@ -70,7 +70,9 @@ class GPT2Attention(nn.Module):
         self.c_attn = QKVLinear(cfg.hidden_size, head_dim, cfg.num_heads, cfg.num_heads, True)
         self.num_heads = self.c_attn.num_heads  # this rank's heads
         self.head_dim = head_dim
-        self.c_proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, bias=True)
+        self.c_proj = RowParallelLinear(
+            cfg.hidden_size, cfg.hidden_size, True, self.c_attn.q_features
+        )
         scale = head_dim**-0.5 if cfg.scale_attn_weights else 1.0
         if cfg.scale_by_inverse_layer_idx:
             scale /= layer + 1

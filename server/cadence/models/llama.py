@@ -95,7 +95,10 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
         self.o_proj = RowParallelLinear(
-            cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias
+            cfg.num_heads * cfg.head_dim,
+            cfg.hidden_size,
+            bias=cfg.o_bias,
+            input_split=self.qkv_proj.q_features,
         )
         self.attn = Attention(
             self.num_heads,

@@ -79,7 +79,9 @@ class OPTAttention(nn.Module):
         self.qkv_proj = QKVLinear(cfg.hidden_size, head_dim, cfg.num_heads, cfg.num_heads, cfg.bias)
         self.num_heads = self.qkv_proj.num_heads  # this rank's heads
         self.head_dim = head_dim
-        self.out_proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, bias=cfg.bias)
+        self.out_proj = RowParallelLinear(
+            cfg.hidden_size, cfg.hidden_size, cfg.bias, self.qkv_proj.q_features
+        )
         self.attn = Attention(self.num_heads, self.num_heads, head_dim, scale=head_dim**-0.5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
