@@ -146,7 +146,7 @@ def _run(cfg: LaunchConfig, supervisor: Supervisor, model_dir: str, uds_paths: l
         )
     warmups = _warmup(cfg, supervisor, clients)
     num_blocks = min(w.num_blocks for w in warmups)
-    _log_capacity(warmups[0], num_blocks)
+    _log_capacity(warmups, num_blocks)
     supervisor.start("router", router_argv(cfg, model_dir, uds_paths, num_blocks), env)
     url = f"http://{_connect_host(cfg.hostname)}:{cfg.port}"
     supervisor.wait_until(
@@ -190,18 +190,25 @@ def _warmup(cfg: LaunchConfig, supervisor: Supervisor, clients: list[Any]) -> li
         pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _log_capacity(warmup: Any, num_blocks: int) -> None:
+def _log_capacity(warmups: list[Any], num_blocks: int) -> None:
+    """The KV capacity, then each rank's memory: weights, activations and KV bytes."""
+    first = warmups[0]
     logger.info(
-        "KV cache: {} blocks x {} tokens = {} tokens ({:.1f} MiB, {} KiB per block); "
-        "weights {:.1f} MiB; activations {:.1f} MiB",
+        "KV cache: {} blocks x {} tokens = {} tokens",
         num_blocks,
-        warmup.block_size,
-        num_blocks * warmup.block_size,
-        warmup.kv_cache_bytes / MiB,
-        warmup.bytes_per_block // 1024,
-        warmup.weight_bytes / MiB,
-        warmup.activation_bytes / MiB,
+        first.block_size,
+        num_blocks * first.block_size,
     )
+    for rank, w in enumerate(warmups):
+        logger.info(
+            "rank {}: weights {:.1f} MiB; activations {:.1f} MiB; KV cache {:.1f} MiB "
+            "({} KiB per block)",
+            rank,
+            w.weight_bytes / MiB,
+            w.activation_bytes / MiB,
+            w.kv_cache_bytes / MiB,
+            w.bytes_per_block // 1024,
+        )
 
 
 def _free_port() -> int:

@@ -285,6 +285,8 @@ class Engine:
         scratch cache, and returns its peak activation memory in bytes."""
         bs = self.block_size
         long = max_batch_tokens - (max_batch_size - 1)
+        # no sequence is longer than the model's position table (OPT's is a lookup)
+        long = max(1, min(long, self.model.config.max_position_embeddings - 1))
         blocks_long = -(-long // bs)
         scratch_blocks = blocks_long + max_batch_size - 1
         params = shard_pb2.SamplingParams(

@@ -1,0 +1,102 @@
+"""`cadence launch --num-shard 2`: two shard processes in a gloo group serve SmolLM2
+with the same greedy tokens as one shard, every step checked rank against rank; an OPT
+checkpoint is served end to end and generates what transformers generates."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import LaunchedServer, launch, stop
+from test_fidelity import CHAT_PROMPTS, greedy_ids
+
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def two_shards(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedServer]:
+    """SmolLM2 in float32 over 2 ranks (its 9 heads / 3 KV heads split unevenly)."""
+    tmp = tmp_path_factory.mktemp("smollm-tp2")
+    server = launch(
+        tmp,
+        *("--num-shard", "2", "--dtype", "float32", "--kv-cache-memory", "256MiB"),
+        "--check-rank-agreement",
+    )
+    yield server
+    code = stop(server)
+    assert code == 0, f"launcher exited with {code} on SIGTERM:\n{server.log()}"
+
+
+def test_two_shards_generate_the_same_greedy_tokens_as_one(
+    two_shards: LaunchedServer, client: httpx.Client
+) -> None:
+    with httpx.Client(base_url=two_shards.url, timeout=300) as tp:
+        info = tp.get("/info").json()
+        for prompt in CHAT_PROMPTS[:4]:
+            one = greedy_ids(client, prompt, NEW_TOKENS)
+            two = greedy_ids(tp, prompt, NEW_TOKENS)
+            assert two == one, prompt
+    assert info["world_size"] == 2
+    log = two_shards.log()
+    assert "rank 1/2" in log and "disagrees" not in log
+
+
+def _tiny_opt(path: Path, tokenizer_dir: str) -> tuple[Path, int]:
+    """A random OPT with SmolLM2's tokenizer (its vocabulary size), saved as safetensors."""
+    import torch
+    from transformers import OPTConfig, OPTForCausalLM
+
+    eos = json.loads((Path(tokenizer_dir) / "config.json").read_text())["eos_token_id"]
+    torch.manual_seed(0)
+    config = OPTConfig(
+        hidden_size=64,
+        ffn_dim=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        vocab_size=49152,
+        max_position_embeddings=256,
+        word_embed_proj_dim=64,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
+    )
+    model = OPTForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2 if p.dim() > 1 else 0.5).add_(1.0 if p.dim() == 1 else 0.0)
+    model.save_pretrained(path, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(tokenizer_dir) / name, path / name)
+    return path, eos
+
+
+def test_an_opt_checkpoint_is_served_over_two_shards_as_transformers_generates(
+    tmp_path: Path, smollm_dir: str
+) -> None:
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    model_dir, eos = _tiny_opt(tmp_path / "tiny-opt", smollm_dir)
+    text = "The history of numbers"
+    ids = Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(text).ids
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
+    reference = out[0, len(ids) :].tolist()
+    reference = reference[: reference.index(eos) + 1] if eos in reference else reference
+
+    server = launch(
+        tmp_path,
+        *("--model-id", str(model_dir), "--num-shard", "2", "--dtype", "float32"),
+        *("--kv-cache-memory", "16MiB", "--check-rank-agreement"),
+    )
+    try:
+        with httpx.Client(base_url=server.url, timeout=300) as http:
+            assert greedy_ids(http, text, 16) == reference
+    finally:
+        assert stop(server) == 0, server.log()
