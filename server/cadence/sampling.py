@@ -3,8 +3,8 @@ sample this step, no per-request Python.
 
 Order: logit bias (OpenAI's, added to the raw logits), repetition penalty (over prompt +
 generated ids, as in transformers), frequency and presence penalties (over generated
-ids, as in vLLM / OpenAI), then for sampling rows temperature, top-k, top-p, typical-p, min-p, and a draw. Greedy rows take the argmax of
-the penalized logits.
+ids, as in vLLM / OpenAI), then for sampling rows temperature, top-k, top-p, typical-p,
+min-p, and a draw. Greedy rows take the argmax of the penalized logits.
 
 Each row's draw is a pure function of (seed, position of the sampled token): one
 uniform number from an integer hash of the two, turned into a token by inverse-CDF
