@@ -80,7 +80,7 @@ pub async fn read_body<S: Send + Sync>(
     Bytes::from_request(req, state).await.map_err(|e| {
         if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
             return shape(InferError::Validation(
-                "the request body exceeds payload_limit (--payload-limit bytes)".into(),
+                "payload_limit: the request body exceeds --payload-limit".into(),
             ));
         }
         let body = ErrorBody {
@@ -373,13 +373,21 @@ pub async fn generate_stream(
     TgiJson(request): TgiJson<GenerateRequest>,
 ) -> Response {
     let (prompt, parameters) = tgi_parts(request);
-    if parameters.best_of.is_some_and(|b| b > 1) {
-        return InferError::Validation(
-            "parameters.best_of > 1 is not supported when streaming".into(),
-        )
-        .into_response();
-    }
-    match submit(&state.infer, prompt, parameters, Extra::default()).await {
+    let infer = &state.infer;
+    let submitted = async {
+        let permit = infer.try_permit()?;
+        let valid = infer
+            .validation
+            .validate_prompt(prompt, parameters, Extra::default())
+            .await?;
+        if valid.best_of > 1 {
+            return Err(InferError::Validation(
+                "parameters.best_of > 1 is not supported when streaming".into(),
+            ));
+        }
+        infer.enqueue(valid, permit)
+    };
+    match submitted.await {
         Ok(mut submitted) => {
             let rx = submitted.samples.remove(0);
             Sse::new(sse_events(rx, submitted.request.details)).into_response()
