@@ -862,6 +862,13 @@ const CHAT_NAMES: &[(&str, &str)] = &[
     ("inputs", "messages"),
 ];
 
+/// The same, for a request that used the older name `max_tokens`.
+const CHAT_NAMES_MAX_TOKENS: &[(&str, &str)] = &[
+    ("max_new_tokens", "max_tokens"),
+    ("top_n_tokens", "top_logprobs"),
+    ("inputs", "messages"),
+];
+
 fn chat_logprobs(tokenizer: &TokenizerInfo, tokens: &[Token], top: &[Vec<Token>]) -> ChatLogprobs {
     let entry = |t: &Token| {
         let token = token_string(tokenizer, t.id);
@@ -1012,9 +1019,14 @@ async fn chat_inner(state: AppState, r: ChatRequest) -> Result<Response, ApiErro
         text,
         add_special: false,
     };
+    let names = if r.max_completion_tokens.is_none() && r.max_tokens.is_some() {
+        CHAT_NAMES_MAX_TOKENS
+    } else {
+        CHAT_NAMES
+    };
     let submitted = submit(&state.infer, prompt, parameters, extra)
         .await
-        .map_err(|e| ApiError::from_infer(e, CHAT_NAMES))?;
+        .map_err(|e| ApiError::from_infer(e, names))?;
     let id = format!("chatcmpl-{}", uuid::Uuid::new_v4().simple());
     let model = state.info.model_id.clone();
     let tokenizer = state.infer.validation.tokenizer.clone();

@@ -312,7 +312,8 @@ impl Validation {
             }
         }
         let (sampling, seed) = sampling(&p, extra.logit_bias)?;
-        if best_of > 1 && !sampling.do_sample {
+        // Choosing among samples needs them to differ; n greedy copies are allowed.
+        if best_of > n && !sampling.do_sample {
             return Err(invalid(format!(
                 "parameters.best_of ({best_of}) > 1 needs sampling: set do_sample or a \
                  temperature, top_k, top_p, typical_p or min_p"
