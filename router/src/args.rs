@@ -90,7 +90,12 @@ pub struct Args {
     /// API key required as `Authorization: Bearer KEY` on every route but /health,
     /// /metrics and /docs; repeat for several (the environment variable takes a
     /// comma-separated list).
-    #[arg(long, env = "CADENCE_API_KEY", value_delimiter = ',', hide_env_values = true)]
+    #[arg(
+        long,
+        env = "CADENCE_API_KEY",
+        value_delimiter = ',',
+        hide_env_values = true
+    )]
     pub api_key: Vec<String>,
 
     /// File of API keys, one per line (blank lines and lines starting with # skipped).
@@ -165,7 +170,12 @@ impl Args {
 impl Args {
     /// Every accepted API key: --api-key values and the lines of --api-key-file.
     pub fn api_keys(&self) -> Result<Vec<String>, String> {
-        let mut keys: Vec<String> = self.api_key.iter().filter(|k| !k.is_empty()).cloned().collect();
+        let mut keys: Vec<String> = self
+            .api_key
+            .iter()
+            .filter(|k| !k.is_empty())
+            .cloned()
+            .collect();
         if let Some(path) = &self.api_key_file {
             let text = std::fs::read_to_string(path)
                 .map_err(|e| format!("cannot read --api-key-file {}: {e}", path.display()))?;

@@ -49,8 +49,8 @@ impl ChatTemplate {
         let Ok(text) = std::fs::read_to_string(&path) else {
             return Ok(None);
         };
-        let config: Value = serde_json::from_str(&text)
-            .map_err(|e| format!("{}: {e}", path.display()))?;
+        let config: Value =
+            serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
         let template = match config.get("chat_template") {
             Some(Value::String(s)) => s.clone(),
             // A list of named templates: the one called "default".

@@ -70,7 +70,10 @@ impl TokenizerInfo {
 
     /// Ids with the character span of each in `text` (`/tokenize`).
     pub fn encode_offsets(&self, text: &str) -> Result<Vec<(u32, usize, usize)>, String> {
-        let encoding = self.tokenizer.encode(text, true).map_err(|e| e.to_string())?;
+        let encoding = self
+            .tokenizer
+            .encode(text, true)
+            .map_err(|e| e.to_string())?;
         Ok(encoding
             .get_ids()
             .iter()

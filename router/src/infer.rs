@@ -154,8 +154,9 @@ impl Infer {
         request: ValidRequest,
         permit: OwnedSemaphorePermit,
     ) -> Result<Submitted, InferError> {
-        let (senders, samples): (Vec<_>, Vec<_>) =
-            (0..request.best_of.max(1)).map(|_| mpsc::unbounded_channel()).unzip();
+        let (senders, samples): (Vec<_>, Vec<_>) = (0..request.best_of.max(1))
+            .map(|_| mpsc::unbounded_channel())
+            .unzip();
         let admission = Admission {
             request: request.clone(),
             samples: senders,

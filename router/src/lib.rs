@@ -90,10 +90,11 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
             path: args.tokenizer.display().to_string(),
             message,
         })?;
-    let chat = ChatTemplate::from_dir(&args.tokenizer).map_err(|message| RouterError::Tokenizer {
-        path: args.tokenizer.display().to_string(),
-        message,
-    })?;
+    let chat =
+        ChatTemplate::from_dir(&args.tokenizer).map_err(|message| RouterError::Tokenizer {
+            path: args.tokenizer.display().to_string(),
+            message,
+        })?;
     let api_keys = args.api_keys().map_err(RouterError::Args)?;
     let shards = ShardClient::connect(&args.shard_uds_path, CONNECT_WAIT).await?;
     let infos = shards.info().await?;

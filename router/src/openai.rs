@@ -118,7 +118,10 @@ impl ApiError {
                 .map_or(field.as_str(), |(_, openai)| openai)
                 .to_string();
             if !name.is_empty() {
-                let rest = message.split_once(&field).map_or("", |(_, r)| r).to_string();
+                let rest = message
+                    .split_once(&field)
+                    .map_or("", |(_, r)| r)
+                    .to_string();
                 message = format!("{name}{rest}");
                 param = Some(name);
             }
@@ -223,7 +226,10 @@ impl Sampling {
         let mut logit_bias = HashMap::new();
         for (token, bias) in self.logit_bias.unwrap_or_default() {
             let id = token.parse::<u32>().map_err(|_| {
-                ApiError::invalid("logit_bias", format!("keys must be token ids, got {token:?}"))
+                ApiError::invalid(
+                    "logit_bias",
+                    format!("keys must be token ids, got {token:?}"),
+                )
             })?;
             logit_bias.insert(id, bias);
         }
@@ -234,7 +240,11 @@ impl Sampling {
             repetition_penalty: self.repetition_penalty,
             frequency_penalty: self.frequency_penalty,
             presence_penalty: self.presence_penalty,
-            top_k: if greedy { None } else { self.top_k.filter(|&k| k != -1) },
+            top_k: if greedy {
+                None
+            } else {
+                self.top_k.filter(|&k| k != -1)
+            },
             top_p: if greedy { None } else { self.top_p },
             typical_p: if greedy { None } else { self.typical_p },
             min_p: if greedy { None } else { self.min_p },
@@ -281,7 +291,11 @@ pub struct Usage {
 /// logprob when more were generated than returned.
 fn best_n(mut samples: Vec<Sample>, n: usize) -> Vec<Sample> {
     if samples.len() > n {
-        samples.sort_by(|a, b| b.end.cumulative_logprob.total_cmp(&a.end.cumulative_logprob));
+        samples.sort_by(|a, b| {
+            b.end
+                .cumulative_logprob
+                .total_cmp(&a.end.cumulative_logprob)
+        });
         samples.truncate(n);
     }
     samples
@@ -420,14 +434,15 @@ fn completion_logprobs(
         out.tokens.push(text);
         out.token_logprobs.push(t.logprob);
         let alternatives = i.checked_sub(top_offset).and_then(|j| top.get(j));
-        out.top_logprobs.push(match (with_top, alternatives, t.logprob) {
-            (true, Some(alts), Some(_)) => Some(
-                alts.iter()
-                    .map(|a| (token_string(tokenizer, a.id), a.logprob.unwrap_or(0.0)))
-                    .collect(),
-            ),
-            _ => None,
-        });
+        out.top_logprobs
+            .push(match (with_top, alternatives, t.logprob) {
+                (true, Some(alts), Some(_)) => Some(
+                    alts.iter()
+                        .map(|a| (token_string(tokenizer, a.id), a.logprob.unwrap_or(0.0)))
+                        .collect(),
+                ),
+                _ => None,
+            });
     }
     out
 }
@@ -459,10 +474,16 @@ async fn completions_inner(state: AppState, r: CompletionRequest) -> Result<Resp
         return Err(ApiError::invalid("suffix", "is not supported"));
     }
     let prompts: Vec<Prompt> = match r.prompt {
-        PromptInput::Text(text) => vec![Prompt::Text { text, add_special: true }],
+        PromptInput::Text(text) => vec![Prompt::Text {
+            text,
+            add_special: true,
+        }],
         PromptInput::Texts(texts) => texts
             .into_iter()
-            .map(|text| Prompt::Text { text, add_special: true })
+            .map(|text| Prompt::Text {
+                text,
+                add_special: true,
+            })
             .collect(),
         PromptInput::Ids(ids) => vec![Prompt::Ids(ids)],
         PromptInput::IdsList(lists) => lists.into_iter().map(Prompt::Ids).collect(),
@@ -509,9 +530,20 @@ async fn completions_inner(state: AppState, r: CompletionRequest) -> Result<Resp
     let tokenizer = state.infer.validation.tokenizer.clone();
     let top_n = r.logprobs.unwrap_or(0) > 0;
     if stream {
-        let include_usage = r.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
+        let include_usage = r
+            .stream_options
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false);
         return Ok(completion_stream(
-            submitted, n, id, model, tokenizer, echo, with_logprobs, top_n, include_usage,
+            submitted,
+            n,
+            id,
+            model,
+            tokenizer,
+            echo,
+            with_logprobs,
+            top_n,
+            include_usage,
         ));
     }
     let mut choices = Vec::new();
@@ -528,9 +560,15 @@ async fn completions_inner(state: AppState, r: CompletionRequest) -> Result<Resp
             .await
             .map_err(|e| ApiError::from_infer(e, COMPLETION_NAMES))?;
         usage.prompt_tokens += request.input_ids.len();
-        usage.completion_tokens += samples.iter().map(|s| s.end.generated_tokens).sum::<usize>();
+        usage.completion_tokens += samples
+            .iter()
+            .map(|s| s.end.generated_tokens)
+            .sum::<usize>();
         ends.extend(samples.iter().map(|s| s.end.clone()));
-        let prefill = samples.first().map(|s| s.prefill.clone()).unwrap_or_default();
+        let prefill = samples
+            .first()
+            .map(|s| s.prefill.clone())
+            .unwrap_or_default();
         let prefill_top = samples
             .first()
             .map(|s| s.prefill_top_tokens.clone())
@@ -594,11 +632,16 @@ fn fingerprint() -> String {
 fn merged(
     submitted: Vec<Submitted>,
     n: usize,
-) -> (usize, impl Stream<Item = (usize, crate::infer::EventResult)>) {
+) -> (
+    usize,
+    impl Stream<Item = (usize, crate::infer::EventResult)>,
+) {
     let prompt_tokens = submitted.iter().map(|s| s.request.input_ids.len()).sum();
     let streams = submitted.into_iter().enumerate().flat_map(|(p, s)| {
         s.samples.into_iter().enumerate().map(move |(j, rx)| {
-            UnboundedReceiverStream::new(rx).map(move |e| (p * n + j, e)).boxed()
+            UnboundedReceiverStream::new(rx)
+                .map(move |e| (p * n + j, e))
+                .boxed()
         })
     });
     (prompt_tokens, stream::select_all(streams))
@@ -651,39 +694,39 @@ fn completion_stream(
     let mut completion_tokens = 0;
     let tail_chunk = chunk.clone();
     let body = events.map(move |(index, event)| match event {
-            Ok(event) => {
-                let logprobs = with_logprobs.then(|| {
-                    completion_logprobs(
-                        &tokenizer,
-                        std::slice::from_ref(&event.token),
-                        std::slice::from_ref(&event.top_tokens),
-                        0,
-                        0,
-                        top_n,
-                    )
-                });
-                let reason = event.end.as_ref().map(|e| finish_reason(e.finish_reason));
-                if let Some(end) = &event.end {
-                    completion_tokens += end.generated_tokens;
-                }
-                (
-                    completion_tokens,
-                    sse_json(&chunk(
-                        vec![CompletionChoice {
-                            text: event.token.text,
-                            index,
-                            logprobs,
-                            finish_reason: reason,
-                        }],
-                        None,
-                    )),
+        Ok(event) => {
+            let logprobs = with_logprobs.then(|| {
+                completion_logprobs(
+                    &tokenizer,
+                    std::slice::from_ref(&event.token),
+                    std::slice::from_ref(&event.top_tokens),
+                    0,
+                    0,
+                    top_n,
                 )
+            });
+            let reason = event.end.as_ref().map(|e| finish_reason(e.finish_reason));
+            if let Some(end) = &event.end {
+                completion_tokens += end.generated_tokens;
             }
-            Err(e) => (
+            (
                 completion_tokens,
-                sse_json(&ApiError::from_infer(e, COMPLETION_NAMES).body),
-            ),
-        });
+                sse_json(&chunk(
+                    vec![CompletionChoice {
+                        text: event.token.text,
+                        index,
+                        logprobs,
+                        finish_reason: reason,
+                    }],
+                    None,
+                )),
+            )
+        }
+        Err(e) => (
+            completion_tokens,
+            sse_json(&ApiError::from_infer(e, COMPLETION_NAMES).body),
+        ),
+    });
     let body = stream::iter(opening.into_iter().map(|e| (0, e))).chain(body);
     finish_stream(body, prompt_tokens, include_usage, move |usage| {
         sse_json(&tail_chunk(Vec::new(), Some(usage)))
@@ -976,7 +1019,10 @@ async fn chat_inner(state: AppState, r: ChatRequest) -> Result<Response, ApiErro
         }
     }
     if r.tools.as_ref().is_some_and(|t| !t.is_empty()) {
-        return Err(ApiError::invalid("tools", "tool calling is not supported yet"));
+        return Err(ApiError::invalid(
+            "tools",
+            "tool calling is not supported yet",
+        ));
     }
     let with_logprobs = r.logprobs.unwrap_or(false);
     if r.top_logprobs.is_some_and(|n| n > 0) && !with_logprobs {
@@ -1031,7 +1077,10 @@ async fn chat_inner(state: AppState, r: ChatRequest) -> Result<Response, ApiErro
     let model = state.info.model_id.clone();
     let tokenizer = state.infer.validation.tokenizer.clone();
     if r.stream.unwrap_or(false) {
-        let include_usage = r.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
+        let include_usage = r
+            .stream_options
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false);
         return Ok(chat_stream(
             submitted,
             n,

@@ -245,7 +245,11 @@ pub async fn submit(
 pub fn timing_headers(request: &ValidRequest, samples: &[&End]) -> HeaderMap {
     let mut headers = HeaderMap::new();
     let generated: usize = samples.iter().map(|e| e.generated_tokens).sum();
-    let queue = samples.iter().map(|e| e.queue_time).max().unwrap_or_default();
+    let queue = samples
+        .iter()
+        .map(|e| e.queue_time)
+        .max()
+        .unwrap_or_default();
     let inference = samples
         .iter()
         .map(|e| e.inference_time)
@@ -318,8 +322,8 @@ async fn generate_inner(
     let (prompt, parameters) = tgi_parts(request);
     let submitted = submit(&state.infer, prompt, parameters, Extra::default()).await?;
     let valid = submitted.request;
-    let mut samples = futures::future::try_join_all(submitted.samples.into_iter().map(collect))
-        .await?;
+    let mut samples =
+        futures::future::try_join_all(submitted.samples.into_iter().map(collect)).await?;
     let headers = timing_headers(&valid, &samples.iter().map(|s| &s.end).collect::<Vec<_>>());
     // best_of: the sample with the highest cumulative logprob; the first on ties.
     let best = (0..samples.len())
@@ -331,7 +335,13 @@ async fn generate_inner(
         .unwrap_or(0);
     let prefill = std::mem::take(&mut samples[0].prefill);
     let chosen = samples.remove(best);
-    let top = |s: Vec<Vec<Token>>| if valid.top_n_tokens > 0 { s } else { Vec::new() };
+    let top = |s: Vec<Vec<Token>>| {
+        if valid.top_n_tokens > 0 {
+            s
+        } else {
+            Vec::new()
+        }
+    };
     let best_of_sequences = (valid.best_of > 1).then(|| {
         samples
             .into_iter()

@@ -382,7 +382,12 @@ async fn each_invalid_parameter_is_a_422_naming_the_field_on_both_routes() {
     expect_422(&h, p(json!({"stop": [""]})), "stop").await;
     expect_422(&h, p(json!({"best_of": 2})), "best_of").await; // greedy
     expect_422(&h, p(json!({"best_of": 0})), "best_of").await;
-    expect_422(&h, p(json!({"best_of": 5, "do_sample": true})), "max_best_of").await;
+    expect_422(
+        &h,
+        p(json!({"best_of": 5, "do_sample": true})),
+        "max_best_of",
+    )
+    .await;
     expect_422(&h, p(json!({"top_n_tokens": 6})), "max_top_n_tokens").await;
     expect_422(&h, p(json!({"watermark": true})), "watermark").await;
     expect_422(
@@ -720,7 +725,6 @@ async fn info_and_health_answer() {
     assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
 }
 
-
 async fn send(app: &Router, request: Request<Body>) -> (StatusCode, axum::http::HeaderMap, String) {
     let response = app.clone().oneshot(request).await.unwrap();
     let status = response.status();
@@ -754,9 +758,15 @@ async fn best_of_generates_siblings_with_distinct_derived_seeds_and_timing_heade
     seeds.sort();
     seeds.dedup();
     assert_eq!(seeds.len(), 3, "each sample has its own seed");
-    assert!(seeds.contains(&7), "the first sample keeps the request's seed");
+    assert!(
+        seeds.contains(&7),
+        "the first sample keeps the request's seed"
+    );
     assert_eq!(headers["x-generated-tokens"], "12");
-    assert_eq!(headers["x-prompt-tokens"], (ids("hello").len() + 1).to_string().as_str());
+    assert_eq!(
+        headers["x-prompt-tokens"],
+        (ids("hello").len() + 1).to_string().as_str()
+    );
     for name in ["x-queue-time", "x-inference-time", "x-time-per-token"] {
         assert!(headers.contains_key(name), "{name}");
     }
@@ -774,9 +784,18 @@ async fn openai_errors_are_400_in_openai_shape_naming_the_parameter() {
         (json!({"prompt": "hi", "n": 9}), "best_of"),
         (json!({"prompt": "hi", "logprobs": 9}), "logprobs"),
         (json!({"prompt": "hi", "stop": ["a", "b", "c"]}), "stop"),
-        (json!({"prompt": "hi", "logit_bias": {"x": 1}}), "logit_bias"),
-        (json!({"prompt": "hi", "logit_bias": {"5": 101}}), "logit_bias"),
-        (json!({"prompt": "hi", "frequency_penalty": 9}), "frequency_penalty"),
+        (
+            json!({"prompt": "hi", "logit_bias": {"x": 1}}),
+            "logit_bias",
+        ),
+        (
+            json!({"prompt": "hi", "logit_bias": {"5": 101}}),
+            "logit_bias",
+        ),
+        (
+            json!({"prompt": "hi", "frequency_penalty": 9}),
+            "frequency_penalty",
+        ),
         (json!({"prompt": 5}), "prompt"),
         (json!({"prompt": ""}), "prompt"),
         (json!({"prompt": [1, 999999]}), "prompt"),
@@ -788,7 +807,10 @@ async fn openai_errors_are_400_in_openai_shape_naming_the_parameter() {
         let v: Value = serde_json::from_str(&text).unwrap();
         assert_eq!(v["error"]["type"], "invalid_request_error", "{text}");
         assert_eq!(v["error"]["param"], param, "{body}: {text}");
-        assert!(v["error"]["message"].as_str().unwrap().contains(param), "{text}");
+        assert!(
+            v["error"]["message"].as_str().unwrap().contains(param),
+            "{text}"
+        );
     }
     // No chat template in the test model: chat completions say so, naming messages.
     let chat = json!({"messages": [{"role": "user", "content": "hi"}]});
@@ -798,7 +820,11 @@ async fn openai_errors_are_400_in_openai_shape_naming_the_parameter() {
     // ... and the server still serves.
     let (status, _, text) = send(
         &h.app,
-        post_json("/v1/completions", &json!({"prompt": "hi", "max_tokens": 3, "n": 2}), None),
+        post_json(
+            "/v1/completions",
+            &json!({"prompt": "hi", "max_tokens": 3, "n": 2}),
+            None,
+        ),
     )
     .await;
     assert_eq!(status, StatusCode::OK, "{text}");
@@ -822,14 +848,22 @@ async fn api_keys_guard_every_route_but_the_open_ones_and_payload_limit_is_a_422
     assert_eq!(status, StatusCode::UNAUTHORIZED, "{text}");
     let (status, _, _) = send(&app, post_json("/generate", &body, Some("wrong"))).await;
     assert_eq!(status, StatusCode::UNAUTHORIZED);
-    let (status, _, text) = send(&app, post_json("/v1/completions", &json!({"prompt": "a"}), None)).await;
+    let (status, _, text) = send(
+        &app,
+        post_json("/v1/completions", &json!({"prompt": "a"}), None),
+    )
+    .await;
     assert_eq!(status, StatusCode::UNAUTHORIZED);
     assert!(text.contains("invalid_api_key"), "{text}");
     let (status, _, _) = send(&app, post_json("/generate", &body, Some("sekret"))).await;
     assert_eq!(status, StatusCode::OK);
     let get = |path: &str| Request::get(path).body(Body::empty()).unwrap();
     let (status, _, _) = send(&app, get("/health")).await;
-    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "open, unhealthy without shards");
+    assert_eq!(
+        status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "open, unhealthy without shards"
+    );
     let (status, _, _) = send(&app, get("/openapi.json")).await;
     assert_eq!(status, StatusCode::OK);
     let (status, _, _) = send(&app, get("/v1/models")).await;
@@ -840,7 +874,10 @@ async fn api_keys_guard_every_route_but_the_open_ones_and_payload_limit_is_a_422
         .body(Body::empty())
         .unwrap();
     let (_, headers, _) = send(&app, request).await;
-    assert_eq!(headers["access-control-allow-origin"], "https://example.com");
+    assert_eq!(
+        headers["access-control-allow-origin"],
+        "https://example.com"
+    );
     // Over the payload limit: 422 naming it, on both API shapes.
     let big = json!({"inputs": "x".repeat(300)});
     let (status, _, text) = send(&app, post_json("/generate", &big, Some("sekret"))).await;
@@ -855,21 +892,41 @@ async fn api_keys_guard_every_route_but_the_open_ones_and_payload_limit_is_a_422
 #[tokio::test]
 async fn tokenize_returns_ids_with_character_offsets_and_the_openapi_document_lists_routes() {
     let h = harness(Script::Hash);
-    let (status, _, text) = send(&h.app, post_json("/tokenize", &json!({"inputs": "héllo"}), None)).await;
+    let (status, _, text) = send(
+        &h.app,
+        post_json("/tokenize", &json!({"inputs": "héllo"}), None),
+    )
+    .await;
     assert_eq!(status, StatusCode::OK, "{text}");
     let tokens: Vec<Value> = serde_json::from_str(&text).unwrap();
     let expected = testing::tokenizer().encode("héllo").unwrap();
     assert_eq!(
-        tokens.iter().map(|t| t["id"].as_u64().unwrap() as u32).collect::<Vec<_>>(),
+        tokens
+            .iter()
+            .map(|t| t["id"].as_u64().unwrap() as u32)
+            .collect::<Vec<_>>(),
         expected
     );
     let last = tokens.last().unwrap();
     assert_eq!(last["stop"], 5, "offsets count characters, not bytes");
-    let (status, _, text) = send(&h.app, Request::get("/openapi.json").body(Body::empty()).unwrap()).await;
+    let (status, _, text) = send(
+        &h.app,
+        Request::get("/openapi.json").body(Body::empty()).unwrap(),
+    )
+    .await;
     assert_eq!(status, StatusCode::OK);
     let doc: Value = serde_json::from_str(&text).unwrap();
-    for path in ["/generate", "/generate_stream", "/", "/tokenize", "/info", "/health",
-                 "/v1/completions", "/v1/chat/completions", "/v1/models"] {
+    for path in [
+        "/generate",
+        "/generate_stream",
+        "/",
+        "/tokenize",
+        "/info",
+        "/health",
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+    ] {
         assert!(doc["paths"].get(path).is_some(), "{path}");
     }
 }

@@ -19,7 +19,10 @@ pub const DEFAULT_MAX_NEW_TOKENS: usize = 100;
 pub enum Prompt {
     /// `add_special`: add the tokenizer's BOS (false for rendered chat templates, which
     /// write their own).
-    Text { text: String, add_special: bool },
+    Text {
+        text: String,
+        add_special: bool,
+    },
     Ids(Vec<u32>),
 }
 
@@ -253,11 +256,9 @@ impl Validation {
                 "parameters.best_of ({best_of}) must be at least n ({n})"
             )));
         }
-        if let Some((&id, &bias)) = extra
-            .logit_bias
-            .iter()
-            .find(|(&id, &b)| id as usize >= self.tokenizer.vocab_size() || !(-100.0..=100.0).contains(&b))
-        {
+        if let Some((&id, &bias)) = extra.logit_bias.iter().find(|(&id, &b)| {
+            id as usize >= self.tokenizer.vocab_size() || !(-100.0..=100.0).contains(&b)
+        }) {
             return Err(invalid(format!(
                 "logit_bias: token {id} must be a token id below {} with a bias in [-100, 100], \
                  got {bias}",
