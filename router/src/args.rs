@@ -74,6 +74,38 @@ pub struct Args {
     #[arg(long, env = "CADENCE_MAX_STOP_SEQUENCES", default_value_t = 4)]
     pub max_stop_sequences: usize,
 
+    /// Most alternatives per token a request may ask for (top_n_tokens, OpenAI's
+    /// logprobs / top_logprobs).
+    #[arg(long, env = "CADENCE_MAX_TOP_N_TOKENS", default_value_t = 5)]
+    pub max_top_n_tokens: usize,
+
+    /// Most samples generated for one prompt (best_of, OpenAI's n and best_of).
+    #[arg(long, env = "CADENCE_MAX_BEST_OF", default_value_t = 8)]
+    pub max_best_of: usize,
+
+    /// Largest request body accepted, in bytes.
+    #[arg(long, env = "CADENCE_PAYLOAD_LIMIT", default_value_t = 2_000_000)]
+    pub payload_limit: usize,
+
+    /// API key required as `Authorization: Bearer KEY` on every route but /health,
+    /// /metrics and /docs; repeat for several (the environment variable takes a
+    /// comma-separated list).
+    #[arg(
+        long,
+        env = "CADENCE_API_KEY",
+        value_delimiter = ',',
+        hide_env_values = true
+    )]
+    pub api_key: Vec<String>,
+
+    /// File of API keys, one per line (blank lines and lines starting with # skipped).
+    #[arg(long, env = "CADENCE_API_KEY_FILE")]
+    pub api_key_file: Option<PathBuf>,
+
+    /// Origins allowed by CORS; repeat for several, or `*` for any. None: no CORS headers.
+    #[arg(long, env = "CADENCE_CORS_ALLOW_ORIGIN", value_delimiter = ',')]
+    pub cors_allow_origin: Vec<String>,
+
     /// Log format.
     #[arg(long, env = "CADENCE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
@@ -91,6 +123,8 @@ pub struct Limits {
     pub max_input_tokens: usize,
     pub max_total_tokens: usize,
     pub max_stop_sequences: usize,
+    pub max_top_n_tokens: usize,
+    pub max_best_of: usize,
     pub block_size: usize,
     pub num_blocks: usize,
 }
@@ -117,6 +151,9 @@ impl Args {
                  ({max_position_embeddings})"
             ));
         }
+        if self.max_best_of == 0 {
+            return Err("max_best_of must be positive".into());
+        }
         if self.block_size == 0 || self.num_blocks == 0 {
             return Err("block_size and num_blocks must be positive".into());
         }
@@ -127,9 +164,37 @@ impl Args {
             max_input_tokens: max_input,
             max_total_tokens: max_total,
             max_stop_sequences: self.max_stop_sequences,
+            max_top_n_tokens: self.max_top_n_tokens,
+            max_best_of: self.max_best_of,
             block_size: self.block_size as usize,
             num_blocks: self.num_blocks as usize,
         })
+    }
+}
+
+impl Args {
+    /// Every accepted API key: --api-key values and the lines of --api-key-file.
+    pub fn api_keys(&self) -> Result<Vec<String>, String> {
+        let mut keys: Vec<String> = self
+            .api_key
+            .iter()
+            .filter(|k| !k.is_empty())
+            .cloned()
+            .collect();
+        if let Some(path) = &self.api_key_file {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| format!("cannot read --api-key-file {}: {e}", path.display()))?;
+            keys.extend(
+                text.lines()
+                    .map(str::trim)
+                    .filter(|l| !l.is_empty() && !l.starts_with('#'))
+                    .map(String::from),
+            );
+            if keys.is_empty() {
+                return Err(format!("--api-key-file {} holds no key", path.display()));
+            }
+        }
+        Ok(keys)
     }
 }
 

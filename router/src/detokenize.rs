@@ -57,10 +57,39 @@ impl TokenizerInfo {
 
     /// Tokenizes a prompt, adding the model's special tokens (BOS).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, String> {
+        self.encode_with(text, true)
+    }
+
+    /// Tokenizes a prompt, with or without the model's special tokens.
+    pub fn encode_with(&self, text: &str, add_special: bool) -> Result<Vec<u32>, String> {
         self.tokenizer
-            .encode(text, true)
+            .encode(text, add_special)
             .map(|e| e.get_ids().to_vec())
             .map_err(|e| e.to_string())
+    }
+
+    /// Ids with the character span of each in `text` (`/tokenize`).
+    pub fn encode_offsets(&self, text: &str) -> Result<Vec<(u32, usize, usize)>, String> {
+        let encoding = self
+            .tokenizer
+            .encode(text, true)
+            .map_err(|e| e.to_string())?;
+        Ok(encoding
+            .get_ids()
+            .iter()
+            .zip(encoding.get_offsets())
+            .map(|(&id, &(start, stop))| (id, start, stop))
+            .collect())
+    }
+
+    /// Ids in the vocabulary, added tokens included.
+    pub fn vocab_size(&self) -> usize {
+        self.tokenizer.get_vocab_size(true)
+    }
+
+    /// Decodes ids, special tokens included (a prompt given as ids, echoed back).
+    pub fn decode_all(&self, ids: &[u32]) -> String {
+        self.tokenizer.decode(ids, false).unwrap_or_default()
     }
 
     /// Decodes ids, skipping special tokens. Decoding errors give an empty string.

@@ -24,7 +24,7 @@ pub enum InferError {
 }
 
 /// The JSON body of every error on the TGI routes.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 pub struct ErrorBody {
     pub error: String,
     pub error_type: &'static str,

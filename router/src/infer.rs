@@ -8,7 +8,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
@@ -22,7 +22,7 @@ use crate::scheduler::{Scheduler, SchedulerConfig, Sequence};
 use crate::stop::StopMatcher;
 use crate::validation::{GenerateRequest, ValidRequest, Validation};
 
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, PartialEq, utoipa::ToSchema)]
 pub struct Token {
     pub id: u32,
     pub text: String,
@@ -30,7 +30,7 @@ pub struct Token {
     pub special: bool,
 }
 
-#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum FinishReason {
     Length,
@@ -47,6 +47,12 @@ pub struct End {
     pub generated_tokens: usize,
     pub input_length: usize,
     pub seed: Option<u64>,
+    /// Sum of the sampled tokens' logprobs (what best_of ranks by).
+    pub cumulative_logprob: f32,
+    /// From arrival to the first step that computed it.
+    pub queue_time: Duration,
+    /// From that step to the last token.
+    pub inference_time: Duration,
 }
 
 /// One generated token, as sent to the request's handler.
@@ -54,6 +60,11 @@ pub struct End {
 pub struct TokenEvent {
     pub token: Token,
     pub top_tokens: Vec<Token>,
+    /// With the first event when prompt logprobs were asked: every prompt token (the
+    /// first has no logprob) and, with top_n_tokens, the alternatives to each but the
+    /// first.
+    pub prefill: Vec<Token>,
+    pub prefill_top_tokens: Vec<Vec<Token>>,
     pub end: Option<End>,
 }
 
@@ -62,8 +73,28 @@ pub type EventResult = Result<TokenEvent, InferError>;
 /// A validated request on its way to the loop.
 struct Admission {
     request: ValidRequest,
-    events: mpsc::UnboundedSender<EventResult>,
+    /// One channel per sample (`best_of` of them), in sample order.
+    samples: Vec<mpsc::UnboundedSender<EventResult>>,
     permit: OwnedSemaphorePermit,
+    queued_at: Instant,
+}
+
+/// A queued request: what validation made of it, one event stream per sample.
+pub struct Submitted {
+    pub request: ValidRequest,
+    pub samples: Vec<mpsc::UnboundedReceiver<EventResult>>,
+}
+
+/// The seed of sample `index` of a request: the request's own for the first, then
+/// distinct ones derived from it (SplitMix64), so a seeded request is reproducible.
+pub fn sample_seed(seed: u64, index: usize) -> u64 {
+    if index == 0 {
+        return seed;
+    }
+    let mut z = seed.wrapping_add((index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }
 
 /// What the HTTP side holds: validation, the concurrency limit, the way to the loop.
@@ -113,16 +144,29 @@ impl Infer {
     ) -> Result<(ValidRequest, mpsc::UnboundedReceiver<EventResult>), InferError> {
         let permit = self.try_permit()?;
         let valid = self.validation.validate(request).await?;
-        let (events, rx) = mpsc::unbounded_channel();
+        let mut submitted = self.enqueue(valid, permit)?;
+        Ok((submitted.request, submitted.samples.remove(0)))
+    }
+
+    /// Queues a validated request (taken a permit for) as its `best_of` samples.
+    pub fn enqueue(
+        &self,
+        request: ValidRequest,
+        permit: OwnedSemaphorePermit,
+    ) -> Result<Submitted, InferError> {
+        let (senders, samples): (Vec<_>, Vec<_>) = (0..request.best_of.max(1))
+            .map(|_| mpsc::unbounded_channel())
+            .unzip();
         let admission = Admission {
-            request: valid.clone(),
-            events,
+            request: request.clone(),
+            samples: senders,
             permit,
+            queued_at: Instant::now(),
         };
         self.tx
             .send(admission)
             .map_err(|_| InferError::Generation("the batching loop has stopped".into()))?;
-        Ok((valid, rx))
+        Ok(Submitted { request, samples })
     }
 }
 
@@ -137,9 +181,13 @@ struct Entry {
     text: String,
     prefix: Option<String>,
     seed: Option<u64>,
+    prompt: Option<Vec<u32>>,
+    cumulative_logprob: f32,
     queued_at: Instant,
+    started_at: Option<Instant>,
     first_token_at: Option<Instant>,
-    _permit: OwnedSemaphorePermit,
+    /// Shared by the samples of one request: the slot frees when the last one ends.
+    _permit: Arc<OwnedSemaphorePermit>,
 }
 
 struct Loop<B> {
@@ -189,34 +237,50 @@ async fn batching_loop<B: Backend>(
 }
 
 impl<B: Backend> Loop<B> {
+    /// Queues a request's samples. This is the one place siblings are created: each is
+    /// its own sequence with a seed derived from the request's (the first keeps it).
+    /// Sharing the prompt's KV blocks between siblings (a copy-on-write fork of the
+    /// first sibling's blocks) slots in here once the block manager can fork.
     fn admit(&mut self, admission: Admission) {
         let Admission {
             request,
-            events,
+            samples,
             permit,
+            queued_at,
         } = admission;
-        let id = self.next_id;
-        self.next_id += 1;
-        let mut seq = Sequence::new(id, request.input_ids, request.sampling);
-        seq.top_n_tokens = request.top_n_tokens;
-        seq.adapter_id = request.adapter_id;
-        let entry = Entry {
-            events,
-            detokenizer: Detokenizer::new(&seq.token_ids),
-            stop: StopMatcher::new(request.stop),
-            max_new_tokens: request.max_new_tokens,
-            input_length: seq.prompt_len,
-            generated: 0,
-            text: String::new(),
-            prefix: request.prefix,
-            seed: request.seed,
-            queued_at: Instant::now(),
-            first_token_at: None,
-            _permit: permit,
-        };
-        tracing::debug!(id, input_tokens = seq.prompt_len, "queued");
-        self.scheduler.add(seq);
-        self.entries.insert(id, entry);
+        let permit = Arc::new(permit);
+        for (index, events) in samples.into_iter().enumerate() {
+            let id = self.next_id;
+            self.next_id += 1;
+            let seed = request.seed.map(|s| sample_seed(s, index));
+            let mut sampling = request.sampling.clone();
+            sampling.seed = seed.unwrap_or(0);
+            let mut seq = Sequence::new(id, request.input_ids.clone(), sampling);
+            seq.top_n_tokens = request.top_n_tokens;
+            seq.adapter_id = request.adapter_id.clone();
+            // Siblings share the prompt: its logprobs come with the first only.
+            seq.prompt_logprobs = request.prompt_logprobs && index == 0;
+            let entry = Entry {
+                events,
+                detokenizer: Detokenizer::new(&seq.token_ids),
+                stop: StopMatcher::new(request.stop.clone()),
+                max_new_tokens: request.max_new_tokens,
+                input_length: seq.prompt_len,
+                generated: 0,
+                text: String::new(),
+                prefix: request.prefix.clone(),
+                seed,
+                prompt: seq.prompt_logprobs.then(|| request.input_ids.clone()),
+                cumulative_logprob: 0.0,
+                queued_at,
+                started_at: None,
+                first_token_at: None,
+                _permit: permit.clone(),
+            };
+            tracing::debug!(id, index, input_tokens = seq.prompt_len, "queued");
+            self.scheduler.add(seq);
+            self.entries.insert(id, entry);
+        }
     }
 
     fn drop_cancelled(&mut self) {
@@ -273,6 +337,11 @@ impl<B: Backend> Loop<B> {
         }
         let step_id = step.step_id;
         let started = Instant::now();
+        for joined in &step.joined {
+            if let Some(entry) = self.entries.get_mut(&joined.id) {
+                entry.started_at.get_or_insert(started);
+            }
+        }
         match self.backend.step(step).await {
             Ok(response) => {
                 let router_start = Instant::now();
@@ -331,30 +400,51 @@ impl<B: Backend> Loop<B> {
         };
         let mut accepted = Vec::with_capacity(generation.token_ids.len());
         let mut finished = false;
+        let tokenizer = &self.tokenizer;
+        let to_tokens = |top: &pb::TopTokens| -> Vec<Token> {
+            top.ids
+                .iter()
+                .zip(&top.logprobs)
+                .map(|(&id, &logprob)| Token {
+                    id,
+                    text: tokenizer.token_text(id),
+                    logprob: Some(logprob),
+                    special: tokenizer.is_special(id),
+                })
+                .collect()
+        };
+        let mut prefill = Vec::new();
+        let mut prefill_top_tokens = Vec::new();
+        if let Some(prompt) = entry.prompt.take() {
+            prefill = prompt
+                .iter()
+                .enumerate()
+                .map(|(i, &id)| Token {
+                    id,
+                    text: tokenizer.token_text(id),
+                    logprob: i
+                        .checked_sub(1)
+                        .and_then(|j| generation.prompt_logprobs.get(j).copied()),
+                    special: tokenizer.is_special(id),
+                })
+                .collect();
+            prefill_top_tokens = generation.prompt_top_tokens.iter().map(to_tokens).collect();
+        }
         for (i, &token_id) in generation.token_ids.iter().enumerate() {
             let top_tokens = generation
                 .top_tokens
                 .get(i)
-                .map(|top| {
-                    top.ids
-                        .iter()
-                        .zip(&top.logprobs)
-                        .map(|(&id, &logprob)| Token {
-                            id,
-                            text: self.tokenizer.token_text(id),
-                            logprob: Some(logprob),
-                            special: self.tokenizer.is_special(id),
-                        })
-                        .collect()
-                })
+                .map(to_tokens)
                 .unwrap_or_default();
-            let event = entry.on_token(
-                &self.tokenizer,
+            let mut event = entry.on_token(
+                tokenizer,
                 &self.eos,
                 token_id,
                 generation.logprobs.get(i).copied(),
                 top_tokens,
             );
+            event.prefill = std::mem::take(&mut prefill);
+            event.prefill_top_tokens = std::mem::take(&mut prefill_top_tokens);
             accepted.push(token_id);
             finished = event.end.is_some();
             if let Some(end) = &event.end {
@@ -394,9 +484,11 @@ impl Entry {
         top_tokens: Vec<Token>,
     ) -> TokenEvent {
         self.generated += 1;
+        let now = Instant::now();
         if self.first_token_at.is_none() {
-            self.first_token_at = Some(Instant::now());
+            self.first_token_at = Some(now);
         }
+        self.cumulative_logprob += logprob.unwrap_or(0.0);
         let mut text = String::new();
         let mut finish = None;
         if eos.contains(&id) {
@@ -433,6 +525,12 @@ impl Entry {
             generated_tokens: self.generated,
             input_length: self.input_length,
             seed: self.seed,
+            cumulative_logprob: self.cumulative_logprob,
+            queue_time: self
+                .started_at
+                .unwrap_or(now)
+                .saturating_duration_since(self.queued_at),
+            inference_time: now.saturating_duration_since(self.started_at.unwrap_or(now)),
         });
         TokenEvent {
             token: Token {
@@ -442,6 +540,8 @@ impl Entry {
                 special: tokenizer.is_special(id),
             },
             top_tokens,
+            prefill: Vec::new(),
+            prefill_top_tokens: Vec::new(),
             end,
         }
     }

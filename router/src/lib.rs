@@ -6,12 +6,16 @@
 //! `scheduler` (+ `queue`, `blocks`) → `client` (Step to every shard) → `infer` again
 //! (`detokenize`, `stop`) → the client's stream.
 
+pub mod access;
 pub mod args;
 pub mod blocks;
+pub mod chat;
 pub mod client;
 pub mod detokenize;
 pub mod error;
 pub mod infer;
+pub mod openai;
+pub mod openapi;
 #[cfg(feature = "python")]
 mod python;
 pub mod queue;
@@ -31,7 +35,9 @@ use std::time::Duration;
 
 use clap::Parser;
 
+use crate::access::Access;
 use crate::args::{Args, LogFormat};
+use crate::chat::ChatTemplate;
 use crate::client::ShardClient;
 use crate::detokenize::TokenizerInfo;
 use crate::error::RouterError;
@@ -84,6 +90,12 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
             path: args.tokenizer.display().to_string(),
             message,
         })?;
+    let chat =
+        ChatTemplate::from_dir(&args.tokenizer).map_err(|message| RouterError::Tokenizer {
+            path: args.tokenizer.display().to_string(),
+            message,
+        })?;
+    let api_keys = args.api_keys().map_err(RouterError::Args)?;
     let shards = ShardClient::connect(&args.shard_uds_path, CONNECT_WAIT)
         .await?
         .with_agreement_check(args.check_rank_agreement);
@@ -128,8 +140,9 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
         max_batch_tokens: args.max_batch_tokens as usize,
         max_batch_size: args.max_batch_size as usize,
         max_concurrent_requests: args.max_concurrent_requests,
-        max_best_of: 1,
+        max_best_of: args.max_best_of,
         max_stop_sequences: args.max_stop_sequences,
+        max_top_n_tokens: args.max_top_n_tokens,
         block_size: args.block_size as usize,
         num_blocks: args.num_blocks as usize,
         world_size: shards.world_size(),
@@ -156,11 +169,23 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
         args.max_concurrent_requests,
         config,
     );
+    tracing::info!(
+        chat_template = chat.is_some(),
+        api_keys = api_keys.len(),
+        "HTTP surface"
+    );
     let app = server::router(AppState {
         infer,
         info: app_info,
         shards: Some(shards),
+        chat: chat.map(std::sync::Arc::new),
     });
+    let access = Access {
+        api_keys,
+        cors_allow_origin: args.cors_allow_origin.clone(),
+        payload_limit: args.payload_limit,
+    };
+    let app = access::layers(app, access);
     let listener = tokio::net::TcpListener::bind((args.hostname.as_str(), args.port)).await?;
     tracing::info!(address = %listener.local_addr()?, "listening");
     axum::serve(listener, app)

@@ -36,6 +36,8 @@ pub struct Sequence {
     pub top_n_tokens: u32,
     pub adapter_id: String,
     pub num_preemptions: u32,
+    /// The shards return the prompt tokens' logprobs with the first sampled token.
+    pub prompt_logprobs: bool,
 }
 
 impl Sequence {
@@ -51,6 +53,7 @@ impl Sequence {
             top_n_tokens: 0,
             adapter_id: String::new(),
             num_preemptions: 0,
+            prompt_logprobs: false,
         }
     }
 
@@ -312,9 +315,11 @@ impl Scheduler {
                     num_cached: seq.num_computed as u32,
                     num_compute: n as u32,
                     block_table: table.to_vec(),
-                    sampling: Some(seq.sampling),
+                    sampling: Some(seq.sampling.clone()),
                     top_n_tokens: seq.top_n_tokens,
                     adapter_id: seq.adapter_id.clone(),
+                    // Delivered with the first sampled token, so not again after that.
+                    prompt_logprobs: seq.prompt_logprobs && seq.num_generated() == 0,
                 });
                 seq.on_shard = true;
             }

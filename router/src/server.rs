@@ -1,12 +1,14 @@
 //! HTTP routes (TGI's shapes): /generate, /generate_stream, / (TGI's compat route that
-//! streams when `stream` is true), /health, /info.
+//! streams when `stream` is true), /tokenize, /health, /info; the OpenAI routes live in
+//! `openai`, the OpenAPI document in `openapi`, access control in `access`.
 
 use std::convert::Infallible;
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::{FromRequest, Request, State};
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -16,13 +18,14 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
+use crate::chat::ChatTemplate;
 use crate::client::ShardClient;
 use crate::error::{ErrorBody, InferError};
-use crate::infer::{EventResult, FinishReason, Infer, Token};
-use crate::validation::GenerateRequest;
+use crate::infer::{End, EventResult, FinishReason, Infer, Token};
+use crate::validation::{Extra, GenerateRequest, Prompt, ValidRequest};
 
 /// `GET /info`.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct Info {
     pub model_id: String,
     pub model_dtype: String,
@@ -35,6 +38,7 @@ pub struct Info {
     pub max_concurrent_requests: usize,
     pub max_best_of: usize,
     pub max_stop_sequences: usize,
+    pub max_top_n_tokens: usize,
     pub block_size: usize,
     pub num_blocks: usize,
     pub world_size: usize,
@@ -48,16 +52,43 @@ pub struct AppState {
     pub info: Info,
     /// `None` only in tests without shards: /health then answers 503.
     pub shards: Option<ShardClient>,
+    /// The model's chat template; `None` when it has none (chat completions answer 400).
+    pub chat: Option<Arc<ChatTemplate>>,
 }
 
+/// Every route, without access control or CORS (see `access::layers`).
 pub fn router(state: AppState) -> Router {
     Router::new()
         .route("/", post(compat_generate))
         .route("/generate", post(generate))
         .route("/generate_stream", post(generate_stream))
+        .route("/tokenize", post(tokenize))
         .route("/health", get(health))
         .route("/info", get(info))
+        .merge(crate::openai::routes())
+        .merge(crate::openapi::routes())
         .with_state(state)
+}
+
+/// Reads a request body, answering a body over the payload limit with a 422 that names
+/// the limit (`shape` turns the error into the route's error body).
+pub async fn read_body<S: Send + Sync>(
+    req: Request,
+    state: &S,
+    shape: fn(InferError) -> Response,
+) -> Result<Bytes, Response> {
+    Bytes::from_request(req, state).await.map_err(|e| {
+        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            return shape(InferError::Validation(
+                "payload_limit: the request body exceeds --payload-limit".into(),
+            ));
+        }
+        let body = ErrorBody {
+            error: e.body_text(),
+            error_type: "validation",
+        };
+        (e.status(), Json(body)).into_response()
+    })
 }
 
 /// A JSON body parsed whatever the content type, with errors in TGI's shape that name
@@ -68,13 +99,7 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for TgiJson<T> {
     type Rejection = Response;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        let bytes = Bytes::from_request(req, state).await.map_err(|e| {
-            let body = ErrorBody {
-                error: e.body_text(),
-                error_type: "validation",
-            };
-            (e.status(), Json(body)).into_response()
-        })?;
+        let bytes = read_body(req, state, IntoResponse::into_response).await?;
         let mut de = serde_json::Deserializer::from_slice(&bytes);
         let value: T = serde_path_to_error::deserialize(&mut de).map_err(|e| {
             let path = e.path().to_string();
@@ -91,8 +116,10 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for TgiJson<T> {
     }
 }
 
-#[derive(Serialize)]
-struct Details {
+/// One of the other samples when `best_of` > 1.
+#[derive(Serialize, utoipa::ToSchema)]
+pub struct BestOfSequence {
+    generated_text: String,
     finish_reason: FinishReason,
     generated_tokens: usize,
     seed: Option<u64>,
@@ -102,23 +129,37 @@ struct Details {
     top_tokens: Vec<Vec<Token>>,
 }
 
-#[derive(Serialize)]
-struct GenerateResponse {
+#[derive(Serialize, utoipa::ToSchema)]
+pub struct Details {
+    finish_reason: FinishReason,
+    generated_tokens: usize,
+    seed: Option<u64>,
+    /// The prompt tokens with their logprobs (decoder_input_details).
+    prefill: Vec<Token>,
+    tokens: Vec<Token>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    top_tokens: Vec<Vec<Token>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    best_of_sequences: Option<Vec<BestOfSequence>>,
+}
+
+#[derive(Serialize, utoipa::ToSchema)]
+pub struct GenerateResponse {
     generated_text: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     details: Option<Details>,
 }
 
-#[derive(Serialize)]
-struct StreamDetails {
+#[derive(Serialize, utoipa::ToSchema)]
+pub struct StreamDetails {
     finish_reason: FinishReason,
     generated_tokens: usize,
     input_length: usize,
     seed: Option<u64>,
 }
 
-#[derive(Serialize)]
-struct StreamResponse {
+#[derive(Serialize, utoipa::ToSchema)]
+pub struct StreamResponse {
     index: usize,
     token: Token,
     top_tokens: Vec<Token>,
@@ -126,55 +167,57 @@ struct StreamResponse {
     details: Option<StreamDetails>,
 }
 
-/// TGI's `/`: streams when `stream` is true; otherwise answers like /generate but wrapped
-/// in a one-element array (what `text-generation`'s client and the HF inference API read).
-async fn compat_generate(state: State<AppState>, body: TgiJson<GenerateRequest>) -> Response {
-    if body.0.stream.unwrap_or(false) {
-        return generate_stream(state, body).await;
-    }
-    match generate_inner(&state.0, body.0).await {
-        Ok(response) => Json([response]).into_response(),
-        Err(e) => e.into_response(),
-    }
+/// One token of `/tokenize`, with its character span in the input.
+#[derive(Serialize, utoipa::ToSchema)]
+pub struct SimpleToken {
+    id: u32,
+    text: String,
+    start: usize,
+    stop: usize,
 }
 
-async fn generate(
-    State(state): State<AppState>,
-    TgiJson(request): TgiJson<GenerateRequest>,
-) -> Response {
-    match generate_inner(&state, request).await {
-        Ok(response) => Json(response).into_response(),
-        Err(e) => e.into_response(),
-    }
+/// `POST /tokenize`.
+#[derive(serde::Deserialize, utoipa::ToSchema)]
+pub struct TokenizeRequest {
+    inputs: String,
+    #[serde(default)]
+    #[schema(value_type = Option<Object>)]
+    #[allow(dead_code)]
+    parameters: Option<serde_json::Value>,
 }
 
-async fn generate_inner(
-    state: &AppState,
-    request: GenerateRequest,
-) -> Result<GenerateResponse, InferError> {
-    let (valid, mut rx) = state.infer.submit(request).await?;
+/// One finished sample: every event of its stream gathered.
+pub struct Sample {
+    pub tokens: Vec<Token>,
+    pub top_tokens: Vec<Vec<Token>>,
+    pub prefill: Vec<Token>,
+    pub prefill_top_tokens: Vec<Vec<Token>>,
+    pub end: End,
+}
+
+/// Reads one sample's stream to its end.
+pub async fn collect(
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<EventResult>,
+) -> Result<Sample, InferError> {
     let mut tokens = Vec::new();
     let mut top_tokens = Vec::new();
+    let mut prefill = Vec::new();
+    let mut prefill_top_tokens = Vec::new();
     while let Some(event) = rx.recv().await {
         let event = event?;
-        if valid.details {
-            tokens.push(event.token);
-            if valid.top_n_tokens > 0 {
-                top_tokens.push(event.top_tokens);
-            }
+        if !event.prefill.is_empty() {
+            prefill = event.prefill;
+            prefill_top_tokens = event.prefill_top_tokens;
         }
+        tokens.push(event.token);
+        top_tokens.push(event.top_tokens);
         if let Some(end) = event.end {
-            let details = valid.details.then(|| Details {
-                finish_reason: end.finish_reason,
-                generated_tokens: end.generated_tokens,
-                seed: end.seed,
-                prefill: Vec::new(),
+            return Ok(Sample {
                 tokens,
                 top_tokens,
-            });
-            return Ok(GenerateResponse {
-                generated_text: end.generated_text,
-                details,
+                prefill,
+                prefill_top_tokens,
+                end,
             });
         }
     }
@@ -183,13 +226,215 @@ async fn generate_inner(
     ))
 }
 
-async fn generate_stream(
+/// Validates and queues any route's request: a 429 before validation when full.
+pub async fn submit(
+    infer: &Infer,
+    prompt: Prompt,
+    parameters: crate::validation::GenerateParameters,
+    extra: Extra,
+) -> Result<crate::infer::Submitted, InferError> {
+    let permit = infer.try_permit()?;
+    let valid = infer
+        .validation
+        .validate_prompt(prompt, parameters, extra)
+        .await?;
+    infer.enqueue(valid, permit)
+}
+
+/// Headers for operators: where the time went and how many tokens it took.
+pub fn timing_headers(request: &ValidRequest, samples: &[&End]) -> HeaderMap {
+    let mut headers = HeaderMap::new();
+    let generated: usize = samples.iter().map(|e| e.generated_tokens).sum();
+    let queue = samples
+        .iter()
+        .map(|e| e.queue_time)
+        .max()
+        .unwrap_or_default();
+    let inference = samples
+        .iter()
+        .map(|e| e.inference_time)
+        .max()
+        .unwrap_or_default();
+    let per_token = samples
+        .iter()
+        .map(|e| e.inference_time / e.generated_tokens.max(1) as u32)
+        .max()
+        .unwrap_or_default();
+    let values = [
+        ("x-queue-time", queue.as_millis().to_string()),
+        ("x-inference-time", inference.as_millis().to_string()),
+        ("x-time-per-token", per_token.as_millis().to_string()),
+        ("x-prompt-tokens", request.input_ids.len().to_string()),
+        ("x-generated-tokens", generated.to_string()),
+    ];
+    for (name, value) in values {
+        if let Ok(v) = HeaderValue::from_str(&value) {
+            headers.insert(name, v);
+        }
+    }
+    headers
+}
+
+/// TGI's `/`: streams when `stream` is true; otherwise answers like /generate but wrapped
+/// in a one-element array (what `text-generation`'s client and the HF inference API read).
+#[utoipa::path(post, path = "/", request_body = GenerateRequest, tag = "TGI",
+    responses((status = 200, description = "Generated text (in a one-element array), or an SSE stream of StreamResponse when stream is true", body = Vec<GenerateResponse>),
+              (status = 422, body = ErrorBody), (status = 429, body = ErrorBody)))]
+pub async fn compat_generate(state: State<AppState>, body: TgiJson<GenerateRequest>) -> Response {
+    if body.0.stream.unwrap_or(false) {
+        return generate_stream(state, body).await;
+    }
+    match generate_inner(&state.0, body.0).await {
+        Ok((headers, response)) => (headers, Json([response])).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+#[utoipa::path(post, path = "/generate", request_body = GenerateRequest, tag = "TGI",
+    responses((status = 200, body = GenerateResponse,
+               headers(("x-queue-time" = String), ("x-inference-time" = String),
+                       ("x-time-per-token" = String), ("x-prompt-tokens" = String),
+                       ("x-generated-tokens" = String))),
+              (status = 422, body = ErrorBody), (status = 424, body = ErrorBody),
+              (status = 429, body = ErrorBody)))]
+pub async fn generate(
     State(state): State<AppState>,
     TgiJson(request): TgiJson<GenerateRequest>,
 ) -> Response {
-    match state.infer.submit(request).await {
-        Ok((valid, rx)) => Sse::new(sse_events(rx, valid.details)).into_response(),
+    match generate_inner(&state, request).await {
+        Ok((headers, response)) => (headers, Json(response)).into_response(),
         Err(e) => e.into_response(),
+    }
+}
+
+fn tgi_parts(request: GenerateRequest) -> (Prompt, crate::validation::GenerateParameters) {
+    let prompt = Prompt::Text {
+        text: request.inputs,
+        add_special: true,
+    };
+    (prompt, request.parameters.unwrap_or_default())
+}
+
+async fn generate_inner(
+    state: &AppState,
+    request: GenerateRequest,
+) -> Result<(HeaderMap, GenerateResponse), InferError> {
+    let (prompt, parameters) = tgi_parts(request);
+    let submitted = submit(&state.infer, prompt, parameters, Extra::default()).await?;
+    let valid = submitted.request;
+    let mut samples =
+        futures::future::try_join_all(submitted.samples.into_iter().map(collect)).await?;
+    let headers = timing_headers(&valid, &samples.iter().map(|s| &s.end).collect::<Vec<_>>());
+    // best_of: the sample with the highest cumulative logprob; the first on ties.
+    let best = (0..samples.len())
+        .rev()
+        .max_by(|&a, &b| {
+            let (a, b) = (&samples[a].end, &samples[b].end);
+            a.cumulative_logprob.total_cmp(&b.cumulative_logprob)
+        })
+        .unwrap_or(0);
+    let prefill = std::mem::take(&mut samples[0].prefill);
+    let chosen = samples.remove(best);
+    let top = |s: Vec<Vec<Token>>| {
+        if valid.top_n_tokens > 0 {
+            s
+        } else {
+            Vec::new()
+        }
+    };
+    let best_of_sequences = (valid.best_of > 1).then(|| {
+        samples
+            .into_iter()
+            .map(|s| BestOfSequence {
+                generated_text: s.end.generated_text,
+                finish_reason: s.end.finish_reason,
+                generated_tokens: s.end.generated_tokens,
+                seed: s.end.seed,
+                prefill: prefill.clone(),
+                tokens: s.tokens,
+                top_tokens: top(s.top_tokens),
+            })
+            .collect()
+    });
+    let end = chosen.end;
+    let details = valid.details.then(|| Details {
+        finish_reason: end.finish_reason,
+        generated_tokens: end.generated_tokens,
+        seed: end.seed,
+        prefill,
+        tokens: chosen.tokens,
+        top_tokens: top(chosen.top_tokens),
+        best_of_sequences,
+    });
+    Ok((
+        headers,
+        GenerateResponse {
+            generated_text: end.generated_text,
+            details,
+        },
+    ))
+}
+
+#[utoipa::path(post, path = "/generate_stream", request_body = GenerateRequest, tag = "TGI",
+    responses((status = 200, description = "An SSE stream: one StreamResponse per token", content_type = "text/event-stream", body = StreamResponse),
+              (status = 422, body = ErrorBody), (status = 429, body = ErrorBody)))]
+pub async fn generate_stream(
+    State(state): State<AppState>,
+    TgiJson(request): TgiJson<GenerateRequest>,
+) -> Response {
+    let (prompt, parameters) = tgi_parts(request);
+    let infer = &state.infer;
+    let submitted = async {
+        let permit = infer.try_permit()?;
+        let valid = infer
+            .validation
+            .validate_prompt(prompt, parameters, Extra::default())
+            .await?;
+        if valid.best_of > 1 {
+            return Err(InferError::Validation(
+                "parameters.best_of > 1 is not supported when streaming".into(),
+            ));
+        }
+        infer.enqueue(valid, permit)
+    };
+    match submitted.await {
+        Ok(mut submitted) => {
+            let rx = submitted.samples.remove(0);
+            Sse::new(sse_events(rx, submitted.request.details)).into_response()
+        }
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `POST /tokenize`: the ids the router would feed the model, with character offsets.
+#[utoipa::path(post, path = "/tokenize", request_body = TokenizeRequest, tag = "TGI",
+    responses((status = 200, body = Vec<SimpleToken>), (status = 422, body = ErrorBody)))]
+pub async fn tokenize(
+    State(state): State<AppState>,
+    TgiJson(request): TgiJson<TokenizeRequest>,
+) -> Response {
+    let tokenizer = state.infer.validation.tokenizer.clone();
+    let inputs = request.inputs;
+    let result = tokio::task::spawn_blocking(move || {
+        tokenizer.encode_offsets(&inputs).map(|ids| {
+            let chars: Vec<(usize, char)> = inputs.char_indices().collect();
+            // The tokenizer reports byte offsets; TGI reports characters.
+            let to_char = |byte: usize| chars.partition_point(|&(b, _)| b < byte);
+            ids.into_iter()
+                .map(|(id, start, stop)| SimpleToken {
+                    id,
+                    text: inputs.get(start..stop).unwrap_or_default().to_string(),
+                    start: to_char(start),
+                    stop: to_char(stop),
+                })
+                .collect::<Vec<_>>()
+        })
+    })
+    .await;
+    match result {
+        Ok(Ok(tokens)) => Json(tokens).into_response(),
+        Ok(Err(e)) => InferError::Validation(format!("inputs: {e}")).into_response(),
+        Err(e) => InferError::Validation(format!("inputs: {e}")).into_response(),
     }
 }
 
@@ -228,7 +473,9 @@ fn sse_events(
     })
 }
 
-async fn health(State(state): State<AppState>) -> Response {
+#[utoipa::path(get, path = "/health", tag = "TGI",
+    responses((status = 200, description = "Every shard is ready"), (status = 503, body = ErrorBody)))]
+pub async fn health(State(state): State<AppState>) -> Response {
     let Some(shards) = &state.shards else {
         return InferError::Unhealthy("no shards".into()).into_response();
     };
@@ -240,6 +487,7 @@ async fn health(State(state): State<AppState>) -> Response {
     }
 }
 
-async fn info(State(state): State<AppState>) -> Json<Info> {
+#[utoipa::path(get, path = "/info", tag = "TGI", responses((status = 200, body = Info)))]
+pub async fn info(State(state): State<AppState>) -> Json<Info> {
     Json(state.info)
 }

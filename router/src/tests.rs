@@ -164,7 +164,7 @@ impl FakeShard {
                     id,
                     token_ids: vec![token],
                     logprobs: vec![-0.5],
-                    top_tokens: vec![],
+                    ..Default::default()
                 });
             }
         }
@@ -211,6 +211,8 @@ fn harness_with(shard: FakeShard, max_concurrent: usize, max_batch_tokens: usize
         max_input_tokens: 48,
         max_total_tokens: 64,
         max_stop_sequences: 2,
+        max_top_n_tokens: 5,
+        max_best_of: 4,
         block_size: BLOCK_SIZE,
         num_blocks: shard.num_blocks,
     };
@@ -239,8 +241,9 @@ fn harness_with(shard: FakeShard, max_concurrent: usize, max_batch_tokens: usize
         max_batch_tokens,
         max_batch_size: 8,
         max_concurrent_requests: max_concurrent,
-        max_best_of: 1,
+        max_best_of: 4,
         max_stop_sequences: 2,
+        max_top_n_tokens: 5,
         block_size: BLOCK_SIZE,
         num_blocks: shard.num_blocks,
         world_size: 1,
@@ -251,6 +254,7 @@ fn harness_with(shard: FakeShard, max_concurrent: usize, max_batch_tokens: usize
         infer,
         info,
         shards: None,
+        chat: None,
     });
     Harness { app, shard }
 }
@@ -376,13 +380,15 @@ async fn each_invalid_parameter_is_a_422_naming_the_field_on_both_routes() {
     .await;
     expect_422(&h, p(json!({"stop": ["a", "b", "c"]})), "stop").await;
     expect_422(&h, p(json!({"stop": [""]})), "stop").await;
-    expect_422(&h, p(json!({"best_of": 2})), "best_of").await;
+    expect_422(&h, p(json!({"best_of": 2})), "best_of").await; // greedy
+    expect_422(&h, p(json!({"best_of": 0})), "best_of").await;
     expect_422(
         &h,
-        p(json!({"decoder_input_details": true})),
-        "decoder_input_details",
+        p(json!({"best_of": 5, "do_sample": true})),
+        "max_best_of",
     )
     .await;
+    expect_422(&h, p(json!({"top_n_tokens": 6})), "max_top_n_tokens").await;
     expect_422(&h, p(json!({"watermark": true})), "watermark").await;
     expect_422(
         &h,
@@ -717,4 +723,210 @@ async fn info_and_health_answer() {
         .await
         .unwrap();
     assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
+}
+
+async fn send(app: &Router, request: Request<Body>) -> (StatusCode, axum::http::HeaderMap, String) {
+    let response = app.clone().oneshot(request).await.unwrap();
+    let status = response.status();
+    let headers = response.headers().clone();
+    let bytes = axum::body::to_bytes(response.into_body(), usize::MAX)
+        .await
+        .unwrap();
+    (status, headers, String::from_utf8(bytes.to_vec()).unwrap())
+}
+
+fn post_json(path: &str, body: &Value, key: Option<&str>) -> Request<Body> {
+    let mut b = Request::post(path).header("content-type", "application/json");
+    if let Some(key) = key {
+        b = b.header("authorization", format!("Bearer {key}"));
+    }
+    b.body(Body::from(body.to_string())).unwrap()
+}
+
+#[tokio::test]
+async fn best_of_generates_siblings_with_distinct_derived_seeds_and_timing_headers() {
+    let h = harness(Script::Hash);
+    let body = json!({"inputs": "hello", "parameters": {
+        "best_of": 3, "do_sample": true, "seed": 7, "details": true, "max_new_tokens": 4}});
+    let (status, headers, text) = send(&h.app, post_json("/generate", &body, None)).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    let others = v["details"]["best_of_sequences"].as_array().unwrap();
+    assert_eq!(others.len(), 2);
+    let mut seeds: Vec<u64> = others.iter().map(|o| o["seed"].as_u64().unwrap()).collect();
+    seeds.push(v["details"]["seed"].as_u64().unwrap());
+    seeds.sort();
+    seeds.dedup();
+    assert_eq!(seeds.len(), 3, "each sample has its own seed");
+    assert!(
+        seeds.contains(&7),
+        "the first sample keeps the request's seed"
+    );
+    assert_eq!(headers["x-generated-tokens"], "12");
+    assert_eq!(
+        headers["x-prompt-tokens"],
+        (ids("hello").len() + 1).to_string().as_str()
+    );
+    for name in ["x-queue-time", "x-inference-time", "x-time-per-token"] {
+        assert!(headers.contains_key(name), "{name}");
+    }
+    h.assert_protocol_ok();
+}
+
+#[tokio::test]
+async fn openai_errors_are_400_in_openai_shape_naming_the_parameter() {
+    let h = harness(Script::Hash);
+    let cases = [
+        (json!({"prompt": "hi", "temperature": 3}), "temperature"),
+        (json!({"prompt": "hi", "max_tokens": 0}), "max_tokens"),
+        (json!({"prompt": "hi", "top_p": 0}), "top_p"),
+        (json!({"prompt": "hi", "n": 0}), "n"),
+        (json!({"prompt": "hi", "n": 9}), "best_of"),
+        (json!({"prompt": "hi", "logprobs": 9}), "logprobs"),
+        (json!({"prompt": "hi", "stop": ["a", "b", "c"]}), "stop"),
+        (
+            json!({"prompt": "hi", "logit_bias": {"x": 1}}),
+            "logit_bias",
+        ),
+        (
+            json!({"prompt": "hi", "logit_bias": {"5": 101}}),
+            "logit_bias",
+        ),
+        (
+            json!({"prompt": "hi", "frequency_penalty": 9}),
+            "frequency_penalty",
+        ),
+        (json!({"prompt": 5}), "prompt"),
+        (json!({"prompt": ""}), "prompt"),
+        (json!({"prompt": [1, 999999]}), "prompt"),
+        (json!({"prompt": "hi", "seed": -1}), "seed"),
+    ];
+    for (body, param) in cases {
+        let (status, _, text) = send(&h.app, post_json("/v1/completions", &body, None)).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{body}: {text}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["error"]["type"], "invalid_request_error", "{text}");
+        assert_eq!(v["error"]["param"], param, "{body}: {text}");
+        assert!(
+            v["error"]["message"].as_str().unwrap().contains(param),
+            "{text}"
+        );
+    }
+    // No chat template in the test model: chat completions say so, naming messages.
+    let chat = json!({"messages": [{"role": "user", "content": "hi"}]});
+    let (status, _, text) = send(&h.app, post_json("/v1/chat/completions", &chat, None)).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{text}");
+    assert!(text.contains("\"param\":\"messages\""), "{text}");
+    // ... and the server still serves.
+    let (status, _, text) = send(
+        &h.app,
+        post_json(
+            "/v1/completions",
+            &json!({"prompt": "hi", "max_tokens": 3, "n": 2}),
+            None,
+        ),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["choices"].as_array().unwrap().len(), 2);
+    assert_eq!(v["usage"]["completion_tokens"], 6);
+    h.assert_protocol_ok();
+}
+
+#[tokio::test]
+async fn api_keys_guard_every_route_but_the_open_ones_and_payload_limit_is_a_422() {
+    let h = harness(Script::Hash);
+    let access = crate::access::Access {
+        api_keys: vec!["sekret".into()],
+        cors_allow_origin: vec!["https://example.com".into()],
+        payload_limit: 200,
+    };
+    let app = crate::access::layers(h.app.clone(), access);
+    let body = json!({"inputs": "hello", "parameters": {"max_new_tokens": 2}});
+    let (status, _, text) = send(&app, post_json("/generate", &body, None)).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED, "{text}");
+    let (status, _, _) = send(&app, post_json("/generate", &body, Some("wrong"))).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    let (status, _, text) = send(
+        &app,
+        post_json("/v1/completions", &json!({"prompt": "a"}), None),
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    assert!(text.contains("invalid_api_key"), "{text}");
+    let (status, _, _) = send(&app, post_json("/generate", &body, Some("sekret"))).await;
+    assert_eq!(status, StatusCode::OK);
+    let get = |path: &str| Request::get(path).body(Body::empty()).unwrap();
+    let (status, _, _) = send(&app, get("/health")).await;
+    assert_eq!(
+        status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "open, unhealthy without shards"
+    );
+    let (status, _, _) = send(&app, get("/openapi.json")).await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, _, _) = send(&app, get("/v1/models")).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    // CORS: the allowed origin is echoed.
+    let request = Request::get("/health")
+        .header("origin", "https://example.com")
+        .body(Body::empty())
+        .unwrap();
+    let (_, headers, _) = send(&app, request).await;
+    assert_eq!(
+        headers["access-control-allow-origin"],
+        "https://example.com"
+    );
+    // Over the payload limit: 422 naming it, on both API shapes.
+    let big = json!({"inputs": "x".repeat(300)});
+    let (status, _, text) = send(&app, post_json("/generate", &big, Some("sekret"))).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{text}");
+    assert!(text.contains("payload_limit"), "{text}");
+    let big = json!({"prompt": "x".repeat(300)});
+    let (status, _, text) = send(&app, post_json("/v1/completions", &big, Some("sekret"))).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{text}");
+    assert!(text.contains("\"param\":\"payload_limit\""), "{text}");
+}
+
+#[tokio::test]
+async fn tokenize_returns_ids_with_character_offsets_and_the_openapi_document_lists_routes() {
+    let h = harness(Script::Hash);
+    let (status, _, text) = send(
+        &h.app,
+        post_json("/tokenize", &json!({"inputs": "héllo"}), None),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let tokens: Vec<Value> = serde_json::from_str(&text).unwrap();
+    let expected = testing::tokenizer().encode("héllo").unwrap();
+    assert_eq!(
+        tokens
+            .iter()
+            .map(|t| t["id"].as_u64().unwrap() as u32)
+            .collect::<Vec<_>>(),
+        expected
+    );
+    let last = tokens.last().unwrap();
+    assert_eq!(last["stop"], 5, "offsets count characters, not bytes");
+    let (status, _, text) = send(
+        &h.app,
+        Request::get("/openapi.json").body(Body::empty()).unwrap(),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    let doc: Value = serde_json::from_str(&text).unwrap();
+    for path in [
+        "/generate",
+        "/generate_stream",
+        "/",
+        "/tokenize",
+        "/info",
+        "/health",
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+    ] {
+        assert!(doc["paths"].get(path).is_some(), "{path}");
+    }
 }

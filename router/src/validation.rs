@@ -2,7 +2,10 @@
 //! field. Parameters follow TGI's names and meaning; every TGI parameter is a known
 //! optional field (clients send many nulls) and an unknown one is an error.
 
+use std::collections::HashMap;
+
 use serde::Deserialize;
+use utoipa::ToSchema;
 
 use crate::args::Limits;
 use crate::detokenize::TokenizerInfo;
@@ -11,13 +14,33 @@ use crate::pb;
 
 /// max_new_tokens when the client gives none (clamped to what the context leaves).
 pub const DEFAULT_MAX_NEW_TOKENS: usize = 100;
-/// Most alternatives returned per token.
-pub const MAX_TOP_N_TOKENS: u32 = 5;
+/// How a request's prompt arrives: text to tokenize, or token ids (OpenAI's completions).
+#[derive(Debug, Clone)]
+pub enum Prompt {
+    /// `add_special`: add the tokenizer's BOS (false for rendered chat templates, which
+    /// write their own).
+    Text {
+        text: String,
+        add_special: bool,
+    },
+    Ids(Vec<u32>),
+}
+
+/// What the OpenAI routes ask for beyond TGI's parameters.
+#[derive(Debug, Clone, Default)]
+pub struct Extra {
+    /// Token id -> bias added to its logit, each in [-100, 100].
+    pub logit_bias: HashMap<u32, f32>,
+    /// Samples returned (OpenAI's `n`); 0 means 1. `best_of` is how many are generated.
+    pub n: u32,
+}
 
 /// `POST /generate`, `/generate_stream` and `/`.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct GenerateRequest {
+    /// The prompt.
+    #[schema(example = "What is deep learning?")]
     pub inputs: String,
     #[serde(default)]
     pub parameters: Option<GenerateParameters>,
@@ -26,29 +49,55 @@ pub struct GenerateRequest {
     pub stream: Option<bool>,
 }
 
-#[derive(Debug, Clone, Default, Deserialize)]
+/// TGI's generation parameters. Sampling order: penalties, temperature, top-k, top-p,
+/// typical-p, min-p.
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct GenerateParameters {
+    /// Generate this many samples and return the one with the highest cumulative logprob
+    /// (needs sampling; at most --max-best-of).
     pub best_of: Option<u32>,
+    /// Divides the logits; > 0. Any value but 1 turns sampling on.
     pub temperature: Option<f32>,
+    /// Divides positive (multiplies negative) logits of tokens already in the prompt or
+    /// the output; > 0, 1 = off.
     pub repetition_penalty: Option<f32>,
+    /// Subtracted from a logit once per occurrence in the output; [-2, 2].
     pub frequency_penalty: Option<f32>,
+    /// Subtracted once from the logit of every token in the output; [-2, 2].
     pub presence_penalty: Option<f32>,
+    /// Keep the k most likely tokens; > 0.
     pub top_k: Option<i64>,
+    /// Keep the smallest set of tokens whose probability reaches top_p; (0, 1].
     pub top_p: Option<f32>,
+    /// Locally typical sampling mass; (0, 1].
     pub typical_p: Option<f32>,
+    /// Drop tokens less likely than min_p times the most likely; [0, 1).
     pub min_p: Option<f32>,
+    /// Sample instead of greedy decoding.
     pub do_sample: Option<bool>,
+    /// Most tokens to generate; > 0.
     pub max_new_tokens: Option<u32>,
+    /// Prepend the prompt to generated_text.
     pub return_full_text: Option<bool>,
+    /// Stop before these strings (at most --max-stop-sequences).
     pub stop: Option<Vec<String>>,
+    /// Keep only the last `truncate` prompt tokens.
     pub truncate: Option<usize>,
+    /// Not supported (must be false).
     pub watermark: Option<bool>,
+    /// Return details: finish reason, tokens with logprobs, seed.
     pub details: Option<bool>,
+    /// Return the prompt tokens with their logprobs in details.prefill.
     pub decoder_input_details: Option<bool>,
+    /// Seed of the sampler: the same seed gives the same sample.
     pub seed: Option<u64>,
+    /// Return this many most likely alternatives per token (at most --max-top-n-tokens).
     pub top_n_tokens: Option<u32>,
+    /// Not yet supported (must be null).
+    #[schema(value_type = Option<Object>)]
     pub grammar: Option<serde_json::Value>,
+    /// The base model's id or null (no adapters are loaded).
     pub adapter_id: Option<String>,
 }
 
@@ -56,6 +105,11 @@ pub struct GenerateParameters {
 #[derive(Debug, Clone)]
 pub struct ValidRequest {
     pub input_ids: Vec<u32>,
+    /// Samples returned, and samples generated (`best_of >= n`); siblings of one prompt.
+    pub n: usize,
+    pub best_of: usize,
+    /// Return the prompt tokens' logprobs (with the first event).
+    pub prompt_logprobs: bool,
     pub sampling: pb::SamplingParams,
     /// The seed reported in details (`None` for greedy requests without a seed).
     pub seed: Option<u64>,
@@ -81,7 +135,10 @@ fn invalid(message: impl Into<String>) -> InferError {
 }
 
 /// The sampling parameters a request asks for, checked (no tokenization needed).
-fn sampling(p: &GenerateParameters) -> Result<(pb::SamplingParams, Option<u64>), InferError> {
+fn sampling(
+    p: &GenerateParameters,
+    logit_bias: HashMap<u32, f32>,
+) -> Result<(pb::SamplingParams, Option<u64>), InferError> {
     let temperature = p.temperature.unwrap_or(1.0);
     if temperature <= 0.0 {
         return Err(invalid(format!(
@@ -156,6 +213,7 @@ fn sampling(p: &GenerateParameters) -> Result<(pb::SamplingParams, Option<u64>),
         presence_penalty,
         typical_p,
         min_p,
+        logit_bias,
     };
     Ok((params, seed))
 }
@@ -163,21 +221,49 @@ fn sampling(p: &GenerateParameters) -> Result<(pb::SamplingParams, Option<u64>),
 impl Validation {
     /// Validates and tokenizes a request. Tokenization runs on the blocking pool.
     pub async fn validate(&self, request: GenerateRequest) -> Result<ValidRequest, InferError> {
-        let p = request.parameters.unwrap_or_default();
-        if request.inputs.is_empty() {
+        let prompt = Prompt::Text {
+            text: request.inputs,
+            add_special: true,
+        };
+        let parameters = request.parameters.unwrap_or_default();
+        self.validate_prompt(prompt, parameters, Extra::default())
+            .await
+    }
+
+    /// Validates any route's request: a prompt, TGI's parameters and the extras.
+    pub async fn validate_prompt(
+        &self,
+        prompt: Prompt,
+        p: GenerateParameters,
+        extra: Extra,
+    ) -> Result<ValidRequest, InferError> {
+        let limits = &self.limits;
+        if matches!(&prompt, Prompt::Text { text, .. } if text.is_empty())
+            || matches!(&prompt, Prompt::Ids(ids) if ids.is_empty())
+        {
             return Err(invalid("inputs must not be empty"));
         }
-        if let Some(b) = p.best_of {
-            if b != 1 {
-                return Err(invalid(format!(
-                    "parameters.best_of: only 1 is supported for now, got {b}"
-                )));
-            }
+        let n = extra.n.max(1) as usize;
+        let best_of = p.best_of.map_or(n, |b| b as usize);
+        if best_of == 0 || best_of > limits.max_best_of {
+            return Err(invalid(format!(
+                "parameters.best_of must be in [1, {}] (max_best_of), got {best_of}",
+                limits.max_best_of
+            )));
         }
-        if p.decoder_input_details == Some(true) {
-            return Err(invalid(
-                "parameters.decoder_input_details: true is not yet supported",
-            ));
+        if best_of < n {
+            return Err(invalid(format!(
+                "parameters.best_of ({best_of}) must be at least n ({n})"
+            )));
+        }
+        if let Some((&id, &bias)) = extra.logit_bias.iter().find(|(&id, &b)| {
+            id as usize >= self.tokenizer.vocab_size() || !(-100.0..=100.0).contains(&b)
+        }) {
+            return Err(invalid(format!(
+                "logit_bias: token {id} must be a token id below {} with a bias in [-100, 100], \
+                 got {bias}",
+                self.tokenizer.vocab_size()
+            )));
         }
         if p.watermark == Some(true) {
             return Err(invalid("parameters.watermark: true is not supported"));
@@ -200,9 +286,11 @@ impl Validation {
             ));
         }
         let top_n_tokens = p.top_n_tokens.unwrap_or(0);
-        if top_n_tokens > MAX_TOP_N_TOKENS {
+        if top_n_tokens as usize > limits.max_top_n_tokens {
             return Err(invalid(format!(
-                "parameters.top_n_tokens must be at most {MAX_TOP_N_TOKENS}, got {top_n_tokens}"
+                "parameters.top_n_tokens must be at most {} (max_top_n_tokens), got \
+                 {top_n_tokens}",
+                limits.max_top_n_tokens
             )));
         }
         let stop = p.stop.clone().unwrap_or_default();
@@ -224,32 +312,51 @@ impl Validation {
                 )));
             }
         }
-        let (sampling, seed) = sampling(&p)?;
+        let (sampling, seed) = sampling(&p, extra.logit_bias)?;
+        // Choosing among samples needs them to differ; n greedy copies are allowed.
+        if best_of > n && !sampling.do_sample {
+            return Err(invalid(format!(
+                "parameters.best_of ({best_of}) > 1 needs sampling: set do_sample or a \
+                 temperature, top_k, top_p, typical_p or min_p"
+            )));
+        }
 
-        let tokenizer = self.tokenizer.clone();
-        let inputs = request.inputs;
-        let (inputs, encoded) = tokio::task::spawn_blocking(move || {
-            let ids = tokenizer.encode(&inputs);
-            (inputs, ids)
-        })
-        .await
-        .map_err(|e| invalid(format!("inputs: tokenization failed: {e}")))?;
-        let mut input_ids =
-            encoded.map_err(|e| invalid(format!("inputs: tokenization failed: {e}")))?;
+        let (inputs, mut input_ids) = match prompt {
+            Prompt::Text { text, add_special } => {
+                let tokenizer = self.tokenizer.clone();
+                let (text, encoded) = tokio::task::spawn_blocking(move || {
+                    let ids = tokenizer.encode_with(&text, add_special);
+                    (text, ids)
+                })
+                .await
+                .map_err(|e| invalid(format!("inputs: tokenization failed: {e}")))?;
+                let ids =
+                    encoded.map_err(|e| invalid(format!("inputs: tokenization failed: {e}")))?;
+                (text, ids)
+            }
+            Prompt::Ids(ids) => {
+                let vocab = self.tokenizer.vocab_size();
+                if let Some(&bad) = ids.iter().find(|&&id| id as usize >= vocab) {
+                    return Err(invalid(format!(
+                        "inputs: token id {bad} is out of the vocabulary (size {vocab})"
+                    )));
+                }
+                (self.tokenizer.decode_all(&ids), ids)
+            }
+        };
         if let Some(t) = p.truncate {
             if input_ids.len() > t {
                 input_ids.drain(..input_ids.len() - t);
             }
         }
         let input_len = input_ids.len();
-        let limits = &self.limits;
         if input_len == 0 {
             return Err(invalid("inputs must not be empty (no tokens)"));
         }
         if input_len > limits.max_input_tokens {
             return Err(invalid(format!(
-                "inputs must have less than {} tokens, got {input_len} (use parameters.truncate \
-                 to keep the last tokens)",
+                "inputs must have less than {} tokens (max_input_tokens), got {input_len} (use \
+                 parameters.truncate to keep the last tokens)",
                 limits.max_input_tokens + 1
             )));
         }
@@ -259,8 +366,8 @@ impl Validation {
         };
         if input_len + max_new_tokens > limits.max_total_tokens {
             return Err(invalid(format!(
-                "inputs tokens + parameters.max_new_tokens must be <= {}, got {input_len} + \
-                 {max_new_tokens} = {}",
+                "inputs tokens + parameters.max_new_tokens must be <= {} (max_total_tokens), got \
+                 {input_len} + {max_new_tokens} = {}",
                 limits.max_total_tokens,
                 input_len + max_new_tokens
             )));
@@ -283,6 +390,9 @@ impl Validation {
         }
         Ok(ValidRequest {
             input_ids,
+            n,
+            best_of,
+            prompt_logprobs: p.decoder_input_details.unwrap_or(false),
             sampling,
             seed,
             max_new_tokens,

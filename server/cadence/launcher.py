@@ -50,6 +50,12 @@ class LaunchConfig:
     max_total_tokens: int | None = None
     max_concurrent_requests: int = 128
     max_stop_sequences: int = 4
+    max_top_n_tokens: int = 5
+    max_best_of: int = 8
+    payload_limit: int = 2_000_000
+    api_key: str | None = None  # comma-separated; reaches the router by environment
+    api_key_file: str | None = None
+    cors_allow_origin: str | None = None  # comma-separated
     log_format: str = "text"
     uds_dir: str | None = None  # None: a fresh temp folder, removed at exit
     startup_timeout: float = 300.0
@@ -84,10 +90,25 @@ def router_argv(
         argv += ["--max-total-tokens", str(cfg.max_total_tokens)]
     argv += ["--max-concurrent-requests", str(cfg.max_concurrent_requests)]
     argv += ["--max-stop-sequences", str(cfg.max_stop_sequences)]
+    argv += ["--max-top-n-tokens", str(cfg.max_top_n_tokens)]
+    argv += ["--max-best-of", str(cfg.max_best_of), "--payload-limit", str(cfg.payload_limit)]
+    if cfg.api_key_file:
+        argv += ["--api-key-file", cfg.api_key_file]
+    if cfg.cors_allow_origin:
+        argv += ["--cors-allow-origin", cfg.cors_allow_origin]
     argv += ["--log-format", cfg.log_format]
     if cfg.check_rank_agreement:
         argv += ["--check-rank-agreement"]
     return argv
+
+
+def router_env(cfg: LaunchConfig, env: dict[str, str]) -> dict[str, str]:
+    """The router's environment: API keys go there, not on a command line `ps` shows."""
+    env = dict(env)
+    env.pop("CADENCE_API_KEY", None)
+    if cfg.api_key:
+        env["CADENCE_API_KEY"] = cfg.api_key
+    return env
 
 
 def launch(cfg: LaunchConfig) -> int:
@@ -147,7 +168,8 @@ def _run(cfg: LaunchConfig, supervisor: Supervisor, model_dir: str, uds_paths: l
     warmups = _warmup(cfg, supervisor, clients)
     num_blocks = min(w.num_blocks for w in warmups)
     _log_capacity(warmups, num_blocks)
-    supervisor.start("router", router_argv(cfg, model_dir, uds_paths, num_blocks), env)
+    argv = router_argv(cfg, model_dir, uds_paths, num_blocks)
+    supervisor.start("router", argv, router_env(cfg, env))
     url = f"http://{_connect_host(cfg.hostname)}:{cfg.port}"
     supervisor.wait_until(
         lambda: _http_ok(f"{url}/health"), cfg.startup_timeout, "the router answering /health"

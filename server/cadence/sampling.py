@@ -1,10 +1,10 @@
 """Vectorized sampling for a whole batch: one pass of tensor ops over the rows that
 sample this step, no per-request Python.
 
-Order: repetition penalty (over prompt + generated ids, as in transformers), frequency
-and presence penalties (over generated ids, as in vLLM / OpenAI), then for sampling rows
-temperature, top-k, top-p, typical-p, min-p, and a draw. Greedy rows take the argmax of
-the penalized logits.
+Order: logit bias (OpenAI's, added to the raw logits), repetition penalty (over prompt +
+generated ids, as in transformers), frequency and presence penalties (over generated
+ids, as in vLLM / OpenAI), then for sampling rows temperature, top-k, top-p, typical-p,
+min-p, and a draw. Greedy rows take the argmax of the penalized logits.
 
 Each row's draw is a pure function of (seed, position of the sampled token): one
 uniform number from an integer hash of the two, turned into a token by inverse-CDF
@@ -29,6 +29,7 @@ REPETITION, FREQUENCY, PRESENCE, TOP_N = 6, 7, 8, 9
 NUM_PARAMS = 10
 
 # features a batch may need; the state counts how many held requests use each
+LOGIT_BIAS = "logit_bias"
 PENALTY, TEMPERATURE_F, TOP_K_F, TOP_P_F, TYPICAL_F, MIN_P_F = (
     "penalty",
     "temperature",
@@ -61,6 +62,8 @@ def param_row(p: shard_pb2.SamplingParams, top_n: int) -> tuple[list[float], set
         float(top_n),
     ]
     features: set[str] = set()
+    if p.logit_bias:
+        features.add(LOGIT_BIAS)
     if rep != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
         features.add(PENALTY)
     if do_sample:
@@ -86,6 +89,10 @@ class SamplingBatch:
     features: frozenset[str]
     any_sample: bool
     max_top_n: int
+    # sparse logit bias: (row, token id, value) triples, None when no row has one
+    bias_rows: torch.Tensor | None = None
+    bias_ids: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -176,6 +183,8 @@ def _warp(x: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
 def sample(logits: torch.Tensor, b: SamplingBatch) -> SampleOutput:
     """logits: [R, vocab] of the rows that sample this step."""
     logits = logits.float()
+    if b.bias_rows is not None:
+        logits = logits.index_put((b.bias_rows, b.bias_ids), b.bias_values, accumulate=True)
     if PENALTY in b.features:
         logits = apply_penalties(logits, b)
     logprobs = logits.log_softmax(dim=-1)

@@ -176,6 +176,8 @@ class Engine:
         started = time.perf_counter_ns()
         batch = state.prepare(plan.rows)
         hidden = self.forward(batch)
+        if state.prompt_logprobs:
+            self._prompt_logprobs(batch, state, hidden)
         generations: list[shard_pb2.Generation] = []
         if batch.sample_rows.numel():
             logits = self.model.compute_logits(hidden[batch.sample_tokens.to(self.device)])
@@ -184,6 +186,8 @@ class Engine:
             ids = out.ids.cpu()
             state.commit(batch, ids)
             generations = self._generations(batch, sb, ids, out)
+            if state.prompt_logprobs:
+                self._attach_prompt_logprobs(batch, state, generations)
         else:
             state.commit(batch, torch.empty(0, dtype=torch.long))
         return shard_pb2.StepResponse(
@@ -259,6 +263,48 @@ class Engine:
                 )
             gens.append(g)
         return gens
+
+    def _prompt_logprobs(
+        self, batch: ForwardBatch, state: BatchState, hidden: torch.Tensor
+    ) -> None:
+        """Logprobs of the prompt tokens this step's chunk predicts, for the requests that
+        asked: the raw model distribution (no penalties, bias or warpers)."""
+        starts = batch.query_start.tolist()
+        ends = batch.context_lens.tolist()
+        for row, slot in enumerate(batch.slots.tolist()):
+            acc = state.prompt_logprobs.get(slot)
+            if acc is None or acc.sent:
+                continue
+            n = starts[row + 1] - starts[row]
+            first = ends[row] - n  # position of the chunk's first token
+            prompt_len = int(state.prompt_lens[slot])
+            count = min(n, prompt_len - 1 - first)  # positions whose next token is prompt
+            if count <= 0:
+                continue
+            flat = hidden[starts[row] : starts[row] + count]
+            logprobs = self.model.compute_logits(flat).float().log_softmax(dim=-1)
+            targets = state.tokens[slot, first + 1 : first + 1 + count].to(logprobs.device)
+            acc.logprobs += logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+            top_n = int(state.params[slot, TOP_N])
+            if top_n > 0:
+                values, ids = logprobs.topk(min(top_n, logprobs.shape[1]), dim=-1)
+                acc.top_ids += ids.tolist()
+                acc.top_logprobs += values.tolist()
+
+    @staticmethod
+    def _attach_prompt_logprobs(
+        batch: ForwardBatch, state: BatchState, generations: list[shard_pb2.Generation]
+    ) -> None:
+        """Sends each request's prompt logprobs once, with its first sampled token."""
+        for g in generations:
+            acc = state.prompt_logprobs.get(state.slot_of[g.id])
+            if acc is None or acc.sent:
+                continue
+            g.prompt_logprobs.extend(acc.logprobs)
+            for ids, lps in zip(acc.top_ids, acc.top_logprobs, strict=True):
+                g.prompt_top_tokens.append(shard_pb2.TopTokens(ids=ids, logprobs=lps))
+            acc.sent = True
+            acc.logprobs, acc.top_ids, acc.top_logprobs = [], [], []
 
     def _allocate(self, num_blocks: int, max_batch_size: int) -> None:
         first = self.attention[0]

@@ -20,7 +20,15 @@ from dataclasses import dataclass, field
 import torch
 
 from cadence.pb import shard_pb2
-from cadence.sampling import DO_SAMPLE, NUM_PARAMS, PENALTY, TOP_N, SamplingBatch, param_row
+from cadence.sampling import (
+    DO_SAMPLE,
+    LOGIT_BIAS,
+    NUM_PARAMS,
+    PENALTY,
+    TOP_N,
+    SamplingBatch,
+    param_row,
+)
 
 
 class StepError(ValueError):
@@ -50,6 +58,16 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+
+@dataclass(slots=True)
+class PromptLogprobs:
+    """A request's prompt logprobs, gathered chunk by chunk until its first sample."""
+
+    logprobs: list[float] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
+    sent: bool = False
 
 
 @dataclass(slots=True)
@@ -94,6 +112,9 @@ class BatchState:
         self.num_block_ids = torch.zeros(capacity, dtype=torch.long)
         self.params = torch.zeros(capacity, NUM_PARAMS, dtype=torch.float32)
         self.seeds = torch.zeros(capacity, dtype=torch.long)
+        # sparse per-request extras, only for the requests that ask for them
+        self.logit_bias: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # slot -> ids, values
+        self.prompt_logprobs: dict[int, PromptLogprobs] = {}  # slot -> accumulated so far
         self.free = list(range(capacity - 1, -1, -1))
 
     def __len__(self) -> int:
@@ -101,6 +122,8 @@ class BatchState:
 
     def clear(self) -> None:
         self.slot_of.clear()
+        self.logit_bias.clear()
+        self.prompt_logprobs.clear()
         self.slot_features.clear()
         self.features.clear()
         self.free = list(range(self.tokens.shape[0] - 1, -1, -1))
@@ -138,6 +161,10 @@ class BatchState:
                 raise StepError(f"request {r.id}: block {max(r.block_table)} >= {nb}")
             if max(r.token_ids) >= self.vocab_size:
                 raise StepError(f"request {r.id}: token id {max(r.token_ids)} >= vocab")
+            if r.sampling.logit_bias and max(r.sampling.logit_bias) >= self.vocab_size:
+                raise StepError(f"request {r.id}: logit_bias token >= vocab")
+            if r.prompt_logprobs and r.num_cached > 0:
+                raise StepError(f"request {r.id}: prompt_logprobs needs num_cached = 0")
             held.add(r.id)
             if r.num_compute > 0:
                 plan.rows.append((r.id, r.num_compute))
@@ -175,6 +202,8 @@ class BatchState:
             slot = self.slot_of.pop(i, None)
             if slot is not None:
                 self.free.append(slot)
+                self.logit_bias.pop(slot, None)
+                self.prompt_logprobs.pop(slot, None)
                 self.features.subtract(self.slot_features.pop(slot))
 
     def join(self, joined: list[shard_pb2.NewRequest]) -> None:
@@ -197,6 +226,14 @@ class BatchState:
             self.features.update(features)
             self.tokens[slot, : len(r.token_ids)] = torch.tensor(r.token_ids)
             self.block_tables[slot, : len(r.block_table)] = torch.tensor(r.block_table)
+            if r.sampling.logit_bias:
+                bias = sorted(r.sampling.logit_bias.items())
+                self.logit_bias[slot] = (
+                    torch.tensor([t for t, _ in bias], dtype=torch.long),
+                    torch.tensor([v for _, v in bias], dtype=torch.float32),
+                )
+            if r.prompt_logprobs:
+                self.prompt_logprobs[slot] = PromptLogprobs()
         s = torch.tensor(slots)
         self.seq_lens[s] = torch.tensor([len(r.token_ids) for r in joined])
         self.prompt_lens[s] = torch.tensor([r.prompt_len for r in joined])
@@ -287,6 +324,17 @@ class BatchState:
         penalties = PENALTY in features
         seq_lens = self.seq_lens[slots]
         any_sample = bool(params[:, DO_SAMPLE].any())
+        bias_rows = bias_ids = bias_values = None
+        if LOGIT_BIAS in features:
+            biased = [
+                (i, self.logit_bias[s])
+                for i, s in enumerate(slots.tolist())
+                if s in self.logit_bias
+            ]
+            if biased:
+                bias_rows = torch.cat([torch.full_like(b[0], i) for i, b in biased])
+                bias_ids = torch.cat([b[0] for _, b in biased])
+                bias_values = torch.cat([b[1] for _, b in biased])
         return SamplingBatch(
             params=params,
             seeds=self.seeds[slots],
@@ -297,6 +345,9 @@ class BatchState:
             features=features,
             any_sample=any_sample,
             max_top_n=int(params[:, TOP_N].max()) if len(slots) else 0,
+            bias_rows=bias_rows,
+            bias_ids=bias_ids,
+            bias_values=bias_values,
         )
 
     def commit(self, batch: ForwardBatch, sampled: torch.Tensor) -> None:

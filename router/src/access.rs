@@ -1,0 +1,85 @@
+//! Access control and browser access: bearer API keys on every route but the open ones,
+//! CORS, and the request body limit.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::{DefaultBodyLimit, Request};
+use axum::http::{header, HeaderValue, Method};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::{Json, Router};
+use tower_http::cors::{AllowOrigin, Any, CorsLayer};
+
+use crate::error::ErrorBody;
+use crate::openai::ApiError;
+
+/// Routes anyone may call: probes, metrics and the API's description.
+const OPEN_PATHS: &[&str] = &[
+    "/health",
+    "/metrics",
+    "/docs",
+    "/openapi.json",
+    "/api-doc/openapi.json",
+];
+
+#[derive(Debug, Clone, Default)]
+pub struct Access {
+    /// Accepted bearer keys; empty: no authentication.
+    pub api_keys: Vec<String>,
+    /// CORS origins; empty: no CORS headers, `*`: any origin.
+    pub cors_allow_origin: Vec<String>,
+    pub payload_limit: usize,
+}
+
+/// Wraps `app` with the body limit, API key check and CORS.
+pub fn layers(app: Router, access: Access) -> Router {
+    let mut app = app.layer(DefaultBodyLimit::max(access.payload_limit));
+    if !access.api_keys.is_empty() {
+        let keys: Arc<HashSet<String>> = Arc::new(access.api_keys.into_iter().collect());
+        app = app.layer(middleware::from_fn(move |req: Request, next: Next| {
+            let keys = keys.clone();
+            async move { check_key(&keys, req, next).await }
+        }));
+    }
+    if !access.cors_allow_origin.is_empty() {
+        let origins = &access.cors_allow_origin;
+        let allow = if origins.iter().any(|o| o == "*") {
+            AllowOrigin::from(Any)
+        } else {
+            AllowOrigin::list(origins.iter().filter_map(|o| HeaderValue::from_str(o).ok()))
+        };
+        app = app.layer(
+            CorsLayer::new()
+                .allow_origin(allow)
+                .allow_methods([Method::GET, Method::POST])
+                .allow_headers([header::AUTHORIZATION, header::CONTENT_TYPE]),
+        );
+    }
+    app
+}
+
+async fn check_key(keys: &HashSet<String>, req: Request<Body>, next: Next) -> Response {
+    let path = req.uri().path();
+    if OPEN_PATHS.contains(&path) || req.method() == Method::OPTIONS {
+        return next.run(req).await;
+    }
+    let given = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    if given.is_some_and(|k| keys.contains(k)) {
+        return next.run(req).await;
+    }
+    if path.starts_with("/v1/") {
+        return ApiError::unauthorized().into_response();
+    }
+    let body = ErrorBody {
+        error: "missing or invalid API key: send Authorization: Bearer <key>".into(),
+        error_type: "authentication",
+    };
+    (axum::http::StatusCode::UNAUTHORIZED, Json(body)).into_response()
+}

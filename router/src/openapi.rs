@@ -1,0 +1,78 @@
+//! The OpenAPI document, generated from the Rust types with utoipa: served as JSON at
+//! `/openapi.json` (and TGI's `/api-doc/openapi.json`), browsable at `/docs`.
+
+use axum::response::{Html, IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use utoipa::OpenApi;
+
+use crate::error::ErrorBody;
+use crate::infer::{FinishReason, Token};
+use crate::openai::{self, *};
+use crate::server::{self, *};
+use crate::validation::{GenerateParameters, GenerateRequest};
+
+#[derive(OpenApi)]
+#[openapi(
+    info(title = "cadence", description = "Text generation: TGI's API and OpenAI's"),
+    paths(
+        server::compat_generate,
+        server::generate,
+        server::generate_stream,
+        server::tokenize,
+        server::health,
+        server::info,
+        openai::completions,
+        openai::chat_completions,
+        openai::models,
+    ),
+    components(schemas(
+        GenerateRequest, GenerateParameters, GenerateResponse, Details, BestOfSequence,
+        StreamResponse, StreamDetails, Token, FinishReason, SimpleToken, TokenizeRequest,
+        Info, ErrorBody, OpenAiError, OpenAiErrorDetail, CompletionRequest, Completion,
+        CompletionChoice, CompletionLogprobs, ChatRequest, ChatCompletion, ChatChoice,
+        ChatCompletionChunk, ChatChunkChoice, Delta, ChatLogprobs, ChatTokenLogprob,
+        TopLogprob, AssistantMessage, Usage, ModelList, Model, ChatMessage,
+        MessageContent, ContentPart, PromptInput, StopInput, StreamOptions,
+    )),
+    modifiers(&BearerAuth),
+)]
+pub struct ApiDoc;
+
+/// Declares the bearer API key scheme (enforced only when the router has keys).
+struct BearerAuth;
+
+impl utoipa::Modify for BearerAuth {
+    fn modify(&self, doc: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+        let components = doc.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "api_key",
+            SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
+        );
+    }
+}
+
+pub fn routes<S: Clone + Send + Sync + 'static>() -> Router<S> {
+    Router::new()
+        .route("/openapi.json", get(document))
+        .route("/api-doc/openapi.json", get(document))
+        .route("/docs", get(docs))
+}
+
+async fn document() -> Response {
+    Json(ApiDoc::openapi()).into_response()
+}
+
+/// Swagger UI over `/openapi.json` (its assets come from a CDN; the JSON is local).
+async fn docs() -> Html<&'static str> {
+    Html(
+        r##"<!doctype html>
+<html><head><meta charset="utf-8"><title>cadence API</title>
+<link rel="stylesheet" href="https://unpkg.com/swagger-ui-dist@5/swagger-ui.css"></head>
+<body><div id="ui"><p>The OpenAPI document is at <a href="/openapi.json">/openapi.json</a>.</p></div>
+<script src="https://unpkg.com/swagger-ui-dist@5/swagger-ui-bundle.js"></script>
+<script>if (window.SwaggerUIBundle) SwaggerUIBundle({url: "/openapi.json", dom_id: "#ui"});</script>
+</body></html>"##,
+    )
+}
