@@ -196,10 +196,10 @@ mod agreement_tests {
                 id: 7,
                 token_ids: vec![token],
                 logprobs: vec![logprob],
-                top_tokens: vec![],
+                ..Default::default()
             }],
-            forward_ns: 0,
             computed_tokens: 1,
+            ..Default::default()
         }
     }
 
