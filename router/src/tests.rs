@@ -220,13 +220,10 @@ fn harness_with(shard: FakeShard, max_concurrent: usize, max_batch_tokens: usize
         model_id: "test-model".into(),
     };
     let config = LoopConfig {
-        scheduler: SchedulerConfig {
-            max_batch_tokens,
-            max_batch_size: 8,
-            num_blocks: shard.num_blocks,
-            block_size: BLOCK_SIZE,
-        },
+        scheduler: SchedulerConfig::new(max_batch_tokens, 8, shard.num_blocks, BLOCK_SIZE),
         eos_token_ids: vec![testing::eos_id()],
+        max_waiting_requests: 64,
+        model_id: "test-model".into(),
     };
     let infer = Infer::spawn(shard.clone(), validation, max_concurrent, config);
     let info = Info {
