@@ -268,19 +268,19 @@ impl BlockManager {
 
     /// Before `id` writes token positions `from..to`: every shared block among them is
     /// replaced by a private copy; returns the `(src, dst)` copies the shards must make
-    /// first. All or nothing: `Err` when too few blocks are free (nothing changed).
+    /// first. All or nothing: `None` when too few blocks are free (nothing changed).
     pub fn prepare_write(
         &mut self,
         id: RequestId,
         from: usize,
         to: usize,
-    ) -> Result<Vec<(BlockId, BlockId)>, ()> {
+    ) -> Option<Vec<(BlockId, BlockId)>> {
         let shared = self.shared_in(id, from, to);
         if shared.is_empty() {
-            return Ok(Vec::new());
+            return Some(Vec::new());
         }
         if shared.len() > self.num_free() {
-            return Err(());
+            return None;
         }
         let mut copies = Vec::with_capacity(shared.len());
         for j in shared {
@@ -293,7 +293,7 @@ impl BlockManager {
             table.hashes.truncate(j);
             copies.push((src, dst));
         }
-        Ok(copies)
+        Some(copies)
     }
 
     /// Indexes in `id`'s table of the shared blocks covering positions `from..to`.
@@ -591,13 +591,13 @@ mod tests {
         assert_eq!(a.table(2)[1], dst);
         assert_eq!(a.refcount(shared), 1);
         // The other holder now owns it alone and writes in place.
-        assert_eq!(a.prepare_write(1, 6, 7), Ok(vec![]));
+        assert_eq!(a.prepare_write(1, 6, 7), Some(vec![]));
         a.check_invariants().unwrap();
         a.fork(1, 3);
         a.fork(1, 4);
         assert_eq!(a.num_free(), 1);
         assert_eq!(a.prepare_write(3, 7, 8).unwrap().len(), 1);
-        assert_eq!(a.prepare_write(4, 7, 8), Err(()));
+        assert_eq!(a.prepare_write(4, 7, 8), None);
         a.check_invariants().unwrap();
     }
 
@@ -652,7 +652,7 @@ mod tests {
                         };
                         let (tokens, computed) = live.get_mut(&id).unwrap();
                         if a.grow_to(id, tokens.len()) {
-                            let Ok(copies) = a.prepare_write(id, *computed, tokens.len()) else {
+                            let Some(copies) = a.prepare_write(id, *computed, tokens.len()) else {
                                 continue;
                             };
                             for (src, dst) in copies {
