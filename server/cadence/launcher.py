@@ -46,6 +46,13 @@ class LaunchConfig:
     max_total_tokens: int | None = None
     max_concurrent_requests: int = 128
     max_stop_sequences: int = 4
+    max_prefill_chunk: int = 0  # 0: up to max_batch_tokens
+    preemption: str = "recompute"
+    swap_blocks: int | None = None  # None: the router's default (4 x num_blocks)
+    no_prefix_caching: bool = False
+    batching: str = "continuous"
+    batch_timeout_ms: int = 50
+    max_waiting_requests: int = 128
     log_format: str = "text"
     uds_dir: str | None = None  # None: a fresh temp folder, removed at exit
     startup_timeout: float = 300.0
@@ -78,7 +85,20 @@ def router_argv(
         argv += ["--max-total-tokens", str(cfg.max_total_tokens)]
     argv += ["--max-concurrent-requests", str(cfg.max_concurrent_requests)]
     argv += ["--max-stop-sequences", str(cfg.max_stop_sequences)]
+    argv += _scheduler_argv(cfg)
     argv += ["--log-format", cfg.log_format]
+    return argv
+
+
+def _scheduler_argv(cfg: LaunchConfig) -> list[str]:
+    argv = ["--max-prefill-chunk", str(cfg.max_prefill_chunk)]
+    argv += ["--preemption", cfg.preemption, "--batching", cfg.batching]
+    argv += ["--batch-timeout-ms", str(cfg.batch_timeout_ms)]
+    argv += ["--max-waiting-requests", str(cfg.max_waiting_requests)]
+    if cfg.swap_blocks is not None:
+        argv += ["--swap-blocks", str(cfg.swap_blocks)]
+    if cfg.no_prefix_caching:
+        argv.append("--no-prefix-caching")
     return argv
 
 
