@@ -163,7 +163,7 @@ def test_a_shared_system_prompt_is_prefilled_once(
     while all(len(i) > shared and i[shared] == ids[0][shared] for i in ids):
         shared += 1
     assert shared >= 200
-    cached = (shared // BLOCK) * BLOCK
+    cached_tokens = (shared // BLOCK) * BLOCK
 
     def run(url: str) -> tuple[list[str], float, list[int]]:
         before = metrics(url)["cadence_shard_prompt_tokens_computed_total"]
@@ -180,9 +180,9 @@ def test_a_shared_system_prompt_is_prefilled_once(
     on_texts, on_computed, _ = run(cached.url)
     assert on_texts == off_texts
     # The first request computes the shared blocks; the 15 others find them cached.
-    assert on_computed == sum(lengths) - 15 * cached
+    assert on_computed == sum(lengths) - 15 * cached_tokens
     hits = metrics(cached.url)["cadence_prefix_cache_hits_total"] - hits_before
-    assert hits >= 15 * cached
+    assert hits >= 15 * cached_tokens
 
 
 def test_a_long_prompt_is_chunked_while_16_requests_keep_decoding(
@@ -219,8 +219,10 @@ def test_a_long_prompt_is_chunked_while_16_requests_keep_decoding(
 
 
 def test_beyond_max_waiting_requests_is_429_overloaded(tight: LaunchedServer) -> None:
+    # ~300-token prompts: two fit in the 42-block cache at a time, so the queue fills.
+    prompt = "Tell me about the harbor and the lanterns near the old market. " * 22
     with ThreadPoolExecutor(90) as pool:
-        body = {"inputs": "Hello there", "parameters": {"max_new_tokens": 4}}
+        body = {"inputs": prompt, "parameters": {"max_new_tokens": 1}}
         futures = [
             pool.submit(httpx.post, f"{tight.url}/generate", json=body, timeout=600)
             for _ in range(90)
