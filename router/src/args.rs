@@ -4,6 +4,22 @@ use std::path::PathBuf;
 
 use clap::{Parser, ValueEnum};
 
+/// `--preemption`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PreemptionArg {
+    Recompute,
+    Swap,
+}
+
+/// `--batching`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BatchingArg {
+    Continuous,
+    Dynamic,
+    Static,
+    None,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum LogFormat {
     Text,
@@ -56,6 +72,39 @@ pub struct Args {
     /// Most requests in one step.
     #[arg(long, env = "CADENCE_MAX_BATCH_SIZE", default_value_t = 64)]
     pub max_batch_size: u32,
+
+    /// Most prompt tokens one request computes per step (chunked prefill); 0 = up to
+    /// --max-batch-tokens.
+    #[arg(long, env = "CADENCE_MAX_PREFILL_CHUNK", default_value_t = 0)]
+    pub max_prefill_chunk: u32,
+
+    /// What happens to a request's KV when the cache runs out: recompute it later, or swap
+    /// it to the shards' host memory and back.
+    #[arg(long, env = "CADENCE_PREEMPTION", value_enum, default_value_t = PreemptionArg::Recompute)]
+    pub preemption: PreemptionArg,
+
+    /// Host-memory blocks for swap preemption [default: 4 × --num-blocks, the most the
+    /// shards accept].
+    #[arg(long, env = "CADENCE_SWAP_BLOCKS")]
+    pub swap_blocks: Option<u32>,
+
+    /// Turns prefix caching (sharing the KV of identical leading blocks) off.
+    #[arg(long, env = "CADENCE_NO_PREFIX_CACHING")]
+    pub no_prefix_caching: bool,
+
+    /// When waiting requests join: continuous (every step), dynamic (a batch forms when
+    /// --max-batch-size requests wait or --batch-timeout-ms passes), static (a batch forms
+    /// from what waits and runs until its longest member ends), none (one at a time).
+    #[arg(long, env = "CADENCE_BATCHING", value_enum, default_value_t = BatchingArg::Continuous)]
+    pub batching: BatchingArg,
+
+    /// Dynamic batching: longest a request waits for its batch to fill.
+    #[arg(long, env = "CADENCE_BATCH_TIMEOUT_MS", default_value_t = 50)]
+    pub batch_timeout_ms: u64,
+
+    /// Requests waiting for their first step beyond which new ones get 429.
+    #[arg(long, env = "CADENCE_MAX_WAITING_REQUESTS", default_value_t = 128)]
+    pub max_waiting_requests: usize,
 
     /// Longest prompt accepted, in tokens [default: max total tokens - 1].
     #[arg(long, env = "CADENCE_MAX_INPUT_TOKENS")]
@@ -157,6 +206,12 @@ impl Args {
         if self.block_size == 0 || self.num_blocks == 0 {
             return Err("block_size and num_blocks must be positive".into());
         }
+        if self.swap_blocks.is_some_and(|n| n > 4 * self.num_blocks) {
+            return Err(format!(
+                "--swap-blocks may be at most 4 × --num-blocks ({})",
+                4 * self.num_blocks
+            ));
+        }
         if self.max_batch_tokens == 0 || self.max_batch_size == 0 {
             return Err("max_batch_tokens and max_batch_size must be positive".into());
         }
@@ -169,6 +224,32 @@ impl Args {
             block_size: self.block_size as usize,
             num_blocks: self.num_blocks as usize,
         })
+    }
+
+    /// The scheduler's configuration from the flags.
+    pub fn scheduler_config(&self) -> crate::scheduler::SchedulerConfig {
+        use crate::scheduler::{Batching, Preemption, SchedulerConfig};
+        let mut c = SchedulerConfig::new(
+            self.max_batch_tokens as usize,
+            self.max_batch_size as usize,
+            self.num_blocks as usize,
+            self.block_size as usize,
+        );
+        c.max_prefill_chunk = self.max_prefill_chunk as usize;
+        c.preemption = match self.preemption {
+            PreemptionArg::Recompute => Preemption::Recompute,
+            PreemptionArg::Swap => Preemption::Swap,
+        };
+        c.swap_blocks = self.swap_blocks.unwrap_or(4 * self.num_blocks) as usize;
+        c.prefix_caching = !self.no_prefix_caching;
+        c.batching = match self.batching {
+            BatchingArg::Continuous => Batching::Continuous,
+            BatchingArg::Dynamic => Batching::Dynamic,
+            BatchingArg::Static => Batching::Static,
+            BatchingArg::None => Batching::None,
+        };
+        c.batch_timeout = std::time::Duration::from_millis(self.batch_timeout_ms);
+        c
     }
 }
 

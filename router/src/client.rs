@@ -145,6 +145,19 @@ impl ShardClient {
     }
 }
 
+impl ShardClient {
+    /// Rank 0's cumulative (computed tokens, prompt tokens computed).
+    pub async fn computed_tokens(&self) -> Result<(u64, u64), ShardError> {
+        let mut c = self.ranks[0].clone();
+        let r = c
+            .health(pb::HealthRequest {})
+            .await
+            .map_err(|s| shard_error(0, s))?
+            .into_inner();
+        Ok((r.computed_tokens_total, r.prompt_tokens_computed_total))
+    }
+}
+
 impl Backend for ShardClient {
     async fn step(&self, request: pb::StepRequest) -> Result<pb::StepResponse, ShardError> {
         let last = self.ranks.len() - 1;

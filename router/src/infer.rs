@@ -7,6 +7,7 @@
 //! finished requests (their blocks are freed at once, their shard state at the next step).
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -17,6 +18,7 @@ use crate::blocks::RequestId;
 use crate::client::Backend;
 use crate::detokenize::{Detokenizer, TokenizerInfo};
 use crate::error::InferError;
+use crate::metrics::Metrics;
 use crate::pb;
 use crate::scheduler::{Scheduler, SchedulerConfig, Sequence};
 use crate::stop::StopMatcher;
@@ -77,6 +79,8 @@ struct Admission {
     samples: Vec<mpsc::UnboundedSender<EventResult>>,
     permit: OwnedSemaphorePermit,
     queued_at: Instant,
+    /// One place in the bounded waiting queue for all the samples of the request.
+    slot: QueueSlot,
 }
 
 /// A queued request: what validation made of it, one event stream per sample.
@@ -97,11 +101,36 @@ pub fn sample_seed(seed: u64, index: usize) -> u64 {
     z ^ (z >> 31)
 }
 
-/// What the HTTP side holds: validation, the concurrency limit, the way to the loop.
+/// A place in the bounded waiting queue, held from submission until the request's first
+/// step (or its end, whichever comes first).
+struct QueueSlot(Arc<AtomicUsize>);
+
+impl QueueSlot {
+    fn try_take(queued: &Arc<AtomicUsize>, max: usize) -> Option<Self> {
+        queued
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| Self(queued.clone()))
+    }
+}
+
+impl Drop for QueueSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// What the HTTP side holds: validation, the admission limits, the way to the loop, the
+/// metrics.
 #[derive(Clone)]
 pub struct Infer {
     pub validation: Arc<Validation>,
     limiter: Arc<Semaphore>,
+    queued: Arc<AtomicUsize>,
+    max_waiting_requests: usize,
+    metrics: Arc<Metrics>,
     tx: mpsc::UnboundedSender<Admission>,
 }
 
@@ -109,6 +138,10 @@ pub struct Infer {
 pub struct LoopConfig {
     pub scheduler: SchedulerConfig,
     pub eos_token_ids: Vec<u32>,
+    /// Requests waiting for their first step beyond which new ones get 429.
+    pub max_waiting_requests: usize,
+    /// The `model` label of the metrics.
+    pub model_id: String,
 }
 
 impl Infer {
@@ -121,12 +154,27 @@ impl Infer {
     ) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
         let tokenizer = validation.tokenizer.clone();
-        tokio::spawn(batching_loop(backend, rx, tokenizer, config));
+        let metrics = Arc::new(Metrics::new(&config.model_id));
+        let max_waiting_requests = config.max_waiting_requests;
+        tokio::spawn(batching_loop(
+            backend,
+            rx,
+            tokenizer,
+            config,
+            metrics.clone(),
+        ));
         Self {
             validation: Arc::new(validation),
             limiter: Arc::new(Semaphore::new(max_concurrent_requests)),
+            queued: Arc::new(AtomicUsize::new(0)),
+            max_waiting_requests,
+            metrics,
             tx,
         }
+    }
+
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
     }
 
     /// Takes a slot among the concurrent requests, or answers 429.
@@ -142,7 +190,9 @@ impl Infer {
         &self,
         request: GenerateRequest,
     ) -> Result<(ValidRequest, mpsc::UnboundedReceiver<EventResult>), InferError> {
-        let permit = self.try_permit()?;
+        let permit = self
+            .try_permit()
+            .inspect_err(|_| self.metrics.requests_rejected.add(1))?;
         let valid = self.validation.validate(request).await?;
         let mut submitted = self.enqueue(valid, permit)?;
         Ok((submitted.request, submitted.samples.remove(0)))
@@ -154,6 +204,13 @@ impl Infer {
         request: ValidRequest,
         permit: OwnedSemaphorePermit,
     ) -> Result<Submitted, InferError> {
+        let Some(slot) = QueueSlot::try_take(&self.queued, self.max_waiting_requests) else {
+            self.metrics.requests_rejected.add(1);
+            return Err(InferError::Overloaded(format!(
+                "the queue is full ({} requests waiting), try again later",
+                self.max_waiting_requests
+            )));
+        };
         let (senders, samples): (Vec<_>, Vec<_>) = (0..request.best_of.max(1))
             .map(|_| mpsc::unbounded_channel())
             .unzip();
@@ -162,6 +219,7 @@ impl Infer {
             samples: senders,
             permit,
             queued_at: Instant::now(),
+            slot,
         };
         self.tx
             .send(admission)
@@ -186,6 +244,9 @@ struct Entry {
     queued_at: Instant,
     started_at: Option<Instant>,
     first_token_at: Option<Instant>,
+    last_token_at: Option<Instant>,
+    /// Released at the request's first step; shared by its samples.
+    slot: Option<Arc<QueueSlot>>,
     /// Shared by the samples of one request: the slot frees when the last one ends.
     _permit: Arc<OwnedSemaphorePermit>,
 }
@@ -199,6 +260,9 @@ struct Loop<B> {
     next_id: RequestId,
     /// A step failed: the shards may hold stale state and must be cleared first.
     needs_clear: bool,
+    metrics: Arc<Metrics>,
+    /// Nothing can run before then (a dynamic batch waiting to fill).
+    wake_at: Option<Instant>,
 }
 
 async fn batching_loop<B: Backend>(
@@ -206,7 +270,11 @@ async fn batching_loop<B: Backend>(
     mut rx: mpsc::UnboundedReceiver<Admission>,
     tokenizer: TokenizerInfo,
     config: LoopConfig,
+    metrics: Arc<Metrics>,
 ) {
+    metrics
+        .kv_blocks_total
+        .set(config.scheduler.num_blocks as f64);
     let mut lp = Loop {
         backend,
         tokenizer,
@@ -215,13 +283,24 @@ async fn batching_loop<B: Backend>(
         entries: HashMap::new(),
         next_id: 0,
         needs_clear: false,
+        metrics,
+        wake_at: None,
     };
     loop {
-        // 1. New requests; sleep on the channel only when there is nothing to run.
+        // 1. New requests; sleep on the channel only when there is nothing to run (or
+        //    nothing before `wake_at`).
         if !lp.scheduler.has_work() {
             match rx.recv().await {
                 Some(admission) => lp.admit(admission),
                 None => return,
+            }
+        } else if let Some(at) = lp.wake_at.take() {
+            tokio::select! {
+                admission = rx.recv() => match admission {
+                    Some(admission) => lp.admit(admission),
+                    None => return,
+                },
+                _ = tokio::time::sleep_until(at.into()) => {}
             }
         }
         while let Ok(admission) = rx.try_recv() {
@@ -247,8 +326,10 @@ impl<B: Backend> Loop<B> {
             samples,
             permit,
             queued_at,
+            slot,
         } = admission;
         let permit = Arc::new(permit);
+        let slot = Arc::new(slot);
         for (index, events) in samples.into_iter().enumerate() {
             let id = self.next_id;
             self.next_id += 1;
@@ -275,8 +356,11 @@ impl<B: Backend> Loop<B> {
                 queued_at,
                 started_at: None,
                 first_token_at: None,
+                last_token_at: None,
+                slot: Some(slot.clone()),
                 _permit: permit.clone(),
             };
+            self.metrics.prompt_tokens.add(seq.prompt_len as u64);
             tracing::debug!(id, index, input_tokens = seq.prompt_len, "queued");
             self.scheduler.add(seq);
             self.entries.insert(id, entry);
@@ -304,6 +388,7 @@ impl<B: Backend> Loop<B> {
 
     fn fail(&mut self, id: RequestId, error: InferError) {
         if let Some(entry) = self.retire(id) {
+            self.metrics.requests_failed.add(1);
             let _ = entry.events.send(Err(error));
         }
     }
@@ -311,21 +396,25 @@ impl<B: Backend> Loop<B> {
     /// 3-6: schedule, run one step on the shards, apply what they sampled.
     async fn iterate(&mut self) {
         let schedule = self.scheduler.schedule();
+        self.record_schedule(&schedule);
         for id in schedule.failed {
             self.fail(
                 id,
                 InferError::Generation("the request does not fit in the KV cache".into()),
             );
         }
-        if !schedule.preempted.is_empty() {
+        if !schedule.preempted.is_empty() || !schedule.swapped_out.is_empty() {
             tracing::info!(
-                ids = ?schedule.preempted,
+                recomputed = ?schedule.preempted,
+                swapped = ?schedule.swapped_out,
                 free_blocks = self.scheduler.blocks().num_free(),
-                "KV cache full: preempted by recomputation"
+                "KV cache full: preempted"
             );
         }
         let Some(step) = schedule.step else {
-            // Only preemptions happened; the next iteration admits again.
+            // Only preemptions happened, or a dynamic batch is filling.
+            self.wake_at = schedule.wake_at;
+            self.record_state();
             tokio::task::yield_now().await;
             return;
         };
@@ -382,6 +471,7 @@ impl<B: Backend> Loop<B> {
                 let message = format!("generation failed: {e}");
                 for id in self.scheduler.reset() {
                     if let Some(entry) = self.entries.remove(&id) {
+                        self.metrics.requests_failed.add(1);
                         let _ = entry
                             .events
                             .send(Err(InferError::Generation(message.clone())));
@@ -390,6 +480,44 @@ impl<B: Backend> Loop<B> {
                 self.needs_clear = true;
             }
         }
+        self.record_state();
+    }
+
+    /// Step-level metrics, and the end of the queue wait for requests admitted now.
+    fn record_schedule(&mut self, schedule: &crate::scheduler::Schedule) {
+        let m = &self.metrics;
+        m.preemptions_recompute.add(schedule.preempted.len() as u64);
+        m.preemptions_swap.add(schedule.swapped_out.len() as u64);
+        m.prefix_queries.add(schedule.prefix_queried as u64);
+        m.prefix_hits.add(schedule.prefix_hits as u64);
+        if let Some(step) = &schedule.step {
+            let size = step.joined.len() + step.continuing.len();
+            if size > 0 {
+                m.batch_size.observe(size as f64);
+                m.batch_tokens.observe(schedule.num_tokens as f64);
+                m.step_tokens.add(schedule.num_tokens as u64);
+            }
+        }
+        for id in &schedule.admitted {
+            if let Some(entry) = self.entries.get_mut(id) {
+                entry.slot = None;
+                m.queue_time
+                    .observe(entry.queued_at.elapsed().as_secs_f64());
+            }
+        }
+    }
+
+    /// Queue and KV gauges after a step.
+    fn record_state(&self) {
+        let m = &self.metrics;
+        let s = &self.scheduler;
+        m.waiting.set(s.num_waiting() as f64);
+        m.running.set(s.num_running() as f64);
+        let swapped = s.waiting().iter().filter(|q| !q.swapped.is_empty()).count();
+        m.swapped.set(swapped as f64);
+        m.kv_blocks_used.set(s.blocks().num_used() as f64);
+        m.kv_blocks_cached.set(s.blocks().num_cached() as f64);
+        m.kv_utilization.set(s.kv_utilization());
     }
 
     /// Applies one request's sampled tokens: text, stops, events, retirement.
@@ -436,6 +564,16 @@ impl<B: Backend> Loop<B> {
                 .get(i)
                 .map(to_tokens)
                 .unwrap_or_default();
+            let now = Instant::now();
+            match entry.last_token_at {
+                Some(last) => self.metrics.itl.observe((now - last).as_secs_f64()),
+                None => self
+                    .metrics
+                    .ttft
+                    .observe((now - entry.queued_at).as_secs_f64()),
+            }
+            entry.last_token_at = Some(now);
+            self.metrics.generation_tokens.add(1);
             let mut event = entry.on_token(
                 tokenizer,
                 &self.eos,
@@ -449,6 +587,8 @@ impl<B: Backend> Loop<B> {
             finished = event.end.is_some();
             if let Some(end) = &event.end {
                 let elapsed = entry.queued_at.elapsed();
+                self.metrics.e2e.observe(elapsed.as_secs_f64());
+                self.metrics.requests_succeeded.add(1);
                 let ttft = entry
                     .first_token_at
                     .map(|t| t.duration_since(entry.queued_at));

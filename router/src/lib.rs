@@ -14,6 +14,7 @@ pub mod client;
 pub mod detokenize;
 pub mod error;
 pub mod infer;
+pub mod metrics;
 pub mod openai;
 pub mod openapi;
 #[cfg(feature = "python")]
@@ -42,7 +43,6 @@ use crate::client::ShardClient;
 use crate::detokenize::TokenizerInfo;
 use crate::error::RouterError;
 use crate::infer::{Infer, LoopConfig};
-use crate::scheduler::SchedulerConfig;
 use crate::server::{AppState, Info};
 use crate::validation::Validation;
 
@@ -155,13 +155,10 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
         model_id: args.model_id.clone(),
     };
     let config = LoopConfig {
-        scheduler: SchedulerConfig {
-            max_batch_tokens: args.max_batch_tokens as usize,
-            max_batch_size: args.max_batch_size as usize,
-            num_blocks: args.num_blocks as usize,
-            block_size: args.block_size as usize,
-        },
+        scheduler: args.scheduler_config(),
         eos_token_ids: info.eos_token_ids.clone(),
+        max_waiting_requests: args.max_waiting_requests,
+        model_id: args.model_id.clone(),
     };
     let infer = Infer::spawn(
         shards.clone(),

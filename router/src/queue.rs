@@ -47,6 +47,10 @@ impl Queue {
         self.entries.iter()
     }
 
+    pub fn iter_mut(&mut self) -> impl Iterator<Item = &mut Sequence> {
+        self.entries.iter_mut()
+    }
+
     pub fn drain(&mut self) -> impl Iterator<Item = Sequence> + '_ {
         self.entries.drain(..)
     }

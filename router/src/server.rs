@@ -67,6 +67,7 @@ pub fn router(state: AppState) -> Router {
         .route("/info", get(info))
         .merge(crate::openai::routes())
         .merge(crate::openapi::routes())
+        .route("/metrics", get(metrics))
         .with_state(state)
 }
 
@@ -490,4 +491,23 @@ pub async fn health(State(state): State<AppState>) -> Response {
 #[utoipa::path(get, path = "/info", tag = "TGI", responses((status = 200, body = Info)))]
 pub async fn info(State(state): State<AppState>) -> Json<Info> {
     Json(state.info)
+}
+
+/// `GET /metrics`: Prometheus text, with the shard-side token counters when rank 0 answers.
+async fn metrics(State(state): State<AppState>) -> Response {
+    let shard = match &state.shards {
+        Some(shards) => tokio::time::timeout(Duration::from_secs(2), shards.computed_tokens())
+            .await
+            .ok()
+            .and_then(Result::ok),
+        None => None,
+    };
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        state.infer.metrics().render(shard),
+    )
+        .into_response()
 }

@@ -8,6 +8,7 @@ down. Heavy imports (torch, grpc, transformers) happen inside the commands, so
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -101,10 +102,75 @@ def _launch_parser(sub: Any) -> None:
     add(p, "--api-key", help="require Authorization: Bearer KEY (comma-separated for several)")
     add(p, "--api-key-file", help="file of accepted API keys, one per line")
     add(p, "--cors-allow-origin", help="CORS origins allowed (comma-separated, or *)")
+    _add_scheduler_flags(p)
     _add_log_format(p)
     add(p, "--uds-dir", help="folder for the shards' unix sockets (default: a fresh temp folder)")
     add(p, "--startup-timeout", type=float, default=300.0, help="seconds for each start step")
     p.set_defaults(run=_run_launch)
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is negative")
+    return value
+
+
+def _bool_flag(text: str) -> bool:
+    return text.strip().lower() in ("1", "true", "yes", "on")
+
+
+def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
+    """The router's scheduling flags, forwarded as they are (see docs/scheduler.md)."""
+    add = add_flag
+    add(
+        p,
+        "--max-prefill-chunk",
+        type=_non_negative_int,
+        default=0,
+        help="most prompt tokens one request computes per step (0: up to --max-batch-tokens)",
+    )
+    add(
+        p,
+        "--preemption",
+        default="recompute",
+        choices=("recompute", "swap"),
+        help="when KV blocks run out: recompute the victim later, or swap it to host memory",
+    )
+    add(
+        p,
+        "--swap-blocks",
+        type=_non_negative_int,
+        help="host-memory blocks for --preemption swap (default: 4 x the KV cache blocks)",
+    )
+    env = "CADENCE_NO_PREFIX_CACHING"
+    p.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        default=_bool_flag(os.environ.get(env, "")),
+        help=f"turn prefix caching off [env: {env}]",
+    )
+    add(
+        p,
+        "--batching",
+        default="continuous",
+        choices=("continuous", "dynamic", "static", "none"),
+        help="when waiting requests join the running batch",
+    )
+    add(
+        p,
+        "--batch-timeout-ms",
+        type=_non_negative_int,
+        default=50,
+        help="dynamic batching: longest wait for a batch to fill",
+    )
+    add(
+        p,
+        "--max-waiting-requests",
+        type=_positive_int,
+        default=128,
+        help="requests waiting for their first step; beyond it, 429",
+    )
 
 
 def _serve_parser(sub: Any) -> None:

@@ -56,6 +56,13 @@ class LaunchConfig:
     api_key: str | None = None  # comma-separated; reaches the router by environment
     api_key_file: str | None = None
     cors_allow_origin: str | None = None  # comma-separated
+    max_prefill_chunk: int = 0  # 0: up to max_batch_tokens
+    preemption: str = "recompute"
+    swap_blocks: int | None = None  # None: the router's default (4 x num_blocks)
+    no_prefix_caching: bool = False
+    batching: str = "continuous"
+    batch_timeout_ms: int = 50
+    max_waiting_requests: int = 128
     log_format: str = "text"
     uds_dir: str | None = None  # None: a fresh temp folder, removed at exit
     startup_timeout: float = 300.0
@@ -96,6 +103,7 @@ def router_argv(
         argv += ["--api-key-file", cfg.api_key_file]
     if cfg.cors_allow_origin:
         argv += ["--cors-allow-origin", cfg.cors_allow_origin]
+    argv += _scheduler_argv(cfg)
     argv += ["--log-format", cfg.log_format]
     if cfg.check_rank_agreement:
         argv += ["--check-rank-agreement"]
@@ -109,6 +117,16 @@ def router_env(cfg: LaunchConfig, env: dict[str, str]) -> dict[str, str]:
     if cfg.api_key:
         env["CADENCE_API_KEY"] = cfg.api_key
     return env
+def _scheduler_argv(cfg: LaunchConfig) -> list[str]:
+    argv = ["--max-prefill-chunk", str(cfg.max_prefill_chunk)]
+    argv += ["--preemption", cfg.preemption, "--batching", cfg.batching]
+    argv += ["--batch-timeout-ms", str(cfg.batch_timeout_ms)]
+    argv += ["--max-waiting-requests", str(cfg.max_waiting_requests)]
+    if cfg.swap_blocks is not None:
+        argv += ["--swap-blocks", str(cfg.swap_blocks)]
+    if cfg.no_prefix_caching:
+        argv.append("--no-prefix-caching")
+    return argv
 
 
 def launch(cfg: LaunchConfig) -> int:

@@ -77,6 +77,9 @@ class Engine:
         self.workspace = Workspace()
         self.kv: KVCache | None = None
         self.state: BatchState | None = None
+        # Cumulative counts of what the forward passes computed (HealthResponse).
+        self.computed_tokens_total = 0
+        self.prompt_tokens_computed_total = 0
         logger.info(
             f"loaded {self.config.get('model_type')} from {cfg.model_dir} "
             f"({self.weight_bytes / MiB:.1f} MiB {cfg.dtype} on {self.device}, rank "
@@ -178,6 +181,8 @@ class Engine:
         hidden = self.forward(batch)
         if state.prompt_logprobs:
             self._prompt_logprobs(batch, state, hidden)
+        self.computed_tokens_total += batch.num_tokens
+        self.prompt_tokens_computed_total += batch.num_prompt_tokens
         generations: list[shard_pb2.Generation] = []
         if batch.sample_rows.numel():
             logits = self.model.compute_logits(hidden[batch.sample_tokens.to(self.device)])
@@ -199,12 +204,13 @@ class Engine:
     @staticmethod
     def apply(req: shard_pb2.StepRequest, state: BatchState, kv: KVCache) -> StepPlan:
         """Validates the diff, then applies it in the contract's order: drop `removed`,
-        block copies, swap-out, swap-in, add `joined`, extend `continuing` tables."""
+        swap-out, swap-in, block copies, add `joined`, extend `continuing` tables."""
         plan = state.validate(req, host_blocks_limit=4 * kv.num_blocks)
         state.remove(plan.removed)
-        kv.copy_blocks([c.src for c in req.copies], [c.dst for c in req.copies])
+        # Swap-out first: the router may hand the blocks it frees to this very step.
         kv.swap_out([c.src for c in req.swap_out], [c.dst for c in req.swap_out])
         kv.swap_in([c.src for c in req.swap_in], [c.dst for c in req.swap_in])
+        kv.copy_blocks([c.src for c in req.copies], [c.dst for c in req.copies])
         state.join(plan.joined)
         state.extend_blocks(list(req.continuing))
         return plan

@@ -61,7 +61,12 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
     async def Health(
         self, request: shard_pb2.HealthRequest, context: grpc.aio.ServicerContext
     ) -> shard_pb2.HealthResponse:
-        return shard_pb2.HealthResponse(ready=self.engine.ready)
+        e = self.engine
+        return shard_pb2.HealthResponse(
+            ready=e.ready,
+            computed_tokens_total=e.computed_tokens_total,
+            prompt_tokens_computed_total=e.prompt_tokens_computed_total,
+        )
 
     async def Warmup(
         self, request: shard_pb2.WarmupRequest, context: grpc.aio.ServicerContext

@@ -54,6 +54,7 @@ class ForwardBatch:
     sample_rows: torch.Tensor  # [R] rows that sample
     sample_tokens: torch.Tensor  # [R] their last token's index in the flat batch
     sampling: SamplingBatch | None = None
+    num_prompt_tokens: int = 0  # tokens at positions < their request's prompt_len
 
     @property
     def num_tokens(self) -> int:
@@ -315,6 +316,7 @@ class BatchState:
             prefill_blocks=prefill_blocks,
             sample_rows=sample_rows,
             sample_tokens=query_start[1:][sample_rows] - 1,
+            num_prompt_tokens=int((positions < self.prompt_lens[token_slot]).sum()),
         )
 
     def sampling_batch(self, batch: ForwardBatch) -> SamplingBatch:

@@ -1,0 +1,261 @@
+"""The scheduler and the paged KV cache against the launched stack (SmolLM2, float32):
+preemption under 3x KV over-subscription, prefix caching counted by the shard, chunked
+prefill next to running decodes, the bounded queue and /metrics."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from conftest import LaunchedServer, launch, stop
+
+MAX_NEW = 24
+BLOCK = 16
+
+
+def metrics(url: str) -> dict[str, float]:
+    """`name{labels}` -> value, labels other than `model` kept in the key."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        key, value = line.rsplit(" ", 1)
+        out[re.sub(r'model="[^"]*",?', "", key).replace("{}", "")] = float(value)
+    return out
+
+
+def generate(url: str, prompt: str, max_new_tokens: int = MAX_NEW) -> str:
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens}}
+    r = httpx.post(f"{url}/generate", json=body, timeout=600)
+    assert r.status_code == 200, r.text
+    return r.json()["generated_text"]
+
+
+def stream(url: str, prompt: str, max_new_tokens: int) -> tuple[list[float], dict]:
+    """Arrival time of every SSE event, and the last event."""
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens, "details": True}}
+    times, last = [], {}
+    with httpx.stream("POST", f"{url}/generate_stream", json=body, timeout=600) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                times.append(time.monotonic())
+                last = json.loads(line[5:])
+    assert "error" not in last, last
+    return times, last
+
+
+def load_prompts() -> list[str]:
+    # Short prompts (one block) that grow by two blocks while decoding: admission fits
+    # them all, then the decodes run out of blocks.
+    return [f"Note {i}: the number {i * 7} is" for i in range(64)]
+
+
+def prefix_prompts() -> tuple[str, list[str]]:
+    system = "You are a careful assistant who answers briefly and precisely. " * 18
+    return system, [f"{system}Question {i}: what is {i} plus {i}?" for i in range(16)]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedServer]:
+    """A roomy cache, no prefix caching, prompt chunks of 256 tokens."""
+    server = launch(
+        tmp_path_factory.mktemp("ref"),
+        *("--dtype", "float32", "--kv-cache-memory", "256MiB", "--no-prefix-caching"),
+        *("--max-prefill-chunk", "256", "--max-input-tokens", "4000"),
+        *("--max-total-tokens", "4096"),
+    )
+    yield server
+    assert stop(server) == 0, server.log()
+
+
+def small_cache(tmp_path_factory: pytest.TempPathFactory, *extra: str) -> LaunchedServer:
+    # ~42 blocks of 16 tokens (0.7 MiB each in float32): the 64 requests need 3x that.
+    return launch(
+        tmp_path_factory.mktemp("small"),
+        *("--dtype", "float32", "--kv-cache-memory", "30MiB", "--max-waiting-requests", "64"),
+        *extra,
+    )
+
+
+@pytest.fixture(scope="module")
+def tight(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedServer]:
+    server = small_cache(tmp_path_factory)
+    yield server
+    assert stop(server) == 0, server.log()
+
+
+@pytest.fixture(scope="module")
+def cached(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedServer]:
+    """Prefix caching on (the default), room for every request's blocks."""
+    server = launch(
+        tmp_path_factory.mktemp("cached"), "--dtype", "float32", "--kv-cache-memory", "128MiB"
+    )
+    yield server
+    assert stop(server) == 0, server.log()
+
+
+@pytest.fixture(scope="module")
+def unloaded(reference: LaunchedServer) -> list[str]:
+    """Greedy outputs of the load prompts, one request at a time."""
+    return [generate(reference.url, p) for p in load_prompts()]
+
+
+def run_load(url: str) -> list[str]:
+    with ThreadPoolExecutor(64) as pool:
+        return list(pool.map(lambda p: generate(url, p), load_prompts()))
+
+
+def assert_load_survives(
+    server: LaunchedServer, unloaded: list[str], kind: str, smollm_dir: str
+) -> None:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(f"{smollm_dir}/tokenizer.json")
+    info = httpx.get(f"{server.url}/info").json()
+    demand = sum(-(-(len(tok.encode(p).ids) + MAX_NEW) // BLOCK) for p in load_prompts())
+    assert demand >= 3 * info["num_blocks"], (demand, info["num_blocks"])
+    before = metrics(server.url)
+    outputs = run_load(server.url)
+    after = metrics(server.url)
+    assert outputs == unloaded
+    preempted = after[f'cadence_preemptions_total{{kind="{kind}"}}'] - before.get(
+        f'cadence_preemptions_total{{kind="{kind}"}}', 0
+    )
+    assert preempted > 0, "3x over-subscription must preempt"
+    assert after["cadence_kv_blocks_used"] == 0
+    assert after["cadence_running_requests"] == 0
+    assert after["cadence_queue_waiting_requests"] == 0
+
+
+def test_64_requests_at_3x_kv_capacity_all_complete_with_unloaded_outputs(
+    tight: LaunchedServer, unloaded: list[str], smollm_dir: str
+) -> None:
+    assert_load_survives(tight, unloaded, "recompute", smollm_dir)
+
+
+@pytest.mark.slow
+def test_swap_preemption_gives_the_same_outputs(
+    tmp_path_factory: pytest.TempPathFactory, unloaded: list[str], smollm_dir: str
+) -> None:
+    server = small_cache(tmp_path_factory, "--preemption", "swap")
+    try:
+        assert_load_survives(server, unloaded, "swap", smollm_dir)
+    finally:
+        assert stop(server) == 0, server.log()
+
+
+def test_a_shared_system_prompt_is_prefilled_once(
+    cached: LaunchedServer, reference: LaunchedServer, smollm_dir: str
+) -> None:
+    from tokenizers import Tokenizer
+
+    system, prompts = prefix_prompts()
+    tok = Tokenizer.from_file(f"{smollm_dir}/tokenizer.json")
+    ids = [tok.encode(p).ids for p in prompts]
+    shared = 0
+    while all(len(i) > shared and i[shared] == ids[0][shared] for i in ids):
+        shared += 1
+    assert shared >= 200
+    cached_tokens = (shared // BLOCK) * BLOCK
+
+    def run(url: str) -> tuple[list[str], float, list[int]]:
+        before = metrics(url)["cadence_shard_prompt_tokens_computed_total"]
+        with ThreadPoolExecutor(16) as pool:
+            results = list(pool.map(lambda p: stream(url, p, 4)[1], prompts))
+        after = metrics(url)["cadence_shard_prompt_tokens_computed_total"]
+        texts = [r["generated_text"] for r in results]
+        return texts, after - before, [r["details"]["input_length"] for r in results]
+
+    off_texts, off_computed, lengths = run(reference.url)
+    assert lengths == [len(i) for i in ids], "the test tokenizes like the router"
+    assert off_computed == sum(lengths)
+    hits_before = metrics(cached.url)["cadence_prefix_cache_hits_total"]
+    on_texts, on_computed, _ = run(cached.url)
+    assert on_texts == off_texts
+    # The first request computes the shared blocks; the 15 others find them cached.
+    assert on_computed == sum(lengths) - 15 * cached_tokens
+    hits = metrics(cached.url)["cadence_prefix_cache_hits_total"] - hits_before
+    assert hits >= 15 * cached_tokens
+
+
+def test_a_long_prompt_is_chunked_while_16_requests_keep_decoding(
+    reference: LaunchedServer,
+) -> None:
+    chunk = 256
+    long_prompt = "The history of the river valley, told year by year. " * 180
+    with ThreadPoolExecutor(17) as pool:
+        decoders = [
+            pool.submit(stream, reference.url, f"Count slowly from {i} upward:", 40)
+            for i in range(16)
+        ]
+        time.sleep(0.5)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:  # every decoder has its first token
+            if metrics(reference.url)["cadence_running_requests"] >= 16:
+                break
+            time.sleep(0.2)
+        submitted = time.monotonic()
+        long_times, long_last = pool.submit(stream, reference.url, long_prompt, 1).result()
+        results = [d.result() for d in decoders]
+    prompt_len = long_last["details"]["input_length"]
+    assert prompt_len >= 2000
+    first_token = long_times[0]
+    chunks = -(-prompt_len // chunk)
+    for times, last in results:
+        assert last["details"]["generated_tokens"] == 40
+        if times[-1] < first_token:
+            continue  # finished before the long prompt's prefill ended
+        during = sum(submitted <= t <= first_token for t in times)
+        # One decode per step, and every chunk is a step: a decoder that waited for the
+        # whole prompt would get at most one token in this window.
+        assert during >= chunks - 2, (during, chunks)
+
+
+def test_beyond_max_waiting_requests_is_429_overloaded(tight: LaunchedServer) -> None:
+    # ~300-token prompts: two fit in the 42-block cache at a time, so the queue fills.
+    prompt = "Tell me about the harbor and the lanterns near the old market. " * 22
+    with ThreadPoolExecutor(90) as pool:
+        body = {"inputs": prompt, "parameters": {"max_new_tokens": 1}}
+        futures = [
+            pool.submit(httpx.post, f"{tight.url}/generate", json=body, timeout=600)
+            for _ in range(90)
+        ]
+        responses = [f.result() for f in futures]
+    codes = [r.status_code for r in responses]
+    assert set(codes) <= {200, 429}
+    rejected = [r.json() for r in responses if r.status_code == 429]
+    assert rejected, "90 at once exceed --max-waiting-requests 64"
+    assert all(r["error_type"] == "overloaded" for r in rejected)
+    assert metrics(tight.url)["cadence_requests_rejected_total"] >= len(rejected)
+
+
+def test_metrics_names_every_series_with_the_model_label(tight: LaunchedServer) -> None:
+    text = httpx.get(f"{tight.url}/metrics").text
+    for name in (
+        "cadence_queue_waiting_requests",
+        "cadence_running_requests",
+        "cadence_kv_blocks_total",
+        "cadence_kv_blocks_used",
+        "cadence_kv_blocks_cached",
+        "cadence_kv_utilization",
+        "cadence_prefix_cache_queries_total",
+        "cadence_prefix_cache_hits_total",
+        "cadence_preemptions_total",
+        "cadence_batch_size_bucket",
+        "cadence_batch_tokens_bucket",
+        "cadence_queue_time_seconds_bucket",
+        "cadence_time_to_first_token_seconds_bucket",
+        "cadence_inter_token_latency_seconds_bucket",
+        "cadence_e2e_request_latency_seconds_bucket",
+        "cadence_prompt_tokens_total",
+        "cadence_generation_tokens_total",
+        "cadence_shard_computed_tokens_total",
+    ):
+        assert re.search(rf'^{name}\{{model="[^"]+"', text, re.M), name

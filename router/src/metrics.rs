@@ -1,0 +1,341 @@
+//! Prometheus metrics, rendered as text for `GET /metrics`. Hand-written (counters,
+//! gauges and fixed-bucket histograms over atomics and one small lock per histogram): the
+//! batching loop updates them once per step and once per token event, the HTTP side
+//! reads them at scrape time. Every series carries the `model` label.
+
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+/// Latency buckets in seconds, 1 ms to 2 min.
+const SECONDS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+];
+const BATCH_SIZES: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0];
+const BATCH_TOKENS: &[f64] = &[
+    1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0,
+];
+
+#[derive(Debug)]
+pub struct Histogram {
+    bounds: &'static [f64],
+    inner: Mutex<HistogramData>,
+}
+
+#[derive(Debug, Default)]
+struct HistogramData {
+    counts: Vec<u64>,
+    sum: f64,
+    count: u64,
+}
+
+impl Histogram {
+    fn new(bounds: &'static [f64]) -> Self {
+        Self {
+            bounds,
+            inner: Mutex::new(HistogramData {
+                counts: vec![0; bounds.len()],
+                ..Default::default()
+            }),
+        }
+    }
+
+    pub fn observe(&self, value: f64) {
+        let mut d = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(i) = self.bounds.iter().position(|&b| value <= b) {
+            d.counts[i] += 1;
+        }
+        d.sum += value;
+        d.count += 1;
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str, labels: &str) {
+        let d = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        let mut cumulative = 0;
+        for (bound, n) in self.bounds.iter().zip(&d.counts) {
+            cumulative += n;
+            let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{bound}\"}} {cumulative}");
+        }
+        let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {}", d.count);
+        let _ = writeln!(out, "{name}_sum{{{labels}}} {}", d.sum);
+        let _ = writeln!(out, "{name}_count{{{labels}}} {}", d.count);
+    }
+}
+
+/// A gauge holding an f64 (stored as bits).
+#[derive(Debug, Default)]
+pub struct Gauge(AtomicU64);
+
+impl Gauge {
+    pub fn set(&self, value: f64) {
+        self.0.store(value.to_bits(), Ordering::Relaxed);
+    }
+
+    pub fn get(&self) -> f64 {
+        f64::from_bits(self.0.load(Ordering::Relaxed))
+    }
+}
+
+#[derive(Debug, Default)]
+pub struct Counter(AtomicU64);
+
+impl Counter {
+    pub fn add(&self, n: u64) {
+        self.0.fetch_add(n, Ordering::Relaxed);
+    }
+
+    pub fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// Every metric the router exports.
+#[derive(Debug)]
+pub struct Metrics {
+    model: String,
+    pub waiting: Gauge,
+    pub running: Gauge,
+    pub swapped: Gauge,
+    pub kv_blocks_total: Gauge,
+    pub kv_blocks_used: Gauge,
+    pub kv_blocks_cached: Gauge,
+    pub kv_utilization: Gauge,
+    pub prefix_queries: Counter,
+    pub prefix_hits: Counter,
+    pub preemptions_recompute: Counter,
+    pub preemptions_swap: Counter,
+    pub prompt_tokens: Counter,
+    pub generation_tokens: Counter,
+    pub step_tokens: Counter,
+    pub requests_rejected: Counter,
+    pub requests_succeeded: Counter,
+    pub requests_failed: Counter,
+    pub batch_size: Histogram,
+    pub batch_tokens: Histogram,
+    pub queue_time: Histogram,
+    pub ttft: Histogram,
+    pub itl: Histogram,
+    pub e2e: Histogram,
+}
+
+impl Metrics {
+    pub fn new(model: &str) -> Self {
+        Self {
+            model: model.replace('\\', "\\\\").replace('"', "\\\""),
+            waiting: Gauge::default(),
+            running: Gauge::default(),
+            swapped: Gauge::default(),
+            kv_blocks_total: Gauge::default(),
+            kv_blocks_used: Gauge::default(),
+            kv_blocks_cached: Gauge::default(),
+            kv_utilization: Gauge::default(),
+            prefix_queries: Counter::default(),
+            prefix_hits: Counter::default(),
+            preemptions_recompute: Counter::default(),
+            preemptions_swap: Counter::default(),
+            prompt_tokens: Counter::default(),
+            generation_tokens: Counter::default(),
+            step_tokens: Counter::default(),
+            requests_rejected: Counter::default(),
+            requests_succeeded: Counter::default(),
+            requests_failed: Counter::default(),
+            batch_size: Histogram::new(BATCH_SIZES),
+            batch_tokens: Histogram::new(BATCH_TOKENS),
+            queue_time: Histogram::new(SECONDS),
+            ttft: Histogram::new(SECONDS),
+            itl: Histogram::new(SECONDS),
+            e2e: Histogram::new(SECONDS),
+        }
+    }
+
+    /// The Prometheus text exposition; `shard_computed` are the shard-side cumulative
+    /// (all tokens, prompt tokens) computed, when the shards answered.
+    pub fn render(&self, shard_computed: Option<(u64, u64)>) -> String {
+        let l = format!("model=\"{}\"", self.model);
+        let mut out = String::with_capacity(8192);
+        let gauges: [(&str, &str, &Gauge); 7] = [
+            (
+                "cadence_queue_waiting_requests",
+                "Requests waiting for a step (queued or preempted).",
+                &self.waiting,
+            ),
+            (
+                "cadence_running_requests",
+                "Requests holding KV blocks in the running batch.",
+                &self.running,
+            ),
+            (
+                "cadence_swapped_requests",
+                "Preempted requests whose KV is in the host pool.",
+                &self.swapped,
+            ),
+            (
+                "cadence_kv_blocks_total",
+                "KV cache blocks.",
+                &self.kv_blocks_total,
+            ),
+            (
+                "cadence_kv_blocks_used",
+                "KV blocks referenced by a request.",
+                &self.kv_blocks_used,
+            ),
+            (
+                "cadence_kv_blocks_cached",
+                "Unreferenced KV blocks kept for prefix hits (evictable).",
+                &self.kv_blocks_cached,
+            ),
+            (
+                "cadence_kv_utilization",
+                "Tokens stored in the running requests' blocks / the slots of those blocks.",
+                &self.kv_utilization,
+            ),
+        ];
+        for (name, help, g) in gauges {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} gauge\n{name}{{{l}}} {}",
+                g.get()
+            );
+        }
+        let counters: [(&str, &str, &Counter); 8] = [
+            (
+                "cadence_prefix_cache_queries_total",
+                "Prompt tokens looked up in the prefix cache.",
+                &self.prefix_queries,
+            ),
+            (
+                "cadence_prefix_cache_hits_total",
+                "Prompt tokens found in the prefix cache (their prefill skipped).",
+                &self.prefix_hits,
+            ),
+            (
+                "cadence_prompt_tokens_total",
+                "Prompt tokens of admitted requests.",
+                &self.prompt_tokens,
+            ),
+            (
+                "cadence_generation_tokens_total",
+                "Tokens generated.",
+                &self.generation_tokens,
+            ),
+            (
+                "cadence_step_tokens_total",
+                "Tokens computed by the steps the router sent (prefill and decode).",
+                &self.step_tokens,
+            ),
+            (
+                "cadence_requests_rejected_total",
+                "Requests answered 429 because the queue was full.",
+                &self.requests_rejected,
+            ),
+            (
+                "cadence_requests_succeeded_total",
+                "Requests that finished generating.",
+                &self.requests_succeeded,
+            ),
+            (
+                "cadence_requests_failed_total",
+                "Requests that ended with an error.",
+                &self.requests_failed,
+            ),
+        ];
+        for (name, help, c) in counters {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name}{{{l}}} {}",
+                c.get()
+            );
+        }
+        let name = "cadence_preemptions_total";
+        let _ = writeln!(out, "# HELP {name} Requests preempted when KV blocks ran out, by kind.\n# TYPE {name} counter");
+        let _ = writeln!(
+            out,
+            "{name}{{{l},kind=\"recompute\"}} {}",
+            self.preemptions_recompute.get()
+        );
+        let _ = writeln!(
+            out,
+            "{name}{{{l},kind=\"swap\"}} {}",
+            self.preemptions_swap.get()
+        );
+        if let Some((all, prompt)) = shard_computed {
+            let name = "cadence_shard_computed_tokens_total";
+            let _ = writeln!(out, "# HELP {name} Tokens the shard's forward passes computed, counted by the shard.\n# TYPE {name} counter\n{name}{{{l}}} {all}");
+            let name = "cadence_shard_prompt_tokens_computed_total";
+            let _ = writeln!(out, "# HELP {name} Prompt tokens the shard's forward passes computed (prefill), counted by the shard.\n# TYPE {name} counter\n{name}{{{l}}} {prompt}");
+        }
+        let histograms: [(&str, &str, &Histogram); 6] = [
+            ("cadence_batch_size", "Requests per step.", &self.batch_size),
+            (
+                "cadence_batch_tokens",
+                "Tokens computed per step.",
+                &self.batch_tokens,
+            ),
+            (
+                "cadence_queue_time_seconds",
+                "Arrival to first admission.",
+                &self.queue_time,
+            ),
+            (
+                "cadence_time_to_first_token_seconds",
+                "Arrival to first generated token.",
+                &self.ttft,
+            ),
+            (
+                "cadence_inter_token_latency_seconds",
+                "Between consecutive generated tokens of a request.",
+                &self.itl,
+            ),
+            (
+                "cadence_e2e_request_latency_seconds",
+                "Arrival to last token.",
+                &self.e2e,
+            ),
+        ];
+        for (name, help, h) in histograms {
+            h.render(&mut out, name, help, &l);
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_prometheus_text_with_cumulative_buckets_and_the_model_label() {
+        let m = Metrics::new("org/m\"x");
+        m.waiting.set(3.0);
+        m.prefix_hits.add(32);
+        m.preemptions_swap.add(2);
+        m.ttft.observe(0.004);
+        m.ttft.observe(0.2);
+        m.ttft.observe(1000.0);
+        let text = m.render(Some((10, 7)));
+        assert!(text.contains("cadence_queue_waiting_requests{model=\"org/m\\\"x\"} 3\n"));
+        assert!(text.contains("cadence_prefix_cache_hits_total{model=\"org/m\\\"x\"} 32\n"));
+        assert!(text.contains("cadence_preemptions_total{model=\"org/m\\\"x\",kind=\"swap\"} 2\n"));
+        assert!(
+            text.contains("cadence_shard_prompt_tokens_computed_total{model=\"org/m\\\"x\"} 7\n")
+        );
+        let bucket = |le: &str| {
+            let key = format!(
+                "cadence_time_to_first_token_seconds_bucket{{model=\"org/m\\\"x\",le=\"{le}\"}} "
+            );
+            let line = text.lines().find(|l| l.starts_with(&key)).unwrap();
+            line[key.len()..].parse::<u64>().unwrap()
+        };
+        assert_eq!(bucket("0.001"), 0);
+        assert_eq!(bucket("0.005"), 1);
+        assert_eq!(bucket("0.25"), 2);
+        assert_eq!(bucket("120"), 2);
+        assert_eq!(bucket("+Inf"), 3);
+        // Every sample line is `name{labels} value`.
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            let (_, value) = line.rsplit_once(' ').unwrap();
+            value.parse::<f64>().unwrap();
+        }
+    }
+}
