@@ -117,6 +117,8 @@ def router_env(cfg: LaunchConfig, env: dict[str, str]) -> dict[str, str]:
     if cfg.api_key:
         env["CADENCE_API_KEY"] = cfg.api_key
     return env
+
+
 def _scheduler_argv(cfg: LaunchConfig) -> list[str]:
     argv = ["--max-prefill-chunk", str(cfg.max_prefill_chunk)]
     argv += ["--preemption", cfg.preemption, "--batching", cfg.batching]
