@@ -12,15 +12,16 @@ import test_model
 import torch
 from cadence.layers.attention import select_backend
 from cadence.shard.engine import Engine
-from conftest import make_engine
 
 
 @pytest.fixture
-def triton_engine_for(monkeypatch: pytest.MonkeyPatch) -> Callable[..., Engine]:
+def triton_engine_for(
+    monkeypatch: pytest.MonkeyPatch, engine_for: Callable[..., Engine]
+) -> Callable[..., Engine]:
     monkeypatch.setenv("CADENCE_ATTENTION_BACKEND", "triton")
 
     def make(model_dir: Path, **kwargs: object) -> Engine:
-        engine = make_engine(model_dir, **kwargs)
+        engine = engine_for(model_dir, **kwargs)
         assert engine.attention_backend == "triton"
         return engine
 
