@@ -6,13 +6,14 @@ then one decode step of a model against its roofline (weight + KV bytes / bandwi
     PYTHONPATH=server python kernels/bench.py --model ~/.cache/cadence/models/SmolLM2-135M-Instruct
 """
 
+# ruff: noqa: B023 (each lambda is timed at once, inside its loop iteration)
+
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
 import torch
-
 from cadence.kernels.decode_attention import decode_attention
 from cadence.kernels.kv_write import kv_write
 from cadence.kernels.prefill_attention import prefill_attention

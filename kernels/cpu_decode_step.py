@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
 from cadence.layers import attention as attn_mod
 from cadence.layers.attention import AttentionContext, Workspace, forward_context
 from cadence.models import load_model
