@@ -32,17 +32,17 @@ test-rust:
 	cargo test --manifest-path router/Cargo.toml --quiet
 
 test-python:
-	$(PYTHON) -m pytest -q server/tests integration-tests
+	$(PYTHON) -m pytest -q server/tests kernels/tests integration-tests
 
 lint:
-	$(PYTHON) -m ruff check server integration-tests
-	$(PYTHON) -m ruff format --check server integration-tests
+	$(PYTHON) -m ruff check server kernels integration-tests
+	$(PYTHON) -m ruff format --check server kernels integration-tests
 	cargo fmt --manifest-path router/Cargo.toml --check
 	cargo clippy --manifest-path router/Cargo.toml --all-targets -- -D warnings
 
 fmt:
-	$(PYTHON) -m ruff format server integration-tests
-	$(PYTHON) -m ruff check --fix server integration-tests
+	$(PYTHON) -m ruff format server kernels integration-tests
+	$(PYTHON) -m ruff check --fix server kernels integration-tests
 	cargo fmt --manifest-path router/Cargo.toml
 
 clean:

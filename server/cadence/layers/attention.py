@@ -11,11 +11,16 @@ Rows are ordered so the single-token (decode) sequences come first: they take th
 queries of a chunk attend to the cached prefix and causally to themselves. Both gather
 each sequence's context through its block table into a padded tensor and call
 `scaled_dot_product_attention` once for the whole batch.
+
+The backend is chosen per engine (`select_backend`): `torch` (above, the CPU path) or
+`triton` (the paged kernels of `cadence.kernels`, which read the cache through the block
+tables without a gather; the default on CUDA). Both sit behind the same interface.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -60,6 +65,7 @@ class AttentionContext:
     prefill_seq: torch.Tensor | None = None  # [Tp] prefill sequence of each prefill token
     prefill_col: torch.Tensor | None = None  # [Tp] index of each token within its chunk
     workspace: Workspace | None = None
+    backend: str = "torch"  # "torch" | "triton"
     # sliding-window masks, built on first use per window size: window -> (decode, prefill)
     windowed: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = field(
         default_factory=dict
@@ -78,6 +84,7 @@ class AttentionContext:
         decode_blocks: int,
         prefill_blocks: int,
         workspace: Workspace | None = None,
+        backend: str = "torch",
     ) -> AttentionContext:
         """Derives the masks and padding indices once per step (shared by every layer).
         The Python ints (longest prefill chunk, blocks spanned by the longest decode and
@@ -91,7 +98,10 @@ class AttentionContext:
             num_decode,
             max_query_len,
             workspace=workspace,
+            backend=backend,
         )
+        if backend == "triton":  # the kernels read block_tables directly and mask inline
+            return ctx
         device = context_lens.device
         if num_decode > 0:
             ctx.decode_tables = block_tables[:num_decode, :decode_blocks]
@@ -144,6 +154,25 @@ class AttentionContext:
         pos = first + torch.arange(self.max_query_len, device=device).view(1, -1, 1)
         keys = torch.arange(self.prefill_mask.shape[-1], device=device).view(1, 1, -1)
         return self.prefill_mask & (keys > pos - window).unsqueeze(1)
+
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+def select_backend(requested: str | None, device: torch.device) -> str:
+    """`auto` (or None): triton on CUDA when triton imports, torch otherwise. `triton` on
+    a CPU device needs `TRITON_INTERPRET=1` (tests only: the interpreter is slow)."""
+    requested = (requested or "auto").lower()
+    if requested not in BACKENDS:
+        raise ValueError(f"unknown attention backend {requested!r} (one of {BACKENDS})")
+    if requested != "auto":
+        if requested == "triton" and device.type != "cuda":
+            if os.environ.get("TRITON_INTERPRET", "0") != "1":
+                raise ValueError("the triton attention backend on CPU needs TRITON_INTERPRET=1")
+        return requested
+    from cadence.kernels import triton_available
+
+    return "triton" if device.type == "cuda" and triton_available() else "torch"
 
 
 _CONTEXT: AttentionContext | None = None
@@ -285,6 +314,13 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, heads, head_dim], k/v: [T, kv_heads, head_dim] -> [T, heads * head_dim]."""
         ctx = get_context()
+        if ctx.backend == "triton":
+            from cadence.layers import triton_attention  # imports triton: CUDA or tests only
+
+            out = triton_attention.forward(
+                q, k, v, self.k_cache, self.v_cache, ctx, self.scale, self.sliding_window
+            )
+            return out.reshape(q.shape[0], -1)
         write_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
         out = paged_attention(q, self.k_cache, self.v_cache, self.scale, self.sliding_window)
         return out.reshape(q.shape[0], -1)

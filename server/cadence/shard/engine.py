@@ -3,6 +3,7 @@ one Step: apply the diff, one forward over every scheduled token, sample."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -12,7 +13,12 @@ from loguru import logger
 
 from cadence.config import ShardConfig
 from cadence.kv_cache import KVCache, bytes_per_block
-from cadence.layers.attention import AttentionContext, Workspace, forward_context
+from cadence.layers.attention import (
+    AttentionContext,
+    Workspace,
+    forward_context,
+    select_backend,
+)
 from cadence.models import load_model, read_config, to_dtype
 from cadence.pb import shard_pb2
 from cadence.sampling import TOP_N, SamplingBatch, sample
@@ -75,6 +81,9 @@ class Engine:
             len(self.attention), cfg.block_size, first.num_kv_heads, first.head_dim, self.kv_dtype
         )
         self.workspace = Workspace()
+        self.attention_backend = select_backend(
+            os.environ.get("CADENCE_ATTENTION_BACKEND"), self.device
+        )
         self.kv: KVCache | None = None
         self.state: BatchState | None = None
         # Cumulative counts of what the forward passes computed (HealthResponse).
@@ -83,7 +92,8 @@ class Engine:
         logger.info(
             f"loaded {self.config.get('model_type')} from {cfg.model_dir} "
             f"({self.weight_bytes / MiB:.1f} MiB {cfg.dtype} on {self.device}, rank "
-            f"{cfg.rank}/{cfg.world_size}, {self.checkpoint_bytes_read / MiB:.1f} MiB read) "
+            f"{cfg.rank}/{cfg.world_size}, {self.checkpoint_bytes_read / MiB:.1f} MiB read, "
+            f"{self.attention_backend} attention) "
             f"in {time.perf_counter() - started:.1f}s"
         )
 
@@ -229,6 +239,7 @@ class Engine:
             decode_blocks=batch.decode_blocks,
             prefill_blocks=batch.prefill_blocks,
             workspace=self.workspace,
+            backend=self.attention_backend,
         )
         with forward_context(ctx):
             return self.model(batch.input_ids.to(d), batch.positions.to(d))

@@ -1,0 +1,100 @@
+"""One SmolLM2 decode step on CPU through the paged cache (torch backend) against the
+same step with contiguous (non-paged) attention: per-sequence K/V already laid out
+[B, kv_heads, L, head_dim], the new token written in place, no block tables.
+
+    PYTHONPATH=server python kernels/cpu_decode_step.py --batch 32 --context 350
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from cadence.layers import attention as attn_mod
+from cadence.layers.attention import AttentionContext, Workspace, forward_context
+from cadence.models import load_model
+
+MODEL = Path.home() / ".cache/cadence/models/SmolLM2-135M-Instruct"
+
+
+def timed(fn, steps: int) -> float:
+    fn()  # warm the workspace and the allocator
+    started = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    return (time.perf_counter() - started) / steps * 1000
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--context", type=int, default=350)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--dtype", default="bfloat16")
+    a = p.parse_args()
+    dtype = getattr(torch, a.dtype)
+    torch.manual_seed(0)
+    model = load_model(str(MODEL), dtype, torch.device("cpu"))
+    layers = model.attention_layers()
+    cfg = model.config
+    b, n, bs = a.batch, a.context, a.block_size
+    blocks_per_seq = (n + bs) // bs + 1
+    num_blocks = b * blocks_per_seq + 1
+    shape = (num_blocks, bs, cfg.num_kv_heads, cfg.head_dim)
+    for layer in layers:
+        layer.k_cache = torch.randn(shape).to(dtype)
+        layer.v_cache = torch.randn(shape).to(dtype)
+    # each sequence's blocks scattered over the pool, as after churn
+    tables = (torch.randperm(num_blocks - 1)[: b * blocks_per_seq] + 1).view(b, -1)
+    lens = torch.full((b,), n + 1)
+    slots = tables[:, n // bs] * bs + n % bs
+    ids = torch.randint(0, cfg.vocab_size, (b,))
+    pos = torch.full((b,), n)
+    ctx = AttentionContext.build(
+        slots, torch.arange(b + 1), lens, tables, bs, b, 1, (n + bs) // bs, 0, Workspace()
+    )
+
+    def paged() -> None:
+        with torch.inference_mode(), forward_context(ctx):
+            model(ids, pos)
+
+    # contiguous: every layer's K/V as [B, kv_heads, L, head_dim]; the step writes its
+    # token at position n and attends over n + 1 keys with no mask
+    kv_shape = (b, cfg.num_kv_heads, n + 1, cfg.head_dim)
+    contiguous_kv = {
+        id(x): (torch.randn(kv_shape).to(dtype), torch.randn(kv_shape).to(dtype)) for x in layers
+    }
+
+    def contiguous_forward(self, q, k, v):
+        kc, vc = contiguous_kv[id(self)]
+        kc[:, :, n] = k
+        vc[:, :, n] = v
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), kc, vc, scale=self.scale, enable_gqa=True
+        )
+        return out.reshape(q.shape[0], -1)
+
+    def contiguous() -> None:
+        original = attn_mod.Attention.forward
+        attn_mod.Attention.forward = contiguous_forward
+        try:
+            with torch.inference_mode(), forward_context(ctx):
+                model(ids, pos)
+        finally:
+            attn_mod.Attention.forward = original
+
+    print(f"torch threads {torch.get_num_threads()}, batch {b}, context {n}, block {bs}, {a.dtype}")
+    t_paged = timed(paged, a.steps)
+    t_contig = timed(contiguous, a.steps)
+    print(f"paged decode step      {t_paged:7.1f} ms")
+    print(
+        f"contiguous decode step {t_contig:7.1f} ms  (paged/contiguous {t_paged / t_contig:.2f}x)"
+    )
+
+
+if __name__ == "__main__":
+    main()
