@@ -56,7 +56,7 @@ def test_repetition_penalty_stops_greedy_repeating_the_prompt(client: httpx.Clie
     assert len(set(penalized)) == len(penalized), "no generated token repeats either"
 
 
-def test_presence_and_frequency_penalties_push_away_generated_tokens(
+def test_presence_and_frequency_penalties_only_push_away_generated_tokens(
     client: httpx.Client,
 ) -> None:
     plain = ids(generate(client, max_new_tokens=24))
@@ -64,7 +64,10 @@ def test_presence_and_frequency_penalties_push_away_generated_tokens(
     for name in ("presence_penalty", "frequency_penalty"):
         penalized = ids(generate(client, max_new_tokens=24, **{name: 2.0}))
         assert penalized != plain, name
-        assert len(set(penalized)) > len(set(plain)), name
+        # Both penalties lower only tokens already generated, so greedy can first leave the
+        # unpenalized path exactly where that path repeats one of its own tokens.
+        first = next(i for i, (a, b) in enumerate(zip(plain, penalized, strict=False)) if a != b)
+        assert plain[first] in plain[:first], (name, first)
 
 
 def test_truncate_keeps_the_last_tokens_of_the_input(client: httpx.Client) -> None:
