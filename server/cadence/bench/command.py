@@ -53,6 +53,8 @@ def add_bench_parser(sub: Any) -> None:
         default="small",
         help="small: minutes on 2 CPU cores; full: the documents' sizes (a GPU)",
     )
+    e.add_argument("--length-divisor", type=int, help="divide the lengths by this instead")
+    e.add_argument("--num-prompts", type=int, help="requests per run instead of the scale's")
     e.add_argument("--out-dir", default="docs/experiments", help="where tables and PNGs go")
     e.add_argument("--server-args", default="", help="extra `cadence launch` flags, quoted")
     e.set_defaults(run=run_experiment_command)
@@ -195,5 +197,12 @@ def _plain(value: Any) -> Any:
 def run_experiment_command(args: argparse.Namespace) -> int:
     from cadence.bench.experiments import run_experiment
 
-    run_experiment(args.name, args.scale, args.out_dir, shlex.split(args.server_args))
+    run_experiment(
+        args.name,
+        args.scale,
+        args.out_dir,
+        shlex.split(args.server_args),
+        args.length_divisor,
+        args.num_prompts,
+    )
     return 0

@@ -50,7 +50,7 @@ class Scale:
 
 
 SCALES = {
-    "small": Scale(div=8, num_prompts=12, rates=(1.0, 4.0)),
+    "small": Scale(div=4, num_prompts=24, rates=(1.0, 4.0)),
     "full": Scale(div=1, num_prompts=200, rates=(1.0, 4.0)),
 }
 
@@ -249,10 +249,24 @@ def e2(scale: Scale, out: Path, server_args: list[str], scale_name: str) -> None
 EXPERIMENTS = {"E1": e1, "E2": e2}
 
 
-def run_experiment(name: str, scale: str, out_dir: str, server_args: list[str]) -> None:
+def run_experiment(
+    name: str,
+    scale: str,
+    out_dir: str,
+    server_args: list[str],
+    divisor: int | None = None,
+    num_prompts: int | None = None,
+) -> None:
     if name not in EXPERIMENTS:
         raise SystemExit(f"{name} is not implemented yet (E1 and E2 are); see docs/experiments")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    EXPERIMENTS[name](SCALES[scale], out, server_args, scale)
+    base = SCALES[scale]
+    chosen = Scale(divisor or base.div, num_prompts or base.num_prompts, base.rates)
+    label = scale
+    if divisor:
+        label += f" --length-divisor {divisor}"
+    if num_prompts:
+        label += f" --num-prompts {num_prompts}"
+    EXPERIMENTS[name](chosen, out, server_args, label)
     print(f"wrote {out / (name + '.md')}")
