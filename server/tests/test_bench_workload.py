@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from cadence.bench.arrivals import arrival_gaps
 from cadence.bench.datasets import (
     SHAREGPT_MEAN_INPUT,
