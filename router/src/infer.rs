@@ -234,6 +234,7 @@ struct Entry {
     detokenizer: Detokenizer,
     stop: StopMatcher,
     max_new_tokens: usize,
+    ignore_eos: bool,
     input_length: usize,
     generated: usize,
     text: String,
@@ -346,6 +347,7 @@ impl<B: Backend> Loop<B> {
                 detokenizer: Detokenizer::new(&seq.token_ids),
                 stop: StopMatcher::new(request.stop.clone()),
                 max_new_tokens: request.max_new_tokens,
+                ignore_eos: request.ignore_eos,
                 input_length: seq.prompt_len,
                 generated: 0,
                 text: String::new(),
@@ -631,7 +633,7 @@ impl Entry {
         self.cumulative_logprob += logprob.unwrap_or(0.0);
         let mut text = String::new();
         let mut finish = None;
-        if eos.contains(&id) {
+        if eos.contains(&id) && !self.ignore_eos {
             finish = Some(FinishReason::EosToken);
         } else {
             let piece = self.detokenizer.push(tokenizer, id);

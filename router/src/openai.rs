@@ -207,6 +207,7 @@ struct Sampling {
     top_n: Option<u32>,
     prompt_logprobs: bool,
     echo: bool,
+    ignore_eos: Option<bool>,
 }
 
 impl Sampling {
@@ -256,6 +257,7 @@ impl Sampling {
             decoder_input_details: Some(self.prompt_logprobs),
             seed: self.seed,
             top_n_tokens: self.top_n,
+            ignore_eos: self.ignore_eos,
             ..Default::default()
         };
         Ok((parameters, Extra { logit_bias, n }))
@@ -374,6 +376,8 @@ pub struct CompletionRequest {
     pub min_p: Option<f32>,
     pub typical_p: Option<f32>,
     pub repetition_penalty: Option<f32>,
+    /// vLLM's extension: generate past the end-of-sequence token up to the token limit.
+    pub ignore_eos: Option<bool>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -511,6 +515,7 @@ async fn completions_inner(state: AppState, r: CompletionRequest) -> Result<Resp
         min_p: r.min_p,
         typical_p: r.typical_p,
         repetition_penalty: r.repetition_penalty,
+        ignore_eos: r.ignore_eos,
         max_tokens: Some(r.max_tokens.unwrap_or(16)),
         top_n: r.logprobs,
         prompt_logprobs: echo && with_logprobs,
@@ -825,6 +830,8 @@ pub struct ChatRequest {
     pub min_p: Option<f32>,
     pub typical_p: Option<f32>,
     pub repetition_penalty: Option<f32>,
+    /// vLLM's extension: generate past the end-of-sequence token up to the token limit.
+    pub ignore_eos: Option<bool>,
 }
 
 #[derive(Debug, Clone, Serialize, ToSchema)]
@@ -1053,6 +1060,7 @@ async fn chat_inner(state: AppState, r: ChatRequest) -> Result<Response, ApiErro
         min_p: r.min_p,
         typical_p: r.typical_p,
         repetition_penalty: r.repetition_penalty,
+        ignore_eos: r.ignore_eos,
         max_tokens: r.max_completion_tokens.or(r.max_tokens),
         top_n: if with_logprobs { r.top_logprobs } else { None },
         prompt_logprobs: false,

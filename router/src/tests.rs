@@ -517,6 +517,34 @@ async fn eos_ends_generation_and_is_not_in_the_text() {
 }
 
 #[tokio::test]
+async fn ignore_eos_generates_to_the_token_limit() {
+    let mut script = ids("ok");
+    script.push(testing::eos_id());
+    let h = harness(Script::Fixed(script));
+    let body = json!({"inputs": "hi", "parameters": {"max_new_tokens": 7, "details": true,
+                      "ignore_eos": true}});
+    let (_, v) = h.post("/generate", body).await;
+    assert_eq!(v["details"]["finish_reason"], "length");
+    assert_eq!(v["details"]["generated_tokens"], 7);
+    // The script repeats: o k EOS o k EOS o; the EOS tokens decode to nothing.
+    assert_eq!(v["generated_text"], "okoko");
+    let (status, _, text) = send(
+        &h.app,
+        post_json(
+            "/v1/completions",
+            &json!({"prompt": "hi", "max_tokens": 5, "ignore_eos": true}),
+            None,
+        ),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["usage"]["completion_tokens"], 5, "{text}");
+    assert_eq!(v["choices"][0]["finish_reason"], "length", "{text}");
+    h.assert_protocol_ok();
+}
+
+#[tokio::test]
 async fn stop_sequences_end_generation_and_are_never_streamed() {
     let h = harness(Script::Fixed(ids("one two###three")));
     let body = json!({"inputs": "hi", "parameters": {"max_new_tokens": 30, "stop": ["###"], "details": true}});

@@ -92,6 +92,9 @@ pub struct GenerateParameters {
     pub decoder_input_details: Option<bool>,
     /// Seed of the sampler: the same seed gives the same sample.
     pub seed: Option<u64>,
+    /// Keep generating past the end-of-sequence token, up to max_new_tokens (vLLM's
+    /// `ignore_eos`; for benchmarks that need exact output lengths).
+    pub ignore_eos: Option<bool>,
     /// Return this many most likely alternatives per token (at most --max-top-n-tokens).
     pub top_n_tokens: Option<u32>,
     /// Not yet supported (must be null).
@@ -114,6 +117,8 @@ pub struct ValidRequest {
     /// The seed reported in details (`None` for greedy requests without a seed).
     pub seed: Option<u64>,
     pub max_new_tokens: usize,
+    /// EOS does not end the request; only length and stop strings do.
+    pub ignore_eos: bool,
     pub stop: Vec<String>,
     pub details: bool,
     /// The prompt, when `return_full_text` asks to prepend it.
@@ -396,6 +401,7 @@ impl Validation {
             sampling,
             seed,
             max_new_tokens,
+            ignore_eos: p.ignore_eos.unwrap_or(false),
             stop,
             details: p.details.unwrap_or(false),
             prefix: p.return_full_text.unwrap_or(false).then_some(inputs),

@@ -1,4 +1,4 @@
-"""The `cadence` command line: `launch`, `serve` and `convert`.
+"""The `cadence` command line: `launch`, `serve`, `convert` and `bench`.
 
 Each subcommand's flags become one typed config dataclass, built once here and passed
 down. Heavy imports (torch, grpc, transformers) happen inside the commands, so
@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from loguru import logger
 
 from cadence import __version__
+from cadence.bench.command import add_bench_parser
 from cadence.config import ShardConfig
 from cadence.flags import add_flag, add_switch, parse_size
 from cadence.launcher import LaunchConfig, LaunchError
@@ -224,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     _launch_parser(sub)
     _serve_parser(sub)
     _convert_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 

@@ -1,2 +1,2 @@
-"""The start of `cadence bench`: a load client for TGI's /generate_stream and a driver
-that compares batching modes on one workload."""
+"""`cadence bench`: a serving benchmark client (datasets, arrival processes, vLLM's
+metrics) and the experiments of MISSION.md built on it."""

@@ -1,106 +1,100 @@
-"""A fixed workload against TGI's `/generate_stream`: N requests of a given prompt length
-and output length, sent at once (or at a given rate), greedy. Records per request the
-time to first token, the inter-token latencies and the end-to-end latency from SSE event
-arrival times, and the run's throughput."""
+"""One streaming request against a server, timed per token: TGI's `/generate_stream` or
+OpenAI's `/v1/completions` (vLLM, llama.cpp's server, cadence, ...). Greedy, so every
+server does the same work on the same workload."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import statistics
 import time
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 
-
-@dataclass(slots=True)
-class Workload:
-    num_requests: int = 32
-    prompt_words: int = 64  # about 1.3 tokens per word with SmolLM2's tokenizer
-    max_new_tokens: int = 32
-    request_rate: float = 0.0  # requests per second; 0: all at once
+from cadence.bench.datasets import BenchRequest
+from cadence.bench.metrics import RequestOutput
 
 
-@dataclass(slots=True)
-class RequestResult:
-    ttft: float
-    itls: list[float]
-    e2e: float
-    generated_tokens: int
+async def _events(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    async for line in response.aiter_lines():
+        if line.startswith("data:"):
+            data = line[5:].strip()
+            if data == "[DONE]":
+                return
+            event = json.loads(data)
+            if "error" in event:
+                raise RuntimeError(str(event["error"]))
+            yield event
 
 
-@dataclass(slots=True)
-class RunResult:
-    wall: float
-    requests: list[RequestResult] = field(default_factory=list)
-
-    @property
-    def output_tokens(self) -> int:
-        return sum(r.generated_tokens for r in self.requests)
-
-    def summary(self) -> dict[str, float]:
-        ttft = [r.ttft for r in self.requests]
-        itl = [x for r in self.requests for x in r.itls]
-        e2e = [r.e2e for r in self.requests]
-        return {
-            "requests": len(self.requests),
-            "output_tok_s": self.output_tokens / self.wall,
-            "req_s": len(self.requests) / self.wall,
-            "ttft_p50_ms": 1000 * _pct(ttft, 50),
-            "ttft_p99_ms": 1000 * _pct(ttft, 99),
-            "itl_p50_ms": 1000 * _pct(itl, 50),
-            "itl_p99_ms": 1000 * _pct(itl, 99),
-            "e2e_p50_s": _pct(e2e, 50),
-            "e2e_p99_s": _pct(e2e, 99),
-        }
+def _tgi_body(req: BenchRequest, ignore_eos: bool) -> dict[str, Any]:
+    parameters: dict[str, Any] = {"max_new_tokens": req.output_len, "details": True}
+    if ignore_eos:
+        parameters["ignore_eos"] = True
+    return {"inputs": req.prompt, "parameters": parameters}
 
 
-def _pct(values: list[float], p: float) -> float:
-    if not values:
-        return 0.0
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[max(0, min(98, int(p) - 1))]
+def _openai_body(req: BenchRequest, ignore_eos: bool, model: str) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": req.prompt,
+        "max_tokens": req.output_len,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if ignore_eos:
+        body["ignore_eos"] = True
+    return body
 
 
-def prompts(w: Workload) -> list[str]:
-    """Distinct prompts (no shared prefix beyond a few tokens) of about the same length."""
-    words = ("river", "stone", "cloud", "market", "lantern", "orchard", "signal", "harbor")
-    return [
-        f"Note {i}: " + " ".join(words[(i * 7 + j * 3) % len(words)] for j in range(w.prompt_words))
-        for i in range(w.num_requests)
-    ]
-
-
-async def _one(client: httpx.AsyncClient, prompt: str, max_new_tokens: int) -> RequestResult:
-    body = {"inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens, "details": True}}
+async def send(
+    client: httpx.AsyncClient,
+    backend: str,
+    req: BenchRequest,
+    ignore_eos: bool,
+    model: str = "",
+) -> RequestOutput:
+    """Never raises: a failure becomes an unsuccessful RequestOutput with the error."""
+    out = RequestOutput(success=False, prompt_len=req.prompt_len)
+    if backend == "tgi":
+        path, body = "/generate_stream", _tgi_body(req, ignore_eos)
+    else:
+        path, body = "/v1/completions", _openai_body(req, ignore_eos, model)
     start = time.perf_counter()
     times: list[float] = []
-    async with client.stream("POST", "/generate_stream", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if line.startswith("data:"):
-                times.append(time.perf_counter())
-                event = json.loads(line[5:])
-                if "error" in event:
-                    raise RuntimeError(event["error"])
-    return RequestResult(
-        ttft=times[0] - start,
-        itls=[b - a for a, b in zip(times, times[1:], strict=False)],
-        e2e=times[-1] - start,
-        generated_tokens=len(times),
-    )
+    reported: int | None = None
+    try:
+        async with client.stream("POST", path, json=body) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}")
+            async for event in _events(r):
+                now = time.perf_counter()
+                if backend == "tgi":
+                    times.append(now)  # one event per token
+                    details = event.get("details") or {}
+                    reported = details.get("generated_tokens", reported)
+                else:
+                    if any(c.get("text") for c in event.get("choices", [])):
+                        times.append(now)  # a chunk may hold more than one token
+                    usage = event.get("usage") or {}
+                    reported = usage.get("completion_tokens", reported)
+    except (httpx.HTTPError, RuntimeError, ValueError) as err:
+        out.error = f"{type(err).__name__}: {err}"
+        return out
+    if not times:
+        out.error = "no tokens received"
+        return out
+    out.success = True
+    out.ttft = times[0] - start
+    out.itl = [b - a for a, b in zip(times, times[1:], strict=False)]
+    out.latency = times[-1] - start
+    out.output_tokens = reported if reported is not None else len(times)
+    return out
 
 
-async def run(url: str, w: Workload) -> RunResult:
-    limits = httpx.Limits(max_connections=w.num_requests + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
-        start = time.perf_counter()
-        tasks = []
-        for i, p in enumerate(prompts(w)):
-            if w.request_rate > 0 and i:
-                await asyncio.sleep(1.0 / w.request_rate)
-            tasks.append(asyncio.create_task(_one(client, p, w.max_new_tokens)))
-        results = await asyncio.gather(*tasks)
-        return RunResult(wall=time.perf_counter() - start, requests=list(results))
+async def served_model(client: httpx.AsyncClient) -> str:
+    """The first model /v1/models lists (OpenAI servers want a model name)."""
+    r = await client.get("/v1/models")
+    r.raise_for_status()
+    return str(r.json()["data"][0]["id"])

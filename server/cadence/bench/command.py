@@ -1,0 +1,208 @@
+"""`cadence bench`: flags in the manner of `vllm bench serve`, the run, the report.
+
+    cadence bench --dataset-name random --input-len 320 --output-len 32:256 \
+        --num-prompts 64 --max-concurrency 32 --ignore-eos
+    cadence bench --base-url http://127.0.0.1:8080 --backend openai ...   # any server
+    cadence bench experiment E1 --scale small
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shlex
+from typing import TYPE_CHECKING, Any
+
+# The client's modules (numpy, tokenizers, httpx) load when a benchmark runs, so the rest
+# of the `cadence` command line starts fast.
+if TYPE_CHECKING:
+    from cadence.bench.datasets import BenchRequest
+    from cadence.bench.runner import RunConfig
+
+BACKENDS = ("tgi", "openai")
+DATASETS = ("random", "sharegpt-like", "capped-exponential", "jsonl")
+
+
+def length_range(text: str) -> tuple[int, int]:
+    """`N` (fixed) or `LOW:HIGH` (uniform, inclusive)."""
+    low, _, high = text.partition(":")
+    try:
+        pair = (int(low), int(high or low))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not N or LOW:HIGH") from None
+    if not 1 <= pair[0] <= pair[1]:
+        raise argparse.ArgumentTypeError(f"{text!r}: need 1 <= LOW <= HIGH")
+    return pair
+
+
+def add_bench_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="serving benchmark against cadence (launched) or any TGI/OpenAI server",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_workload_flags(p)
+    p.set_defaults(run=run_bench_command, log_format="text")
+    inner = p.add_subparsers(dest="bench_command", metavar="experiment")
+    e = inner.add_parser("experiment", help="reproduce E1-E4 (MISSION.md) under docs/experiments")
+    e.add_argument("name", choices=("E1", "E2", "E3", "E4"))
+    e.add_argument(
+        "--scale",
+        choices=("small", "full"),
+        default="small",
+        help="small: minutes on 2 CPU cores; full: the documents' sizes (a GPU)",
+    )
+    e.add_argument("--length-divisor", type=int, help="divide the lengths by this instead")
+    e.add_argument("--num-prompts", type=int, help="requests per run instead of the scale's")
+    e.add_argument("--out-dir", default="docs/experiments", help="where tables and PNGs go")
+    e.add_argument("--server-args", default="", help="extra `cadence launch` flags, quoted")
+    e.set_defaults(run=run_experiment_command)
+
+
+def add_workload_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("target")
+    g.add_argument(
+        "--base-url",
+        help="server to measure (default: launch cadence with "
+        "--server-args for the run and stop it after)",
+    )
+    g.add_argument("--server-args", default="", help="`cadence launch` flags, quoted")
+    g.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="tgi",
+        help="tgi: /generate_stream; openai: /v1/completions (vLLM, llama.cpp)",
+    )
+    g.add_argument("--model", help="model name for OpenAI servers (default: /v1/models)")
+    d = p.add_argument_group("dataset")
+    d.add_argument("--dataset-name", choices=DATASETS, default="random")
+    d.add_argument("--dataset-path", help="JSONL file for --dataset-name jsonl")
+    d.add_argument("--num-prompts", type=int, default=64, help="requests in the run")
+    d.add_argument(
+        "--input-len",
+        type=length_range,
+        default=(320, 320),
+        help="random/capped-exponential prompt tokens: N or LOW:HIGH",
+    )
+    d.add_argument(
+        "--output-len",
+        type=length_range,
+        default=(128, 128),
+        help="random: output tokens, N or LOW:HIGH",
+    )
+    d.add_argument(
+        "--output-cap", type=int, default=512, help="capped-exponential: largest output length"
+    )
+    d.add_argument(
+        "--output-mean",
+        type=float,
+        default=128.0,
+        help="capped-exponential: mean of the exponential before the cap",
+    )
+    d.add_argument("--tokenizer", help="model folder or tokenizer.json (default: embedded)")
+    d.add_argument("--seed", type=int, default=0)
+    t = p.add_argument_group("traffic")
+    t.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="requests per second (inf: all at once)",
+    )
+    t.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="gamma shape: 1 Poisson, < 1 burstier, > 1 more regular",
+    )
+    t.add_argument("--max-concurrency", type=int, help="most requests in flight")
+    t.add_argument("--ignore-eos", action="store_true", help="always generate output-len")
+    o = p.add_argument_group("output")
+    o.add_argument("--result-file", help="write the metrics here as JSON")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def build_dataset(args: argparse.Namespace) -> list[BenchRequest]:
+    from cadence.bench.datasets import (
+        capped_exponential_dataset,
+        jsonl_dataset,
+        load_tokenizer,
+        random_dataset,
+        sharegpt_like_dataset,
+    )
+
+    tok = load_tokenizer(args.tokenizer)
+    n = args.num_prompts
+    if args.dataset_name == "random":
+        return random_dataset(tok, n, args.input_len, args.output_len, args.seed)
+    if args.dataset_name == "sharegpt-like":
+        return sharegpt_like_dataset(tok, n, seed=args.seed)
+    if args.dataset_name == "capped-exponential":
+        return capped_exponential_dataset(
+            tok, n, args.input_len[0], args.output_cap, args.output_mean, args.seed
+        )
+    if not args.dataset_path:
+        raise SystemExit("--dataset-name jsonl needs --dataset-path")
+    return jsonl_dataset(tok, args.dataset_path, n)
+
+
+def measure(cfg: RunConfig, requests: list[BenchRequest]) -> dict[str, Any]:
+    from cadence.bench.datasets import BenchRequest
+    from cadence.bench.metrics import summarize
+    from cadence.bench.runner import run_benchmark, warm_up
+
+    warm_up(cfg, BenchRequest(requests[0].prompt, requests[0].prompt_len, 2))
+    outputs, duration = asyncio.run(run_benchmark(cfg, requests))
+    result: dict[str, Any] = summarize(outputs, duration)
+    result["num_prompts"] = len(requests)
+    result["errors"] = sorted({o.error for o in outputs if not o.success})[:5]
+    return result
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    from cadence.bench.report import save_json, table
+    from cadence.bench.runner import RunConfig
+    from cadence.bench.server_process import LaunchedServer
+
+    requests = build_dataset(args)
+    cfg = RunConfig(
+        url=args.base_url or "",
+        backend=args.backend,
+        request_rate=args.request_rate,
+        burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency,
+        ignore_eos=args.ignore_eos,
+        model=args.model,
+        seed=args.seed,
+        progress=not args.no_progress,
+    )
+    if args.base_url:
+        result = measure(cfg, requests)
+    else:
+        with LaunchedServer(shlex.split(args.server_args)) as url:
+            cfg.url = url
+            result = measure(cfg, requests)
+    result["config"] = {k: _plain(v) for k, v in vars(args).items() if k != "run"}
+    print(table(result))
+    if args.result_file:
+        save_json(result, args.result_file)
+    return 0 if result["failed"] == 0 else 1
+
+
+def _plain(value: Any) -> Any:
+    """JSON has no infinity: an all-at-once rate is written "inf"."""
+    return str(value) if isinstance(value, float) and value == float("inf") else value
+
+
+def run_experiment_command(args: argparse.Namespace) -> int:
+    from cadence.bench.experiments import run_experiment
+
+    run_experiment(
+        args.name,
+        args.scale,
+        args.out_dir,
+        shlex.split(args.server_args),
+        args.length_divisor,
+        args.num_prompts,
+    )
+    return 0
