@@ -76,8 +76,11 @@ def add_flag(
     )
 
 
-def add_switch(parser: argparse.ArgumentParser, flag: str, *, help: str) -> None:
-    """An on/off `flag`, on when given or when its CADENCE_<FLAG> twin is 1/true/yes/on."""
-    env = env_name(flag)
+def add_switch(
+    parser: argparse.ArgumentParser, flag: str, *, help: str, env: str | None = None
+) -> None:
+    """An on/off `flag`, on when given or when its twin (`env`, or CADENCE_<FLAG>) is
+    1/true/yes/on."""
+    env = env or env_name(flag)
     default = os.environ.get(env, "").strip().lower() in ("1", "true", "yes", "on")
     parser.add_argument(flag, action="store_true", default=default, help=f"{help} [env: {env}]")

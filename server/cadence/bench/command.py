@@ -13,6 +13,8 @@ import asyncio
 import shlex
 from typing import TYPE_CHECKING, Any
 
+from cadence.flags import add_flag, add_switch
+
 # The client's modules (numpy, tokenizers, httpx) load when a benchmark runs, so the rest
 # of the `cadence` command line starts fast.
 if TYPE_CHECKING:
@@ -47,79 +49,99 @@ def add_bench_parser(sub: Any) -> None:
     inner = p.add_subparsers(dest="bench_command", metavar="experiment")
     e = inner.add_parser("experiment", help="reproduce E1-E4 (MISSION.md) under docs/experiments")
     e.add_argument("name", choices=("E1", "E2", "E3", "E4"))
-    e.add_argument(
+    _flag(
+        e,
         "--scale",
         choices=("small", "full"),
         default="small",
         help="small: minutes on 2 CPU cores; full: the documents' sizes (a GPU)",
     )
-    e.add_argument("--length-divisor", type=int, help="divide the lengths by this instead")
-    e.add_argument("--num-prompts", type=int, help="requests per run instead of the scale's")
-    e.add_argument("--out-dir", default="docs/experiments", help="where tables and PNGs go")
-    e.add_argument("--server-args", default="", help="extra `cadence launch` flags, quoted")
+    _flag(e, "--length-divisor", type=int, help="divide the lengths by this instead")
+    _flag(e, "--num-prompts", type=int, help="requests per run instead of the scale's")
+    _flag(e, "--out-dir", default="docs/experiments", help="where tables and PNGs go")
+    _flag(e, "--server-args", default="", help="extra `cadence launch` flags, quoted")
     e.set_defaults(run=run_experiment_command)
+
+
+def bench_env(flag: str) -> str:
+    """--num-prompts -> CADENCE_BENCH_NUM_PROMPTS: the client's twins never collide with
+    the server's (`--seed`, `--tokenizer`)."""
+    return "CADENCE_BENCH_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+def _flag(group: Any, flag: str, **kwargs: Any) -> None:
+    add_flag(group, flag, env=bench_env(flag), **kwargs)
+
+
+def _switch(group: Any, flag: str, help: str) -> None:
+    add_switch(group, flag, help=help, env=bench_env(flag))
 
 
 def add_workload_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("target")
-    g.add_argument(
+    _flag(
+        g,
         "--base-url",
         help="server to measure (default: launch cadence with "
         "--server-args for the run and stop it after)",
     )
-    g.add_argument("--server-args", default="", help="`cadence launch` flags, quoted")
-    g.add_argument(
+    _flag(g, "--server-args", default="", help="`cadence launch` flags, quoted")
+    _flag(
+        g,
         "--backend",
         choices=BACKENDS,
         default="tgi",
         help="tgi: /generate_stream; openai: /v1/completions (vLLM, llama.cpp)",
     )
-    g.add_argument("--model", help="model name for OpenAI servers (default: /v1/models)")
+    _flag(g, "--model", help="model name for OpenAI servers (default: /v1/models)")
     d = p.add_argument_group("dataset")
-    d.add_argument("--dataset-name", choices=DATASETS, default="random")
-    d.add_argument("--dataset-path", help="JSONL file for --dataset-name jsonl")
-    d.add_argument("--num-prompts", type=int, default=64, help="requests in the run")
-    d.add_argument(
+    _flag(d, "--dataset-name", choices=DATASETS, default="random", help="where prompts come from")
+    _flag(d, "--dataset-path", help="JSONL file for --dataset-name jsonl")
+    _flag(d, "--num-prompts", type=int, default=64, help="requests in the run")
+    _flag(
+        d,
         "--input-len",
         type=length_range,
-        default=(320, 320),
+        default="320",
         help="random/capped-exponential prompt tokens: N or LOW:HIGH",
     )
-    d.add_argument(
+    _flag(
+        d,
         "--output-len",
         type=length_range,
-        default=(128, 128),
+        default="128",
         help="random: output tokens, N or LOW:HIGH",
     )
-    d.add_argument(
-        "--output-cap", type=int, default=512, help="capped-exponential: largest output length"
-    )
-    d.add_argument(
+    _flag(d, "--output-cap", type=int, default=512, help="capped-exponential: largest output")
+    _flag(
+        d,
         "--output-mean",
         type=float,
         default=128.0,
         help="capped-exponential: mean of the exponential before the cap",
     )
-    d.add_argument("--tokenizer", help="model folder or tokenizer.json (default: embedded)")
-    d.add_argument("--seed", type=int, default=0)
+    _flag(d, "--tokenizer", help="model folder or tokenizer.json (default: embedded)")
+    _flag(d, "--seed", type=int, default=0, help="seed of the dataset and the arrivals")
     t = p.add_argument_group("traffic")
-    t.add_argument(
+    _flag(
+        t,
         "--request-rate",
         type=float,
         default=float("inf"),
         help="requests per second (inf: all at once)",
     )
-    t.add_argument(
+    _flag(
+        t,
         "--burstiness",
         type=float,
         default=1.0,
         help="gamma shape: 1 Poisson, < 1 burstier, > 1 more regular",
     )
-    t.add_argument("--max-concurrency", type=int, help="most requests in flight")
-    t.add_argument("--ignore-eos", action="store_true", help="always generate output-len")
+    _flag(t, "--max-concurrency", type=int, help="most requests in flight")
+    _switch(t, "--ignore-eos", "always generate output-len")
     o = p.add_argument_group("output")
-    o.add_argument("--result-file", help="write the metrics here as JSON")
-    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _flag(o, "--result-file", help="write the metrics here as JSON")
+    _switch(o, "--no-progress", "no progress bar")
 
 
 def build_dataset(args: argparse.Namespace) -> list[BenchRequest]:
