@@ -1060,3 +1060,32 @@ async fn best_of_siblings_fork_from_the_first_sample_and_compute_the_prompt_once
     .await;
     assert!(metrics.contains("cadence_kv_blocks_used{model=\"test-model\"} 0\n"));
 }
+
+#[tokio::test]
+async fn streams_carry_the_operator_headers_known_when_they_start() {
+    let h = harness(Script::Hash);
+    let inputs = "hello wörld";
+    let body = json!({"inputs": inputs, "stream": true, "parameters": {"max_new_tokens": 3}});
+    for path in ["/generate_stream", "/"] {
+        let (status, headers, text) = send(&h.app, post_json(path, &body, None)).await;
+        assert_eq!(status, StatusCode::OK, "{path}: {text}");
+        assert_eq!(headers["content-type"], "text/event-stream", "{path}");
+        assert_eq!(
+            headers["x-prompt-tokens"],
+            (ids(inputs).len() + 1).to_string().as_str(),
+            "{path}"
+        );
+        assert_eq!(headers["x-compute-characters"], "11", "{path}");
+        assert_eq!(headers["x-accel-buffering"], "no", "{path}");
+        assert_eq!(text.matches("data:").count(), 3, "{path}: {text}");
+    }
+    let body = json!({"prompt": inputs, "stream": true, "max_tokens": 3});
+    let (status, headers, text) = send(&h.app, post_json("/v1/completions", &body, None)).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    assert_eq!(
+        headers["x-prompt-tokens"],
+        (ids(inputs).len() + 1).to_string().as_str()
+    );
+    assert_eq!(headers["x-accel-buffering"], "no");
+    h.assert_protocol_ok();
+}
