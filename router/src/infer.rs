@@ -252,12 +252,20 @@ struct Entry {
     _permit: Arc<OwnedSemaphorePermit>,
 }
 
+/// A sample 1.. of a `best_of` request, held until sample 0 has computed the prompt.
+struct Sibling {
+    seq: Sequence,
+    entry: Entry,
+}
+
 struct Loop<B> {
     backend: B,
     tokenizer: TokenizerInfo,
     eos: HashSet<u32>,
     scheduler: Scheduler,
     entries: HashMap<RequestId, Entry>,
+    /// Siblings waiting to fork from their first sample, keyed by its id.
+    siblings: HashMap<RequestId, Vec<Sibling>>,
     next_id: RequestId,
     /// A step failed: the shards may hold stale state and must be cleared first.
     needs_clear: bool,
@@ -282,6 +290,7 @@ async fn batching_loop<B: Backend>(
         eos: config.eos_token_ids.into_iter().collect(),
         scheduler: Scheduler::new(config.scheduler),
         entries: HashMap::new(),
+        siblings: HashMap::new(),
         next_id: 0,
         needs_clear: false,
         metrics,
@@ -319,8 +328,8 @@ async fn batching_loop<B: Backend>(
 impl<B: Backend> Loop<B> {
     /// Queues a request's samples. This is the one place siblings are created: each is
     /// its own sequence with a seed derived from the request's (the first keeps it).
-    /// Sharing the prompt's KV blocks between siblings (a copy-on-write fork of the
-    /// first sibling's blocks) slots in here once the block manager can fork.
+    /// Only the first is queued; the others wait in `siblings` until it has computed the
+    /// prompt, then fork from it (`start_siblings`) and share its blocks copy-on-write.
     fn admit(&mut self, admission: Admission) {
         let Admission {
             request,
@@ -331,9 +340,13 @@ impl<B: Backend> Loop<B> {
         } = admission;
         let permit = Arc::new(permit);
         let slot = Arc::new(slot);
+        let first = self.next_id;
         for (index, events) in samples.into_iter().enumerate() {
-            let id = self.next_id;
-            self.next_id += 1;
+            // Siblings get their id when they start (a fork's id must be the newest).
+            let id = if index == 0 { first } else { RequestId::MAX };
+            if index == 0 {
+                self.next_id += 1;
+            }
             let seed = request.seed.map(|s| sample_seed(s, index));
             let mut sampling = request.sampling.clone();
             sampling.seed = seed.unwrap_or(0);
@@ -363,8 +376,42 @@ impl<B: Backend> Loop<B> {
                 _permit: permit.clone(),
             };
             self.metrics.prompt_tokens.add(seq.prompt_len as u64);
-            tracing::debug!(id, index, input_tokens = seq.prompt_len, "queued");
-            self.scheduler.add(seq);
+            tracing::debug!(first, index, input_tokens = seq.prompt_len, "queued");
+            if index == 0 {
+                self.scheduler.add(seq);
+                self.entries.insert(id, entry);
+            } else {
+                self.siblings
+                    .entry(first)
+                    .or_default()
+                    .push(Sibling { seq, entry });
+            }
+        }
+    }
+
+    /// Starts the siblings waiting on `first`: forked from it when it has just computed
+    /// the prompt (`fork`: its first token is being applied, not yet appended), else (it
+    /// ended before that, or the batch is full) queued as independent requests, which
+    /// still share the prompt's full blocks through the prefix cache.
+    fn start_siblings(&mut self, first: RequestId, fork: bool) {
+        let Some(siblings) = self.siblings.remove(&first) else {
+            return;
+        };
+        let started_at = self.entries.get(&first).and_then(|e| e.started_at);
+        for Sibling { mut seq, mut entry } in siblings {
+            if entry.events.is_closed() {
+                continue;
+            }
+            let id = self.next_id;
+            self.next_id += 1;
+            if fork && self.scheduler.fork(first, id, seq.sampling.seed) {
+                tracing::debug!(id, first, "forked");
+                entry.slot = None;
+                entry.started_at = started_at;
+            } else {
+                seq.id = id;
+                self.scheduler.add(seq);
+            }
             self.entries.insert(id, entry);
         }
     }
@@ -385,6 +432,7 @@ impl<B: Backend> Loop<B> {
     /// Drops a request everywhere: blocks now, shard state at the next step.
     fn retire(&mut self, id: RequestId) -> Option<Entry> {
         self.scheduler.finish(id);
+        self.start_siblings(id, false);
         self.entries.remove(&id)
     }
 
@@ -479,6 +527,12 @@ impl<B: Backend> Loop<B> {
                             .send(Err(InferError::Generation(message.clone())));
                     }
                 }
+                for Sibling { entry, .. } in self.siblings.drain().flat_map(|(_, s)| s) {
+                    self.metrics.requests_failed.add(1);
+                    let _ = entry
+                        .events
+                        .send(Err(InferError::Generation(message.clone())));
+                }
                 self.needs_clear = true;
             }
         }
@@ -525,6 +579,8 @@ impl<B: Backend> Loop<B> {
     /// Applies one request's sampled tokens: text, stops, events, retirement.
     fn apply(&mut self, generation: pb::Generation) {
         let id = generation.id;
+        // Its first token: the prompt is computed, so its siblings fork from it now.
+        self.start_siblings(id, true);
         let Some(entry) = self.entries.get_mut(&id) else {
             return; // cancelled while the step ran
         };

@@ -11,7 +11,7 @@ use std::convert::Infallible;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::extract::{FromRequest, Request, State};
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -765,7 +765,11 @@ fn finish_stream(
         stream::iter(out)
     })
     .flatten();
-    Sse::new(events.chain(tail)).into_response()
+    // What operators can know when the stream starts (the rest comes in `usage`).
+    let mut headers = HeaderMap::new();
+    headers.insert("x-prompt-tokens", prompt_tokens.into());
+    headers.insert("x-accel-buffering", HeaderValue::from_static("no"));
+    (headers, Sse::new(events.chain(tail))).into_response()
 }
 
 // -- /v1/chat/completions ---------------------------------------------------------------

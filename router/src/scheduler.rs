@@ -288,7 +288,9 @@ impl Scheduler {
 
     /// A parallel sample of running request `parent` with id `child` (greater than every
     /// id so far): it shares every block of the parent and joins at the next step; the
-    /// first write into a shared partial block copies it.
+    /// first write into a shared partial block copies it. A child forked from a parent
+    /// that has caught up (it just sampled, the token not yet appended) recomputes the
+    /// last known token, into a copy of its block, to sample its own with its own seed.
     pub fn fork(&mut self, parent: RequestId, child: RequestId, seed: u64) -> bool {
         let Some(i) = self.running_index(parent) else {
             return false;
@@ -303,6 +305,10 @@ impl Scheduler {
         seq.on_shard = false;
         seq.blocks_sent = 0;
         seq.sampling.seed = seed;
+        seq.prompt_logprobs = false;
+        if seq.remaining() == 0 {
+            seq.num_computed -= 1;
+        }
         self.blocks.fork(parent, child);
         self.running.push(seq);
         true

@@ -276,6 +276,16 @@ pub fn timing_headers(request: &ValidRequest, samples: &[&End]) -> HeaderMap {
     headers
 }
 
+/// Headers for operators that are known when a stream starts (TGI sends the last two on
+/// its streams too): the prompt's tokens, its characters, and no proxy buffering.
+pub fn stream_headers(request: &ValidRequest, characters: usize) -> HeaderMap {
+    let mut headers = HeaderMap::new();
+    headers.insert("x-prompt-tokens", request.input_ids.len().into());
+    headers.insert("x-compute-characters", characters.into());
+    headers.insert("x-accel-buffering", HeaderValue::from_static("no"));
+    headers
+}
+
 /// TGI's `/`: streams when `stream` is true; otherwise answers like /generate but wrapped
 /// in a one-element array (what `text-generation`'s client and the HF inference API read).
 #[utoipa::path(post, path = "/", request_body = GenerateRequest, tag = "TGI",
@@ -377,12 +387,14 @@ async fn generate_inner(
 }
 
 #[utoipa::path(post, path = "/generate_stream", request_body = GenerateRequest, tag = "TGI",
-    responses((status = 200, description = "An SSE stream: one StreamResponse per token", content_type = "text/event-stream", body = StreamResponse),
+    responses((status = 200, description = "An SSE stream: one StreamResponse per token", content_type = "text/event-stream", body = StreamResponse,
+               headers(("x-prompt-tokens" = String), ("x-compute-characters" = String))),
               (status = 422, body = ErrorBody), (status = 429, body = ErrorBody)))]
 pub async fn generate_stream(
     State(state): State<AppState>,
     TgiJson(request): TgiJson<GenerateRequest>,
 ) -> Response {
+    let characters = request.inputs.chars().count();
     let (prompt, parameters) = tgi_parts(request);
     let infer = &state.infer;
     let submitted = async {
@@ -401,7 +413,8 @@ pub async fn generate_stream(
     match submitted.await {
         Ok(mut submitted) => {
             let rx = submitted.samples.remove(0);
-            Sse::new(sse_events(rx, submitted.request.details)).into_response()
+            let headers = stream_headers(&submitted.request, characters);
+            (headers, Sse::new(sse_events(rx, submitted.request.details))).into_response()
         }
         Err(e) => e.into_response(),
     }

@@ -31,6 +31,7 @@ struct FakeRequest {
     prompt_len: usize,
     computed: usize,
     blocks: Vec<u32>,
+    seed: u64,
 }
 
 /// How the fake picks tokens.
@@ -40,6 +41,8 @@ enum Script {
     Hash,
     /// The n-th generated token is `tokens[n % len]`.
     Fixed(Vec<u32>),
+    /// Like `Hash`, with the request's sampling seed mixed in (parallel samples differ).
+    Seeded,
 }
 
 #[derive(Default)]
@@ -53,6 +56,8 @@ struct FakeState {
     fail_steps: usize,
     steps: usize,
     max_live_blocks: usize,
+    /// Prompt positions computed, over every step.
+    prompt_computed: usize,
 }
 
 #[derive(Clone)]
@@ -75,8 +80,11 @@ impl FakeShard {
 
     fn next_token(&self, r: &FakeRequest) -> u32 {
         match &self.script {
-            Script::Hash => {
+            Script::Hash | Script::Seeded => {
                 let mut h: u64 = 0xcbf29ce484222325;
+                if matches!(self.script, Script::Seeded) {
+                    h = (h ^ r.seed).wrapping_mul(0x100000001b3);
+                }
                 for &t in &r.tokens {
                     h = (h ^ t as u64).wrapping_mul(0x100000001b3);
                 }
@@ -105,6 +113,7 @@ impl FakeShard {
                     prompt_len: j.prompt_len as usize,
                     computed: j.num_cached as usize,
                     blocks: j.block_table.clone(),
+                    seed: j.sampling.as_ref().map_or(0, |p| p.seed),
                 },
             );
         }
@@ -160,6 +169,7 @@ impl FakeShard {
                 }
             }
             computed_tokens += n;
+            s.prompt_computed += r.prompt_len.saturating_sub(r.computed).min(n);
             let done = r.computed + n == r.tokens.len();
             let token = done.then(|| self.next_token(r));
             let r = s.requests.get_mut(&id).unwrap();
@@ -991,5 +1001,91 @@ async fn metrics_count_tokens_requests_and_blocks() {
     assert!(text.contains("cadence_requests_succeeded_total{model=\"test-model\"} 1\n"));
     assert!(text.contains("cadence_kv_blocks_used{model=\"test-model\"} 0\n"));
     assert!(text.contains("cadence_e2e_request_latency_seconds_count{model=\"test-model\"} 1\n"));
+    h.assert_protocol_ok();
+}
+
+#[tokio::test]
+async fn best_of_siblings_fork_from_the_first_sample_and_compute_the_prompt_once() {
+    let h = harness(Script::Seeded);
+    let inputs = "hello worlds!!";
+    let prompt_len = ids(inputs).len() + 1;
+    // A partial last block of 3 tokens: without the fork each sibling would compute them.
+    assert_eq!(prompt_len % BLOCK_SIZE, 3);
+    let body = json!({"inputs": inputs, "parameters": {
+        "best_of": 3, "do_sample": true, "seed": 7, "details": true, "max_new_tokens": 6}});
+    let (status, v) = h.post("/generate", body).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let mut samples: Vec<(u64, String)> = v["details"]["best_of_sequences"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| {
+            (
+                o["seed"].as_u64().unwrap(),
+                o["generated_text"].as_str().unwrap().into(),
+            )
+        })
+        .collect();
+    samples.push((
+        v["details"]["seed"].as_u64().unwrap(),
+        v["generated_text"].as_str().unwrap().into(),
+    ));
+    {
+        let s = h.shard.state.lock().unwrap();
+        // Sample 0 computes the prompt; each fork recomputes only the last prompt
+        // token (into a copy of the shared partial block) for its own logits.
+        assert_eq!(s.prompt_computed, prompt_len + 2);
+    }
+    h.assert_protocol_ok();
+    let texts: std::collections::HashSet<&String> = samples.iter().map(|(_, t)| t).collect();
+    assert_eq!(texts.len(), 3, "seeds give distinct samples: {samples:?}");
+    // Each sample is what a lone request with its seed generates.
+    for (seed, text) in &samples {
+        let (status, alone) = h
+            .post(
+                "/generate",
+                json!({"inputs": inputs, "parameters": {
+                    "do_sample": true, "seed": seed, "max_new_tokens": 6}}),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(&alone["generated_text"], text, "seed {seed}");
+    }
+    h.assert_protocol_ok();
+    // Every block was released (full prompt blocks stay cached, unreferenced).
+    let (_, _, metrics) = send(
+        &h.app,
+        Request::get("/metrics").body(Body::empty()).unwrap(),
+    )
+    .await;
+    assert!(metrics.contains("cadence_kv_blocks_used{model=\"test-model\"} 0\n"));
+}
+
+#[tokio::test]
+async fn streams_carry_the_operator_headers_known_when_they_start() {
+    let h = harness(Script::Hash);
+    let inputs = "hello wörld";
+    let body = json!({"inputs": inputs, "stream": true, "parameters": {"max_new_tokens": 3}});
+    for path in ["/generate_stream", "/"] {
+        let (status, headers, text) = send(&h.app, post_json(path, &body, None)).await;
+        assert_eq!(status, StatusCode::OK, "{path}: {text}");
+        assert_eq!(headers["content-type"], "text/event-stream", "{path}");
+        assert_eq!(
+            headers["x-prompt-tokens"],
+            (ids(inputs).len() + 1).to_string().as_str(),
+            "{path}"
+        );
+        assert_eq!(headers["x-compute-characters"], "11", "{path}");
+        assert_eq!(headers["x-accel-buffering"], "no", "{path}");
+        assert_eq!(text.matches("data:").count(), 3, "{path}: {text}");
+    }
+    let body = json!({"prompt": inputs, "stream": true, "max_tokens": 3});
+    let (status, headers, text) = send(&h.app, post_json("/v1/completions", &body, None)).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    assert_eq!(
+        headers["x-prompt-tokens"],
+        (ids(inputs).len() + 1).to_string().as_str()
+    );
+    assert_eq!(headers["x-accel-buffering"], "no");
     h.assert_protocol_ok();
 }
