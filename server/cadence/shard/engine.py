@@ -21,7 +21,7 @@ from cadence.layers.attention import (
 )
 from cadence.models import load_model, read_config, to_dtype
 from cadence.pb import shard_pb2
-from cadence.sampling import TOP_N, SamplingBatch, sample
+from cadence.sampling import TOP_N, SampleOutput, SamplingBatch, sample
 from cadence.shard.memory import PeakMeter, available_bytes
 from cadence.shard.state import BatchState, ForwardBatch, StepPlan
 
@@ -258,16 +258,16 @@ class Engine:
         batch: ForwardBatch,
         sb: SamplingBatch,
         ids: torch.Tensor,
-        out: object,
+        out: SampleOutput,
     ) -> list[shard_pb2.Generation]:
         rows = batch.sample_rows.tolist()
         tokens = ids.tolist()
-        logprobs = out.logprobs.tolist()  # type: ignore[attr-defined]
+        logprobs = out.logprobs.tolist()
         top_n = sb.params[:, TOP_N].long().tolist()
         top_ids = top_lps = None
-        if out.top_ids is not None:  # type: ignore[attr-defined]
-            top_ids = out.top_ids.tolist()  # type: ignore[attr-defined]
-            top_lps = out.top_logprobs.tolist()  # type: ignore[attr-defined]
+        if out.top_ids is not None:
+            top_ids = out.top_ids.tolist()
+            top_lps = out.top_logprobs.tolist()
         gens = []
         for i, row in enumerate(rows):
             g = shard_pb2.Generation(
