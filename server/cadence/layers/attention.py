@@ -12,9 +12,11 @@ queries of a chunk attend to the cached prefix and causally to themselves. Both 
 each sequence's context through its block table into a padded tensor and call
 `scaled_dot_product_attention` once for the whole batch.
 
-The backend is chosen per engine (`select_backend`): `torch` (above, the CPU path) or
-`triton` (the paged kernels of `cadence.kernels`, which read the cache through the block
-tables without a gather; the default on CUDA). Both sit behind the same interface.
+The backend is chosen per engine (`select_backend`): `torch` (above), `cpu` (the default
+on CPU when the C++ kernels of `cadence.kernels.cpu` build: decode rows read the cache
+through their block tables in place, prefill rows take the torch path) or `triton` (the
+paged kernels of `cadence.kernels`, which read the cache through the block tables
+without a gather; the default on CUDA). All sit behind the same interface.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ class AttentionContext:
     prefill_seq: torch.Tensor | None = None  # [Tp] prefill sequence of each prefill token
     prefill_col: torch.Tensor | None = None  # [Tp] index of each token within its chunk
     workspace: Workspace | None = None
-    backend: str = "torch"  # "torch" | "triton"
+    backend: str = "torch"  # "torch" | "cpu" | "triton"
     # sliding-window masks, built on first use per window size: window -> (decode, prefill)
     windowed: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = field(
         default_factory=dict
@@ -103,7 +105,9 @@ class AttentionContext:
         if backend == "triton":  # the kernels read block_tables directly and mask inline
             return ctx
         device = context_lens.device
-        if num_decode > 0:
+        if num_decode > 0 and backend == "cpu":  # the kernel reads the tables, masks inline
+            ctx.decode_tables = block_tables[:num_decode, :decode_blocks]
+        elif num_decode > 0:
             ctx.decode_tables = block_tables[:num_decode, :decode_blocks]
             keys = torch.arange(decode_blocks * block_size, device=device)
             lens = context_lens[:num_decode]
@@ -156,20 +160,33 @@ class AttentionContext:
         return self.prefill_mask & (keys > pos - window).unsqueeze(1)
 
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 def select_backend(requested: str | None, device: torch.device) -> str:
-    """`auto` (or None): triton on CUDA when triton imports, torch otherwise. `triton` on
-    a CPU device needs `TRITON_INTERPRET=1` (tests only: the interpreter is slow)."""
+    """`auto` (or None): triton on CUDA when triton imports; on CPU `cpu` when the C++
+    kernels build, else torch. `triton` on a CPU device needs `TRITON_INTERPRET=1`
+    (tests only: the interpreter is slow)."""
     requested = (requested or "auto").lower()
     if requested not in BACKENDS:
         raise ValueError(f"unknown attention backend {requested!r} (one of {BACKENDS})")
+    if requested == "cpu":
+        from cadence.kernels import cpu
+
+        if device.type != "cpu":
+            raise ValueError("the cpu attention backend runs on CPU devices only")
+        if not cpu.available():
+            reason = cpu.unavailable_reason()
+            raise ValueError(f"the cpu attention backend is unavailable: {reason}")
     if requested != "auto":
         if requested == "triton" and device.type != "cuda":
             if os.environ.get("TRITON_INTERPRET", "0") != "1":
                 raise ValueError("the triton attention backend on CPU needs TRITON_INTERPRET=1")
         return requested
+    if device.type == "cpu":
+        from cadence.kernels import cpu
+
+        return "cpu" if cpu.available() else "torch"
     from cadence.kernels import triton_available
 
     return "triton" if device.type == "cuda" and triton_available() else "torch"
@@ -279,7 +296,17 @@ def paged_attention(
     ctx = get_context()
     decode_mask, prefill_mask = ctx.masks(sliding_window)
     d = ctx.num_decode
-    if d > 0:
+    if d > 0 and ctx.backend == "cpu":
+        from cadence.kernels import cpu
+
+        assert ctx.decode_tables is not None
+        decode = cpu.paged_decode_attention(
+            q[:d], k_cache, v_cache, ctx.decode_tables, ctx.context_lens[:d], scale,
+            sliding_window,
+        )  # fmt: skip
+        if d == q.shape[0]:
+            return decode
+    elif d > 0:
         assert ctx.decode_tables is not None and decode_mask is not None
         decode = decode_attention(q[:d], k_cache, v_cache, ctx.decode_tables, decode_mask, scale)
         if d == q.shape[0]:

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
+from cadence.layers.packed import linear
 from cadence.layers.parallel import balanced_split, divide, tp_rank, tp_size
 
 # A checkpoint tensor: a safetensors slice (indexable, read lazily) or a torch tensor.
@@ -48,12 +48,13 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         else:
             self.register_parameter("bias", None)
+        self.packed_weight: torch.Tensor | None = None  # see cadence.layers.packed
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: Any = None) -> None:
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class ReplicatedLinear(LinearBase):
@@ -169,7 +170,7 @@ class RowParallelLinear(LinearBase):
         _copy(param.data, loaded[:, start : start + size], "row-parallel linear")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None, self.packed_weight)
         if self.tp_size > 1:
             dist.all_reduce(y)
         return y

@@ -19,6 +19,7 @@ from cadence.layers.attention import (
     forward_context,
     select_backend,
 )
+from cadence.layers.packed import pack_linear_weights
 from cadence.models import load_model, read_config, to_dtype
 from cadence.pb import shard_pb2
 from cadence.sampling import TOP_N, SampleOutput, SamplingBatch, sample
@@ -75,6 +76,9 @@ class Engine:
         unique = {p.data_ptr(): p for p in self.model.parameters()}.values()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in unique)
         self.checkpoint_bytes_read: int = getattr(self.model, "checkpoint_bytes_read", 0)
+        # bfloat16 on CPU: a second copy of each linear weight in oneDNN's blocked layout
+        self.packed_bytes = pack_linear_weights(self.model)
+        self.weight_bytes += self.packed_bytes
         self.block_size = cfg.block_size
         first = self.attention[0]
         self.bytes_per_block = bytes_per_block(
@@ -93,7 +97,9 @@ class Engine:
             f"loaded {self.config.get('model_type')} from {cfg.model_dir} "
             f"({self.weight_bytes / MiB:.1f} MiB {cfg.dtype} on {self.device}, rank "
             f"{cfg.rank}/{cfg.world_size}, {self.checkpoint_bytes_read / MiB:.1f} MiB read, "
-            f"{self.attention_backend} attention) "
+            f"{self.attention_backend} attention"
+            + (f", {self.packed_bytes / MiB:.1f} MiB prepacked" if self.packed_bytes else "")
+            + ") "
             f"in {time.perf_counter() - started:.1f}s"
         )
 

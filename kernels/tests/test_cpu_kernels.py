@@ -1,0 +1,111 @@
+"""The C++ CPU kernels (`cadence.kernels.cpu`) against their torch references: random
+paged caches over shuffled blocks, several block sizes, head dims, GQA ratios, ragged
+lengths including 1 and block boundaries, sliding windows, every dtype pairing the
+shard uses; outputs are poisoned before each run so unwritten elements fail."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from cadence.kernels import cpu
+from cadence.layers.packed import linear, packing_supported
+from kernel_cases import assert_close, paged_cache, poisoned
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C++ compiler")
+
+LENS = [1, 15, 16, 17, 33, 64, 130]  # one token, around block boundaries, longer
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (9, 3), (16, 2)])
+@pytest.mark.parametrize("head_dim", [64, 128, 80])
+def test_paged_decode_attention_matches_reference(dtype, block_size, heads, kv_heads, head_dim):
+    k_cache, v_cache, tables = paged_cache(
+        LENS, block_size, kv_heads, head_dim, dtype, seed=block_size + heads + head_dim
+    )
+    k_cache, v_cache, tables = k_cache.cpu(), v_cache.cpu(), tables.cpu().long()
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(len(LENS), heads, head_dim, generator=g).to(dtype)
+    lens = torch.tensor(LENS)
+    scale = head_dim**-0.5
+    for window in (None, 20):
+        out = poisoned(tuple(q.shape), dtype).cpu()
+        cpu.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, window, out=out)
+        ref = cpu.paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, scale, window)
+        assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize(
+    ("q_dtype", "kv_dtype"),
+    [
+        (torch.bfloat16, torch.float32),
+        (torch.float32, torch.bfloat16),
+        (torch.float32, torch.float16),
+    ],
+)
+def test_paged_decode_attention_with_a_cache_of_another_dtype(q_dtype, kv_dtype):
+    k_cache, v_cache, tables = paged_cache(LENS, 16, 3, 64, kv_dtype, seed=3)
+    k_cache, v_cache, tables = k_cache.cpu(), v_cache.cpu(), tables.cpu().long()
+    q = torch.randn(len(LENS), 9, 64, generator=torch.Generator().manual_seed(1)).to(q_dtype)
+    lens = torch.tensor(LENS)
+    out = poisoned(tuple(q.shape), q_dtype).cpu()
+    cpu.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, out=out)
+    ref = cpu.paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.125)
+    assert_close(out, ref, torch.bfloat16 if torch.float32 != q_dtype else kv_dtype)
+
+
+def test_paged_decode_attention_reads_only_the_table_rows_it_owns():
+    """Blocks of other sequences hold huge values: touching one would show."""
+    k_cache, v_cache, tables = paged_cache([20, 5], 16, 2, 64, torch.float32, seed=5)
+    k_cache, v_cache, tables = k_cache.cpu(), v_cache.cpu(), tables.cpu().long()
+    owned = set(tables[0, :2].tolist()) | {int(tables[1, 0])}
+    for block in range(k_cache.shape[0]):
+        if block not in owned:
+            k_cache[block] = 1e4
+            v_cache[block] = 1e4
+    k_cache[tables[0, 1], 4:] = 1e4  # slots past the first sequence's 20 tokens
+    v_cache[tables[0, 1], 4:] = 1e4
+    q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(2))
+    lens = torch.tensor([20, 5])
+    out = cpu.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125)
+    assert out.abs().max() < 10
+
+
+def test_paged_decode_attention_rejects_what_it_cannot_run():
+    k_cache, v_cache, tables = paged_cache([4], 16, 2, 64, torch.bfloat16, seed=0)
+    q = torch.randn(1, 4, 64).to(torch.float16)
+    with pytest.raises(ValueError, match="no kernel"):
+        cpu.paged_decode_attention(
+            q, k_cache.cpu(), v_cache.cpu(), tables.cpu().long(), torch.tensor([4]), 0.1
+        )
+    with pytest.raises(ValueError, match="int64"):
+        cpu.paged_decode_attention(
+            q.bfloat16(), k_cache.cpu(), v_cache.cpu(), tables.cpu(), torch.tensor([4]), 0.1
+        )
+
+
+def test_greedy_logprobs_match_log_softmax():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(33, 5003, generator=g) * 4
+    logits[3, [10, 20]] = 50.0  # a tie: the first index wins, as in torch
+    logits[4, :100] = float("-inf")  # masked entries are fine
+    logits[5] = float("-inf")  # nothing left: NaN, as log_softmax gives
+    logits[6, 7] = float("nan")  # NaN is the argmax in torch
+    ids, logprobs = cpu.greedy_logprobs(logits)
+    ref_ids, ref_logprobs = cpu.greedy_logprobs_ref(logits)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-5, rtol=1e-5, equal_nan=True)
+
+
+@pytest.mark.skipif(not packing_supported(torch.empty(1, dtype=torch.bfloat16)), reason="no oneDNN")
+@pytest.mark.parametrize("rows", [1, 7, 32, 64, 65, 300])
+def test_prepacked_linear_matches_f_linear(rows):
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 80, generator=g).bfloat16()
+    bias = torch.randn(96, generator=g).bfloat16()
+    x = torch.randn(rows, 80, generator=g).bfloat16()
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
+    ours = linear(x, weight, bias, packed)
+    torch.testing.assert_close(ours, F.linear(x, weight, bias), atol=0.06, rtol=0.02)

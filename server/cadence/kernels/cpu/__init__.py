@@ -1,0 +1,221 @@
+"""C++ kernels for the shard's CPU path (`cpu_kernels.cpp` beside this file), with a
+plain torch reference beside each (`*_ref`), which is what the tests compare against.
+
+The source is compiled on first use with the machine's C++ compiler (`$CXX`, default
+g++) for the machine it runs on (-march=native, OpenMP) into
+`~/.cache/cadence/kernels/` (or `$CADENCE_KERNEL_CACHE`), keyed by a hash of the source,
+the flags and the compiler, and loaded with ctypes; `make install` builds it ahead of
+time (`python -m cadence.kernels.cpu`). Without a compiler `available()` is False and
+the shard keeps the torch backend. The ctypes calls release the GIL; OpenMP is torch's
+own runtime (its libgomp is loaded before this library).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_error: str | None = None
+
+
+class KernelBuildError(RuntimeError):
+    pass
+
+
+def cache_dir() -> Path:
+    configured = os.environ.get("CADENCE_KERNEL_CACHE")
+    return Path(configured) if configured else Path.home() / ".cache/cadence/kernels"
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX", "g++")
+    path = shutil.which(cxx)
+    if path is None:
+        raise KernelBuildError(f"no C++ compiler ({cxx!r} is not on PATH)")
+    return path
+
+
+def library_path() -> Path:
+    """Where the build for this source, compiler and machine lives."""
+    cxx = _compiler()
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode()):
+        key.update(part)
+    key.update(platform.machine().encode() + platform.processor().encode())
+    return cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+
+
+def build() -> Path:
+    """Compiles the kernels unless this exact build exists; atomic (a temp file renamed
+    into place), so concurrent shards never load a half-written library."""
+    target = library_path()
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [_compiler(), *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True
+        )
+        if done.returncode != 0:
+            raise KernelBuildError(f"compiling {SOURCE.name} failed:\n{done.stderr[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _load() -> ctypes.CDLL:
+    global _library, _error
+    with _lock:
+        if _library is not None:
+            return _library
+        if _error is not None:
+            raise KernelBuildError(_error)
+        try:
+            lib = ctypes.CDLL(str(build()))
+        except (KernelBuildError, OSError) as e:
+            _error = str(e)
+            raise KernelBuildError(_error) from e
+        i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+        lib.cadence_paged_decode_attention.argtypes = [
+            ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i32, i32, i32, i32,
+            ctypes.c_float, i64, i32, i32, i32,
+        ]  # fmt: skip
+        lib.cadence_paged_decode_attention.restype = i32
+        lib.cadence_greedy_logprobs.argtypes = [ptr, i64, i64, ptr, ptr, i32]
+        lib.cadence_greedy_logprobs.restype = i32
+        _library = lib
+        return lib
+
+
+def available() -> bool:
+    """True when the kernels are built (or build now) and load."""
+    try:
+        _load()
+    except KernelBuildError:
+        return False
+    return True
+
+
+def unavailable_reason() -> str | None:
+    return None if available() else _error
+
+
+def _check_cpu(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if t.device.type != "cpu":
+            raise ValueError("the CPU kernels take CPU tensors")
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q: [B, heads, head_dim], one query per sequence at position context_lens - 1;
+    caches [num_blocks, block_size, kv_heads, head_dim] (q's dtype, or either one
+    float32); block_tables [B, >= blocks
+    needed] int64 -> [B, heads, head_dim] in q's dtype. Keys and values are read through
+    the block table in place; the query heads sharing a KV head are computed together."""
+    _check_cpu(q, k_cache, v_cache, block_tables, context_lens)
+    if q.dtype not in DTYPES or k_cache.dtype not in DTYPES or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"unsupported dtypes {q.dtype}/{k_cache.dtype}/{v_cache.dtype}")
+    if q.dtype != k_cache.dtype and torch.float32 not in (q.dtype, k_cache.dtype):
+        raise ValueError(f"no kernel for {q.dtype} queries over a {k_cache.dtype} cache")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the KV cache must be contiguous")
+    if block_tables.dtype != torch.int64 or context_lens.dtype != torch.int64:
+        raise ValueError("block_tables and context_lens must be int64")
+    b, heads, head_dim = q.shape
+    _, block_size, kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim or heads % kv_heads:
+        raise ValueError(f"q {tuple(q.shape)} does not fit the cache {tuple(k_cache.shape)}")
+    q = q.contiguous()
+    if block_tables.stride(1) != 1:
+        block_tables = block_tables.contiguous()
+    context_lens = context_lens.contiguous()
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError("out must be a contiguous tensor shaped and typed like q")
+    if b == 0:
+        return out
+    status = _load().cadence_paged_decode_attention(
+        q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(), b,
+        heads, kv_heads, head_dim, block_size, scale, sliding_window or 0, DTYPES[q.dtype],
+        DTYPES[k_cache.dtype], torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise RuntimeError(f"cadence_paged_decode_attention failed with status {status}")
+    return out
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """The same, in float32 torch: gather each context, softmax, weighted sum."""
+    out = torch.empty_like(q)
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // kv_heads
+    for i, n in enumerate(context_lens.tolist()):
+        blocks = block_tables[i, : -(-n // block_size)]
+        k = k_cache[blocks].flatten(0, 1)[:n].float().repeat_interleave(group, dim=1)
+        v = v_cache[blocks].flatten(0, 1)[:n].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,khd->hk", q[i].float(), k) * scale
+        if sliding_window is not None:
+            scores[:, : max(0, n - sliding_window)] = float("-inf")
+        out[i] = torch.einsum("hk,khd->hd", scores.softmax(dim=-1), v).to(q.dtype)
+    return out
+
+
+def greedy_logprobs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [R, vocab] float32 -> (argmax ids [R] int64, their log-probabilities [R])."""
+    _check_cpu(logits)
+    if logits.dtype != torch.float32 or logits.dim() != 2:
+        raise ValueError("greedy_logprobs takes a 2-D float32 tensor")
+    logits = logits.contiguous()
+    rows, vocab = logits.shape
+    ids = torch.empty(rows, dtype=torch.int64)
+    logprobs = torch.empty(rows, dtype=torch.float32)
+    if rows and vocab:
+        _load().cadence_greedy_logprobs(
+            logits.data_ptr(), rows, vocab, ids.data_ptr(), logprobs.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+    return ids, logprobs
+
+
+def greedy_logprobs_ref(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = logits.argmax(dim=-1)
+    return ids, logits.log_softmax(dim=-1).gather(1, ids.unsqueeze(1)).squeeze(1)

@@ -1,0 +1,430 @@
+// CPU kernels of the shard's `cpu` attention backend, called through ctypes
+// (cadence/kernels/cpu/__init__.py builds this file with g++ -O3 -march=native -fopenmp).
+//
+// Everything here is memory-bound work that torch on CPU does in several passes:
+//   - paged decode attention: one query per sequence reads its keys and values straight
+//     from the paged cache through its block table (no gather into a padded copy), with
+//     the query heads of one KV head packed together, online softmax over blocks;
+//   - greedy sampling with log-probabilities: argmax, max and log-sum-exp of each row
+//     in one pass over the logits instead of a full log_softmax.
+// Each kernel takes raw pointers; the Python side checks shapes, dtypes and contiguity.
+// OpenMP is the same runtime torch uses (its bundled libgomp.so.1 is loaded first).
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define CADENCE_AVX512_BF16 1
+#endif
+
+namespace {
+
+enum DType : int { F32 = 0, BF16 = 1, F16 = 2 };
+
+inline float bf16_to_f32(uint16_t x) {
+    uint32_t bits = static_cast<uint32_t>(x) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN kept NaN
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return static_cast<uint16_t>(bits >> 16);
+}
+
+// Row loads/stores between the cache's element type and float32 scratch.
+template <int DT>
+inline void load_row(const void* src, int64_t offset, float* dst, int n) {
+    if constexpr (DT == F32) {
+        const float* s = static_cast<const float*>(src) + offset;
+#pragma omp simd
+        for (int i = 0; i < n; ++i) dst[i] = s[i];
+    } else if constexpr (DT == BF16) {
+        const uint16_t* s = static_cast<const uint16_t*>(src) + offset;
+#pragma omp simd
+        for (int i = 0; i < n; ++i) dst[i] = bf16_to_f32(s[i]);
+    } else {
+        const _Float16* s = static_cast<const _Float16*>(src) + offset;
+#pragma omp simd
+        for (int i = 0; i < n; ++i) dst[i] = static_cast<float>(s[i]);
+    }
+}
+
+template <int DT>
+inline void store_row(void* dst, int64_t offset, const float* src, float mul, int n) {
+    if constexpr (DT == F32) {
+        float* d = static_cast<float*>(dst) + offset;
+#pragma omp simd
+        for (int i = 0; i < n; ++i) d[i] = src[i] * mul;
+    } else if constexpr (DT == BF16) {
+        uint16_t* d = static_cast<uint16_t*>(dst) + offset;
+        for (int i = 0; i < n; ++i) d[i] = f32_to_bf16(src[i] * mul);
+    } else {
+        _Float16* d = static_cast<_Float16*>(dst) + offset;
+#pragma omp simd
+        for (int i = 0; i < n; ++i) d[i] = static_cast<_Float16>(src[i] * mul);
+    }
+}
+
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+// exp(x) in a form the compiler vectorizes (libm's expf is a scalar call): x = n ln2 +
+// f ln2 with n an integer and |f| <= 1/2, 2^f by its Taylor series to degree 7 (relative
+// error below 1e-8), 2^n by writing the exponent bits. Inputs below -87 give 0, so
+// exp(-inf) is 0 as the online softmax needs.
+inline float fast_exp(float x) {
+    float y = x * 1.4426950408889634f;
+    const bool underflow = !(y > -126.0f);  // also true for NaN-free -inf
+    y = std::min(y, 126.0f);
+    y = std::max(y, -126.0f);
+    const float n = (y + 12582912.0f) - 12582912.0f;  // round to nearest (1.5 * 2^23)
+    const float f = y - n;
+    float p = 1.5252733804059838e-05f;
+    p = p * f + 0.00015403530393381606f;
+    p = p * f + 0.0013333558146428441f;
+    p = p * f + 0.009618129107628477f;
+    p = p * f + 0.055504108664821576f;
+    p = p * f + 0.2402265069591007f;
+    p = p * f + 0.6931471805599453f;
+    p = p * f + 1.0f;
+    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof scale);
+    return underflow ? 0.0f : p * scale;
+}
+
+// One (sequence, KV head) pair: its G query heads against every visible key. QT is the
+// element type of the query and output, KT the cache's (they differ with --kv-cache-dtype).
+template <int QT, int KT>
+void decode_one(const void* q, void* out, const void* k_cache, const void* v_cache,
+                const int64_t* table, int64_t context_len, int64_t seq, int kv_head,
+                int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
+                int64_t window, float* scratch) {
+    const int G = num_heads / num_kv_heads;
+    const int D = head_dim;
+    float* qf = scratch;                   // [G, D]
+    float* acc = qf + G * D;               // [G, D]
+    float* kv = acc + G * D;               // [block_size, D]
+    float* s = kv + block_size * D;        // [G, block_size]
+    float* m = s + G * block_size;         // [G] running max
+    float* l = m + G;                      // [G] running sum
+    for (int g = 0; g < G; ++g) {
+        const int64_t row = (seq * num_heads + kv_head * G + g) * D;
+        load_row<QT>(q, row, qf + g * D, D);
+        for (int d = 0; d < D; ++d) qf[g * D + d] *= scale;
+        std::fill(acc + g * D, acc + (g + 1) * D, 0.0f);
+        m[g] = NEG_INF;
+        l[g] = 0.0f;
+    }
+    // The query sits at position context_len - 1; with a sliding window it sees keys
+    // k with k > position - window.
+    const int64_t first_key = window > 0 ? std::max<int64_t>(0, context_len - window) : 0;
+    const int64_t row_stride = static_cast<int64_t>(num_kv_heads) * D;
+    for (int64_t b = first_key / block_size; b * block_size < context_len; ++b) {
+        const int64_t base = table[b] * block_size;  // slot of the block's first token
+        const int lo = static_cast<int>(std::max<int64_t>(0, first_key - b * block_size));
+        const int hi = static_cast<int>(std::min<int64_t>(block_size, context_len - b * block_size));
+        for (int t = lo; t < hi; ++t)
+            load_row<KT>(k_cache, (base + t) * row_stride + kv_head * D, kv + t * D, D);
+        for (int g = 0; g < G; ++g) {
+            float block_max = NEG_INF;
+            for (int t = lo; t < hi; ++t) {
+                float dot = 0.0f;
+                const float* kt = kv + t * D;
+                const float* qg = qf + g * D;
+#pragma omp simd reduction(+ : dot)
+                for (int d = 0; d < D; ++d) dot += qg[d] * kt[d];
+                s[g * block_size + t] = dot;
+                block_max = std::max(block_max, dot);
+            }
+            const float m_new = std::max(m[g], block_max);
+            const float correction = fast_exp(m[g] - m_new);  // 0 at the start (m = -inf)
+            float sum = 0.0f;
+            float* sg = s + g * block_size;
+#pragma omp simd reduction(+ : sum)
+            for (int t = lo; t < hi; ++t) {
+                const float p = fast_exp(sg[t] - m_new);
+                sg[t] = p;
+                sum += p;
+            }
+            l[g] = l[g] * correction + sum;
+            m[g] = m_new;
+            float* ag = acc + g * D;
+#pragma omp simd
+            for (int d = 0; d < D; ++d) ag[d] *= correction;
+        }
+        for (int t = lo; t < hi; ++t)
+            load_row<KT>(v_cache, (base + t) * row_stride + kv_head * D, kv + t * D, D);
+        for (int g = 0; g < G; ++g) {
+            float* ag = acc + g * D;
+            for (int t = lo; t < hi; ++t) {
+                const float p = s[g * block_size + t];
+                const float* vt = kv + t * D;
+#pragma omp simd
+                for (int d = 0; d < D; ++d) ag[d] += p * vt[d];
+            }
+        }
+    }
+    for (int g = 0; g < G; ++g) {
+        const int64_t row = (seq * num_heads + kv_head * G + g) * D;
+        const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;  // no visible key: zeros
+        store_row<QT>(out, row, acc + g * D, inv, D);
+    }
+}
+
+#ifdef CADENCE_AVX512_BF16
+// bfloat16 with AVX512-BF16, head_dim D a multiple of 32 (up to 256): one sequence, all
+// of its KV heads, so each cache block is read front to back once. Scores come from
+// vdpbf16ps (bf16 pairs into float32, exact products) on the bf16 query as stored;
+// values are widened to float32 and accumulated in float32 registers.
+// Lane i of the result is the sum of the 16 lanes of v[i] (16 horizontal sums in 45
+// shuffles and adds instead of about 130).
+inline __m512 reduce16(const __m512* v) {
+    __m512 t[8], u[4];
+    for (int i = 0; i < 8; ++i)  // per 128-bit lane: pairs of partial sums of v[2i], v[2i+1]
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i) {  // per 128-bit lane: sums of 4 vectors' elements there
+        const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    // across the four 128-bit lanes: u[k] holds vectors 4k..4k+3
+    const __m512 x0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88),
+                                    _mm512_shuffle_f32x4(u[0], u[1], 0xdd));
+    const __m512 x1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88),
+                                    _mm512_shuffle_f32x4(u[2], u[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, 0x88), _mm512_shuffle_f32x4(x0, x1, 0xdd));
+}
+
+template <int D>
+void decode_seq_bf16(const uint16_t* q, uint16_t* out, const uint16_t* k_cache,
+                     const uint16_t* v_cache, const int64_t* table, int64_t context_len,
+                     int64_t seq, int num_heads, int num_kv_heads, int block_size, float scale,
+                     int64_t window, float* scratch) {
+    constexpr int V = D / 16;  // float32 vectors per row
+    const int G = num_heads / num_kv_heads;
+    float* acc = scratch;                              // [H, D]
+    float* s = acc + num_heads * D;                    // [H, block_size]
+    float* m = s + num_heads * block_size;             // [H]
+    float* l = m + num_heads;                          // [H]
+    const uint16_t* qs = q + seq * num_heads * D;
+    for (int h = 0; h < num_heads; ++h) {
+        std::fill(acc + h * D, acc + (h + 1) * D, 0.0f);
+        m[h] = NEG_INF;
+        l[h] = 0.0f;
+    }
+    const int64_t first_key = window > 0 ? std::max<int64_t>(0, context_len - window) : 0;
+    const int64_t row_stride = static_cast<int64_t>(num_kv_heads) * D;
+    for (int64_t b = first_key / block_size; b * block_size < context_len; ++b) {
+        const int64_t base = table[b] * block_size;
+        const int lo = static_cast<int>(std::max<int64_t>(0, first_key - b * block_size));
+        const int hi = static_cast<int>(std::min<int64_t>(block_size, context_len - b * block_size));
+        if (b + 1 < (context_len + block_size - 1) / block_size) {  // next block's rows
+            const char* next = reinterpret_cast<const char*>(k_cache + table[b + 1] * block_size * row_stride);
+            _mm_prefetch(next, _MM_HINT_T0);
+        }
+        for (int kh = 0; kh < num_kv_heads; ++kh) {
+            for (int g = 0; g < G; ++g) {
+                const int h = kh * G + g;
+                __m512bh qv[D / 32];
+                for (int c = 0; c < D / 32; ++c)
+                    qv[c] = (__m512bh)_mm512_loadu_si512(qs + h * D + c * 32);
+                float* sh = s + h * block_size;
+                if (block_size == 16) {  // all 16 rows (the block is allocated), masked after
+                    __m512 dots[16];
+                    for (int t = 0; t < 16; ++t) {
+                        const uint16_t* kt = k_cache + (base + t) * row_stride + kh * D;
+                        __m512 dot = _mm512_setzero_ps();
+                        for (int c = 0; c < D / 32; ++c)
+                            dot = _mm512_dpbf16_ps(dot, qv[c], (__m512bh)_mm512_loadu_si512(kt + c * 32));
+                        dots[t] = dot;
+                    }
+                    _mm512_storeu_ps(sh, _mm512_mul_ps(reduce16(dots), _mm512_set1_ps(scale)));
+                } else {
+                    for (int t = lo; t < hi; ++t) {
+                        const uint16_t* kt = k_cache + (base + t) * row_stride + kh * D;
+                        __m512 dot = _mm512_setzero_ps();
+                        for (int c = 0; c < D / 32; ++c)
+                            dot = _mm512_dpbf16_ps(dot, qv[c], (__m512bh)_mm512_loadu_si512(kt + c * 32));
+                        sh[t] = _mm512_reduce_add_ps(dot) * scale;
+                    }
+                }
+                float block_max = NEG_INF;
+                for (int t = lo; t < hi; ++t) block_max = std::max(block_max, sh[t]);
+                const float m_new = std::max(m[h], block_max);
+                const float correction = fast_exp(m[h] - m_new);
+                float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+                for (int t = lo; t < hi; ++t) {
+                    const float p = fast_exp(sh[t] - m_new);
+                    sh[t] = p;
+                    sum += p;
+                }
+                l[h] = l[h] * correction + sum;
+                m[h] = m_new;
+                float* ah = acc + h * D;
+#pragma omp simd
+                for (int d = 0; d < D; ++d) ah[d] *= correction;
+            }
+            for (int g = 0; g < G; ++g) {
+                const int h = kh * G + g;
+                __m512 a[V];
+                for (int c = 0; c < V; ++c) a[c] = _mm512_loadu_ps(acc + h * D + c * 16);
+                const float* sh = s + h * block_size;
+                for (int t = lo; t < hi; ++t) {
+                    const uint16_t* vt = v_cache + (base + t) * row_stride + kh * D;
+                    const __m512 p = _mm512_set1_ps(sh[t]);
+                    for (int c = 0; c < V; ++c) {
+                        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vt + c * 16));
+                        const __m512 vf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+                        a[c] = _mm512_fmadd_ps(p, vf, a[c]);
+                    }
+                }
+                for (int c = 0; c < V; ++c) _mm512_storeu_ps(acc + h * D + c * 16, a[c]);
+            }
+        }
+    }
+    uint16_t* os = out + seq * num_heads * D;
+    for (int h = 0; h < num_heads; ++h) {
+        const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
+        for (int d = 0; d < D; ++d) os[h * D + d] = f32_to_bf16(acc[h * D + d] * inv);
+    }
+}
+
+using DecodeSeqFn = void (*)(const uint16_t*, uint16_t*, const uint16_t*, const uint16_t*,
+                             const int64_t*, int64_t, int64_t, int, int, int, float, int64_t,
+                             float*);
+
+DecodeSeqFn pick_bf16_fast(int head_dim) {
+    switch (head_dim) {
+        case 32: return decode_seq_bf16<32>;
+        case 64: return decode_seq_bf16<64>;
+        case 96: return decode_seq_bf16<96>;
+        case 128: return decode_seq_bf16<128>;
+        case 256: return decode_seq_bf16<256>;
+        default: return nullptr;
+    }
+}
+#endif
+
+template <int QT, int KT>
+void decode_all(const void* q, void* out, const void* k_cache, const void* v_cache,
+                const int64_t* block_tables, int64_t table_stride, const int64_t* context_lens,
+                int64_t num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
+                float scale, int64_t window, int num_threads) {
+#ifdef CADENCE_AVX512_BF16
+    if (QT == BF16 && KT == BF16) {
+        if (DecodeSeqFn fn = pick_bf16_fast(head_dim)) {
+            const int64_t scratch_size = num_heads * (head_dim + block_size + 2);
+#pragma omp parallel num_threads(num_threads)
+            {
+                std::vector<float> scratch(scratch_size);
+#pragma omp for schedule(dynamic, 1)
+                for (int64_t seq = 0; seq < num_seqs; ++seq)
+                    fn(static_cast<const uint16_t*>(q), static_cast<uint16_t*>(out),
+                       static_cast<const uint16_t*>(k_cache), static_cast<const uint16_t*>(v_cache),
+                       block_tables + seq * table_stride, context_lens[seq], seq, num_heads,
+                       num_kv_heads, block_size, scale, window, scratch.data());
+            }
+            return;
+        }
+    }
+#endif
+    const int G = num_heads / num_kv_heads;
+    const int64_t per_thread = 2 * G * head_dim + block_size * head_dim + G * block_size + 2 * G;
+    const int64_t items = num_seqs * num_kv_heads;
+#pragma omp parallel num_threads(num_threads)
+    {
+        std::vector<float> scratch(per_thread);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < items; ++item) {
+            const int64_t seq = item / num_kv_heads;
+            const int kv_head = static_cast<int>(item % num_kv_heads);
+            decode_one<QT, KT>(q, out, k_cache, v_cache, block_tables + seq * table_stride,
+                           context_lens[seq], seq, kv_head, num_heads, num_kv_heads, head_dim,
+                           block_size, scale, window, scratch.data());
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// q, out: [num_seqs, num_heads, head_dim] of q_dtype; caches of kv_dtype: [num_blocks, block_size, num_kv_heads,
+// head_dim]; block_tables: [num_seqs, table_stride] int64; context_lens: [num_seqs]
+// int64 (keys visible to each query, itself included). window <= 0: no sliding window.
+int cadence_paged_decode_attention(const void* q, void* out, const void* k_cache,
+                                   const void* v_cache, const int64_t* block_tables,
+                                   int64_t table_stride, const int64_t* context_lens,
+                                   int64_t num_seqs, int num_heads, int num_kv_heads,
+                                   int head_dim, int block_size, float scale, int64_t window,
+                                   int q_dtype, int kv_dtype, int num_threads) {
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 1;
+#define CADENCE_DECODE(QT, KT)                                                              \
+    if (q_dtype == QT && kv_dtype == KT) {                                                  \
+        decode_all<QT, KT>(q, out, k_cache, v_cache, block_tables, table_stride,            \
+                           context_lens, num_seqs, num_heads, num_kv_heads, head_dim,       \
+                           block_size, scale, window, num_threads);                         \
+        return 0;                                                                           \
+    }
+    CADENCE_DECODE(F32, F32)
+    CADENCE_DECODE(BF16, BF16)
+    CADENCE_DECODE(F16, F16)
+    CADENCE_DECODE(F32, BF16)
+    CADENCE_DECODE(F32, F16)
+    CADENCE_DECODE(BF16, F32)
+    CADENCE_DECODE(F16, F32)
+#undef CADENCE_DECODE
+    return 2;
+}
+
+// logits: [rows, vocab] float32. Per row: the argmax (the first on ties, as torch's) and
+// its log-probability, -log(sum(exp(x - max))): one pass for the max, one for the sum,
+// instead of a whole log_softmax row. A row with a NaN, a +inf, or nothing but -inf falls
+// back to a scalar scan and gets a NaN log-probability, as log_softmax would give.
+int cadence_greedy_logprobs(const float* logits, int64_t rows, int64_t vocab, int64_t* ids,
+                            float* logprobs, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float* x = logits + r * vocab;
+        float best = NEG_INF;
+        int nan = 0;
+#pragma omp simd reduction(max : best) reduction(| : nan)
+        for (int64_t i = 0; i < vocab; ++i) {
+            best = std::max(best, x[i]);
+            nan |= x[i] != x[i];
+        }
+        int64_t arg = 0;
+        if (!nan && std::isfinite(best)) {  // -inf entries are fine: exp gives 0
+            while (x[arg] != best) ++arg;
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t i = 0; i < vocab; ++i) sum += fast_exp(x[i] - best);
+            logprobs[r] = -std::log(sum);
+        } else {
+            float top = x[0];
+            for (int64_t i = 1; i < vocab; ++i) {
+                if (std::isnan(top)) break;
+                if (std::isnan(x[i]) || x[i] > top) {
+                    top = x[i];
+                    arg = i;
+                }
+            }
+            logprobs[r] = std::numeric_limits<float>::quiet_NaN();
+        }
+        ids[r] = arg;
+    }
+    return 0;
+}
+
+}  // extern "C"
