@@ -109,3 +109,57 @@ def test_prepacked_linear_matches_f_linear(rows):
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
     ours = linear(x, weight, bias, packed)
     torch.testing.assert_close(ours, F.linear(x, weight, bias), atol=0.06, rtol=0.02)
+
+
+def _torch_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CADENCE_CPU_KERNELS", "0")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_the_torch_layer(dtype, with_residual, monkeypatch):
+    from cadence.layers.norm import RMSNorm
+
+    g = torch.Generator().manual_seed(3)
+    norm = RMSNorm(200, eps=1e-5)
+    norm.weight.data = (torch.rand(200, generator=g) + 0.5).to(dtype)
+    x = (torch.randn(37, 200, generator=g) * 3).to(dtype)
+    residual = torch.randn(37, 200, generator=g).to(dtype) if with_residual else None
+    ours = norm(x, residual)
+    _torch_layers(monkeypatch)
+    ref = norm(x, residual)
+    if with_residual:
+        assert_close(ours[0], ref[0], dtype)
+        assert torch.equal(ours[1], ref[1])  # x + residual, rounded the same way
+    else:
+        assert_close(ours, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_silu_mul_matches_the_torch_layer(dtype, monkeypatch):
+    from cadence.layers.activation import SiluAndMul
+
+    x = (torch.randn(19, 2 * 96, generator=torch.Generator().manual_seed(4)) * 4).to(dtype)
+    ours = SiluAndMul()(x)
+    _torch_layers(monkeypatch)
+    assert_close(ours, SiluAndMul()(x), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rotary_in_place_on_a_fused_qkv_view_matches_the_torch_layer(dtype, head_dim, monkeypatch):
+    from cadence.layers.rotary import RotaryEmbedding, apply_rotary
+
+    rope = RotaryEmbedding(head_dim, {"rope_theta": 10000.0, "rope_type": "default"})
+    positions = torch.tensor([0, 1, 2, 15, 16, 17, 300, 4095])
+    cos, sin = rope.cos_sin(positions, dtype)
+    qkv = torch.randn(8, (4 + 2 + 2) * head_dim, generator=torch.Generator().manual_seed(5))
+    qkv = qkv.to(dtype)
+    q_ref = qkv[:, : 4 * head_dim].clone().view(-1, 4, head_dim)
+    kv_before = qkv[:, 4 * head_dim :].clone()
+    q = qkv[:, : 4 * head_dim].view(-1, 4, head_dim)  # strided rows, as in the model
+    ours = apply_rotary(q, cos, sin)
+    assert ours.data_ptr() == qkv.data_ptr()  # in place
+    assert torch.equal(qkv[:, 4 * head_dim :], kv_before)  # the rest of the row untouched
+    _torch_layers(monkeypatch)
+    assert_close(ours, apply_rotary(q_ref, cos, sin), dtype)

@@ -9,9 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cadence.kernels import cpu as cpu_kernels
+
 
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and cpu_kernels.enabled_for(x):
+            return cpu_kernels.silu_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from cadence.kernels import cpu as cpu_kernels
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -22,6 +24,9 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual)."""
+        if x.dim() == 2 and cpu_kernels.enabled_for(x) and x.dtype == self.weight.dtype:
+            out, new_residual = cpu_kernels.rms_norm(x, self.weight, self.eps, residual)
+            return out if new_residual is None else (out, new_residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

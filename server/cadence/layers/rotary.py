@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from cadence.kernels import cpu as cpu_kernels
+
 
 def rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
     """The rope settings of a config.json, whether written by transformers 4
@@ -56,7 +58,15 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]."""
+    """x: [T, heads, head_dim]. On CPU, in place through the C++ kernel when x's heads
+    are packed (x is then returned rotated); elsewhere a new tensor."""
+    if (
+        cpu_kernels.enabled_for(x)
+        and x.stride(2) == 1
+        and x.stride(1) == x.shape[2]
+        and cos.dtype == x.dtype
+    ):
+        return cpu_kernels.rotary_(x, cos, sin)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

@@ -103,6 +103,23 @@ def _load() -> ctypes.CDLL:
         lib.cadence_paged_decode_attention.restype = i32
         lib.cadence_greedy_logprobs.argtypes = [ptr, i64, i64, ptr, ptr, i32]
         lib.cadence_greedy_logprobs.restype = i32
+        lib.cadence_rms_norm.argtypes = [
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            i64,
+            i64,
+            ctypes.c_float,
+            i32,
+            i32,
+        ]
+        lib.cadence_rms_norm.restype = i32
+        lib.cadence_silu_mul.argtypes = [ptr, ptr, i64, i64, i32, i32]
+        lib.cadence_silu_mul.restype = i32
+        lib.cadence_rotary.argtypes = [ptr, i64, i32, i32, i64, ptr, ptr, i32, i32]
+        lib.cadence_rotary.restype = i32
         _library = lib
         return lib
 
@@ -114,6 +131,17 @@ def available() -> bool:
     except KernelBuildError:
         return False
     return True
+
+
+def enabled_for(t: torch.Tensor) -> bool:
+    """Whether the shard's layers take the C++ path for this tensor: a CPU tensor of a
+    supported dtype, the kernels built, and `CADENCE_CPU_KERNELS` not 0."""
+    return (
+        t.device.type == "cpu"
+        and t.dtype in DTYPES
+        and os.environ.get("CADENCE_CPU_KERNELS", "1") != "0"
+        and available()
+    )
 
 
 def unavailable_reason() -> str | None:
@@ -219,3 +247,64 @@ def greedy_logprobs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def greedy_logprobs_ref(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ids = logits.argmax(dim=-1)
     return ids, logits.log_softmax(dim=-1).gather(1, ids.unsqueeze(1)).squeeze(1)
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Llama's RMSNorm of x [T, hidden] (of x + residual when given, which is returned as
+    the new residual) in one pass: (normed, new residual or None)."""
+    _check_cpu(x, weight)
+    x = x.contiguous()
+    rows, hidden = x.shape
+    out = torch.empty_like(x)
+    residual_out = None
+    if residual is not None:
+        residual = residual.contiguous()
+        residual_out = torch.empty_like(x)
+    status = _load().cadence_rms_norm(
+        x.data_ptr(), None if residual is None else residual.data_ptr(),
+        weight.contiguous().data_ptr(), out.data_ptr(),
+        None if residual_out is None else residual_out.data_ptr(), rows, hidden, eps,
+        DTYPES[x.dtype], torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise RuntimeError(f"cadence_rms_norm failed with status {status}")
+    return out, residual_out
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU over a fused [T, 2 * inter] gate/up projection -> [T, inter]."""
+    _check_cpu(x)
+    x = x.contiguous()
+    rows, width = x.shape
+    out = torch.empty(rows, width // 2, dtype=x.dtype)
+    status = _load().cadence_silu_mul(
+        x.data_ptr(), out.data_ptr(), rows, width // 2, DTYPES[x.dtype], torch.get_num_threads()
+    )
+    if status != 0:
+        raise RuntimeError(f"cadence_silu_mul failed with status {status}")
+    return out
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Applies the rotary embedding in place to x [T, heads, head_dim] (rows may be a
+    strided view into a fused QKV output); cos/sin [T, 1 or absent, head_dim] in x's dtype."""
+    _check_cpu(x, cos, sin)
+    tokens, heads, head_dim = x.shape
+    if x.stride(2) != 1 or x.stride(1) != head_dim:
+        raise ValueError("rotary_ needs each token's heads packed (stride head_dim, 1)")
+    cos = cos.reshape(tokens, head_dim).contiguous()
+    sin = sin.reshape(tokens, head_dim).contiguous()
+    if cos.dtype != x.dtype or sin.dtype != x.dtype:
+        raise ValueError("cos and sin must be in x's dtype")
+    status = _load().cadence_rotary(
+        x.data_ptr(), tokens, heads, head_dim, x.stride(0), cos.data_ptr(), sin.data_ptr(),
+        DTYPES[x.dtype], torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise RuntimeError(f"cadence_rotary failed with status {status}")
+    return x

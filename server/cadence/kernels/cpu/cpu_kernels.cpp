@@ -356,6 +356,111 @@ void decode_all(const void* q, void* out, const void* k_cache, const void* v_cac
     }
 }
 
+
+// ---- elementwise layers, rounding where torch rounds ------------------------------------
+// torch computes a bfloat16/float16 op in float32 and rounds its result to the tensor's
+// dtype; each kernel below rounds at the same points, so it matches the torch layer it
+// replaces to the last bit except where a transcendental differs by an ulp.
+
+template <int DT>
+inline float round_to(float x) {
+    if constexpr (DT == F32) {
+        return x;
+    } else if constexpr (DT == BF16) {
+        return bf16_to_f32(f32_to_bf16(x));
+    } else {
+        return static_cast<float>(static_cast<_Float16>(x));
+    }
+}
+
+template <int DT>
+inline float load1(const void* p, int64_t i) {
+    float f;
+    load_row<DT>(p, i, &f, 1);
+    return f;
+}
+
+template <int DT>
+inline void store1(void* p, int64_t i, float f) {
+    store_row<DT>(p, i, &f, 1.0f, 1);
+}
+
+// RMSNorm (Llama's): with a residual, s = x + residual (rounded) is also written out;
+// y = weight * round(s * rsqrt(mean(s^2) + eps)).
+template <int DT>
+void rms_norm_all(const void* x, const void* residual, const void* weight, void* out,
+                  void* residual_out, int64_t rows, int64_t hidden, float eps, int num_threads) {
+#pragma omp parallel num_threads(num_threads)
+    {
+        std::vector<float> row(hidden), w(hidden);
+        load_row<DT>(weight, 0, w.data(), static_cast<int>(hidden));
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; ++r) {
+            load_row<DT>(x, r * hidden, row.data(), static_cast<int>(hidden));
+            if (residual != nullptr) {
+                for (int64_t i = 0; i < hidden; ++i)
+                    row[i] = round_to<DT>(row[i] + load1<DT>(residual, r * hidden + i));
+                store_row<DT>(residual_out, r * hidden, row.data(), 1.0f, static_cast<int>(hidden));
+            }
+            float sq = 0.0f;
+#pragma omp simd reduction(+ : sq)
+            for (int64_t i = 0; i < hidden; ++i) sq += row[i] * row[i];
+            const float inv = 1.0f / std::sqrt(sq / static_cast<float>(hidden) + eps);
+            for (int64_t i = 0; i < hidden; ++i)
+                row[i] = round_to<DT>(w[i] * round_to<DT>(row[i] * inv));
+            store_row<DT>(out, r * hidden, row.data(), 1.0f, static_cast<int>(hidden));
+        }
+    }
+}
+
+// SwiGLU over a fused projection x = [gate | up]: out = round(round(silu(gate)) * up).
+template <int DT>
+void silu_mul_all(const void* x, void* out, int64_t rows, int64_t inter, int num_threads) {
+#pragma omp parallel num_threads(num_threads)
+    {
+        std::vector<float> gate(inter), up(inter);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; ++r) {
+            load_row<DT>(x, r * 2 * inter, gate.data(), static_cast<int>(inter));
+            load_row<DT>(x, r * 2 * inter + inter, up.data(), static_cast<int>(inter));
+#pragma omp simd
+            for (int64_t i = 0; i < inter; ++i) {
+                const float g = gate[i];
+                gate[i] = g / (1.0f + fast_exp(-g));
+            }
+            for (int64_t i = 0; i < inter; ++i) gate[i] = round_to<DT>(round_to<DT>(gate[i]) * up[i]);
+            store_row<DT>(out, r * inter, gate.data(), 1.0f, static_cast<int>(inter));
+        }
+    }
+}
+
+// Rotary embedding (the half-split "neox" layout), in place on x [T, heads, head_dim]
+// with row stride x_stride (a view into the fused QKV output): cos/sin [T, head_dim]
+// already rounded to the dtype; x' = round(round(x * cos) + round(rotate(x) * sin)).
+template <int DT>
+void rotary_all(void* x, int64_t tokens, int heads, int head_dim, int64_t x_stride,
+                const void* cos, const void* sin, int num_threads) {
+    const int half = head_dim / 2;
+#pragma omp parallel num_threads(num_threads)
+    {
+        std::vector<float> c(head_dim), s(head_dim), v(head_dim), o(head_dim);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tokens; ++t) {
+            load_row<DT>(cos, t * head_dim, c.data(), head_dim);
+            load_row<DT>(sin, t * head_dim, s.data(), head_dim);
+            for (int h = 0; h < heads; ++h) {
+                const int64_t at = t * x_stride + static_cast<int64_t>(h) * head_dim;
+                load_row<DT>(x, at, v.data(), head_dim);
+                for (int i = 0; i < head_dim; ++i) {
+                    const float rotated = i < half ? -v[i + half] : v[i - half];
+                    o[i] = round_to<DT>(round_to<DT>(v[i] * c[i]) + round_to<DT>(rotated * s[i]));
+                }
+                store_row<DT>(x, at, o.data(), 1.0f, head_dim);
+            }
+        }
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -425,6 +530,40 @@ int cadence_greedy_logprobs(const float* logits, int64_t rows, int64_t vocab, in
         ids[r] = arg;
     }
     return 0;
+}
+
+}  // extern "C"
+
+extern "C" {
+
+#define CADENCE_BY_DTYPE(dtype, call) \
+    switch (dtype) {                  \
+        case F32: call(F32); return 0;  \
+        case BF16: call(BF16); return 0; \
+        case F16: call(F16); return 0;  \
+        default: return 2;            \
+    }
+
+int cadence_rms_norm(const void* x, const void* residual, const void* weight, void* out,
+                     void* residual_out, int64_t rows, int64_t hidden, float eps, int dtype,
+                     int num_threads) {
+#define CALL(DT) rms_norm_all<DT>(x, residual, weight, out, residual_out, rows, hidden, eps, num_threads)
+    CADENCE_BY_DTYPE(dtype, CALL)
+#undef CALL
+}
+
+int cadence_silu_mul(const void* x, void* out, int64_t rows, int64_t inter, int dtype,
+                     int num_threads) {
+#define CALL(DT) silu_mul_all<DT>(x, out, rows, inter, num_threads)
+    CADENCE_BY_DTYPE(dtype, CALL)
+#undef CALL
+}
+
+int cadence_rotary(void* x, int64_t tokens, int heads, int head_dim, int64_t x_stride,
+                   const void* cos, const void* sin, int dtype, int num_threads) {
+#define CALL(DT) rotary_all<DT>(x, tokens, heads, head_dim, x_stride, cos, sin, num_threads)
+    CADENCE_BY_DTYPE(dtype, CALL)
+#undef CALL
 }
 
 }  // extern "C"
