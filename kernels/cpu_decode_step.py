@@ -1,6 +1,9 @@
-"""One SmolLM2 decode step on CPU through the paged cache (torch backend) against the
+"""One SmolLM2 decode step on CPU through the paged cache, with the `cpu` backend (the C++
+kernel reading blocks in place) and the `torch` backend (gather + SDPA), against the
 same step with contiguous (non-paged) attention: per-sequence K/V already laid out
-[B, kv_heads, L, head_dim], the new token written in place, no block tables.
+[B, kv_heads, L, head_dim], the new token written in place, no block tables. Every
+variant runs the same model code otherwise (prepacked linears, fused norms when the C++
+kernels are built).
 
     PYTHONPATH=server python kernels/cpu_decode_step.py --batch 32 --context 350
 """
@@ -13,8 +16,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from cadence.kernels import cpu
 from cadence.layers import attention as attn_mod
 from cadence.layers.attention import AttentionContext, Workspace, forward_context
+from cadence.layers.packed import pack_linear_weights
 from cadence.models import load_model
 
 MODEL = Path.home() / ".cache/cadence/models/SmolLM2-135M-Instruct"
@@ -39,6 +44,7 @@ def main() -> None:
     dtype = getattr(torch, a.dtype)
     torch.manual_seed(0)
     model = load_model(str(MODEL), dtype, torch.device("cpu"))
+    pack_linear_weights(model)
     layers = model.attention_layers()
     cfg = model.config
     b, n, bs = a.batch, a.context, a.block_size
@@ -54,12 +60,17 @@ def main() -> None:
     slots = tables[:, n // bs] * bs + n % bs
     ids = torch.randint(0, cfg.vocab_size, (b,))
     pos = torch.full((b,), n)
-    ctx = AttentionContext.build(
-        slots, torch.arange(b + 1), lens, tables, bs, b, 1, (n + bs) // bs, 0, Workspace()
-    )
+    contexts = {
+        backend: AttentionContext.build(
+            slots, torch.arange(b + 1), lens, tables, bs, b, 1, (n + bs) // bs, 0,
+            Workspace(), backend=backend,
+        )
+        for backend in ("torch", "cpu")
+    }  # fmt: skip
+    ctx = contexts["torch"]
 
-    def paged() -> None:
-        with torch.inference_mode(), forward_context(ctx):
+    def paged(backend: str) -> None:
+        with torch.inference_mode(), forward_context(contexts[backend]):
             model(ids, pos)
 
     # contiguous: every layer's K/V as [B, kv_heads, L, head_dim]; the step writes its
@@ -88,12 +99,13 @@ def main() -> None:
             attn_mod.Attention.forward = original
 
     print(f"torch threads {torch.get_num_threads()}, batch {b}, context {n}, block {bs}, {a.dtype}")
-    t_paged = timed(paged, a.steps)
     t_contig = timed(contiguous, a.steps)
-    print(f"paged decode step      {t_paged:7.1f} ms")
-    print(
-        f"contiguous decode step {t_contig:7.1f} ms  (paged/contiguous {t_paged / t_contig:.2f}x)"
-    )
+    print(f"contiguous decode step           {t_contig:7.1f} ms")
+    for backend in ("cpu", "torch") if cpu.available() else ("torch",):
+        t = timed(lambda backend=backend: paged(backend), a.steps)
+        print(
+            f"paged decode step, {backend:5} backend {t:7.1f} ms  (/contiguous {t / t_contig:.2f}x)"
+        )
 
 
 if __name__ == "__main__":

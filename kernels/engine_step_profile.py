@@ -25,9 +25,10 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=320)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--kv-mib", type=int, default=512)
     a = p.parse_args()
     engine = Engine(ShardConfig(model_dir=str(MODEL), uds_path="/unused", dtype=a.dtype))
-    engine.warmup(1024, 64, 512 * 1024**2, 0.1)
+    engine.warmup(1024, 64, a.kv_mib * 1024**2, 0.1)
     per_request = (a.prompt + a.steps + 16) // 16 + 1  # blocks each request may fill
     greedy = pb.SamplingParams(top_p=1.0, typical_p=1.0, repetition_penalty=1.0)
     joined = [
