@@ -105,8 +105,12 @@ async def serve_async(cfg: ShardConfig, stop: asyncio.Event | None = None) -> No
     """Loads the model, listens on `unix://<uds_path>` until `stop` is set (or SIGTERM /
     SIGINT arrives), then shuts down and removes the socket."""
     init_distributed(cfg)
-    engine = Engine(cfg)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"shard{cfg.rank}-forward")
+    # Every torch computation happens on the forward thread, loading included: a second
+    # thread that ran torch work would own a second OpenMP team, and with more OpenMP
+    # threads than cores libgomp stops spin-waiting, which made each decode step ~40%
+    # slower (kernels/engine_step_profile.py with and without a main-thread team).
+    engine = await asyncio.get_running_loop().run_in_executor(executor, Engine, cfg)
     server = grpc.aio.server(options=GRPC_OPTIONS)
     shard_pb2_grpc.add_ShardServicer_to_server(ShardServicer(engine, executor), server)
     Path(cfg.uds_path).parent.mkdir(parents=True, exist_ok=True)
