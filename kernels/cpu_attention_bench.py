@@ -8,19 +8,11 @@ kernel (`cadence.kernels.cpu`) against the torch backend's gather + SDPA.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 from cadence.kernels import cpu
 from cadence.layers.attention import decode_attention
-
-
-def timed(fn, steps: int) -> float:
-    fn()
-    started = time.perf_counter()
-    for _ in range(steps):
-        fn()
-    return (time.perf_counter() - started) / steps * 1000
+from cpu_decode_step import timed  # the same timing loop (run as a script from kernels/)
 
 
 def main() -> None:

@@ -17,11 +17,11 @@ request joins (`param_row`) and kept by the batch state.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
+from cadence.kernels import cpu as cpu_kernels
 from cadence.pb import shard_pb2
 
 # columns of a parameter row
@@ -181,14 +181,6 @@ def _warp(x: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     return x
 
 
-def _cpu_greedy(logits: torch.Tensor) -> bool:
-    if logits.device.type != "cpu" or os.environ.get("CADENCE_CPU_KERNELS", "1") == "0":
-        return False
-    from cadence.kernels import cpu
-
-    return cpu.available()
-
-
 def sample(logits: torch.Tensor, b: SamplingBatch) -> SampleOutput:
     """logits: [R, vocab] of the rows that sample this step."""
     logits = logits.float()
@@ -196,10 +188,8 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SampleOutput:
         logits = logits.index_put((b.bias_rows, b.bias_ids), b.bias_values, accumulate=True)
     if PENALTY in b.features:
         logits = apply_penalties(logits, b)
-    if not b.any_sample and b.max_top_n == 0 and _cpu_greedy(logits):
-        from cadence.kernels import cpu
-
-        ids, chosen = cpu.greedy_logprobs(logits)  # one pass, no log_softmax row
+    if not b.any_sample and b.max_top_n == 0 and cpu_kernels.enabled_for(logits):
+        ids, chosen = cpu_kernels.greedy_logprobs(logits)  # one pass, no log_softmax row
         return SampleOutput(ids, chosen, None, None)
     logprobs = logits.log_softmax(dim=-1)
     ids = logits.argmax(dim=-1)

@@ -7,13 +7,12 @@ and merges their partial results by log-sum-exp, for batches too small to fill t
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
 from cadence.kernels import dot_in_f32
+from cadence.kernels.reference import decode_attention_ref  # noqa: F401 (re-exported)
 
 LOG2E = 1.4426950408889634
 
@@ -231,32 +230,4 @@ def decode_attention(
             BLOCK_S=triton.next_power_of_2(num_splits),
             BLOCK_D=block_d,
         )
-    return out
-
-
-def decode_attention_ref(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    window: int | None = None,
-) -> torch.Tensor:
-    """Sequence by sequence, in float32: the definition, not a fast path."""
-    out = torch.empty_like(q)
-    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = q.shape[1] // kv_heads
-    for b in range(q.shape[0]):
-        n = int(context_lens[b])
-        pos = torch.arange(n, device=q.device)
-        slots = block_tables[b, pos // block_size] * block_size + pos % block_size
-        k = k_cache.view(-1, kv_heads, q.shape[2])[slots].float()  # [n, kv, d]
-        v = v_cache.view(-1, kv_heads, q.shape[2])[slots].float()
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-        s = torch.einsum("hd,nhd->hn", q[b].float(), k) * scale
-        if window:
-            s[:, pos <= n - 1 - window] = -math.inf
-        out[b] = torch.einsum("hn,nhd->hd", s.softmax(-1), v).to(q.dtype)
     return out

@@ -101,6 +101,28 @@ inline float fast_exp(float x) {
     return underflow ? 0.0f : p * scale;
 }
 
+// One block's step of the online softmax for one query head: scores sc[lo, hi) become
+// exp(score - new max) in place, the running max m and sum l are updated, and the
+// head's accumulator acc[D] is rescaled for the new max (exp(-inf) = 0 at the start).
+inline void online_softmax_block(float* sc, int lo, int hi, float& m, float& l, float* acc,
+                                 int D) {
+    float block_max = NEG_INF;
+    for (int t = lo; t < hi; ++t) block_max = std::max(block_max, sc[t]);
+    const float m_new = std::max(m, block_max);
+    const float correction = fast_exp(m - m_new);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int t = lo; t < hi; ++t) {
+        const float p = fast_exp(sc[t] - m_new);
+        sc[t] = p;
+        sum += p;
+    }
+    l = l * correction + sum;
+    m = m_new;
+#pragma omp simd
+    for (int d = 0; d < D; ++d) acc[d] *= correction;
+}
+
 // One (sequence, KV head) pair: its G query heads against every visible key. QT is the
 // element type of the query and output, KT the cache's (they differ with --kv-cache-dtype).
 template <int QT, int KT>
@@ -135,7 +157,6 @@ void decode_one(const void* q, void* out, const void* k_cache, const void* v_cac
         for (int t = lo; t < hi; ++t)
             load_row<KT>(k_cache, (base + t) * row_stride + kv_head * D, kv + t * D, D);
         for (int g = 0; g < G; ++g) {
-            float block_max = NEG_INF;
             for (int t = lo; t < hi; ++t) {
                 float dot = 0.0f;
                 const float* kt = kv + t * D;
@@ -143,23 +164,8 @@ void decode_one(const void* q, void* out, const void* k_cache, const void* v_cac
 #pragma omp simd reduction(+ : dot)
                 for (int d = 0; d < D; ++d) dot += qg[d] * kt[d];
                 s[g * block_size + t] = dot;
-                block_max = std::max(block_max, dot);
             }
-            const float m_new = std::max(m[g], block_max);
-            const float correction = fast_exp(m[g] - m_new);  // 0 at the start (m = -inf)
-            float sum = 0.0f;
-            float* sg = s + g * block_size;
-#pragma omp simd reduction(+ : sum)
-            for (int t = lo; t < hi; ++t) {
-                const float p = fast_exp(sg[t] - m_new);
-                sg[t] = p;
-                sum += p;
-            }
-            l[g] = l[g] * correction + sum;
-            m[g] = m_new;
-            float* ag = acc + g * D;
-#pragma omp simd
-            for (int d = 0; d < D; ++d) ag[d] *= correction;
+            online_softmax_block(s + g * block_size, lo, hi, m[g], l[g], acc + g * D, D);
         }
         for (int t = lo; t < hi; ++t)
             load_row<KT>(v_cache, (base + t) * row_stride + kv_head * D, kv + t * D, D);
@@ -258,22 +264,7 @@ void decode_seq_bf16(const uint16_t* q, uint16_t* out, const uint16_t* k_cache,
                         sh[t] = _mm512_reduce_add_ps(dot) * scale;
                     }
                 }
-                float block_max = NEG_INF;
-                for (int t = lo; t < hi; ++t) block_max = std::max(block_max, sh[t]);
-                const float m_new = std::max(m[h], block_max);
-                const float correction = fast_exp(m[h] - m_new);
-                float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-                for (int t = lo; t < hi; ++t) {
-                    const float p = fast_exp(sh[t] - m_new);
-                    sh[t] = p;
-                    sum += p;
-                }
-                l[h] = l[h] * correction + sum;
-                m[h] = m_new;
-                float* ah = acc + h * D;
-#pragma omp simd
-                for (int d = 0; d < D; ++d) ah[d] *= correction;
+                online_softmax_block(sh, lo, hi, m[h], l[h], acc + h * D, D);
             }
             for (int g = 0; g < G; ++g) {
                 const int h = kh * G + g;
