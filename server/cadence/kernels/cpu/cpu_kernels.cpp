@@ -211,12 +211,87 @@ inline __m512 reduce16(const __m512* v) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, 0x88), _mm512_shuffle_f32x4(x0, x1, 0xdd));
 }
 
+// Scores of one query head against a block's 16 rows (all allocated, masked later by the
+// softmax's [lo, hi)): vdpbf16ps per row, then one transposed reduction.
+template <int D>
+inline void block_scores16(const __m512bh* qv, const uint16_t* k_rows, int64_t row_stride,
+                           float scale, float* sh) {
+    __m512 dots[16];
+    for (int t = 0; t < 16; ++t) {
+        const uint16_t* kt = k_rows + t * row_stride;
+        __m512 dot = _mm512_setzero_ps();
+        for (int c = 0; c < D / 32; ++c)
+            dot = _mm512_dpbf16_ps(dot, qv[c], (__m512bh)_mm512_loadu_si512(kt + c * 32));
+        dots[t] = dot;
+    }
+    _mm512_storeu_ps(sh, _mm512_mul_ps(reduce16(dots), _mm512_set1_ps(scale)));
+}
+
+// acc[g] += sum over rows t in [lo, hi) of p[g][t] * V[t] for GB query heads of one KV
+// head: each value row is widened to float32 once and used by all GB heads (the
+// accumulators stay in registers: GB * D / 16 + D / 16 of the 32 zmm registers).
+template <int D, int GB>
+inline void accumulate_values(const uint16_t* v_rows, int64_t row_stride, const float* p,
+                              int p_stride, int lo, int hi, float* acc) {
+    constexpr int V = D / 16;
+    __m512 a[GB][V];
+    for (int g = 0; g < GB; ++g)
+        for (int c = 0; c < V; ++c) a[g][c] = _mm512_loadu_ps(acc + g * D + c * 16);
+    for (int t = lo; t < hi; ++t) {
+        const uint16_t* vt = v_rows + t * row_stride;
+        __m512 vf[V];
+        for (int c = 0; c < V; ++c) {
+            const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vt + c * 16));
+            vf[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+        }
+        for (int g = 0; g < GB; ++g) {
+            const __m512 pg = _mm512_set1_ps(p[g * p_stride + t]);
+            for (int c = 0; c < V; ++c) a[g][c] = _mm512_fmadd_ps(pg, vf[c], a[g][c]);
+        }
+    }
+    for (int g = 0; g < GB; ++g)
+        for (int c = 0; c < V; ++c) _mm512_storeu_ps(acc + g * D + c * 16, a[g][c]);
+}
+
+// Query heads per accumulate_values call: as many as leave registers for one widened row.
+template <int D>
+constexpr int heads_per_pass() {
+    constexpr int V = D / 16;
+    constexpr int fit = (28 - V) / V;
+    return fit < 1 ? 1 : (fit > 8 ? 8 : fit);
+}
+
+template <int D>
+inline void accumulate_values_heads(const uint16_t* v_rows, int64_t row_stride, const float* p,
+                                    int p_stride, int lo, int hi, float* acc, int heads) {
+    constexpr int MAX = heads_per_pass<D>();
+    for (int g0 = 0; g0 < heads; g0 += MAX) {
+        const float* pg = p + g0 * p_stride;
+        float* ag = acc + g0 * D;
+        switch (std::min(MAX, heads - g0)) {
+#define CADENCE_ACC(N)                                                                    \
+    case N:                                                                               \
+        if constexpr (N <= MAX) accumulate_values<D, N>(v_rows, row_stride, pg, p_stride, lo, hi, ag); \
+        break;
+            CADENCE_ACC(1) CADENCE_ACC(2) CADENCE_ACC(3) CADENCE_ACC(4)
+            CADENCE_ACC(5) CADENCE_ACC(6) CADENCE_ACC(7) CADENCE_ACC(8)
+#undef CADENCE_ACC
+        }
+    }
+}
+
+// Asks for a whole cache block (all its rows and KV heads) ahead of use: blocks sit
+// anywhere in the pool, so the hardware prefetcher only finds each one after its start.
+inline void prefetch_block(const uint16_t* rows, int64_t bytes) {
+    const char* p = reinterpret_cast<const char*>(rows);
+    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+}
+
 template <int D>
 void decode_seq_bf16(const uint16_t* q, uint16_t* out, const uint16_t* k_cache,
                      const uint16_t* v_cache, const int64_t* table, int64_t context_len,
                      int64_t seq, int num_heads, int num_kv_heads, int block_size, float scale,
                      int64_t window, float* scratch) {
-    constexpr int V = D / 16;  // float32 vectors per row
     const int G = num_heads / num_kv_heads;
     float* acc = scratch;                              // [H, D]
     float* s = acc + num_heads * D;                    // [H, block_size]
@@ -230,34 +305,32 @@ void decode_seq_bf16(const uint16_t* q, uint16_t* out, const uint16_t* k_cache,
     }
     const int64_t first_key = window > 0 ? std::max<int64_t>(0, context_len - window) : 0;
     const int64_t row_stride = static_cast<int64_t>(num_kv_heads) * D;
-    for (int64_t b = first_key / block_size; b * block_size < context_len; ++b) {
+    const int64_t block_elems = block_size * row_stride;
+    const int64_t num_blocks = (context_len + block_size - 1) / block_size;
+    for (int64_t b = first_key / block_size; b < num_blocks; ++b) {
         const int64_t base = table[b] * block_size;
         const int lo = static_cast<int>(std::max<int64_t>(0, first_key - b * block_size));
         const int hi = static_cast<int>(std::min<int64_t>(block_size, context_len - b * block_size));
-        if (b + 1 < (context_len + block_size - 1) / block_size) {  // next block's rows
-            const char* next = reinterpret_cast<const char*>(k_cache + table[b + 1] * block_size * row_stride);
-            _mm_prefetch(next, _MM_HINT_T0);
-        }
+        const int64_t next = b + 1 < num_blocks ? table[b + 1] * block_elems : -1;
         for (int kh = 0; kh < num_kv_heads; ++kh) {
+            if (next >= 0) {  // a share of the next block per KV head, spread over the block
+                const int64_t share = (block_elems + num_kv_heads - 1) / num_kv_heads;
+                const int64_t from = kh * share, len = std::min(share, block_elems - from);
+                prefetch_block(k_cache + next + from, len * 2);
+                prefetch_block(v_cache + next + from, len * 2);
+            }
+            const uint16_t* k_rows = k_cache + base * row_stride + kh * D;
             for (int g = 0; g < G; ++g) {
                 const int h = kh * G + g;
                 __m512bh qv[D / 32];
                 for (int c = 0; c < D / 32; ++c)
                     qv[c] = (__m512bh)_mm512_loadu_si512(qs + h * D + c * 32);
                 float* sh = s + h * block_size;
-                if (block_size == 16) {  // all 16 rows (the block is allocated), masked after
-                    __m512 dots[16];
-                    for (int t = 0; t < 16; ++t) {
-                        const uint16_t* kt = k_cache + (base + t) * row_stride + kh * D;
-                        __m512 dot = _mm512_setzero_ps();
-                        for (int c = 0; c < D / 32; ++c)
-                            dot = _mm512_dpbf16_ps(dot, qv[c], (__m512bh)_mm512_loadu_si512(kt + c * 32));
-                        dots[t] = dot;
-                    }
-                    _mm512_storeu_ps(sh, _mm512_mul_ps(reduce16(dots), _mm512_set1_ps(scale)));
+                if (block_size == 16) {
+                    block_scores16<D>(qv, k_rows, row_stride, scale, sh);
                 } else {
                     for (int t = lo; t < hi; ++t) {
-                        const uint16_t* kt = k_cache + (base + t) * row_stride + kh * D;
+                        const uint16_t* kt = k_rows + t * row_stride;
                         __m512 dot = _mm512_setzero_ps();
                         for (int c = 0; c < D / 32; ++c)
                             dot = _mm512_dpbf16_ps(dot, qv[c], (__m512bh)_mm512_loadu_si512(kt + c * 32));
@@ -266,22 +339,9 @@ void decode_seq_bf16(const uint16_t* q, uint16_t* out, const uint16_t* k_cache,
                 }
                 online_softmax_block(sh, lo, hi, m[h], l[h], acc + h * D, D);
             }
-            for (int g = 0; g < G; ++g) {
-                const int h = kh * G + g;
-                __m512 a[V];
-                for (int c = 0; c < V; ++c) a[c] = _mm512_loadu_ps(acc + h * D + c * 16);
-                const float* sh = s + h * block_size;
-                for (int t = lo; t < hi; ++t) {
-                    const uint16_t* vt = v_cache + (base + t) * row_stride + kh * D;
-                    const __m512 p = _mm512_set1_ps(sh[t]);
-                    for (int c = 0; c < V; ++c) {
-                        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vt + c * 16));
-                        const __m512 vf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-                        a[c] = _mm512_fmadd_ps(p, vf, a[c]);
-                    }
-                }
-                for (int c = 0; c < V; ++c) _mm512_storeu_ps(acc + h * D + c * 16, a[c]);
-            }
+            accumulate_values_heads<D>(v_cache + base * row_stride + kh * D, row_stride,
+                                       s + kh * G * block_size, block_size, lo, hi,
+                                       acc + kh * G * D, G);
         }
     }
     uint16_t* os = out + seq * num_heads * D;
