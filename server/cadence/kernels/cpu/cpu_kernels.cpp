@@ -280,8 +280,8 @@ inline void accumulate_values_heads(const uint16_t* v_rows, int64_t row_stride, 
     }
 }
 
-// Asks for a whole cache block (all its rows and KV heads) ahead of use: blocks sit
-// anywhere in the pool, so the hardware prefetcher only finds each one after its start.
+// Asks for cache lines ahead of use: blocks sit anywhere in the pool, so the hardware
+// prefetcher only finds each one after its start (and stops at every 4 KiB page).
 inline void prefetch_block(const uint16_t* rows, int64_t bytes) {
     const char* p = reinterpret_cast<const char*>(rows);
     for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
@@ -312,13 +312,8 @@ void decode_seq_bf16(const uint16_t* q, uint16_t* out, const uint16_t* k_cache,
         const int lo = static_cast<int>(std::max<int64_t>(0, first_key - b * block_size));
         const int hi = static_cast<int>(std::min<int64_t>(block_size, context_len - b * block_size));
         const int64_t next = b + 1 < num_blocks ? table[b + 1] * block_elems : -1;
+        const int64_t share = (block_elems + num_heads - 1) / num_heads;
         for (int kh = 0; kh < num_kv_heads; ++kh) {
-            if (next >= 0) {  // a share of the next block per KV head, spread over the block
-                const int64_t share = (block_elems + num_kv_heads - 1) / num_kv_heads;
-                const int64_t from = kh * share, len = std::min(share, block_elems - from);
-                prefetch_block(k_cache + next + from, len * 2);
-                prefetch_block(v_cache + next + from, len * 2);
-            }
             const uint16_t* k_rows = k_cache + base * row_stride + kh * D;
             for (int g = 0; g < G; ++g) {
                 const int h = kh * G + g;
@@ -326,6 +321,11 @@ void decode_seq_bf16(const uint16_t* q, uint16_t* out, const uint16_t* k_cache,
                 for (int c = 0; c < D / 32; ++c)
                     qv[c] = (__m512bh)_mm512_loadu_si512(qs + h * D + c * 32);
                 float* sh = s + h * block_size;
+                if (next >= 0) {  // a slice of the next block per head: no burst of misses
+                    const int64_t from = h * share, len = std::min(share, block_elems - from);
+                    prefetch_block(k_cache + next + from, len * 2);
+                    prefetch_block(v_cache + next + from, len * 2);
+                }
                 if (block_size == 16) {
                     block_scores16<D>(qv, k_rows, row_stride, scale, sh);
                 } else {
