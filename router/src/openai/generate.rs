@@ -64,7 +64,8 @@ pub(super) fn usage(answered: &[Answered]) -> Usage {
     Usage::new(prompt_tokens, completion_tokens)
 }
 
-/// The timing headers of the first prompt's request over every sample.
+/// The timing headers of the first prompt's request over every sample. (So with several
+/// prompts `x-prompt-tokens` counts the first one only, where a stream counts them all.)
 pub(super) fn headers(answered: &[Answered]) -> HeaderMap {
     let ends: Vec<_> = answered
         .iter()

@@ -25,6 +25,8 @@ use axum::Router;
 use serde::Serialize;
 use utoipa::ToSchema;
 
+// The route types make up the OpenAPI document (`crate::openapi`); the `__path_` items
+// are the operations utoipa generates for the handlers.
 pub use chat::{
     __path_chat_completions, chat_completions, AssistantMessage, ChatChoice, ChatChunkChoice,
     ChatCompletion, ChatCompletionChunk, ChatMessage, ChatRequest, ContentPart, Delta,
