@@ -4,11 +4,11 @@
 //! request's token history (so recompute preemption must reproduce the same output).
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::http::{Request, StatusCode};
+use axum::http::{HeaderMap, Request, StatusCode};
 use axum::Router;
 use serde_json::{json, Value};
 use tower::ServiceExt;
@@ -24,6 +24,8 @@ use crate::server::{router, AppState, Info};
 use crate::validation::Validation;
 
 const BLOCK_SIZE: usize = 4;
+const MAX_BATCH_TOKENS: usize = 32;
+const MAX_BATCH_SIZE: usize = 8;
 
 #[derive(Default)]
 struct FakeRequest {
@@ -221,62 +223,110 @@ struct Harness {
     shard: FakeShard,
 }
 
-fn harness_with(shard: FakeShard, max_concurrent: usize, max_batch_tokens: usize) -> Harness {
-    let tokenizer = testing::tokenizer();
-    let limits = Limits {
-        max_input_tokens: 48,
-        max_total_tokens: 64,
-        max_stop_sequences: 2,
-        max_top_n_tokens: 5,
-        max_best_of: 4,
-        block_size: BLOCK_SIZE,
-        num_blocks: shard.num_blocks,
-    };
-    let validation = Validation {
-        tokenizer,
-        limits: limits.clone(),
-        model_id: "test-model".into(),
-    };
-    let config = LoopConfig {
-        scheduler: SchedulerConfig::new(max_batch_tokens, 8, shard.num_blocks, BLOCK_SIZE),
-        eos_token_ids: vec![testing::eos_id()],
-        max_waiting_requests: 64,
-        model_id: "test-model".into(),
-    };
-    let infer = Infer::spawn(shard.clone(), validation, max_concurrent, config);
-    let info = Info {
-        model_id: "test-model".into(),
-        model_dtype: "float32".into(),
-        model_device_type: "cpu".into(),
-        model_pipeline_tag: "text-generation",
-        max_input_tokens: limits.max_input_tokens,
-        max_total_tokens: limits.max_total_tokens,
-        max_batch_tokens,
-        max_batch_size: 8,
-        max_concurrent_requests: max_concurrent,
-        max_best_of: 4,
-        max_stop_sequences: 2,
-        max_top_n_tokens: 5,
-        block_size: BLOCK_SIZE,
-        num_blocks: shard.num_blocks,
-        world_size: 1,
-        version: "test",
-        router: "cadence",
-    };
-    let app = router(AppState {
-        infer,
-        info,
-        shards: None,
-        chat: None,
-    });
-    Harness { app, shard }
+/// A router in front of a `FakeShard`, configured by chaining: 64 KV blocks, 16
+/// concurrent requests, 32 tokens per step, no step delay unless changed.
+struct Setup {
+    shard: FakeShard,
+    max_concurrent: usize,
+}
+
+fn setup(script: Script) -> Setup {
+    Setup {
+        shard: FakeShard::new(script, 64),
+        max_concurrent: 16,
+    }
 }
 
 fn harness(script: Script) -> Harness {
-    harness_with(FakeShard::new(script, 64), 16, 32)
+    setup(script).build()
+}
+
+impl Setup {
+    fn blocks(mut self, num_blocks: usize) -> Self {
+        self.shard.num_blocks = num_blocks;
+        self
+    }
+
+    fn max_concurrent(mut self, requests: usize) -> Self {
+        self.max_concurrent = requests;
+        self
+    }
+
+    /// How long each step takes (so requests stay in flight a while).
+    fn step_delay(mut self, delay: Duration) -> Self {
+        self.shard.delay = delay;
+        self
+    }
+
+    fn build(self) -> Harness {
+        let Setup {
+            shard,
+            max_concurrent,
+        } = self;
+        let limits = Limits {
+            max_input_tokens: 48,
+            max_total_tokens: 64,
+            max_stop_sequences: 2,
+            max_top_n_tokens: 5,
+            max_best_of: 4,
+            block_size: BLOCK_SIZE,
+            num_blocks: shard.num_blocks,
+        };
+        let info = Info {
+            model_id: "test-model".into(),
+            model_dtype: "float32".into(),
+            model_device_type: "cpu".into(),
+            model_pipeline_tag: "text-generation",
+            max_input_tokens: limits.max_input_tokens,
+            max_total_tokens: limits.max_total_tokens,
+            max_batch_tokens: MAX_BATCH_TOKENS,
+            max_batch_size: MAX_BATCH_SIZE,
+            max_concurrent_requests: max_concurrent,
+            max_best_of: limits.max_best_of,
+            max_stop_sequences: limits.max_stop_sequences,
+            max_top_n_tokens: limits.max_top_n_tokens,
+            block_size: BLOCK_SIZE,
+            num_blocks: shard.num_blocks,
+            world_size: 1,
+            version: "test",
+            router: "cadence",
+        };
+        let validation = Validation {
+            tokenizer: testing::tokenizer(),
+            limits,
+            model_id: "test-model".into(),
+        };
+        let config = LoopConfig {
+            scheduler: SchedulerConfig::new(
+                MAX_BATCH_TOKENS,
+                MAX_BATCH_SIZE,
+                shard.num_blocks,
+                BLOCK_SIZE,
+            ),
+            eos_token_ids: vec![testing::eos_id()],
+            max_waiting_requests: 64,
+            model_id: "test-model".into(),
+        };
+        let infer = Infer::spawn(shard.clone(), validation, max_concurrent, config);
+        let app = router(AppState {
+            infer,
+            info,
+            shards: None,
+            chat: None,
+        });
+        Harness { app, shard }
+    }
 }
 
 impl Harness {
+    async fn send(&self, request: Request<Body>) -> (StatusCode, HeaderMap, String) {
+        send(&self.app, request).await
+    }
+
+    async fn get(&self, path: &str) -> (StatusCode, HeaderMap, String) {
+        self.send(get(path)).await
+    }
+
     async fn post_raw(
         &self,
         path: &str,
@@ -287,17 +337,10 @@ impl Harness {
         if let Some(ct) = content_type {
             req = req.header("content-type", ct);
         }
-        let resp = self
-            .app
-            .clone()
-            .oneshot(req.body(Body::from(body.to_string())).unwrap())
-            .await
-            .unwrap();
-        let status = resp.status();
-        let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX)
-            .await
-            .unwrap();
-        (status, String::from_utf8(bytes.to_vec()).unwrap())
+        let (status, _, text) = self
+            .send(req.body(Body::from(body.to_string())).unwrap())
+            .await;
+        (status, text)
     }
 
     async fn post(&self, path: &str, body: Value) -> (StatusCode, Value) {
@@ -324,14 +367,47 @@ impl Harness {
         (status, events)
     }
 
+    fn shard_state(&self) -> MutexGuard<'_, FakeState> {
+        self.shard.state.lock().unwrap()
+    }
+
     fn assert_protocol_ok(&self) {
-        let s = self.shard.state.lock().unwrap();
+        let s = self.shard_state();
         assert!(s.violations.is_empty(), "{:?}", s.violations);
     }
 }
 
+/// Sends `request` to `app`: status, headers and body text.
+async fn send(app: &Router, request: Request<Body>) -> (StatusCode, HeaderMap, String) {
+    let response = app.clone().oneshot(request).await.unwrap();
+    let status = response.status();
+    let headers = response.headers().clone();
+    let bytes = axum::body::to_bytes(response.into_body(), usize::MAX)
+        .await
+        .unwrap();
+    (status, headers, String::from_utf8(bytes.to_vec()).unwrap())
+}
+
+fn get(path: &str) -> Request<Body> {
+    Request::get(path).body(Body::empty()).unwrap()
+}
+
+fn post_json(path: &str, body: &Value, key: Option<&str>) -> Request<Body> {
+    let mut b = Request::post(path).header("content-type", "application/json");
+    if let Some(key) = key {
+        b = b.header("authorization", format!("Bearer {key}"));
+    }
+    b.body(Body::from(body.to_string())).unwrap()
+}
+
+/// `text`'s token ids, without the BOS token the tokenizer adds.
 fn ids(text: &str) -> Vec<u32> {
     testing::tokenizer().encode(text).unwrap()[1..].to_vec()
+}
+
+/// How many tokens the router counts for prompt `text` (BOS included).
+fn prompt_tokens(text: &str) -> usize {
+    ids(text).len() + 1
 }
 
 async fn expect_422(h: &Harness, body: Value, needle: &str) {
@@ -355,74 +431,54 @@ async fn expect_422(h: &Harness, body: Value, needle: &str) {
 async fn each_invalid_parameter_is_a_422_naming_the_field_on_both_routes() {
     let h = harness(Script::Hash);
     let p = |params: Value| json!({"inputs": "hello", "parameters": params});
-    expect_422(&h, json!({"inputs": ""}), "inputs").await;
-    expect_422(&h, json!({"parameters": {}}), "inputs").await;
-    expect_422(
-        &h,
-        p(json!({"max_new_tokens": "ten"})),
-        "parameters.max_new_tokens",
-    )
-    .await;
-    expect_422(
-        &h,
-        p(json!({"max_new_tokens": -1})),
-        "parameters.max_new_tokens",
-    )
-    .await;
-    expect_422(&h, p(json!({"max_new_tokens": 0})), "max_new_tokens").await;
-    expect_422(&h, p(json!({"temprature": 0.5})), "temprature").await;
-    expect_422(&h, json!({"inputs": "a", "prameters": {}}), "prameters").await;
-    expect_422(&h, p(json!({"temperature": 0.0})), "temperature").await;
-    expect_422(&h, p(json!({"temperature": -1.0})), "temperature").await;
-    expect_422(&h, p(json!({"top_p": 0.0})), "top_p").await;
-    expect_422(&h, p(json!({"top_p": 1.5})), "top_p").await;
-    expect_422(&h, p(json!({"top_k": 0})), "top_k").await;
-    expect_422(&h, p(json!({"typical_p": 0.0})), "typical_p").await;
-    expect_422(&h, p(json!({"min_p": 1.0})), "min_p").await;
-    expect_422(
-        &h,
-        p(json!({"repetition_penalty": 0.0})),
-        "repetition_penalty",
-    )
-    .await;
-    expect_422(
-        &h,
-        p(json!({"frequency_penalty": 3.0})),
-        "frequency_penalty",
-    )
-    .await;
-    expect_422(&h, p(json!({"stop": ["a", "b", "c"]})), "stop").await;
-    expect_422(&h, p(json!({"stop": [""]})), "stop").await;
-    expect_422(&h, p(json!({"best_of": 2})), "best_of").await; // greedy
-    expect_422(&h, p(json!({"best_of": 0})), "best_of").await;
-    expect_422(
-        &h,
-        p(json!({"best_of": 5, "do_sample": true})),
-        "max_best_of",
-    )
-    .await;
-    expect_422(&h, p(json!({"top_n_tokens": 6})), "max_top_n_tokens").await;
-    expect_422(&h, p(json!({"watermark": true})), "watermark").await;
-    expect_422(
-        &h,
-        p(json!({"grammar": {"type": "json", "value": {}}})),
-        "grammar",
-    )
-    .await;
-    expect_422(&h, p(json!({"adapter_id": "lora-x"})), "adapter_id").await;
-    expect_422(&h, p(json!({"top_n_tokens": 50})), "top_n_tokens").await;
-    expect_422(&h, p(json!({"truncate": 0})), "truncate").await;
-    // 60 input tokens > max_input_tokens (48).
-    let long = "x".repeat(60);
-    expect_422(&h, json!({"inputs": long}), "inputs").await;
-    // 41 input tokens + 30 new > max_total_tokens (64).
-    let medium = "x".repeat(40);
-    expect_422(
-        &h,
-        json!({"inputs": medium, "parameters": {"max_new_tokens": 30}}),
-        "max_new_tokens",
-    )
-    .await;
+    let cases = [
+        (json!({"inputs": ""}), "inputs"),
+        (json!({"parameters": {}}), "inputs"),
+        (
+            p(json!({"max_new_tokens": "ten"})),
+            "parameters.max_new_tokens",
+        ),
+        (
+            p(json!({"max_new_tokens": -1})),
+            "parameters.max_new_tokens",
+        ),
+        (p(json!({"max_new_tokens": 0})), "max_new_tokens"),
+        (p(json!({"temprature": 0.5})), "temprature"),
+        (json!({"inputs": "a", "prameters": {}}), "prameters"),
+        (p(json!({"temperature": 0.0})), "temperature"),
+        (p(json!({"temperature": -1.0})), "temperature"),
+        (p(json!({"top_p": 0.0})), "top_p"),
+        (p(json!({"top_p": 1.5})), "top_p"),
+        (p(json!({"top_k": 0})), "top_k"),
+        (p(json!({"typical_p": 0.0})), "typical_p"),
+        (p(json!({"min_p": 1.0})), "min_p"),
+        (p(json!({"repetition_penalty": 0.0})), "repetition_penalty"),
+        (p(json!({"frequency_penalty": 3.0})), "frequency_penalty"),
+        (p(json!({"stop": ["a", "b", "c"]})), "stop"),
+        (p(json!({"stop": [""]})), "stop"),
+        (p(json!({"best_of": 2})), "best_of"), // greedy
+        (p(json!({"best_of": 0})), "best_of"),
+        (p(json!({"best_of": 5, "do_sample": true})), "max_best_of"),
+        (p(json!({"top_n_tokens": 6})), "max_top_n_tokens"),
+        (p(json!({"watermark": true})), "watermark"),
+        (
+            p(json!({"grammar": {"type": "json", "value": {}}})),
+            "grammar",
+        ),
+        (p(json!({"adapter_id": "lora-x"})), "adapter_id"),
+        (p(json!({"top_n_tokens": 50})), "top_n_tokens"),
+        (p(json!({"truncate": 0})), "truncate"),
+        // 60 input tokens > max_input_tokens (48).
+        (json!({"inputs": "x".repeat(60)}), "inputs"),
+        // 41 input tokens + 30 new > max_total_tokens (64).
+        (
+            json!({"inputs": "x".repeat(40), "parameters": {"max_new_tokens": 30}}),
+            "max_new_tokens",
+        ),
+    ];
+    for (body, needle) in cases {
+        expect_422(&h, body, needle).await;
+    }
     // Malformed JSON.
     let (status, text) = h
         .post_raw("/generate", "{\"inputs\": ", Some("application/json"))
@@ -436,7 +492,7 @@ async fn each_invalid_parameter_is_a_422_naming_the_field_on_both_routes() {
 #[tokio::test]
 async fn requests_that_could_never_fit_in_the_kv_cache_are_rejected() {
     // 8 blocks of 4 = 32 tokens of KV.
-    let h = harness_with(FakeShard::new(Script::Hash, 8), 16, 32);
+    let h = setup(Script::Hash).blocks(8).build();
     let body = json!({"inputs": "x".repeat(20), "parameters": {"max_new_tokens": 20}});
     let (status, v) = h.post("/generate", body).await;
     assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
@@ -538,15 +594,13 @@ async fn ignore_eos_generates_to_the_token_limit() {
     assert_eq!(v["details"]["generated_tokens"], 7);
     // The script repeats: o k EOS o k EOS o; the EOS tokens decode to nothing.
     assert_eq!(v["generated_text"], "okoko");
-    let (status, _, text) = send(
-        &h.app,
-        post_json(
+    let (status, _, text) = h
+        .send(post_json(
             "/v1/completions",
             &json!({"prompt": "hi", "max_tokens": 5, "ignore_eos": true}),
             None,
-        ),
-    )
-    .await;
+        ))
+        .await;
     assert_eq!(status, StatusCode::OK, "{text}");
     let v: Value = serde_json::from_str(&text).unwrap();
     assert_eq!(v["usage"]["completion_tokens"], 5, "{text}");
@@ -642,14 +696,17 @@ async fn truncate_keeps_the_last_input_tokens() {
         json!({"inputs": "x".repeat(100), "parameters": {"max_new_tokens": 2, "truncate": 10}});
     let (status, v) = h.post("/generate", body).await;
     assert_eq!(status, StatusCode::OK, "{v}");
-    let s = h.shard.state.lock().unwrap();
+    let s = h.shard_state();
     assert!(s.violations.is_empty());
 }
 
 #[tokio::test]
 async fn preemption_under_a_tiny_cache_gives_the_same_greedy_output() {
     async fn run_all(num_blocks: usize) -> (Vec<String>, usize) {
-        let h = harness_with(FakeShard::new(Script::Hash, num_blocks), 64, 32);
+        let h = setup(Script::Hash)
+            .blocks(num_blocks)
+            .max_concurrent(64)
+            .build();
         let prompts = [
             "alpha",
             "beta gamma",
@@ -665,7 +722,7 @@ async fn preemption_under_a_tiny_cache_gives_the_same_greedy_output() {
         }))
         .await;
         h.assert_protocol_ok();
-        let s = h.shard.state.lock().unwrap();
+        let s = h.shard_state();
         assert!(s.max_live_blocks <= num_blocks);
         let texts = outputs
             .into_iter()
@@ -691,7 +748,7 @@ async fn preemption_under_a_tiny_cache_gives_the_same_greedy_output() {
 #[tokio::test]
 async fn a_failed_step_fails_requests_in_flight_and_later_requests_succeed() {
     let h = harness(Script::Hash);
-    h.shard.state.lock().unwrap().fail_steps = 1;
+    h.shard_state().fail_steps = 1;
     let (status, v) = h.post("/generate", json!({"inputs": "hi"})).await;
     assert_eq!(status, StatusCode::FAILED_DEPENDENCY, "{v}");
     assert_eq!(v["error_type"], "generation");
@@ -707,9 +764,10 @@ async fn a_failed_step_fails_requests_in_flight_and_later_requests_succeed() {
 
 #[tokio::test]
 async fn beyond_max_concurrent_requests_is_429_and_cancelled_streams_free_their_slot() {
-    let mut shard = FakeShard::new(Script::Hash, 64);
-    shard.delay = Duration::from_millis(5);
-    let h = harness_with(shard, 1, 32);
+    let h = setup(Script::Hash)
+        .step_delay(Duration::from_millis(5))
+        .max_concurrent(1)
+        .build();
     let body = json!({"inputs": "hi", "parameters": {"max_new_tokens": 60}}).to_string();
     let req = Request::post("/generate_stream")
         .body(Body::from(body.clone()))
@@ -724,7 +782,7 @@ async fn beyond_max_concurrent_requests_is_429_and_cancelled_streams_free_their_
     let mut ok = false;
     for _ in 0..100 {
         tokio::time::sleep(Duration::from_millis(10)).await;
-        let s = h.shard.state.lock().unwrap();
+        let s = h.shard_state();
         if s.removed.contains(&0) || s.requests.is_empty() {
             ok = true;
             break;
@@ -744,44 +802,13 @@ async fn beyond_max_concurrent_requests_is_429_and_cancelled_streams_free_their_
 #[tokio::test]
 async fn info_and_health_answer() {
     let h = harness(Script::Hash);
-    let resp = h
-        .app
-        .clone()
-        .oneshot(Request::get("/info").body(Body::empty()).unwrap())
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), StatusCode::OK);
-    let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX)
-        .await
-        .unwrap();
-    let v: Value = serde_json::from_slice(&bytes).unwrap();
+    let (status, _, text) = h.get("/info").await;
+    assert_eq!(status, StatusCode::OK);
+    let v: Value = serde_json::from_str(&text).unwrap();
     assert_eq!(v["router"], "cadence");
     assert_eq!(v["max_total_tokens"], 64);
-    let resp = h
-        .app
-        .clone()
-        .oneshot(Request::get("/health").body(Body::empty()).unwrap())
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
-}
-
-async fn send(app: &Router, request: Request<Body>) -> (StatusCode, axum::http::HeaderMap, String) {
-    let response = app.clone().oneshot(request).await.unwrap();
-    let status = response.status();
-    let headers = response.headers().clone();
-    let bytes = axum::body::to_bytes(response.into_body(), usize::MAX)
-        .await
-        .unwrap();
-    (status, headers, String::from_utf8(bytes.to_vec()).unwrap())
-}
-
-fn post_json(path: &str, body: &Value, key: Option<&str>) -> Request<Body> {
-    let mut b = Request::post(path).header("content-type", "application/json");
-    if let Some(key) = key {
-        b = b.header("authorization", format!("Bearer {key}"));
-    }
-    b.body(Body::from(body.to_string())).unwrap()
+    let (status, _, _) = h.get("/health").await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
 }
 
 #[tokio::test]
@@ -789,7 +816,7 @@ async fn best_of_generates_siblings_with_distinct_derived_seeds_and_timing_heade
     let h = harness(Script::Hash);
     let body = json!({"inputs": "hello", "parameters": {
         "best_of": 3, "do_sample": true, "seed": 7, "details": true, "max_new_tokens": 4}});
-    let (status, headers, text) = send(&h.app, post_json("/generate", &body, None)).await;
+    let (status, headers, text) = h.send(post_json("/generate", &body, None)).await;
     assert_eq!(status, StatusCode::OK, "{text}");
     let v: Value = serde_json::from_str(&text).unwrap();
     let others = v["details"]["best_of_sequences"].as_array().unwrap();
@@ -806,7 +833,7 @@ async fn best_of_generates_siblings_with_distinct_derived_seeds_and_timing_heade
     assert_eq!(headers["x-generated-tokens"], "12");
     assert_eq!(
         headers["x-prompt-tokens"],
-        (ids("hello").len() + 1).to_string().as_str()
+        prompt_tokens("hello").to_string().as_str()
     );
     for name in ["x-queue-time", "x-inference-time", "x-time-per-token"] {
         assert!(headers.contains_key(name), "{name}");
@@ -843,7 +870,7 @@ async fn openai_errors_are_400_in_openai_shape_naming_the_parameter() {
         (json!({"prompt": "hi", "seed": -1}), "seed"),
     ];
     for (body, param) in cases {
-        let (status, _, text) = send(&h.app, post_json("/v1/completions", &body, None)).await;
+        let (status, _, text) = h.send(post_json("/v1/completions", &body, None)).await;
         assert_eq!(status, StatusCode::BAD_REQUEST, "{body}: {text}");
         let v: Value = serde_json::from_str(&text).unwrap();
         assert_eq!(v["error"]["type"], "invalid_request_error", "{text}");
@@ -855,19 +882,17 @@ async fn openai_errors_are_400_in_openai_shape_naming_the_parameter() {
     }
     // No chat template in the test model: chat completions say so, naming messages.
     let chat = json!({"messages": [{"role": "user", "content": "hi"}]});
-    let (status, _, text) = send(&h.app, post_json("/v1/chat/completions", &chat, None)).await;
+    let (status, _, text) = h.send(post_json("/v1/chat/completions", &chat, None)).await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{text}");
     assert!(text.contains("\"param\":\"messages\""), "{text}");
     // ... and the server still serves.
-    let (status, _, text) = send(
-        &h.app,
-        post_json(
+    let (status, _, text) = h
+        .send(post_json(
             "/v1/completions",
             &json!({"prompt": "hi", "max_tokens": 3, "n": 2}),
             None,
-        ),
-    )
-    .await;
+        ))
+        .await;
     assert_eq!(status, StatusCode::OK, "{text}");
     let v: Value = serde_json::from_str(&text).unwrap();
     assert_eq!(v["choices"].as_array().unwrap().len(), 2);
@@ -898,7 +923,6 @@ async fn api_keys_guard_every_route_but_the_open_ones_and_payload_limit_is_a_422
     assert!(text.contains("invalid_api_key"), "{text}");
     let (status, _, _) = send(&app, post_json("/generate", &body, Some("sekret"))).await;
     assert_eq!(status, StatusCode::OK);
-    let get = |path: &str| Request::get(path).body(Body::empty()).unwrap();
     let (status, _, _) = send(&app, get("/health")).await;
     assert_eq!(
         status,
@@ -933,11 +957,9 @@ async fn api_keys_guard_every_route_but_the_open_ones_and_payload_limit_is_a_422
 #[tokio::test]
 async fn tokenize_returns_ids_with_character_offsets_and_the_openapi_document_lists_routes() {
     let h = harness(Script::Hash);
-    let (status, _, text) = send(
-        &h.app,
-        post_json("/tokenize", &json!({"inputs": "héllo"}), None),
-    )
-    .await;
+    let (status, _, text) = h
+        .send(post_json("/tokenize", &json!({"inputs": "héllo"}), None))
+        .await;
     assert_eq!(status, StatusCode::OK, "{text}");
     let tokens: Vec<Value> = serde_json::from_str(&text).unwrap();
     let expected = testing::tokenizer().encode("héllo").unwrap();
@@ -950,11 +972,7 @@ async fn tokenize_returns_ids_with_character_offsets_and_the_openapi_document_li
     );
     let last = tokens.last().unwrap();
     assert_eq!(last["stop"], 5, "offsets count characters, not bytes");
-    let (status, _, text) = send(
-        &h.app,
-        Request::get("/openapi.json").body(Body::empty()).unwrap(),
-    )
-    .await;
+    let (status, _, text) = h.get("/openapi.json").await;
     assert_eq!(status, StatusCode::OK);
     let doc: Value = serde_json::from_str(&text).unwrap();
     for path in [
@@ -973,9 +991,9 @@ async fn tokenize_returns_ids_with_character_offsets_and_the_openapi_document_li
 }
 #[tokio::test]
 async fn metrics_count_tokens_requests_and_blocks() {
-    let mut shard = FakeShard::new(Script::Hash, 64);
-    shard.delay = Duration::from_millis(5);
-    let h = harness_with(shard, 16, 32);
+    let h = setup(Script::Hash)
+        .step_delay(Duration::from_millis(5))
+        .build();
     let (status, _) = h
         .post(
             "/generate",
@@ -983,20 +1001,8 @@ async fn metrics_count_tokens_requests_and_blocks() {
         )
         .await;
     assert_eq!(status, StatusCode::OK);
-    let resp = h
-        .app
-        .clone()
-        .oneshot(Request::get("/metrics").body(Body::empty()).unwrap())
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), StatusCode::OK);
-    let text = String::from_utf8(
-        axum::body::to_bytes(resp.into_body(), usize::MAX)
-            .await
-            .unwrap()
-            .to_vec(),
-    )
-    .unwrap();
+    let (status, _, text) = h.get("/metrics").await;
+    assert_eq!(status, StatusCode::OK);
     assert!(text.contains("cadence_generation_tokens_total{model=\"test-model\"} 5\n"));
     assert!(text.contains("cadence_requests_succeeded_total{model=\"test-model\"} 1\n"));
     assert!(text.contains("cadence_kv_blocks_used{model=\"test-model\"} 0\n"));
@@ -1008,7 +1014,7 @@ async fn metrics_count_tokens_requests_and_blocks() {
 async fn best_of_siblings_fork_from_the_first_sample_and_compute_the_prompt_once() {
     let h = harness(Script::Seeded);
     let inputs = "hello worlds!!";
-    let prompt_len = ids(inputs).len() + 1;
+    let prompt_len = prompt_tokens(inputs);
     // A partial last block of 3 tokens: without the fork each sibling would compute them.
     assert_eq!(prompt_len % BLOCK_SIZE, 3);
     let body = json!({"inputs": inputs, "parameters": {
@@ -1031,7 +1037,7 @@ async fn best_of_siblings_fork_from_the_first_sample_and_compute_the_prompt_once
         v["generated_text"].as_str().unwrap().into(),
     ));
     {
-        let s = h.shard.state.lock().unwrap();
+        let s = h.shard_state();
         // Sample 0 computes the prompt; each fork recomputes only the last prompt
         // token (into a copy of the shared partial block) for its own logits.
         assert_eq!(s.prompt_computed, prompt_len + 2);
@@ -1053,11 +1059,7 @@ async fn best_of_siblings_fork_from_the_first_sample_and_compute_the_prompt_once
     }
     h.assert_protocol_ok();
     // Every block was released (full prompt blocks stay cached, unreferenced).
-    let (_, _, metrics) = send(
-        &h.app,
-        Request::get("/metrics").body(Body::empty()).unwrap(),
-    )
-    .await;
+    let (_, _, metrics) = h.get("/metrics").await;
     assert!(metrics.contains("cadence_kv_blocks_used{model=\"test-model\"} 0\n"));
 }
 
@@ -1067,12 +1069,12 @@ async fn streams_carry_the_operator_headers_known_when_they_start() {
     let inputs = "hello wörld";
     let body = json!({"inputs": inputs, "stream": true, "parameters": {"max_new_tokens": 3}});
     for path in ["/generate_stream", "/"] {
-        let (status, headers, text) = send(&h.app, post_json(path, &body, None)).await;
+        let (status, headers, text) = h.send(post_json(path, &body, None)).await;
         assert_eq!(status, StatusCode::OK, "{path}: {text}");
         assert_eq!(headers["content-type"], "text/event-stream", "{path}");
         assert_eq!(
             headers["x-prompt-tokens"],
-            (ids(inputs).len() + 1).to_string().as_str(),
+            prompt_tokens(inputs).to_string().as_str(),
             "{path}"
         );
         assert_eq!(headers["x-compute-characters"], "11", "{path}");
@@ -1080,11 +1082,11 @@ async fn streams_carry_the_operator_headers_known_when_they_start() {
         assert_eq!(text.matches("data:").count(), 3, "{path}: {text}");
     }
     let body = json!({"prompt": inputs, "stream": true, "max_tokens": 3});
-    let (status, headers, text) = send(&h.app, post_json("/v1/completions", &body, None)).await;
+    let (status, headers, text) = h.send(post_json("/v1/completions", &body, None)).await;
     assert_eq!(status, StatusCode::OK, "{text}");
     assert_eq!(
         headers["x-prompt-tokens"],
-        (ids(inputs).len() + 1).to_string().as_str()
+        prompt_tokens(inputs).to_string().as_str()
     );
     assert_eq!(headers["x-accel-buffering"], "no");
     h.assert_protocol_ok();

@@ -1,0 +1,328 @@
+//! `POST /v1/completions`: one or more prompts (text or token ids), `n` choices each,
+//! `best_of` ranking, `echo`, and logprobs in the completions shape.
+
+use std::collections::HashMap;
+
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+use super::error::{ApiError, OpenAiError, OpenAiJson, ParamNames};
+use super::generate::{self, Answered};
+use super::logprobs::CompletionLogprobs;
+use super::sampling::{Sampling, StopInput};
+use super::stream::{self, Chunks, StreamOptions};
+use super::{finish_reason, Envelope, Usage, FINGERPRINT};
+use crate::detokenize::TokenizerInfo;
+use crate::infer::{Submitted, TokenEvent};
+use crate::server::{AppState, Sample};
+use crate::validation::Prompt;
+
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(untagged)]
+pub enum PromptInput {
+    Text(String),
+    Texts(Vec<String>),
+    Ids(Vec<u32>),
+    IdsList(Vec<Vec<u32>>),
+}
+
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+pub struct CompletionRequest {
+    pub model: Option<String>,
+    /// A string, a list of strings, a list of token ids or a list of such lists.
+    pub prompt: PromptInput,
+    /// Most tokens to generate per choice [default: 16].
+    pub max_tokens: Option<u32>,
+    /// [0, 2]; 0 is greedy [default: 1].
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    /// Choices per prompt.
+    pub n: Option<u32>,
+    /// Samples generated per prompt, the best `n` returned (by cumulative logprob).
+    pub best_of: Option<u32>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+    /// Return the logprobs of each token and of this many alternatives.
+    pub logprobs: Option<u32>,
+    /// Return the prompt before the completion (with its logprobs when asked).
+    pub echo: Option<bool>,
+    pub stop: Option<StopInput>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    /// Token id (as a string) -> bias in [-100, 100] added to its logit.
+    pub logit_bias: Option<HashMap<String, f32>>,
+    pub seed: Option<u64>,
+    pub user: Option<String>,
+    /// Not supported (must be null or empty).
+    pub suffix: Option<String>,
+    pub top_k: Option<i64>,
+    pub min_p: Option<f32>,
+    pub typical_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    /// vLLM's extension: generate past the end-of-sequence token up to the token limit.
+    pub ignore_eos: Option<bool>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct CompletionChoice {
+    text: String,
+    index: usize,
+    logprobs: Option<CompletionLogprobs>,
+    finish_reason: Option<&'static str>,
+}
+
+// The whole answer, and each chunk of a stream (then `usage` only in the last one).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Completion {
+    id: String,
+    object: &'static str,
+    created: u64,
+    model: String,
+    system_fingerprint: String,
+    choices: Vec<CompletionChoice>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    usage: Option<Usage>,
+}
+
+impl Completion {
+    fn new(envelope: &Envelope, choices: Vec<CompletionChoice>, usage: Option<Usage>) -> Self {
+        Self {
+            id: envelope.id.clone(),
+            object: "text_completion",
+            created: envelope.created,
+            model: envelope.model.clone(),
+            system_fingerprint: FINGERPRINT.into(),
+            choices,
+            usage,
+        }
+    }
+}
+
+const NAMES: ParamNames = &[
+    ("max_new_tokens", "max_tokens"),
+    ("top_n_tokens", "logprobs"),
+    ("inputs", "prompt"),
+    ("decoder_input_details", "echo"),
+];
+
+/// What the choices show besides their text.
+#[derive(Clone, Copy)]
+struct Shown {
+    /// The prompt before the generated text.
+    echo: bool,
+    /// Logprobs of each token ...
+    logprobs: bool,
+    /// ... and of its alternatives.
+    alternatives: bool,
+}
+
+#[utoipa::path(post, path = "/v1/completions", request_body = CompletionRequest, tag = "OpenAI",
+    responses((status = 200, description = "A completion, or an SSE stream of completion chunks ending with [DONE] when stream is true", body = Completion),
+              (status = 400, body = OpenAiError), (status = 401, body = OpenAiError),
+              (status = 429, body = OpenAiError)))]
+pub async fn completions(
+    State(state): State<AppState>,
+    OpenAiJson(request): OpenAiJson<CompletionRequest>,
+) -> Response {
+    match completions_inner(state, request).await {
+        Ok(response) => response,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn completions_inner(state: AppState, r: CompletionRequest) -> Result<Response, ApiError> {
+    if r.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
+        return Err(ApiError::invalid("suffix", "is not supported"));
+    }
+    let prompts = prompts(r.prompt);
+    if prompts.is_empty() {
+        return Err(ApiError::invalid("prompt", "must not be empty"));
+    }
+    let stream = r.stream.unwrap_or(false);
+    let shown = Shown {
+        echo: r.echo.unwrap_or(false),
+        logprobs: r.logprobs.is_some(),
+        alternatives: r.logprobs.unwrap_or(0) > 0,
+    };
+    if stream && r.best_of.is_some_and(|b| b > r.n.unwrap_or(1)) {
+        return Err(ApiError::invalid("best_of", "must equal n when streaming"));
+    }
+    let sampling = Sampling {
+        temperature: r.temperature,
+        top_p: r.top_p,
+        n: r.n,
+        best_of: r.best_of,
+        stop: r.stop,
+        seed: r.seed,
+        frequency_penalty: r.frequency_penalty,
+        presence_penalty: r.presence_penalty,
+        logit_bias: r.logit_bias,
+        top_k: r.top_k,
+        min_p: r.min_p,
+        typical_p: r.typical_p,
+        repetition_penalty: r.repetition_penalty,
+        ignore_eos: r.ignore_eos,
+        max_tokens: Some(r.max_tokens.unwrap_or(16)),
+        top_n: r.logprobs,
+        prompt_logprobs: shown.echo && shown.logprobs,
+        // A stream echoes the prompt in its opening chunks instead.
+        echo: shown.echo && !stream,
+    };
+    let (parameters, extra) = sampling.into_parameters()?;
+    let n = extra.n.max(1) as usize;
+    let submitted = generate::submit_all(&state, prompts, parameters, extra, NAMES).await?;
+    let tokenizer = state.infer.validation.tokenizer.clone();
+    if stream {
+        let envelope = Envelope::new("cmpl", &state);
+        let include_usage = stream::include_usage(r.stream_options);
+        return Ok(completion_stream(
+            submitted,
+            n,
+            envelope,
+            tokenizer,
+            shown,
+            include_usage,
+        ));
+    }
+    let answered = generate::collect_all(submitted, NAMES).await?;
+    let usage = generate::usage(&answered);
+    let headers = generate::headers(&answered);
+    let mut choices = Vec::new();
+    for (p, answer) in answered.into_iter().enumerate() {
+        choices.extend(prompt_choices(&tokenizer, answer, p * n, n, shown));
+    }
+    let envelope = Envelope::new("cmpl", &state);
+    let body = Completion::new(&envelope, choices, Some(usage));
+    Ok((headers, Json(body)).into_response())
+}
+
+fn prompts(input: PromptInput) -> Vec<Prompt> {
+    let text = |text| Prompt::Text {
+        text,
+        add_special: true,
+    };
+    match input {
+        PromptInput::Text(t) => vec![text(t)],
+        PromptInput::Texts(texts) => texts.into_iter().map(text).collect(),
+        PromptInput::Ids(ids) => vec![Prompt::Ids(ids)],
+        PromptInput::IdsList(lists) => lists.into_iter().map(Prompt::Ids).collect(),
+    }
+}
+
+/// The best `n` samples of one prompt as choices, indexed from `first_index`.
+fn prompt_choices(
+    tokenizer: &TokenizerInfo,
+    answer: Answered,
+    first_index: usize,
+    n: usize,
+    shown: Shown,
+) -> impl Iterator<Item = CompletionChoice> + '_ {
+    let Answered { request, samples } = answer;
+    // The prompt's logprobs come with the first sample only; every choice shows them.
+    let first = samples.first();
+    let prefill = first.map(|s| s.prefill.clone()).unwrap_or_default();
+    let prefill_top = first
+        .map(|s| s.prefill_top_tokens.clone())
+        .unwrap_or_default();
+    let prompt_text = request.prefix.unwrap_or_default();
+    best_n(samples, n)
+        .into_iter()
+        .enumerate()
+        .map(move |(j, sample)| {
+            let logprobs = shown.logprobs.then(|| {
+                let mut lp = CompletionLogprobs::default();
+                if shown.echo {
+                    // `prefill_top` starts at the second prompt token (the first has
+                    // no logprob).
+                    lp = CompletionLogprobs::of(
+                        tokenizer,
+                        &prefill,
+                        &prefill_top,
+                        1,
+                        0,
+                        shown.alternatives,
+                    );
+                }
+                lp.append(CompletionLogprobs::of(
+                    tokenizer,
+                    &sample.tokens,
+                    &sample.top_tokens,
+                    0,
+                    prompt_text.len(),
+                    shown.alternatives,
+                ));
+                lp
+            });
+            CompletionChoice {
+                text: sample.end.generated_text,
+                index: first_index + j,
+                logprobs,
+                finish_reason: Some(finish_reason(sample.end.finish_reason)),
+            }
+        })
+}
+
+/// The `best_of` samples of a prompt, best first, cut to `n`: ranked by cumulative
+/// logprob when more were generated than returned.
+fn best_n(mut samples: Vec<Sample>, n: usize) -> Vec<Sample> {
+    if samples.len() > n {
+        samples.sort_by(|a, b| {
+            b.end
+                .cumulative_logprob
+                .total_cmp(&a.end.cumulative_logprob)
+        });
+        samples.truncate(n);
+    }
+    samples
+}
+
+fn completion_stream(
+    submitted: Vec<Submitted>,
+    n: usize,
+    envelope: Envelope,
+    tokenizer: TokenizerInfo,
+    shown: Shown,
+    include_usage: bool,
+) -> Response {
+    let choice = |text, index, logprobs, finish_reason| CompletionChoice {
+        text,
+        index,
+        logprobs,
+        finish_reason,
+    };
+    // Echo: each choice opens with its prompt.
+    let mut opening = Vec::new();
+    if shown.echo {
+        for (p, s) in submitted.iter().enumerate() {
+            let text = tokenizer.decode_all(&s.request.input_ids);
+            for j in 0..n {
+                let echoed = choice(text.clone(), p * n + j, None, None);
+                opening.push(Completion::new(&envelope, vec![echoed], None));
+            }
+        }
+    }
+    let last = envelope.clone();
+    let chunks = Chunks {
+        opening,
+        token: move |index, event: TokenEvent| {
+            let logprobs = shown.logprobs.then(|| {
+                CompletionLogprobs::of(
+                    &tokenizer,
+                    std::slice::from_ref(&event.token),
+                    std::slice::from_ref(&event.top_tokens),
+                    0,
+                    0,
+                    shown.alternatives,
+                )
+            });
+            let reason = event.end.as_ref().map(|e| finish_reason(e.finish_reason));
+            let token = choice(event.token.text, index, logprobs, reason);
+            Completion::new(&envelope, vec![token], None)
+        },
+        usage: move |usage| Completion::new(&last, Vec::new(), Some(usage)),
+    };
+    stream::respond(submitted, n, NAMES, include_usage, chunks)
+}

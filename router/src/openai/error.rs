@@ -1,0 +1,140 @@
+//! Errors in OpenAI's shape `{"error": {"message", "type", "param", "code"}}`, and the
+//! JSON body extractor whose rejections take that shape too.
+
+use axum::extract::{FromRequest, Request};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use utoipa::ToSchema;
+
+use crate::error::InferError;
+use crate::server::read_body;
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct OpenAiErrorDetail {
+    pub message: String,
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub param: Option<String>,
+    pub code: Option<String>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct OpenAiError {
+    pub error: OpenAiErrorDetail,
+}
+
+/// A route's TGI parameter names paired with its OpenAI names, so a validation error
+/// names the field the client sent.
+pub(super) type ParamNames = &'static [(&'static str, &'static str)];
+
+/// An error answered in OpenAI's shape.
+pub struct ApiError {
+    status: StatusCode,
+    /// Also sent alone as an SSE event when a stream fails after it started.
+    pub(super) body: OpenAiError,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, kind: &str, message: String, param: Option<String>) -> Self {
+        Self {
+            status,
+            body: OpenAiError {
+                error: OpenAiErrorDetail {
+                    message,
+                    kind: kind.into(),
+                    param,
+                    code: None,
+                },
+            },
+        }
+    }
+
+    pub fn invalid(param: &str, message: impl Into<String>) -> Self {
+        let message = message.into();
+        Self::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            format!("{param}: {message}"),
+            Some(param.into()),
+        )
+    }
+
+    pub fn unauthorized() -> Self {
+        let mut e = Self::new(
+            StatusCode::UNAUTHORIZED,
+            "invalid_request_error",
+            "missing or invalid API key: send Authorization: Bearer <key>".into(),
+            None,
+        );
+        e.body.error.code = Some("invalid_api_key".into());
+        e
+    }
+
+    /// A router error, its TGI parameter names turned into the route's OpenAI names.
+    pub(super) fn from_infer(e: InferError, names: ParamNames) -> Self {
+        let (status, kind) = match &e {
+            InferError::Validation(_) => (StatusCode::BAD_REQUEST, "invalid_request_error"),
+            InferError::Overloaded(_) => (StatusCode::TOO_MANY_REQUESTS, "rate_limit_exceeded"),
+            InferError::Generation(_) => (StatusCode::INTERNAL_SERVER_ERROR, "server_error"),
+            InferError::Unhealthy(_) => (StatusCode::SERVICE_UNAVAILABLE, "server_error"),
+        };
+        let mut message = e.to_string();
+        let mut param = None;
+        if let InferError::Validation(_) = e {
+            let field = message
+                .split([' ', ':', '('])
+                .next()
+                .unwrap_or_default()
+                .trim_start_matches("parameters.")
+                .to_string();
+            let name = names
+                .iter()
+                .find(|(tgi, _)| *tgi == field)
+                .map_or(field.as_str(), |(_, openai)| openai)
+                .to_string();
+            if !name.is_empty() {
+                let rest = message
+                    .split_once(&field)
+                    .map_or("", |(_, r)| r)
+                    .to_string();
+                message = format!("{name}{rest}");
+                param = Some(name);
+            }
+        }
+        Self::new(status, kind, message, param)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, Json(self.body)).into_response()
+    }
+}
+
+/// `InferError` → OpenAI's shape, for `read_body`.
+fn shaped(e: InferError) -> Response {
+    ApiError::from_infer(e, &[]).into_response()
+}
+
+/// A JSON body whose errors are 400s in OpenAI's shape naming the field.
+pub struct OpenAiJson<T>(pub T);
+
+impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for OpenAiJson<T> {
+    type Rejection = Response;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        let bytes = read_body(req, state, shaped).await?;
+        let mut de = serde_json::Deserializer::from_slice(&bytes);
+        let value: T = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+            let path = e.path().to_string();
+            let param = if path == "." { "body" } else { path.as_str() };
+            ApiError::invalid(param, e.inner().to_string()).into_response()
+        })?;
+        de.end()
+            .map_err(|e| ApiError::invalid("body", e.to_string()).into_response())?;
+        Ok(OpenAiJson(value))
+    }
+}

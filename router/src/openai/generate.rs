@@ -1,0 +1,79 @@
+//! What both routes do around the batching loop: submit each prompt, read every sample
+//! to its end, and count what was computed.
+
+use axum::http::HeaderMap;
+
+use super::error::{ApiError, ParamNames};
+use super::Usage;
+use crate::infer::Submitted;
+use crate::server::{collect, submit, timing_headers, AppState, Sample};
+use crate::validation::{Extra, GenerateParameters, Prompt, ValidRequest};
+
+/// Submits every prompt with the same parameters; the first rejection answers for all
+/// (the ones already queued are cancelled when dropped).
+pub(super) async fn submit_all(
+    state: &AppState,
+    prompts: Vec<Prompt>,
+    parameters: GenerateParameters,
+    extra: Extra,
+    names: ParamNames,
+) -> Result<Vec<Submitted>, ApiError> {
+    let mut submitted = Vec::with_capacity(prompts.len());
+    for prompt in prompts {
+        let s = submit(&state.infer, prompt, parameters.clone(), extra.clone())
+            .await
+            .map_err(|e| ApiError::from_infer(e, names))?;
+        submitted.push(s);
+    }
+    Ok(submitted)
+}
+
+/// One prompt, generated to the end: every sample (`best_of` of them), in sample order.
+pub(super) struct Answered {
+    pub request: ValidRequest,
+    pub samples: Vec<Sample>,
+}
+
+/// Reads every sample of every prompt to its end, prompt by prompt.
+pub(super) async fn collect_all(
+    submitted: Vec<Submitted>,
+    names: ParamNames,
+) -> Result<Vec<Answered>, ApiError> {
+    let mut answered = Vec::with_capacity(submitted.len());
+    for s in submitted {
+        let samples = futures::future::try_join_all(s.samples.into_iter().map(collect))
+            .await
+            .map_err(|e| ApiError::from_infer(e, names))?;
+        answered.push(Answered {
+            request: s.request,
+            samples,
+        });
+    }
+    Ok(answered)
+}
+
+/// Prompt tokens of every prompt, generated tokens of every sample (the ones `best_of`
+/// discards included).
+pub(super) fn usage(answered: &[Answered]) -> Usage {
+    let prompt_tokens = answered.iter().map(|a| a.request.input_ids.len()).sum();
+    let completion_tokens = answered
+        .iter()
+        .flat_map(|a| &a.samples)
+        .map(|s| s.end.generated_tokens)
+        .sum();
+    Usage::new(prompt_tokens, completion_tokens)
+}
+
+/// The timing headers of the first prompt's request over every sample. (So with several
+/// prompts `x-prompt-tokens` counts the first one only, where a stream counts them all.)
+pub(super) fn headers(answered: &[Answered]) -> HeaderMap {
+    let ends: Vec<_> = answered
+        .iter()
+        .flat_map(|a| &a.samples)
+        .map(|s| &s.end)
+        .collect();
+    answered
+        .first()
+        .map(|a| timing_headers(&a.request, &ends))
+        .unwrap_or_default()
+}

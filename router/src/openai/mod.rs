@@ -1,0 +1,100 @@
+//! OpenAI's API: `POST /v1/completions`, `POST /v1/chat/completions` (the model's chat
+//! template rendered by `chat`), `GET /v1/models`, with SSE streaming that ends with
+//! `data: [DONE]`, `n` / `best_of`, logprobs, `logit_bias`, and errors in OpenAI's shape
+//! `{"error": {"message", "type", "param", "code"}}` (400 for bad input).
+//!
+//! Each request is turned into TGI's parameters plus `Extra` (`sampling`) and goes through
+//! the same validation and batching loop as the TGI routes (`generate`). The two
+//! generating routes differ only in their request and response shapes
+//! (`completions`, `chat`); they share the streaming (`stream`), the logprobs (`logprobs`)
+//! and the errors (`error`).
+
+mod chat;
+mod completions;
+mod error;
+mod generate;
+mod logprobs;
+mod models;
+mod sampling;
+mod stream;
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::routing::{get, post};
+use axum::Router;
+use serde::Serialize;
+use utoipa::ToSchema;
+
+// The route types make up the OpenAPI document (`crate::openapi`); the `__path_` items
+// are the operations utoipa generates for the handlers.
+pub use chat::{
+    __path_chat_completions, chat_completions, AssistantMessage, ChatChoice, ChatChunkChoice,
+    ChatCompletion, ChatCompletionChunk, ChatMessage, ChatRequest, ContentPart, Delta,
+    MessageContent,
+};
+pub use completions::{
+    __path_completions, completions, Completion, CompletionChoice, CompletionRequest, PromptInput,
+};
+pub use error::{ApiError, OpenAiError, OpenAiErrorDetail, OpenAiJson};
+pub use logprobs::{ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob};
+pub use models::{__path_models, models, Model, ModelList};
+pub use sampling::StopInput;
+pub use stream::StreamOptions;
+
+use crate::infer::FinishReason;
+use crate::server::AppState;
+
+pub fn routes() -> Router<AppState> {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub total_tokens: usize,
+}
+
+impl Usage {
+    fn new(prompt_tokens: usize, completion_tokens: usize) -> Self {
+        Self {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens + completion_tokens,
+        }
+    }
+}
+
+const FINGERPRINT: &str = concat!("cadence-", env!("CARGO_PKG_VERSION"));
+
+/// What every body and chunk of one answer repeats.
+#[derive(Clone)]
+struct Envelope {
+    id: String,
+    /// Unix seconds.
+    created: u64,
+    model: String,
+}
+
+impl Envelope {
+    /// A new answer, created now, its id `<prefix>-<uuid>`.
+    fn new(id_prefix: &str, state: &AppState) -> Self {
+        Self {
+            id: format!("{id_prefix}-{}", uuid::Uuid::new_v4().simple()),
+            created: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+            model: state.info.model_id.clone(),
+        }
+    }
+}
+
+fn finish_reason(reason: FinishReason) -> &'static str {
+    match reason {
+        FinishReason::Length => "length",
+        FinishReason::EosToken | FinishReason::StopSequence => "stop",
+    }
+}

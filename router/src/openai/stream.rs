@@ -1,0 +1,116 @@
+//! The SSE answer both routes stream: opening chunks, one chunk per token of every
+//! choice as it comes (errors in OpenAI's shape), the usage chunk when asked, `[DONE]`.
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use axum::http::{HeaderMap, HeaderValue};
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use futures::stream::{self, Stream, StreamExt};
+use serde::{Deserialize, Serialize};
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use utoipa::ToSchema;
+
+use super::error::{ApiError, ParamNames};
+use super::Usage;
+use crate::infer::{EventResult, Submitted, TokenEvent};
+
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
+pub struct StreamOptions {
+    /// Send a last chunk with the usage counts (and `choices: []`).
+    #[serde(default)]
+    pub include_usage: Option<bool>,
+}
+
+/// Whether the client asked for the usage chunk.
+pub(super) fn include_usage(options: Option<StreamOptions>) -> bool {
+    options.and_then(|o| o.include_usage).unwrap_or(false)
+}
+
+/// How one route's chunks look.
+pub(super) struct Chunks<C, T, U> {
+    /// Sent before any token (chat: each choice's role; completions: echoed prompts).
+    pub opening: Vec<C>,
+    /// The chunk for one token of choice `index`.
+    pub token: T,
+    /// The last chunk, with the counts.
+    pub usage: U,
+}
+
+/// Streams every sample of `submitted` (`n` choices per prompt, choice index
+/// `prompt * n + sample`) as `chunks` shapes them.
+pub(super) fn respond<C, T, U>(
+    submitted: Vec<Submitted>,
+    n: usize,
+    names: ParamNames,
+    include_usage: bool,
+    chunks: Chunks<C, T, U>,
+) -> Response
+where
+    C: Serialize + Send + 'static,
+    T: FnMut(usize, TokenEvent) -> C + Send + 'static,
+    U: FnOnce(Usage) -> C + Send + 'static,
+{
+    let Chunks {
+        opening,
+        token: mut token_chunk,
+        usage: usage_chunk,
+    } = chunks;
+    let (prompt_tokens, events) = merged(submitted, n);
+    // Counted as the stream goes, read once it has ended.
+    let completion_tokens = Arc::new(AtomicUsize::new(0));
+    let counter = completion_tokens.clone();
+    let body = events.map(move |(index, event)| match event {
+        Ok(event) => {
+            if let Some(end) = &event.end {
+                counter.fetch_add(end.generated_tokens, Ordering::Relaxed);
+            }
+            sse_json(&token_chunk(index, event))
+        }
+        Err(e) => sse_json(&ApiError::from_infer(e, names).body),
+    });
+    let tail = stream::once(async move {
+        let completion_tokens = completion_tokens.load(Ordering::Relaxed);
+        let mut out = Vec::new();
+        if include_usage {
+            out.push(sse_json(&usage_chunk(Usage::new(
+                prompt_tokens,
+                completion_tokens,
+            ))));
+        }
+        out.push(Ok(Event::default().data("[DONE]")));
+        stream::iter(out)
+    })
+    .flatten();
+    let events = stream::iter(opening.iter().map(sse_json).collect::<Vec<_>>())
+        .chain(body)
+        .chain(tail);
+    // What operators can know when the stream starts (the rest comes in `usage`).
+    let mut headers = HeaderMap::new();
+    headers.insert("x-prompt-tokens", prompt_tokens.into());
+    headers.insert("x-accel-buffering", HeaderValue::from_static("no"));
+    (headers, Sse::new(events)).into_response()
+}
+
+fn sse_json<T: Serialize>(value: &T) -> Result<Event, Infallible> {
+    Ok(Event::default().data(serde_json::to_string(value).unwrap_or_default()))
+}
+
+/// The prompt tokens of every request, and every sample of every request as one stream
+/// of (choice index, event).
+fn merged(
+    submitted: Vec<Submitted>,
+    n: usize,
+) -> (usize, impl Stream<Item = (usize, EventResult)>) {
+    let prompt_tokens = submitted.iter().map(|s| s.request.input_ids.len()).sum();
+    let streams = submitted.into_iter().enumerate().flat_map(|(p, s)| {
+        s.samples.into_iter().enumerate().map(move |(j, rx)| {
+            UnboundedReceiverStream::new(rx)
+                .map(move |e| (p * n + j, e))
+                .boxed()
+        })
+    });
+    (prompt_tokens, stream::select_all(streams))
+}
