@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from cadence.pb import shard_pb2
 from cadence.shard.engine import Engine
+from cadence.shard.state import ForwardBatch
 
 if TYPE_CHECKING:  # transformers is slow to import; tensor-parallel ranks do without it
     from transformers import PreTrainedModel
@@ -44,6 +45,7 @@ class MiniRouter:
         self.step_fn = step_fn
         self.bs = block_size
         self.free = list(range(num_blocks))
+        self.last_batch: ForwardBatch | None = None  # the latest logits_step batch
         random.Random(seed).shuffle(self.free)  # non-contiguous block tables
         self.reqs: dict[int, Req] = {}
 
@@ -117,6 +119,7 @@ class MiniRouter:
         with torch.inference_mode():
             plan = e.apply(req, e.state, e.kv)
             batch = e.state.prepare(plan.rows)
+            self.last_batch = batch
             logits = e.model.compute_logits(e.forward(batch)).float()
             forced = forced or {}
             sampled = [forced[batch.ids[i]] for i in batch.sample_rows.tolist()]

@@ -60,6 +60,7 @@ class AttentionContext:
     block_size: int
     num_decode: int  # the first num_decode sequences (and tokens) have one query each
     max_query_len: int  # over the prefill sequences
+    prefill_from_start: bool = False  # no prefill row has a cached prefix: plain causal
     decode_tables: torch.Tensor | None = None  # [Bd, blocks the decodes need]
     prefill_tables: torch.Tensor | None = None  # [Bp, blocks the prefills need]
     decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, L] key is visible
@@ -85,6 +86,7 @@ class AttentionContext:
         max_query_len: int,
         decode_blocks: int,
         prefill_blocks: int,
+        prefill_from_start: bool = False,
         workspace: Workspace | None = None,
         backend: str = "torch",
     ) -> AttentionContext:
@@ -99,6 +101,7 @@ class AttentionContext:
             block_size,
             num_decode,
             max_query_len,
+            prefill_from_start=prefill_from_start,
             workspace=workspace,
             backend=backend,
         )
@@ -279,9 +282,19 @@ def prefill_attention(
     padded[ctx.prefill_seq, ctx.prefill_col] = q
     k = _gather(k_cache, tables, q.dtype, _scratch("prefill_k", k_cache, tables))
     v = _gather(v_cache, tables, q.dtype, _scratch("prefill_v", v_cache, tables))
-    out = F.scaled_dot_product_attention(
-        padded.transpose(1, 2), k, v, attn_mask=mask, scale=scale, enable_gqa=True
-    )
+    if ctx.prefill_from_start and mask is ctx.prefill_mask:
+        # Whole prompts: query i sees keys 0..i of its own chunk, which SDPA's causal
+        # kernel does without a mask and skipping the masked half (padded query rows
+        # see pad keys, and are dropped below).
+        n = ctx.max_query_len
+        out = F.scaled_dot_product_attention(
+            padded.transpose(1, 2), k[:, :, :n], v[:, :, :n], is_causal=True, scale=scale,
+            enable_gqa=True,
+        )  # fmt: skip
+    else:
+        out = F.scaled_dot_product_attention(
+            padded.transpose(1, 2), k, v, attn_mask=mask, scale=scale, enable_gqa=True
+        )
     return out.transpose(1, 2)[ctx.prefill_seq, ctx.prefill_col]
 
 

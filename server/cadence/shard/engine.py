@@ -244,6 +244,7 @@ class Engine:
             max_query_len=batch.max_query_len,
             decode_blocks=batch.decode_blocks,
             prefill_blocks=batch.prefill_blocks,
+            prefill_from_start=batch.prefill_from_start,
             workspace=self.workspace,
             backend=self.attention_backend,
         )

@@ -51,6 +51,7 @@ class ForwardBatch:
     max_query_len: int
     decode_blocks: int  # blocks spanned by the longest decode context
     prefill_blocks: int  # blocks spanned by the longest prefill context
+    prefill_from_start: bool  # every prefill row starts at position 0 (no cached prefix)
     sample_rows: torch.Tensor  # [R] rows that sample
     sample_tokens: torch.Tensor  # [R] their last token's index in the flat batch
     sampling: SamplingBatch | None = None
@@ -314,6 +315,7 @@ class BatchState:
             max_query_len=max(counts[num_decode:], default=1),
             decode_blocks=decode_blocks,
             prefill_blocks=prefill_blocks,
+            prefill_from_start=lens[num_decode:] == counts[num_decode:],
             sample_rows=sample_rows,
             sample_tokens=query_start[1:][sample_rows] - 1,
             num_prompt_tokens=int((positions < self.prompt_lens[token_slot]).sum()),
