@@ -56,21 +56,30 @@ def test_paged_decode_attention_with_a_cache_of_another_dtype(q_dtype, kv_dtype)
     assert_close(out, ref, torch.bfloat16 if torch.float32 != q_dtype else kv_dtype)
 
 
-def test_paged_decode_attention_reads_only_the_table_rows_it_owns():
-    """Blocks of other sequences hold huge values: touching one would show."""
-    k_cache, v_cache, tables = paged_cache([20, 5], 16, 2, 64, torch.float32, seed=5)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("garbage", [1e4, float("nan")])
+def test_paged_decode_attention_reads_only_the_table_rows_it_owns(dtype, garbage):
+    """Blocks of other sequences, and the slots of a sequence's last block past its
+    length, hold huge values or NaN: reading or weighting one would show. (bfloat16 takes
+    the AVX512-BF16 path where the CPU has it, which scores whole 16-row blocks.)"""
+    k_cache, v_cache, tables = paged_cache([20, 5], 16, 2, 64, dtype, seed=5)
     k_cache, v_cache, tables = k_cache.cpu(), v_cache.cpu(), tables.cpu().long()
+    clean_k, clean_v = k_cache.clone(), v_cache.clone()
     owned = set(tables[0, :2].tolist()) | {int(tables[1, 0])}
     for block in range(k_cache.shape[0]):
         if block not in owned:
-            k_cache[block] = 1e4
-            v_cache[block] = 1e4
-    k_cache[tables[0, 1], 4:] = 1e4  # slots past the first sequence's 20 tokens
-    v_cache[tables[0, 1], 4:] = 1e4
-    q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(2))
+            k_cache[block] = garbage
+            v_cache[block] = garbage
+    k_cache[tables[0, 1], 4:] = garbage  # slots past the first sequence's 20 tokens
+    v_cache[tables[0, 1], 4:] = garbage
+    k_cache[tables[1, 0], 5:] = garbage  # and past the second's 5
+    v_cache[tables[1, 0], 5:] = garbage
+    q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(2)).to(dtype)
     lens = torch.tensor([20, 5])
     out = cpu.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125)
-    assert out.abs().max() < 10
+    assert torch.isfinite(out).all() and out.abs().max() < 10
+    ref = cpu.paged_decode_attention_ref(q, clean_k, clean_v, tables, lens, 0.125)
+    assert_close(out, ref, dtype)  # as if the garbage were not there
 
 
 def test_paged_decode_attention_rejects_what_it_cannot_run():

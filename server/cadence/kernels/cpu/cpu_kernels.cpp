@@ -190,7 +190,8 @@ void decode_one(const void* q, void* out, const void* k_cache, const void* v_cac
 // bfloat16 with AVX512-BF16, head_dim D a multiple of 32 (up to 256): one sequence, all
 // of its KV heads, so each cache block is read front to back once. Scores come from
 // vdpbf16ps (bf16 pairs into float32, exact products) on the bf16 query as stored;
-// values are widened to float32 and accumulated in float32 registers.
+// values too, two rows at a time against the probabilities rounded to bfloat16 (the
+// rounding the output gets anyway), accumulated in float32 registers.
 // Lane i of the result is the sum of the 16 lanes of v[i] (16 horizontal sums in 45
 // shuffles and adds instead of about 130).
 inline __m512 reduce16(const __m512* v) {
@@ -228,32 +229,49 @@ inline void block_scores16(const __m512bh* qv, const uint16_t* k_rows, int64_t r
 }
 
 // acc[g] += sum over rows t in [lo, hi) of p[g][t] * V[t] for GB query heads of one KV
-// head: each value row is widened to float32 once and used by all GB heads (the
-// accumulators stay in registers: GB * D / 16 + D / 16 of the 32 zmm registers).
+// head, two rows at a time with vdpbf16ps: the rows' bfloat16 elements interleaved in
+// pairs (unpacklo/hi) against the pair (p[t], p[t+1]) rounded to bfloat16, float32
+// accumulation. The interleave permutes dimensions: accumulator 2k (lo) / 2k + 1 (hi),
+// lane i, holds dimension 32k + 8 (i / 4) + i % 4 (+ 4 for hi); `value_dim_order` undoes
+// it. A row past hi is read as zeros (its slot may hold anything). The accumulators stay
+// in registers: (GB + 1) * D / 16 of the 32 zmm registers.
 template <int D, int GB>
-inline void accumulate_values(const uint16_t* v_rows, int64_t row_stride, const float* p,
-                              int p_stride, int lo, int hi, float* acc) {
-    constexpr int V = D / 16;
+inline void accumulate_value_pairs(const uint16_t* v_rows, int64_t row_stride,
+                                   const uint16_t* p, int p_stride, int lo, int hi,
+                                   float* acc) {
+    constexpr int V = D / 16, C = D / 32;
     __m512 a[GB][V];
     for (int g = 0; g < GB; ++g)
         for (int c = 0; c < V; ++c) a[g][c] = _mm512_loadu_ps(acc + g * D + c * 16);
-    for (int t = lo; t < hi; ++t) {
-        const uint16_t* vt = v_rows + t * row_stride;
-        __m512 vf[V];
-        for (int c = 0; c < V; ++c) {
-            const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vt + c * 16));
-            vf[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    for (int t = lo; t < hi; t += 2) {
+        const uint16_t* r0 = v_rows + t * row_stride;
+        const bool second = t + 1 < hi;
+        __m512i pairs[V];
+        for (int k = 0; k < C; ++k) {
+            const __m512i x = _mm512_loadu_si512(r0 + k * 32);
+            const __m512i y = second ? _mm512_loadu_si512(r0 + row_stride + k * 32)
+                                     : _mm512_setzero_si512();
+            pairs[2 * k] = _mm512_unpacklo_epi16(x, y);
+            pairs[2 * k + 1] = _mm512_unpackhi_epi16(x, y);
         }
         for (int g = 0; g < GB; ++g) {
-            const __m512 pg = _mm512_set1_ps(p[g * p_stride + t]);
-            for (int c = 0; c < V; ++c) a[g][c] = _mm512_fmadd_ps(pg, vf[c], a[g][c]);
+            int32_t pp;  // (p[t], p[t+1]); p[hi] is 0
+            std::memcpy(&pp, p + g * p_stride + t, sizeof pp);
+            const __m512bh w = (__m512bh)_mm512_set1_epi32(pp);
+            for (int c = 0; c < V; ++c) a[g][c] = _mm512_dpbf16_ps(a[g][c], (__m512bh)pairs[c], w);
         }
     }
     for (int g = 0; g < GB; ++g)
         for (int c = 0; c < V; ++c) _mm512_storeu_ps(acc + g * D + c * 16, a[g][c]);
 }
 
-// Query heads per accumulate_values call: as many as leave registers for one widened row.
+// Where dimension d of a head sits in accumulate_value_pairs's accumulators.
+inline int value_dim_order(int d) {
+    const int k = d / 32, r = d % 32, lane = r / 8, hi = (r % 8) / 4;
+    return (2 * k + hi) * 16 + 4 * lane + r % 4;
+}
+
+// Query heads per accumulate_value_pairs call: as many as leave registers for a row pair.
 template <int D>
 constexpr int heads_per_pass() {
     constexpr int V = D / 16;
@@ -262,22 +280,70 @@ constexpr int heads_per_pass() {
 }
 
 template <int D>
-inline void accumulate_values_heads(const uint16_t* v_rows, int64_t row_stride, const float* p,
-                                    int p_stride, int lo, int hi, float* acc, int heads) {
+inline void accumulate_values_heads(const uint16_t* v_rows, int64_t row_stride,
+                                    const uint16_t* p, int p_stride, int lo, int hi, float* acc,
+                                    int heads) {
     constexpr int MAX = heads_per_pass<D>();
     for (int g0 = 0; g0 < heads; g0 += MAX) {
-        const float* pg = p + g0 * p_stride;
+        const uint16_t* pg = p + g0 * p_stride;
         float* ag = acc + g0 * D;
         switch (std::min(MAX, heads - g0)) {
-#define CADENCE_ACC(N)                                                                    \
-    case N:                                                                               \
-        if constexpr (N <= MAX) accumulate_values<D, N>(v_rows, row_stride, pg, p_stride, lo, hi, ag); \
+#define CADENCE_ACC(N)                                                                   \
+    case N:                                                                              \
+        if constexpr (N <= MAX)                                                          \
+            accumulate_value_pairs<D, N>(v_rows, row_stride, pg, p_stride, lo, hi, ag); \
         break;
             CADENCE_ACC(1) CADENCE_ACC(2) CADENCE_ACC(3) CADENCE_ACC(4)
             CADENCE_ACC(5) CADENCE_ACC(6) CADENCE_ACC(7) CADENCE_ACC(8)
 #undef CADENCE_ACC
         }
     }
+}
+
+// fast_exp on 16 lanes: the same polynomial, 2^n applied by vscalefps.
+inline __m512 exp16(__m512 x) {
+    __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+    const __mmask16 normal = _mm512_cmp_ps_mask(y, _mm512_set1_ps(-126.0f), _CMP_GT_OQ);
+    y = _mm512_min_ps(_mm512_max_ps(y, _mm512_set1_ps(-126.0f)), _mm512_set1_ps(126.0f));
+    const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(y, n);
+    __m512 p = _mm512_set1_ps(1.5252733804059838e-05f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.00015403530393381606f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.0013333558146428441f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.009618129107628477f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.055504108664821576f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402265069591007f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471805599453f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_mov_ps(normal, _mm512_scalef_ps(p, n));
+}
+
+// online_softmax_block for a 16-row block in registers, which also writes the block's
+// probabilities rounded to bfloat16 into pb (zeros outside [lo, hi), pb[16..17] = 0).
+template <int D>
+inline void softmax_block16(const float* sc, int lo, int hi, float& m, float& l, float* acc,
+                            uint16_t* pb) {
+    const __mmask16 valid = static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
+    const __m512 x = _mm512_mask_loadu_ps(_mm512_set1_ps(NEG_INF), valid, sc);
+    const float m_new = std::max(m, _mm512_reduce_max_ps(x));
+    const float correction = fast_exp(m - m_new);
+    const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(x, _mm512_set1_ps(m_new))));
+    l = l * correction + _mm512_reduce_add_ps(e);
+    m = m_new;
+    if (correction != 1.0f) {
+        const __m512 c = _mm512_set1_ps(correction);
+        for (int i = 0; i < D / 16; ++i)
+            _mm512_storeu_ps(acc + i * 16, _mm512_mul_ps(_mm512_loadu_ps(acc + i * 16), c));
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb), (__m256i)_mm512_cvtneps_pbh(e));
+    pb[16] = pb[17] = 0;
+}
+
+// A head's probabilities p[lo, hi) rounded to bfloat16 into pb, zeros elsewhere (pb has
+// block_size + 2 entries so the pair at hi - 1 reads a 0).
+inline void probabilities_bf16(const float* p, int lo, int hi, int block_size, uint16_t* pb) {
+    std::fill(pb, pb + block_size + 2, uint16_t{0});
+    for (int t = lo; t < hi; ++t) pb[t] = f32_to_bf16(p[t]);
 }
 
 // Asks for cache lines ahead of use: blocks sit anywhere in the pool, so the hardware
@@ -293,10 +359,12 @@ void decode_seq_bf16(const uint16_t* q, uint16_t* out, const uint16_t* k_cache,
                      int64_t seq, int num_heads, int num_kv_heads, int block_size, float scale,
                      int64_t window, float* scratch) {
     const int G = num_heads / num_kv_heads;
-    float* acc = scratch;                              // [H, D]
+    float* acc = scratch;                              // [H, D], value_dim_order
     float* s = acc + num_heads * D;                    // [H, block_size]
     float* m = s + num_heads * block_size;             // [H]
     float* l = m + num_heads;                          // [H]
+    uint16_t* pb = reinterpret_cast<uint16_t*>(l + num_heads);  // [H, block_size + 2]
+    const int pb_stride = block_size + 2;
     const uint16_t* qs = q + seq * num_heads * D;
     for (int h = 0; h < num_heads; ++h) {
         std::fill(acc + h * D, acc + (h + 1) * D, 0.0f);
@@ -328,6 +396,7 @@ void decode_seq_bf16(const uint16_t* q, uint16_t* out, const uint16_t* k_cache,
                 }
                 if (block_size == 16) {
                     block_scores16<D>(qv, k_rows, row_stride, scale, sh);
+                    softmax_block16<D>(sh, lo, hi, m[h], l[h], acc + h * D, pb + h * pb_stride);
                 } else {
                     for (int t = lo; t < hi; ++t) {
                         const uint16_t* kt = k_rows + t * row_stride;
@@ -336,18 +405,20 @@ void decode_seq_bf16(const uint16_t* q, uint16_t* out, const uint16_t* k_cache,
                             dot = _mm512_dpbf16_ps(dot, qv[c], (__m512bh)_mm512_loadu_si512(kt + c * 32));
                         sh[t] = _mm512_reduce_add_ps(dot) * scale;
                     }
+                    online_softmax_block(sh, lo, hi, m[h], l[h], acc + h * D, D);
+                    probabilities_bf16(sh, lo, hi, block_size, pb + h * pb_stride);
                 }
-                online_softmax_block(sh, lo, hi, m[h], l[h], acc + h * D, D);
             }
             accumulate_values_heads<D>(v_cache + base * row_stride + kh * D, row_stride,
-                                       s + kh * G * block_size, block_size, lo, hi,
+                                       pb + kh * G * pb_stride, pb_stride, lo, hi,
                                        acc + kh * G * D, G);
         }
     }
     uint16_t* os = out + seq * num_heads * D;
     for (int h = 0; h < num_heads; ++h) {
         const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
-        for (int d = 0; d < D; ++d) os[h * D + d] = f32_to_bf16(acc[h * D + d] * inv);
+        for (int d = 0; d < D; ++d)
+            os[h * D + d] = f32_to_bf16(acc[h * D + value_dim_order(d)] * inv);
     }
 }
 
@@ -375,7 +446,8 @@ void decode_all(const void* q, void* out, const void* k_cache, const void* v_cac
 #ifdef CADENCE_AVX512_BF16
     if (QT == BF16 && KT == BF16) {
         if (DecodeSeqFn fn = pick_bf16_fast(head_dim)) {
-            const int64_t scratch_size = num_heads * (head_dim + block_size + 2);
+            // acc, scores, m, l as float32, then bfloat16 probabilities (block_size + 2 per head)
+            const int64_t scratch_size = num_heads * (head_dim + block_size + 2) + num_heads * (block_size + 2) / 2 + 1;
 #pragma omp parallel num_threads(num_threads)
             {
                 std::vector<float> scratch(scratch_size);
