@@ -35,9 +35,10 @@ inline float bf16_to_f32(uint16_t x) {
 inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN kept NaN
     uint32_t bits;
     std::memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return static_cast<uint16_t>(bits >> 16);
+    // branch-free (a select), so loops over rows vectorize
+    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    const uint32_t quiet_nan = (bits >> 16) | 0x40u;
+    return static_cast<uint16_t>((bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
 }
 
 // Row loads/stores between the cache's element type and float32 scratch.
@@ -66,6 +67,7 @@ inline void store_row(void* dst, int64_t offset, const float* src, float mul, in
         for (int i = 0; i < n; ++i) d[i] = src[i] * mul;
     } else if constexpr (DT == BF16) {
         uint16_t* d = static_cast<uint16_t*>(dst) + offset;
+#pragma omp simd
         for (int i = 0; i < n; ++i) d[i] = f32_to_bf16(src[i] * mul);
     } else {
         _Float16* d = static_cast<_Float16*>(dst) + offset;
@@ -521,6 +523,7 @@ void rms_norm_all(const void* x, const void* residual, const void* weight, void*
         for (int64_t r = 0; r < rows; ++r) {
             load_row<DT>(x, r * hidden, row.data(), static_cast<int>(hidden));
             if (residual != nullptr) {
+#pragma omp simd
                 for (int64_t i = 0; i < hidden; ++i)
                     row[i] = round_to<DT>(row[i] + load1<DT>(residual, r * hidden + i));
                 store_row<DT>(residual_out, r * hidden, row.data(), 1.0f, static_cast<int>(hidden));
@@ -529,6 +532,7 @@ void rms_norm_all(const void* x, const void* residual, const void* weight, void*
 #pragma omp simd reduction(+ : sq)
             for (int64_t i = 0; i < hidden; ++i) sq += row[i] * row[i];
             const float inv = 1.0f / std::sqrt(sq / static_cast<float>(hidden) + eps);
+#pragma omp simd
             for (int64_t i = 0; i < hidden; ++i)
                 row[i] = round_to<DT>(w[i] * round_to<DT>(row[i] * inv));
             store_row<DT>(out, r * hidden, row.data(), 1.0f, static_cast<int>(hidden));
@@ -551,6 +555,7 @@ void silu_mul_all(const void* x, void* out, int64_t rows, int64_t inter, int num
                 const float g = gate[i];
                 gate[i] = g / (1.0f + fast_exp(-g));
             }
+#pragma omp simd
             for (int64_t i = 0; i < inter; ++i) gate[i] = round_to<DT>(round_to<DT>(gate[i]) * up[i]);
             store_row<DT>(out, r * inter, gate.data(), 1.0f, static_cast<int>(inter));
         }
@@ -574,10 +579,12 @@ void rotary_all(void* x, int64_t tokens, int heads, int head_dim, int64_t x_stri
             for (int h = 0; h < heads; ++h) {
                 const int64_t at = t * x_stride + static_cast<int64_t>(h) * head_dim;
                 load_row<DT>(x, at, v.data(), head_dim);
-                for (int i = 0; i < head_dim; ++i) {
-                    const float rotated = i < half ? -v[i + half] : v[i - half];
-                    o[i] = round_to<DT>(round_to<DT>(v[i] * c[i]) + round_to<DT>(rotated * s[i]));
-                }
+#pragma omp simd
+                for (int i = 0; i < half; ++i)  // first half: x1 cos - x2 sin
+                    o[i] = round_to<DT>(round_to<DT>(v[i] * c[i]) + round_to<DT>(-v[i + half] * s[i]));
+#pragma omp simd
+                for (int i = half; i < head_dim; ++i)  // second half: x2 cos + x1 sin
+                    o[i] = round_to<DT>(round_to<DT>(v[i] * c[i]) + round_to<DT>(v[i - half] * s[i]));
                 store_row<DT>(x, at, o.data(), 1.0f, head_dim);
             }
         }
