@@ -3,10 +3,10 @@
 `F.linear` on a bfloat16 CPU tensor reorders the weight into oneDNN's blocked layout on
 every call; for a decode-sized batch (a few dozen rows) that reorder costs as much as the
 product itself. `pack_linear_weights` stores each linear weight once more in the blocked
-layout, and `linear` uses it up to a few hundred rows (decode batches, and mixed steps of
-decodes plus one prompt: 25-30% faster there); larger batches (whole prefill chunks)
-keep `F.linear`, which is as fast there. Only bfloat16 on CPU, where torch has the oneDNN ops;
-`CADENCE_CPU_KERNELS=0` turns it off.
+layout, and `linear` uses it up to 320 rows (1.4x faster than `F.linear` from 32 to 320
+rows on SmolLM2's shapes); from ~350 rows oneDNN takes another path and the two are
+equal, so larger batches (prefill chunks) keep `F.linear`. Only bfloat16 on CPU, where
+torch has the oneDNN ops; `CADENCE_CPU_KERNELS=0` turns it off.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-PACKED_MAX_ROWS = 384  # rows up to which the packed weight is used (measured: faster to ~350)
+PACKED_MAX_ROWS = 320  # rows up to which the packed weight is used (kernels/cpu_linear_bench.py)
 _PACK_HINT_ROWS = 32  # the batch size oneDNN chooses the blocked layout for
 
 
