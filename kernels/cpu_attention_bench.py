@@ -3,6 +3,7 @@
 kernel (`cadence.kernels.cpu`) against the torch backend's gather + SDPA.
 
     PYTHONPATH=server python kernels/cpu_attention_bench.py [--batch 32] [--context 420]
+        [--in-cache]   # every sequence and layer reads the same blocks: compute alone
 """
 
 from __future__ import annotations
@@ -21,16 +22,25 @@ def main() -> None:
     p.add_argument("--context", type=int, default=420)
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument(
+        "--in-cache", action="store_true",
+        help="every sequence and layer reads the same blocks (they stay in L2): compute alone",
+    )  # fmt: skip
     a = p.parse_args()
     torch.manual_seed(0)
     b, n, bs = a.batch, a.context, 16
     per_seq = -(-n // bs)
-    shape = (b * per_seq + 8, bs, 3, 64)
-    caches = [
-        (torch.randn(shape).bfloat16(), torch.randn(shape).bfloat16()) for _ in range(a.layers)
-    ]
     q = torch.randn(b, 9, 64).bfloat16()
-    tables = torch.randperm(b * per_seq).view(b, per_seq).long()  # scattered blocks
+    if a.in_cache:  # one pool of one sequence's blocks, shared by every sequence and layer
+        shape = (per_seq + 8, bs, 3, 64)
+        caches = [(torch.randn(shape).bfloat16(), torch.randn(shape).bfloat16())] * a.layers
+        tables = torch.arange(per_seq).repeat(b, 1)
+    else:
+        shape = (b * per_seq + 8, bs, 3, 64)
+        caches = [
+            (torch.randn(shape).bfloat16(), torch.randn(shape).bfloat16()) for _ in range(a.layers)
+        ]
+        tables = torch.randperm(b * per_seq).view(b, per_seq).long()  # scattered blocks
     lens = torch.full((b,), n)
     mask = (torch.arange(per_seq * bs) < lens.unsqueeze(1)).view(b, 1, 1, -1)
     kv_mb = a.layers * b * n * 3 * 64 * 2 * 2 / 1e6

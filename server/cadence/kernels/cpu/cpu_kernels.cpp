@@ -78,6 +78,13 @@ inline void store_row(void* dst, int64_t offset, const float* src, float mul, in
 
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
+// 2^f for |f| <= 1/2: Taylor coefficients of degree 7 down to 0, shared by fast_exp and exp16.
+constexpr int EXP2_POLY_TERMS = 8;
+constexpr float EXP2_POLY[EXP2_POLY_TERMS] = {
+    1.5252733804059838e-05f, 0.00015403530393381606f, 0.0013333558146428441f,
+    0.009618129107628477f,   0.055504108664821576f,   0.2402265069591007f,
+    0.6931471805599453f,     1.0f};
+
 // exp(x) in a form the compiler vectorizes (libm's expf is a scalar call): x = n ln2 +
 // f ln2 with n an integer and |f| <= 1/2, 2^f by its Taylor series to degree 7 (relative
 // error below 1e-8), 2^n by writing the exponent bits. Inputs below -87 give 0, so
@@ -89,14 +96,8 @@ inline float fast_exp(float x) {
     y = std::max(y, -126.0f);
     const float n = (y + 12582912.0f) - 12582912.0f;  // round to nearest (1.5 * 2^23)
     const float f = y - n;
-    float p = 1.5252733804059838e-05f;
-    p = p * f + 0.00015403530393381606f;
-    p = p * f + 0.0013333558146428441f;
-    p = p * f + 0.009618129107628477f;
-    p = p * f + 0.055504108664821576f;
-    p = p * f + 0.2402265069591007f;
-    p = p * f + 0.6931471805599453f;
-    p = p * f + 1.0f;
+    float p = EXP2_POLY[0];
+    for (int i = 1; i < EXP2_POLY_TERMS; ++i) p = p * f + EXP2_POLY[i];
     const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
     float scale;
     std::memcpy(&scale, &bits, sizeof scale);
@@ -309,14 +310,9 @@ inline __m512 exp16(__m512 x) {
     y = _mm512_min_ps(_mm512_max_ps(y, _mm512_set1_ps(-126.0f)), _mm512_set1_ps(126.0f));
     const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(y, n);
-    __m512 p = _mm512_set1_ps(1.5252733804059838e-05f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.00015403530393381606f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.0013333558146428441f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.009618129107628477f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.055504108664821576f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402265069591007f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471805599453f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    __m512 p = _mm512_set1_ps(EXP2_POLY[0]);
+    for (int i = 1; i < EXP2_POLY_TERMS; ++i)
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_POLY[i]));
     return _mm512_maskz_mov_ps(normal, _mm512_scalef_ps(p, n));
 }
 
