@@ -95,13 +95,18 @@ def test_paged_decode_attention_rejects_what_it_cannot_run():
         )
 
 
-def test_greedy_logprobs_match_log_softmax():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [5003, 4096])  # a partial last 16-lane chunk, and none
+def test_greedy_logprobs_match_log_softmax(dtype, vocab):
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(33, 5003, generator=g) * 4
+    logits = torch.randn(33, vocab, generator=g) * 4
     logits[3, [10, 20]] = 50.0  # a tie: the first index wins, as in torch
     logits[4, :100] = float("-inf")  # masked entries are fine
     logits[5] = float("-inf")  # nothing left: NaN, as log_softmax gives
     logits[6, 7] = float("nan")  # NaN is the argmax in torch
+    logits[7, vocab - 1] = 60.0  # the maximum in the last lane
+    logits[8, 4000] = float("inf")
+    logits = logits.to(dtype)
     ids, logprobs = cpu.greedy_logprobs(logits)
     ref_ids, ref_logprobs = cpu.greedy_logprobs_ref(logits)
     assert torch.equal(ids, ref_ids)
@@ -126,14 +131,15 @@ def _torch_layers(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_rms_norm_matches_the_torch_layer(dtype, with_residual, monkeypatch):
+@pytest.mark.parametrize("hidden", [200, 576])  # 576: bfloat16's 16-lane path
+def test_rms_norm_matches_the_torch_layer(dtype, with_residual, hidden, monkeypatch):
     from cadence.layers.norm import RMSNorm
 
     g = torch.Generator().manual_seed(3)
-    norm = RMSNorm(200, eps=1e-5)
-    norm.weight.data = (torch.rand(200, generator=g) + 0.5).to(dtype)
-    x = (torch.randn(37, 200, generator=g) * 3).to(dtype)
-    residual = torch.randn(37, 200, generator=g).to(dtype) if with_residual else None
+    norm = RMSNorm(hidden, eps=1e-5)
+    norm.weight.data = (torch.rand(hidden, generator=g) + 0.5).to(dtype)
+    x = (torch.randn(37, hidden, generator=g) * 3).to(dtype)
+    residual = torch.randn(37, hidden, generator=g).to(dtype) if with_residual else None
     ours = norm(x, residual)
     _torch_layers(monkeypatch)
     ref = norm(x, residual)
@@ -145,10 +151,11 @@ def test_rms_norm_matches_the_torch_layer(dtype, with_residual, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_silu_mul_matches_the_torch_layer(dtype, monkeypatch):
+@pytest.mark.parametrize("inter", [96, 100])  # 96: bfloat16's 16-lane path
+def test_silu_mul_matches_the_torch_layer(dtype, inter, monkeypatch):
     from cadence.layers.activation import SiluAndMul
 
-    x = (torch.randn(19, 2 * 96, generator=torch.Generator().manual_seed(4)) * 4).to(dtype)
+    x = (torch.randn(19, 2 * inter, generator=torch.Generator().manual_seed(4)) * 4).to(dtype)
     ours = SiluAndMul()(x)
     _torch_layers(monkeypatch)
     assert_close(ours, SiluAndMul()(x), dtype)
@@ -172,3 +179,47 @@ def test_rotary_in_place_on_a_fused_qkv_view_matches_the_torch_layer(dtype, head
     assert torch.equal(qkv[:, 4 * head_dim :], kv_before)  # the rest of the row untouched
     _torch_layers(monkeypatch)
     assert_close(ours, apply_rotary(q_ref, cos, sin), dtype)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "kv_dtype"),
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, torch.float16),
+        (torch.bfloat16, torch.float32),
+        (torch.float32, torch.bfloat16),
+    ],
+)
+@pytest.mark.parametrize("head_dim", [64, 128, 80])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (4, 4)])
+def test_rotary_write_kv_matches_the_reference(dtype, kv_dtype, head_dim, heads, kv_heads):
+    """Rotated queries into a poisoned buffer, rotated keys and copied values into their
+    slots (a strided fused-QKV input with spare columns); every other slot of the caches
+    untouched. (bfloat16 with head_dim 64/128 takes the AVX512 path.)"""
+    from cadence.layers.rotary import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(head_dim + heads)
+    tokens = 7
+    positions = torch.tensor([0, 1, 15, 16, 17, 300, 4095])
+    cos, sin = RotaryEmbedding(head_dim, {"rope_theta": 10000.0, "rope_type": "default"}).cos_sin(
+        positions, dtype
+    )
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = torch.randn(tokens, width + 8, generator=g).to(dtype)[:, :width]
+    k_cache = torch.randn(6, 16, kv_heads, head_dim, generator=g).to(kv_dtype)
+    v_cache = torch.randn(6, 16, kv_heads, head_dim, generator=g).to(kv_dtype)
+    slots = torch.randperm(96, generator=g)[:tokens]
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    q_ref = cpu.rotary_write_kv_ref(qkv, heads, kv_heads, cos, sin, k_ref, v_ref, slots)
+    q_out = poisoned((tokens, heads, head_dim), dtype).cpu()
+    ours = cpu.rotary_write_kv(qkv, heads, kv_heads, cos, sin, k_cache, v_cache, slots, q_out)
+    assert ours.data_ptr() == q_out.data_ptr()
+    assert_close(ours, q_ref, dtype)
+    flat_k, flat_v = k_cache.view(96, -1), v_cache.view(96, -1)
+    assert_close(flat_k[slots], k_ref.view(96, -1)[slots], dtype)
+    assert torch.equal(flat_v[slots], v_ref.view(96, -1)[slots])  # a copy (and a cast)
+    others = torch.ones(96, dtype=torch.bool)
+    others[slots] = False
+    assert torch.equal(flat_k[others], k_ref.view(96, -1)[others])
+    assert torch.equal(flat_v[others], v_ref.view(96, -1)[others])

@@ -183,13 +183,20 @@ def _warp(x: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, b: SamplingBatch) -> SampleOutput:
     """logits: [R, vocab] of the rows that sample this step."""
+    greedy = not b.any_sample and b.max_top_n == 0
+    unchanged = b.bias_rows is None and PENALTY not in b.features
+    if greedy and unchanged and cpu_kernels.enabled_for(logits):
+        # one pass over the logits as the model gave them (bfloat16 read as is), no
+        # float32 copy and no log_softmax row
+        ids, chosen = cpu_kernels.greedy_logprobs(logits)
+        return SampleOutput(ids, chosen, None, None)
     logits = logits.float()
     if b.bias_rows is not None:
         logits = logits.index_put((b.bias_rows, b.bias_ids), b.bias_values, accumulate=True)
     if PENALTY in b.features:
         logits = apply_penalties(logits, b)
-    if not b.any_sample and b.max_top_n == 0 and cpu_kernels.enabled_for(logits):
-        ids, chosen = cpu_kernels.greedy_logprobs(logits)  # one pass, no log_softmax row
+    if greedy and cpu_kernels.enabled_for(logits):
+        ids, chosen = cpu_kernels.greedy_logprobs(logits)
         return SampleOutput(ids, chosen, None, None)
     logprobs = logits.log_softmax(dim=-1)
     ids = logits.argmax(dim=-1)

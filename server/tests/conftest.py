@@ -86,6 +86,12 @@ VARIANTS: dict[str, tuple[type, dict, dict]] = {
         TINY,
         {"hidden_size": 72, "num_attention_heads": 9, "num_key_value_heads": 3},
     ),
+    # head_dim 64 and widths that are multiples of 16: the C++ kernels' bfloat16 vector paths
+    "llama_head_dim_64": (
+        LlamaConfig,
+        TINY,
+        {"hidden_size": 256, "intermediate_size": 256, "num_attention_heads": 4},
+    ),
     "mistral_window": (MistralConfig, TINY, {"sliding_window": 8}),
     "qwen2_window": (
         Qwen2Config,

@@ -209,6 +209,11 @@ def forward_context(ctx: AttentionContext) -> Iterator[None]:
         _CONTEXT = previous
 
 
+def current_context() -> AttentionContext | None:
+    """The step's attention context, or None outside `forward_context`."""
+    return _CONTEXT
+
+
 def get_context() -> AttentionContext:
     if _CONTEXT is None:
         raise RuntimeError("attention called outside forward_context()")

@@ -16,11 +16,12 @@ import torch
 from torch import nn
 
 from cadence.layers.activation import SiluAndMul
-from cadence.layers.attention import Attention
+from cadence.layers.attention import Attention, current_context
 from cadence.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from cadence.layers.linear import MergedColumnParallelLinear, QKVLinear, RowParallelLinear
 from cadence.layers.norm import RMSNorm
 from cadence.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from cadence.models import llama_cpu_decode
 
 
 @dataclass(slots=True)
@@ -166,6 +167,14 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        ctx = current_context()
+        if (
+            ctx is not None
+            and input_ids.dim() == 1
+            and self.norm.weight.dtype == self.embed_tokens.weight.dtype
+            and llama_cpu_decode.applies(ctx, self.embed_tokens.weight, input_ids.shape[0])
+        ):
+            return llama_cpu_decode.decode_step(self, input_ids, positions, ctx)
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         residual = None

@@ -105,7 +105,7 @@ def _load() -> ctypes.CDLL:
             ctypes.c_float, i64, i32, i32, i32,
         ]  # fmt: skip
         lib.cadence_paged_decode_attention.restype = i32
-        lib.cadence_greedy_logprobs.argtypes = [ptr, i64, i64, ptr, ptr, i32]
+        lib.cadence_greedy_logprobs.argtypes = [ptr, i64, i64, ptr, ptr, i32, i32]
         lib.cadence_greedy_logprobs.restype = i32
         lib.cadence_rms_norm.argtypes = [
             ptr,
@@ -124,6 +124,15 @@ def _load() -> ctypes.CDLL:
         lib.cadence_silu_mul.restype = i32
         lib.cadence_rotary.argtypes = [ptr, i64, i32, i32, i64, ptr, ptr, i32, i32]
         lib.cadence_rotary.restype = i32
+        lib.cadence_rotary_write_kv.argtypes = [
+            ptr, i64, i64, i32, i32, i32, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32,
+        ]  # fmt: skip
+        lib.cadence_rotary_write_kv.restype = i32
+        lib.cadence_decode_layer_attention.argtypes = [
+            ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i32, i32, i32, i32,
+            ctypes.c_float, i64, i32, i32, i32,
+        ]  # fmt: skip
+        lib.cadence_decode_layer_attention.restype = i32
         _library = lib
         return lib
 
@@ -212,10 +221,11 @@ paged_decode_attention_ref = decode_attention_ref
 
 
 def greedy_logprobs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [R, vocab] float32 -> (argmax ids [R] int64, their log-probabilities [R])."""
+    """logits [R, vocab] float32 or bfloat16 -> (argmax ids [R] int64, their float32
+    log-probabilities [R])."""
     _check_cpu(logits)
-    if logits.dtype != torch.float32 or logits.dim() != 2:
-        raise ValueError("greedy_logprobs takes a 2-D float32 tensor")
+    if logits.dtype not in (torch.float32, torch.bfloat16) or logits.dim() != 2:
+        raise ValueError("greedy_logprobs takes a 2-D float32 or bfloat16 tensor")
     logits = logits.contiguous()
     rows, vocab = logits.shape
     ids = torch.empty(rows, dtype=torch.int64)
@@ -223,12 +233,13 @@ def greedy_logprobs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if rows and vocab:
         _load().cadence_greedy_logprobs(
             logits.data_ptr(), rows, vocab, ids.data_ptr(), logprobs.data_ptr(),
-            torch.get_num_threads(),
+            DTYPES[logits.dtype], torch.get_num_threads(),
         )  # fmt: skip
     return ids, logprobs
 
 
 def greedy_logprobs_ref(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = logits.float()
     ids = logits.argmax(dim=-1)
     return ids, logits.log_softmax(dim=-1).gather(1, ids.unsqueeze(1)).squeeze(1)
 
@@ -292,3 +303,94 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     if status != 0:
         raise RuntimeError(f"cadence_rotary failed with status {status}")
     return x
+
+
+def _check_fused_qkv(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int) -> None:
+    if qkv.dim() != 2 or qkv.stride(1) != 1 or qkv.shape[1] < (heads + 2 * kv_heads) * head_dim:
+        raise ValueError(f"qkv {tuple(qkv.shape)} is not a fused [T, (q|k|v) heads] output")
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_heads: int, head_dim: int):
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the KV cache must be contiguous")
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in DTYPES:
+        raise ValueError(f"unsupported cache dtypes {k_cache.dtype}/{v_cache.dtype}")
+    if tuple(k_cache.shape[2:]) != (kv_heads, head_dim) or k_cache.shape != v_cache.shape:
+        raise ValueError(f"cache {tuple(k_cache.shape)} does not hold {kv_heads} x {head_dim}")
+
+
+def _cos_sin_rows(cos: torch.Tensor, sin: torch.Tensor, tokens: int, dtype: torch.dtype):
+    cos = cos.reshape(tokens, -1).contiguous()
+    sin = sin.reshape(tokens, -1).contiguous()
+    if cos.dtype != dtype or sin.dtype != dtype:
+        raise ValueError("cos and sin must be in the activations' dtype")
+    return cos, sin
+
+
+def rotary_write_kv(
+    qkv: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    q_out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The first half of a Llama attention layer for T new tokens, in one pass over a
+    fused QKV output qkv [T, (heads + 2 kv_heads) * head_dim]: the queries rotated into
+    q_out [T, heads, head_dim] (returned), the keys rotated and the values copied into
+    their slots of the paged caches [blocks, block_size, kv_heads, head_dim] (the cache
+    may be another dtype). cos/sin: [T, (1,) head_dim] in qkv's dtype."""
+    _check_cpu(qkv, cos, sin, k_cache, v_cache, slot_mapping)
+    tokens = qkv.shape[0]
+    head_dim = k_cache.shape[-1]
+    _check_fused_qkv(qkv, heads, kv_heads, head_dim)
+    _check_cache(k_cache, v_cache, kv_heads, head_dim)
+    if qkv.dtype not in DTYPES or slot_mapping.dtype != torch.int64:
+        raise ValueError("qkv must be float32/bfloat16/float16 and slot_mapping int64")
+    cos, sin = _cos_sin_rows(cos, sin, tokens, qkv.dtype)
+    slot_mapping = slot_mapping.contiguous()
+    if q_out is None:
+        q_out = torch.empty(tokens, heads, head_dim, dtype=qkv.dtype)
+    status = _load().cadence_rotary_write_kv(
+        qkv.data_ptr(), tokens, qkv.stride(0), heads, kv_heads, head_dim, cos.data_ptr(),
+        sin.data_ptr(), q_out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        slot_mapping.data_ptr(), DTYPES[qkv.dtype], DTYPES[k_cache.dtype],
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise RuntimeError(f"cadence_rotary_write_kv failed with status {status}")
+    return q_out
+
+
+def rotary_write_kv_ref(
+    qkv: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """rotary_write_kv in torch: the rotate-half rotary, then index_copy_ into the caches."""
+    head_dim = k_cache.shape[-1]
+    q, k, v = qkv[:, : (heads + 2 * kv_heads) * head_dim].split(
+        [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1
+    )
+    cos = cos.reshape(qkv.shape[0], 1, head_dim)
+    sin = sin.reshape(qkv.shape[0], 1, head_dim)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        half = head_dim // 2
+        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+    q = rotate(q.reshape(-1, heads, head_dim))
+    k = rotate(k.reshape(-1, kv_heads, head_dim))
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(
+        0, slot_mapping, v.reshape(-1, kv_heads, head_dim).to(v_cache.dtype)
+    )
+    return q

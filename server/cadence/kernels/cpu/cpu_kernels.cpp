@@ -25,6 +25,11 @@ namespace {
 
 enum DType : int { F32 = 0, BF16 = 1, F16 = 2 };
 
+template <int DT>
+constexpr int64_t sizeof_dtype() {
+    return DT == F32 ? 4 : 2;
+}
+
 inline float bf16_to_f32(uint16_t x) {
     uint32_t bits = static_cast<uint32_t>(x) << 16;
     float f;
@@ -478,6 +483,87 @@ void decode_all(const void* q, void* out, const void* k_cache, const void* v_cac
 }
 
 
+#ifdef CADENCE_AVX512_BF16
+// ---- 16 bfloat16 lanes at a time, for the elementwise layers below ---------------------
+// Same rounding as f32_to_bf16 (round to nearest even, NaN kept a quiet NaN), so a vector
+// path gives the bits its scalar loop gives.
+inline __m512 bf16x16_load(const uint16_t* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+inline __m512 bf16x16_round(__m512 x) {  // x rounded to bfloat16, kept as float32
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+    __m512i r = _mm512_and_si512(
+        _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb), high);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(
+        r, nan, _mm512_and_si512(_mm512_or_si512(bits, _mm512_set1_epi32(0x400000)), high));
+    return _mm512_castsi512_ps(r);
+}
+
+inline __m512 negate16(__m512 x) { return _mm512_xor_ps(x, _mm512_set1_ps(-0.0f)); }
+
+inline void bf16x16_store(uint16_t* p, __m512 rounded) {  // rounded: from bf16x16_round
+    const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(rounded), 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bits));
+}
+
+// rms_norm_all's arithmetic for a bfloat16 row of hidden % 16 == 0 elements.
+inline void rms_norm_row_bf16(const uint16_t* x, const uint16_t* residual, const uint16_t* w,
+                              uint16_t* out, uint16_t* residual_out, int64_t hidden, float eps,
+                              float* row) {
+    __m512 sq = _mm512_setzero_ps();
+    for (int64_t i = 0; i < hidden; i += 16) {
+        __m512 s = bf16x16_load(x + i);
+        if (residual != nullptr) {
+            s = bf16x16_round(_mm512_add_ps(s, bf16x16_load(residual + i)));
+            bf16x16_store(residual_out + i, s);
+        }
+        _mm512_storeu_ps(row + i, s);
+        sq = _mm512_fmadd_ps(s, s, sq);
+    }
+    const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(sq) / static_cast<float>(hidden) + eps);
+    const __m512 vinv = _mm512_set1_ps(inv);
+    for (int64_t i = 0; i < hidden; i += 16) {
+        const __m512 y = bf16x16_round(_mm512_mul_ps(_mm512_loadu_ps(row + i), vinv));
+        bf16x16_store(out + i, bf16x16_round(_mm512_mul_ps(bf16x16_load(w + i), y)));
+    }
+}
+
+// silu_mul_all's arithmetic for one bfloat16 row, inter % 16 == 0.
+inline void silu_mul_row_bf16(const uint16_t* gate, const uint16_t* up, uint16_t* out,
+                              int64_t inter) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t i = 0; i < inter; i += 16) {
+        const __m512 g = bf16x16_load(gate + i);
+        const __m512 e = exp16(negate16(g));
+        const __m512 silu = bf16x16_round(_mm512_div_ps(g, _mm512_add_ps(one, e)));
+        bf16x16_store(out + i, bf16x16_round(_mm512_mul_ps(silu, bf16x16_load(up + i))));
+    }
+}
+
+// rotate_head's arithmetic for a bfloat16 head, head_dim % 32 == 0; dst may be src.
+inline void rotate_head_bf16(const uint16_t* src, const uint16_t* c, const uint16_t* s,
+                             uint16_t* dst, int head_dim) {
+    const int half = head_dim / 2;
+    for (int i = 0; i < half; i += 16) {
+        const __m512 x1 = bf16x16_load(src + i), x2 = bf16x16_load(src + half + i);
+        const __m512 c1 = bf16x16_load(c + i), c2 = bf16x16_load(c + half + i);
+        const __m512 s1 = bf16x16_load(s + i), s2 = bf16x16_load(s + half + i);
+        const __m512 lo = bf16x16_round(
+            _mm512_add_ps(bf16x16_round(_mm512_mul_ps(x1, c1)),
+                          bf16x16_round(_mm512_mul_ps(negate16(x2), s1))));
+        const __m512 hi = bf16x16_round(_mm512_add_ps(bf16x16_round(_mm512_mul_ps(x2, c2)),
+                                                      bf16x16_round(_mm512_mul_ps(x1, s2))));
+        bf16x16_store(dst + i, lo);
+        bf16x16_store(dst + half + i, hi);
+    }
+}
+#endif
+
 // ---- elementwise layers, rounding where torch rounds ------------------------------------
 // torch computes a bfloat16/float16 op in float32 and rounds its result to the tensor's
 // dtype; each kernel below rounds at the same points, so it matches the torch layer it
@@ -511,6 +597,25 @@ inline void store1(void* p, int64_t i, float f) {
 template <int DT>
 void rms_norm_all(const void* x, const void* residual, const void* weight, void* out,
                   void* residual_out, int64_t rows, int64_t hidden, float eps, int num_threads) {
+#ifdef CADENCE_AVX512_BF16
+    if (DT == BF16 && hidden % 16 == 0) {
+        const auto* xs = static_cast<const uint16_t*>(x);
+        const auto* rs = static_cast<const uint16_t*>(residual);
+        auto* os = static_cast<uint16_t*>(out);
+        auto* ros = static_cast<uint16_t*>(residual_out);
+#pragma omp parallel num_threads(num_threads)
+        {
+            std::vector<float> row(hidden);
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; ++r)
+                rms_norm_row_bf16(xs + r * hidden, rs == nullptr ? nullptr : rs + r * hidden,
+                                  static_cast<const uint16_t*>(weight), os + r * hidden,
+                                  ros == nullptr ? nullptr : ros + r * hidden, hidden, eps,
+                                  row.data());
+        }
+        return;
+    }
+#endif
 #pragma omp parallel num_threads(num_threads)
     {
         std::vector<float> row(hidden), w(hidden);
@@ -539,6 +644,16 @@ void rms_norm_all(const void* x, const void* residual, const void* weight, void*
 // SwiGLU over a fused projection x = [gate | up]: out = round(round(silu(gate)) * up).
 template <int DT>
 void silu_mul_all(const void* x, void* out, int64_t rows, int64_t inter, int num_threads) {
+#ifdef CADENCE_AVX512_BF16
+    if (DT == BF16 && inter % 16 == 0) {
+        const auto* xs = static_cast<const uint16_t*>(x);
+        auto* os = static_cast<uint16_t*>(out);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+        for (int64_t r = 0; r < rows; ++r)
+            silu_mul_row_bf16(xs + r * 2 * inter, xs + r * 2 * inter + inter, os + r * inter, inter);
+        return;
+    }
+#endif
 #pragma omp parallel num_threads(num_threads)
     {
         std::vector<float> gate(inter), up(inter);
@@ -558,32 +673,196 @@ void silu_mul_all(const void* x, void* out, int64_t rows, int64_t inter, int num
     }
 }
 
-// Rotary embedding (the half-split "neox" layout), in place on x [T, heads, head_dim]
-// with row stride x_stride (a view into the fused QKV output): cos/sin [T, head_dim]
-// already rounded to the dtype; x' = round(round(x * cos) + round(rotate(x) * sin)).
+// Rotary embedding (the half-split "neox" layout) of one head read at x[at, at + head_dim):
+// c/s are its token's cos/sin already rounded to the dtype, v scratch; o gets
+// x' = round(round(x * cos) + round(rotate(x) * sin)) as float32.
+template <int DT>
+inline void rotate_head(const void* x, int64_t at, const float* c, const float* s, float* v,
+                        float* o, int head_dim) {
+    const int half = head_dim / 2;
+    load_row<DT>(x, at, v, head_dim);
+#pragma omp simd
+    for (int i = 0; i < half; ++i)  // first half: x1 cos - x2 sin
+        o[i] = round_to<DT>(round_to<DT>(v[i] * c[i]) + round_to<DT>(-v[i + half] * s[i]));
+#pragma omp simd
+    for (int i = half; i < head_dim; ++i)  // second half: x2 cos + x1 sin
+        o[i] = round_to<DT>(round_to<DT>(v[i] * c[i]) + round_to<DT>(v[i - half] * s[i]));
+}
+
+// Whether the bfloat16 vector path takes a head of this size.
+template <int DT>
+constexpr bool rotary_vector(int head_dim) {
+#ifdef CADENCE_AVX512_BF16
+    return DT == BF16 && head_dim % 32 == 0;
+#else
+    (void)head_dim;
+    return false;
+#endif
+}
+
+// One token's heads [first, first + heads) of x (row `at`), rotated into dst (DST_T
+// elements at dst_at, heads packed) -- which may be the same place.
+template <int DT, int DST_T>
+inline void rotate_heads(const void* x, int64_t at, int heads, int head_dim, const void* cos,
+                         const void* sin, int64_t t, void* dst, int64_t dst_at, float* c,
+                         float* s, float* v, float* o) {
+#ifdef CADENCE_AVX512_BF16
+    if constexpr (DT == BF16 && DST_T == BF16) {
+        if (rotary_vector<DT>(head_dim)) {
+            const auto* cs = static_cast<const uint16_t*>(cos) + t * head_dim;
+            const auto* ss = static_cast<const uint16_t*>(sin) + t * head_dim;
+            for (int h = 0; h < heads; ++h)
+                rotate_head_bf16(static_cast<const uint16_t*>(x) + at + h * head_dim, cs, ss,
+                                 static_cast<uint16_t*>(dst) + dst_at + h * head_dim, head_dim);
+            return;
+        }
+    }
+#endif
+    load_row<DT>(cos, t * head_dim, c, head_dim);
+    load_row<DT>(sin, t * head_dim, s, head_dim);
+    for (int h = 0; h < heads; ++h) {
+        rotate_head<DT>(x, at + static_cast<int64_t>(h) * head_dim, c, s, v, o, head_dim);
+        store_row<DST_T>(dst, dst_at + static_cast<int64_t>(h) * head_dim, o, 1.0f, head_dim);
+    }
+}
+
+// In place on x [T, heads, head_dim] with row stride x_stride (a view into the fused QKV
+// output): cos/sin [T, head_dim] already rounded to the dtype.
 template <int DT>
 void rotary_all(void* x, int64_t tokens, int heads, int head_dim, int64_t x_stride,
                 const void* cos, const void* sin, int num_threads) {
-    const int half = head_dim / 2;
+#pragma omp parallel num_threads(num_threads)
+    {
+        std::vector<float> c(head_dim), s(head_dim), v(head_dim), o(head_dim);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tokens; ++t)
+            rotate_heads<DT, DT>(x, t * x_stride, heads, head_dim, cos, sin, t, x, t * x_stride,
+                                 c.data(), s.data(), v.data(), o.data());
+    }
+}
+
+// The attention layer's first half for T new tokens of a fused QKV output [T, x_stride]
+// (heads q | kv_heads k | kv_heads v): the queries rotated into q_out [T, heads,
+// head_dim], the keys rotated and the values copied into their cache slots (KT elements,
+// cache rows [slot, kv_heads, head_dim]). Every token writes its own slot only.
+template <int DT, int KT>
+void rotary_write_kv_all(const void* qkv, int64_t tokens, int64_t x_stride, int heads,
+                         int kv_heads, int head_dim, const void* cos, const void* sin,
+                         void* q_out, void* k_cache, void* v_cache, const int64_t* slots,
+                         int num_threads) {
+    const int64_t kv_row = static_cast<int64_t>(kv_heads) * head_dim;
 #pragma omp parallel num_threads(num_threads)
     {
         std::vector<float> c(head_dim), s(head_dim), v(head_dim), o(head_dim);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tokens; ++t) {
-            load_row<DT>(cos, t * head_dim, c.data(), head_dim);
-            load_row<DT>(sin, t * head_dim, s.data(), head_dim);
-            for (int h = 0; h < heads; ++h) {
-                const int64_t at = t * x_stride + static_cast<int64_t>(h) * head_dim;
-                load_row<DT>(x, at, v.data(), head_dim);
-#pragma omp simd
-                for (int i = 0; i < half; ++i)  // first half: x1 cos - x2 sin
-                    o[i] = round_to<DT>(round_to<DT>(v[i] * c[i]) + round_to<DT>(-v[i + half] * s[i]));
-#pragma omp simd
-                for (int i = half; i < head_dim; ++i)  // second half: x2 cos + x1 sin
-                    o[i] = round_to<DT>(round_to<DT>(v[i] * c[i]) + round_to<DT>(v[i - half] * s[i]));
-                store_row<DT>(x, at, o.data(), 1.0f, head_dim);
+            const int64_t row = t * x_stride, k_at = row + heads * head_dim;
+            rotate_heads<DT, DT>(qkv, row, heads, head_dim, cos, sin, t, q_out,
+                                 t * heads * head_dim, c.data(), s.data(), v.data(), o.data());
+            rotate_heads<DT, KT>(qkv, k_at, kv_heads, head_dim, cos, sin, t, k_cache,
+                                 slots[t] * kv_row, c.data(), s.data(), v.data(), o.data());
+            if constexpr (DT == KT) {
+                std::memcpy(static_cast<char*>(v_cache) + slots[t] * kv_row * sizeof_dtype<KT>(),
+                            static_cast<const char*>(qkv) + (k_at + kv_row) * sizeof_dtype<DT>(),
+                            kv_row * sizeof_dtype<KT>());
+            } else {
+                for (int h = 0; h < kv_heads; ++h) {
+                    load_row<DT>(qkv, k_at + kv_row + h * head_dim, v.data(), head_dim);
+                    store_row<KT>(v_cache, slots[t] * kv_row + h * head_dim, v.data(), 1.0f, head_dim);
+                }
             }
         }
+    }
+}
+
+// ---- greedy sampling with log-probabilities ----------------------------------------------
+
+// The scalar scan of one row (any row, including NaN / inf ones): argmax and its
+// log-probability, or NaN for a row log_softmax would give NaN.
+template <int DT>
+void greedy_row_scalar(const void* x, int64_t at, int64_t vocab, int64_t* id, float* logprob) {
+    float best = NEG_INF;
+    int nan = 0;
+    for (int64_t i = 0; i < vocab; ++i) {
+        const float v = load1<DT>(x, at + i);
+        best = std::max(best, v);
+        nan |= v != v;
+    }
+    int64_t arg = 0;
+    if (!nan && std::isfinite(best)) {  // -inf entries are fine: exp gives 0
+        while (load1<DT>(x, at + arg) != best) ++arg;
+        float sum = 0.0f;
+        for (int64_t i = 0; i < vocab; ++i) sum += fast_exp(load1<DT>(x, at + i) - best);
+        *logprob = -std::log(sum);
+    } else {
+        float top = load1<DT>(x, at);
+        for (int64_t i = 1; i < vocab; ++i) {
+            const float v = load1<DT>(x, at + i);
+            if (std::isnan(top)) break;
+            if (std::isnan(v) || v > top) {
+                top = v;
+                arg = i;
+            }
+        }
+        *logprob = std::numeric_limits<float>::quiet_NaN();
+    }
+    *id = arg;
+}
+
+#ifdef CADENCE_AVX512_BF16
+// Lanes [i, i + n) of a row as float32, -inf past its end (n <= 16).
+template <int DT>
+inline __m512 load_masked16(const void* x, int64_t i, int64_t n) {
+    const __mmask16 keep = n >= 16 ? static_cast<__mmask16>(0xffff)
+                                   : static_cast<__mmask16>((1u << n) - 1);
+    if constexpr (DT == F32) {
+        return _mm512_mask_loadu_ps(_mm512_set1_ps(NEG_INF), keep, static_cast<const float*>(x) + i);
+    } else {
+        const __m256i h = _mm256_mask_loadu_epi16(_mm256_set1_epi16(static_cast<short>(0xff80)),
+                                                  keep, static_cast<const uint16_t*>(x) + i);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+}
+
+// The same row 16 lanes at a time; false (nothing written) when the row holds a NaN or
+// +inf or only -inf, which the scalar scan handles.
+template <int DT>
+bool greedy_row16(const void* x, int64_t at, int64_t vocab, int64_t* id, float* logprob) {
+    __m512 top = _mm512_set1_ps(NEG_INF);
+    __mmask16 nan = 0;
+    for (int64_t i = 0; i < vocab; i += 16) {
+        const __m512 v = load_masked16<DT>(x, at + i, vocab - i);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        top = _mm512_max_ps(top, v);
+    }
+    const float best = _mm512_reduce_max_ps(top);
+    if (nan != 0 || !std::isfinite(best)) return false;
+    const __m512 vbest = _mm512_set1_ps(best);
+    int64_t arg = -1;
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t i = 0; i < vocab; i += 16) {
+        const __m512 v = load_masked16<DT>(x, at + i, vocab - i);
+        if (arg < 0) {
+            const __mmask16 hit = _mm512_cmp_ps_mask(v, vbest, _CMP_EQ_OQ);
+            if (hit != 0) arg = i + __builtin_ctz(hit);
+        }
+        sum = _mm512_add_ps(sum, exp16(_mm512_sub_ps(v, vbest)));
+    }
+    *id = arg;
+    *logprob = -std::log(_mm512_reduce_add_ps(sum));
+    return true;
+}
+#endif
+
+template <int DT>
+void greedy_all(const void* logits, int64_t rows, int64_t vocab, int64_t* ids, float* logprobs,
+                int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+#ifdef CADENCE_AVX512_BF16
+        if (greedy_row16<DT>(logits, r * vocab, vocab, ids + r, logprobs + r)) continue;
+#endif
+        greedy_row_scalar<DT>(logits, r * vocab, vocab, ids + r, logprobs + r);
     }
 }
 
@@ -619,41 +898,19 @@ int cadence_paged_decode_attention(const void* q, void* out, const void* k_cache
     return 2;
 }
 
-// logits: [rows, vocab] float32. Per row: the argmax (the first on ties, as torch's) and
-// its log-probability, -log(sum(exp(x - max))): one pass for the max, one for the sum,
-// instead of a whole log_softmax row. A row with a NaN, a +inf, or nothing but -inf falls
-// back to a scalar scan and gets a NaN log-probability, as log_softmax would give.
-int cadence_greedy_logprobs(const float* logits, int64_t rows, int64_t vocab, int64_t* ids,
-                            float* logprobs, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
-        const float* x = logits + r * vocab;
-        float best = NEG_INF;
-        int nan = 0;
-#pragma omp simd reduction(max : best) reduction(| : nan)
-        for (int64_t i = 0; i < vocab; ++i) {
-            best = std::max(best, x[i]);
-            nan |= x[i] != x[i];
-        }
-        int64_t arg = 0;
-        if (!nan && std::isfinite(best)) {  // -inf entries are fine: exp gives 0
-            while (x[arg] != best) ++arg;
-            float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t i = 0; i < vocab; ++i) sum += fast_exp(x[i] - best);
-            logprobs[r] = -std::log(sum);
-        } else {
-            float top = x[0];
-            for (int64_t i = 1; i < vocab; ++i) {
-                if (std::isnan(top)) break;
-                if (std::isnan(x[i]) || x[i] > top) {
-                    top = x[i];
-                    arg = i;
-                }
-            }
-            logprobs[r] = std::numeric_limits<float>::quiet_NaN();
-        }
-        ids[r] = arg;
+// logits: [rows, vocab] of dtype (float32 or bfloat16). Per row: the argmax (the first
+// on ties, as torch's) and its log-probability, -log(sum(exp(x - max))): one pass for the
+// max, one for the sum, instead of a whole log_softmax row. A row with a NaN, a +inf, or
+// nothing but -inf falls back to a scalar scan and gets a NaN log-probability, as
+// log_softmax would give.
+int cadence_greedy_logprobs(const void* logits, int64_t rows, int64_t vocab, int64_t* ids,
+                            float* logprobs, int dtype, int num_threads) {
+    if (dtype == F32) {
+        greedy_all<F32>(logits, rows, vocab, ids, logprobs, num_threads);
+    } else if (dtype == BF16) {
+        greedy_all<BF16>(logits, rows, vocab, ids, logprobs, num_threads);
+    } else {
+        return 2;
     }
     return 0;
 }
@@ -690,6 +947,51 @@ int cadence_rotary(void* x, int64_t tokens, int heads, int head_dim, int64_t x_s
 #define CALL(DT) rotary_all<DT>(x, tokens, heads, head_dim, x_stride, cos, sin, num_threads)
     CADENCE_BY_DTYPE(dtype, CALL)
 #undef CALL
+}
+
+// qkv: [tokens, x_stride] of dtype (q heads | k heads | v heads per row); cos/sin:
+// [tokens, head_dim] of dtype; q_out: [tokens, heads, head_dim] of dtype; caches of
+// kv_dtype [slots, kv_heads, head_dim]; slots: [tokens] int64. See rotary_write_kv_all.
+int cadence_rotary_write_kv(const void* qkv, int64_t tokens, int64_t x_stride, int heads,
+                            int kv_heads, int head_dim, const void* cos, const void* sin,
+                            void* q_out, void* k_cache, void* v_cache, const int64_t* slots,
+                            int dtype, int kv_dtype, int num_threads) {
+#define CADENCE_WRITE(DT, KT)                                                              \
+    if (dtype == DT && kv_dtype == KT) {                                                   \
+        rotary_write_kv_all<DT, KT>(qkv, tokens, x_stride, heads, kv_heads, head_dim, cos, \
+                                    sin, q_out, k_cache, v_cache, slots, num_threads);     \
+        return 0;                                                                          \
+    }
+    CADENCE_WRITE(F32, F32)
+    CADENCE_WRITE(BF16, BF16)
+    CADENCE_WRITE(F16, F16)
+    CADENCE_WRITE(F32, BF16)
+    CADENCE_WRITE(F32, F16)
+    CADENCE_WRITE(BF16, F32)
+    CADENCE_WRITE(F16, F32)
+#undef CADENCE_WRITE
+    return 2;
+}
+
+// A decode step's whole attention for one layer in one call: cadence_rotary_write_kv for
+// the num_seqs new tokens (one per sequence, q_out their rotated queries), then
+// cadence_paged_decode_attention of q_out into out.
+int cadence_decode_layer_attention(const void* qkv, int64_t x_stride, const void* cos,
+                                   const void* sin, void* q_out, void* out, void* k_cache,
+                                   void* v_cache, const int64_t* slots,
+                                   const int64_t* block_tables, int64_t table_stride,
+                                   const int64_t* context_lens, int64_t num_seqs, int num_heads,
+                                   int num_kv_heads, int head_dim, int block_size, float scale,
+                                   int64_t window, int dtype, int kv_dtype, int num_threads) {
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 1;
+    const int written = cadence_rotary_write_kv(qkv, num_seqs, x_stride, num_heads, num_kv_heads,
+                                                head_dim, cos, sin, q_out, k_cache, v_cache,
+                                                slots, dtype, kv_dtype, num_threads);
+    if (written != 0) return written;
+    return cadence_paged_decode_attention(q_out, out, k_cache, v_cache, block_tables,
+                                          table_stride, context_lens, num_seqs, num_heads,
+                                          num_kv_heads, head_dim, block_size, scale, window,
+                                          dtype, kv_dtype, num_threads);
 }
 
 }  // extern "C"

@@ -1,0 +1,132 @@
+"""A Llama decode step on CPU as one flat loop over the layers.
+
+A decode step's work per layer is small (one token per sequence), so the generic
+forward spends as much time in Python -- eleven module calls, the rotary, cache write
+and attention as separate operators, a new tensor for every intermediate -- as in the
+layer's own arithmetic. When every row of the step is a decode row and the `cpu`
+attention backend runs (the C++ kernels of `cadence.kernels.cpu`), `LlamaModel` hands
+the step to `decode_step` instead: per layer four matrix products and four C++ calls
+(RMSNorm with the residual add, the attention's rotary + cache write + paged decode
+attention in one, RMSNorm, SwiGLU), with the norms writing into buffers reused by every
+layer. Every operation rounds as the generic forward does, so both give the same bits
+(`server/tests/test_llama_cpu_decode.py`); tensor parallelism all-reduces after the two
+row-parallel products as the layers do.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from cadence.kernels import cpu as cpu_kernels
+from cadence.layers.attention import AttentionContext
+from cadence.layers.linear import LinearBase
+from cadence.layers.packed import PACKED_MAX_ROWS
+
+if TYPE_CHECKING:
+    from cadence.models.llama import LlamaModel
+
+_linear_packed = None  # torch.ops.mkldnn._linear_pointwise, looked up once
+
+
+def applies(ctx: AttentionContext, weights: torch.Tensor, rows: int) -> bool:
+    """Whether `decode_step` serves a step of `rows` tokens: decode rows only, the `cpu`
+    backend, and weights (hence activations) of a dtype the C++ kernels take."""
+    return (
+        ctx.backend == "cpu"
+        and ctx.num_decode == rows > 0
+        and ctx.decode_tables is not None
+        and cpu_kernels.enabled_for(weights)
+    )
+
+
+def _linear(layer: LinearBase, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
+    global _linear_packed
+    bias = layer.bias if with_bias else None
+    if layer.packed_weight is not None and x.shape[0] <= PACKED_MAX_ROWS:
+        if _linear_packed is None:
+            _linear_packed = torch.ops.mkldnn._linear_pointwise
+        return _linear_packed(x, layer.packed_weight, bias, "none", [], "")
+    return F.linear(x, layer.weight, bias)
+
+
+def _row_parallel(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+    y = _linear(layer, x, with_bias=layer.tp_rank == 0)  # the bias is added once
+    if layer.tp_size > 1:
+        dist.all_reduce(y)
+    return y
+
+
+def decode_step(
+    model: LlamaModel, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
+) -> torch.Tensor:
+    """The hidden states after the final norm [B, hidden] for B decode rows, as
+    `LlamaModel.forward` computes them."""
+    lib = cpu_kernels._load()
+    threads = torch.get_num_threads()
+    x = model.embed_tokens(input_ids)
+    b, hidden = x.shape
+    dtype = x.dtype
+    dt = cpu_kernels.DTYPES[dtype]
+    cos, sin = model.rotary.cos_sin(positions, dtype)  # [B, 1, head_dim], contiguous
+    first = model.layers[0].self_attn
+    heads, kv_heads, head_dim = first.num_heads, first.num_kv_heads, first.head_dim
+    tables = ctx.decode_tables
+    assert tables is not None
+    if tables.stride(1) != 1:
+        tables = tables.contiguous()
+    lens = ctx.context_lens[:b].contiguous()
+    slots = ctx.slot_mapping.contiguous()
+    normed = torch.empty_like(x)
+    residual = x  # the embedding's own tensor, updated in place from here on
+    q_rotated = torch.empty(b, heads * head_dim, dtype=dtype)
+    attended = torch.empty(b, heads * head_dim, dtype=dtype)
+    act = None
+    eps = model.norm.eps
+
+    def norm(weight: torch.Tensor, src: torch.Tensor, add_residual: bool) -> None:
+        r = residual.data_ptr() if add_residual else None
+        status = lib.cadence_rms_norm(
+            src.data_ptr(), r, weight.data_ptr(), normed.data_ptr(), r, b, hidden, eps, dt,
+            threads,
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"cadence_rms_norm failed with status {status}")
+
+    for i, layer in enumerate(model.layers):
+        attn = layer.self_attn
+        norm(layer.input_layernorm.weight, x, add_residual=i > 0)
+        qkv = _linear(attn.qkv_proj, normed)
+        cache = attn.attn
+        k_cache, v_cache = cache.k_cache, cache.v_cache
+        status = lib.cadence_decode_layer_attention(
+            qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(),
+            q_rotated.data_ptr(), attended.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            slots.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(), b, heads,
+            kv_heads, head_dim, k_cache.shape[1], cache.scale, cache.sliding_window or 0, dt,
+            cpu_kernels.DTYPES[k_cache.dtype], threads,
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"cadence_decode_layer_attention failed with status {status}")
+        x = _row_parallel(attn.o_proj, attended)
+        norm(layer.post_attention_layernorm.weight, x, add_residual=True)
+        gate_up = _linear(layer.mlp.gate_up_proj, normed)
+        if act is None:
+            act = torch.empty(b, gate_up.shape[1] // 2, dtype=dtype)
+        status = lib.cadence_silu_mul(
+            gate_up.data_ptr(), act.data_ptr(), b, act.shape[1], dt, threads
+        )
+        if status != 0:
+            raise RuntimeError(f"cadence_silu_mul failed with status {status}")
+        x = _row_parallel(layer.mlp.down_proj, act)
+    out = torch.empty_like(x)
+    status = lib.cadence_rms_norm(
+        x.data_ptr(), residual.data_ptr(), model.norm.weight.data_ptr(), out.data_ptr(),
+        residual.data_ptr(), b, hidden, eps, dt, threads,
+    )  # fmt: skip
+    if status != 0:
+        raise RuntimeError(f"cadence_rms_norm failed with status {status}")
+    return out
