@@ -21,7 +21,7 @@ from cadence.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from cadence.layers.linear import MergedColumnParallelLinear, QKVLinear, RowParallelLinear
 from cadence.layers.norm import RMSNorm
 from cadence.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
-from cadence.models import llama_cpu_decode
+from cadence.models import llama_cpu_step
 
 
 @dataclass(slots=True)
@@ -172,9 +172,9 @@ class LlamaModel(nn.Module):
             ctx is not None
             and input_ids.dim() == 1
             and self.norm.weight.dtype == self.embed_tokens.weight.dtype
-            and llama_cpu_decode.applies(ctx, self.embed_tokens.weight, input_ids.shape[0])
+            and llama_cpu_step.applies(ctx, self.embed_tokens.weight)
         ):
-            return llama_cpu_decode.decode_step(self, input_ids, positions, ctx)
+            return llama_cpu_step.forward_step(self, input_ids, positions, ctx)
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         residual = None

@@ -1,9 +1,11 @@
-"""The flat CPU decode step of the Llama family (`cadence.models.llama_cpu_decode`) gives
+"""The flat CPU forward step of the Llama family (`cadence.models.llama_cpu_step`) gives
 the generic forward's bits: same hidden states and same KV cache contents, step after
-step, in float32 and bfloat16, for every Llama variant (GQA, biases, Qwen2, sliding
+step -- whole prompts, a prompt in two chunks (the second over its cached prefix), mixed
+prefill + decode steps, decode-only steps across block boundaries and past a sliding
+window -- in float32 and bfloat16, for every Llama variant (GQA, biases, Qwen2, sliding
 windows, llama3 rope, SmolLM2's 9-in-3 heads, head_dim 64 for the vector paths). The
-transformers-equivalence tests of test_model.py run through it too, since it is the CPU
-default for decode-only steps."""
+transformers-equivalence tests of test_model.py run through it too: it is the CPU
+default."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import random
 import pytest
 import torch
 from cadence.kernels import cpu
-from cadence.models import llama_cpu_decode
+from cadence.models import llama_cpu_step
 from cadence.pb import shard_pb2
 from shard_helpers import MiniRouter
 
@@ -37,47 +39,47 @@ def _caches(engine) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", LLAMA_VARIANTS)
-def test_flat_decode_step_gives_the_generic_forwards_bits(
+def test_flat_step_gives_the_generic_forwards_bits(
     name, dtype, model_dirs, engine_for, monkeypatch
 ):
     engine = engine_for(model_dirs(name), num_blocks=64, dtype=dtype)
     taken: list[int] = []
-    flat_step = llama_cpu_decode.decode_step
+    flat_step = llama_cpu_step.forward_step
 
     def counted(model, input_ids, positions, ctx):
         taken.append(input_ids.shape[0])
         return flat_step(model, input_ids, positions, ctx)
 
-    monkeypatch.setattr(llama_cpu_decode, "decode_step", counted)
+    monkeypatch.setattr(llama_cpu_step, "forward_step", counted)
     router = MiniRouter(engine, seed=1)
     rng = random.Random(0)
-    lengths = [5, 16, 17, 30]  # around block boundaries; past the window of 8
-    prompts = [[rng.randrange(3, 250) for _ in range(n)] for n in lengths]
-    joined = [router.join(i, prompt) for i, prompt in enumerate(prompts)]
+    prompts = [[rng.randrange(3, 250) for _ in range(n)] for n in (5, 16, 30, 17)]
+    steps = [  # (joined, continuing) per step
+        ([router.join(0, prompts[0]), router.join(1, prompts[1])], []),
+        ([router.join(2, prompts[2], num_compute=20)], [0, 1]),  # mixed, first chunk
+        ([router.join(3, prompts[3])], [0, 1, (2, 10)]),  # chunk over a cached prefix
+        *[([], [0, 1, 2, 3])] * 10,  # decode only: block boundaries, past the window of 8
+    ]
     e = engine
     assert e.state is not None and e.kv is not None
-    for step in range(12):
-        if step == 0:
-            req = shard_pb2.StepRequest(joined=joined)
-        else:
-            req = shard_pb2.StepRequest(continuing=[router.cont(i) for i in range(len(lengths))])
+    for n, (joined, continuing) in enumerate(steps):
+        cont = [router.cont(*c) if isinstance(c, tuple) else router.cont(c) for c in continuing]
+        req = shard_pb2.StepRequest(joined=joined, continuing=cont)
         with torch.inference_mode():
             plan = e.apply(req, e.state, e.kv)
             batch = e.state.prepare(plan.rows)
-            calls = len(taken)
             flat = e.forward(batch)
-            assert len(taken) == calls + (step > 0)  # decode-only steps take the flat loop
+            assert taken[-1:] == [batch.num_tokens]  # every step takes the flat loop
             after_flat = _caches(e)
             with monkeypatch.context() as m:
-                m.setattr(llama_cpu_decode, "applies", lambda *args: False)
+                m.setattr(llama_cpu_step, "applies", lambda *args: False)
                 generic = e.forward(batch)
-            assert torch.equal(flat, generic), f"step {step}"
-            assert all(torch.equal(a, b) for a, b in zip(after_flat, _caches(e), strict=True)), (
-                f"step {step}"
-            )
+            assert torch.equal(flat, generic), f"step {n}"
+            same = zip(after_flat, _caches(e), strict=True)
+            assert all(torch.equal(a, b) for a, b in same), f"step {n}"
             logits = e.model.compute_logits(flat[batch.sample_rows]).float()
             sampled = logits.argmax(dim=-1)
             e.state.commit(batch, sampled)
         for i, token in zip(batch.sample_rows.tolist(), sampled.tolist(), strict=True):
             router.reqs[batch.ids[i]].tokens.append(token)
-    assert taken == [len(lengths)] * 11
+    assert len(taken) == len(steps)
