@@ -1,9 +1,11 @@
 """One SmolLM2 decode step on CPU through the paged cache, with the `cpu` backend (the C++
 kernel reading blocks in place) and the `torch` backend (gather + SDPA), against the
 same step with contiguous (non-paged) attention: per-sequence K/V already laid out
-[B, kv_heads, L, head_dim], the new token written in place, no block tables. Every
-variant runs the same model code otherwise (prepacked linears, fused norms when the C++
-kernels are built).
+[B, kv_heads, L, head_dim], the new token written in place, no block tables. The `cpu`
+backend runs the flat decode loop (`cadence.models.llama_cpu_step`) by default; its
+last line runs it through the model's modules instead, as every other variant runs
+(prepacked linears, fused norms when the C++ kernels are built), which is the
+like-for-like comparison of paged against contiguous attention.
 
     PYTHONPATH=server python kernels/cpu_decode_step.py --batch 32 --context 350
 """
@@ -20,7 +22,7 @@ from cadence.kernels import cpu
 from cadence.layers import attention as attn_mod
 from cadence.layers.attention import AttentionContext, Workspace, forward_context
 from cadence.layers.packed import pack_linear_weights
-from cadence.models import load_model
+from cadence.models import llama_cpu_step, load_model
 
 MODEL = Path.home() / ".cache/cadence/models/SmolLM2-135M-Instruct"
 
@@ -105,6 +107,17 @@ def main() -> None:
         t = timed(lambda backend=backend: paged(backend), a.steps)
         print(
             f"paged decode step, {backend:5} backend {t:7.1f} ms  (/contiguous {t / t_contig:.2f}x)"
+        )
+    if cpu.available():  # the cpu backend through the model's modules, as the others run
+        flat = llama_cpu_step.applies
+        llama_cpu_step.applies = lambda *args: False
+        try:
+            t = timed(lambda: paged("cpu"), a.steps)
+        finally:
+            llama_cpu_step.applies = flat
+        print(
+            f"paged decode step, cpu backend, module forward {t:7.1f} ms  "
+            f"(/contiguous {t / t_contig:.2f}x)"
         )
 
 

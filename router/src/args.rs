@@ -92,6 +92,11 @@ pub struct Args {
     #[arg(long, env = "CADENCE_NO_PREFIX_CACHING")]
     pub no_prefix_caching: bool,
 
+    /// Turns asynchronous scheduling off: the router then schedules each step only after
+    /// the previous one's tokens are back, and the shards wait for it between steps.
+    #[arg(long, env = "CADENCE_NO_ASYNC_SCHEDULING")]
+    pub no_async_scheduling: bool,
+
     /// When waiting requests join: continuous (every step), dynamic (a batch forms when
     /// --max-batch-size requests wait or --batch-timeout-ms passes), static (a batch forms
     /// from what waits and runs until its longest member ends), none (one at a time).

@@ -5,6 +5,13 @@
 //! drop those whose client left, schedule, send the Step diff to the shards, then turn
 //! the sampled tokens into text, check EOS / stop strings / length, stream, and retire
 //! finished requests (their blocks are freed at once, their shard state at the next step).
+//!
+//! Asynchronous scheduling (on by default): while step N runs, the loop schedules step
+//! N + 1 ahead (`Scheduler::schedule_ahead`, N's samples pending) and sends it, then waits
+//! for N's tokens. The shards run steps in the order sent, so they go from N to N + 1
+//! without waiting for the router, and the router's work and the round trip overlap the
+//! forward. A request that ends at step N (EOS, a stop string) has one more token computed
+//! by N + 1, which is dropped.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -13,11 +20,13 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tokio::task::JoinHandle;
 
 use crate::blocks::RequestId;
 use crate::client::Backend;
 use crate::detokenize::{Detokenizer, TokenizerInfo};
 use crate::error::InferError;
+use crate::error::ShardError;
 use crate::metrics::Metrics;
 use crate::pb;
 use crate::scheduler::{Scheduler, SchedulerConfig, Sequence};
@@ -142,6 +151,8 @@ pub struct LoopConfig {
     pub max_waiting_requests: usize,
     /// The `model` label of the metrics.
     pub model_id: String,
+    /// Schedule step N + 1 while step N runs (see the module documentation).
+    pub async_scheduling: bool,
 }
 
 impl Infer {
@@ -258,8 +269,18 @@ struct Sibling {
     entry: Entry,
 }
 
+/// A step sent to the shards whose answer has not been applied yet.
+struct InFlight {
+    step_id: u64,
+    num_tokens: usize,
+    /// Requests the shards sample a token for.
+    samples: Vec<RequestId>,
+    sent: Instant,
+    answer: JoinHandle<Result<pb::StepResponse, ShardError>>,
+}
+
 struct Loop<B> {
-    backend: B,
+    backend: Arc<B>,
     tokenizer: TokenizerInfo,
     eos: HashSet<u32>,
     scheduler: Scheduler,
@@ -267,11 +288,19 @@ struct Loop<B> {
     /// Siblings waiting to fork from their first sample, keyed by its id.
     siblings: HashMap<RequestId, Vec<Sibling>>,
     next_id: RequestId,
-    /// A step failed: the shards may hold stale state and must be cleared first.
+    /// The shards may hold stale state (a step failed, or this is the first step) and
+    /// are cleared before the next step.
     needs_clear: bool,
     metrics: Arc<Metrics>,
     /// Nothing can run before then (a dynamic batch waiting to fill).
     wake_at: Option<Instant>,
+    async_scheduling: bool,
+    /// The oldest step sent and not yet applied.
+    in_flight: Option<InFlight>,
+    /// The shards have run a step since they were last cleared, so they know which
+    /// step id comes next and run a step sent ahead after the one before it. (Cleared
+    /// at the first step, so a shard left with another router's ids starts over.)
+    in_order: bool,
 }
 
 async fn batching_loop<B: Backend>(
@@ -285,21 +314,24 @@ async fn batching_loop<B: Backend>(
         .kv_blocks_total
         .set(config.scheduler.num_blocks as f64);
     let mut lp = Loop {
-        backend,
+        backend: Arc::new(backend),
         tokenizer,
         eos: config.eos_token_ids.into_iter().collect(),
         scheduler: Scheduler::new(config.scheduler),
         entries: HashMap::new(),
         siblings: HashMap::new(),
         next_id: 0,
-        needs_clear: false,
         metrics,
         wake_at: None,
+        async_scheduling: config.async_scheduling,
+        in_flight: None,
+        needs_clear: true,
+        in_order: false,
     };
     loop {
         // 1. New requests; sleep on the channel only when there is nothing to run (or
         //    nothing before `wake_at`).
-        if !lp.scheduler.has_work() {
+        if !lp.scheduler.has_work() && lp.in_flight.is_none() {
             match rx.recv().await {
                 Some(admission) => lp.admit(admission),
                 None => return,
@@ -318,7 +350,7 @@ async fn batching_loop<B: Backend>(
         }
         // 2. Clients that went away.
         lp.drop_cancelled();
-        if !lp.scheduler.has_work() {
+        if !lp.scheduler.has_work() && lp.in_flight.is_none() {
             continue;
         }
         lp.iterate().await;
@@ -351,6 +383,7 @@ impl<B: Backend> Loop<B> {
             let mut sampling = request.sampling.clone();
             sampling.seed = seed.unwrap_or(0);
             let mut seq = Sequence::new(id, request.input_ids.clone(), sampling);
+            seq.max_new_tokens = request.max_new_tokens;
             seq.top_n_tokens = request.top_n_tokens;
             seq.adapter_id = request.adapter_id.clone();
             // Siblings share the prompt: its logprobs come with the first only.
@@ -443,9 +476,42 @@ impl<B: Backend> Loop<B> {
         }
     }
 
-    /// 3-6: schedule, run one step on the shards, apply what they sampled.
+    /// 3-6: schedule (ahead of the step in flight, when one runs), send the step, apply
+    /// what the oldest step in flight sampled.
     async fn iterate(&mut self) {
-        let schedule = self.scheduler.schedule();
+        if self.in_flight.is_none() {
+            let schedule = self.scheduler.schedule();
+            match self.send(schedule).await {
+                Some(step) => self.in_flight = Some(step),
+                None => {
+                    // Only preemptions happened, or a dynamic batch is filling.
+                    self.record_state();
+                    tokio::task::yield_now().await;
+                    return;
+                }
+            }
+        }
+        // Siblings fork from their first sample's state as of its first token: no step
+        // may be scheduled past that before it is applied.
+        let mut next = None;
+        if self.async_scheduling && self.siblings.is_empty() && self.in_order {
+            let schedule = self.scheduler.schedule_ahead();
+            next = self.send(schedule).await;
+            self.wake_at = None; // decided again once the step in flight is applied
+        }
+        let step = self.in_flight.take().expect("a step is in flight");
+        let ok = self.apply_step(step).await;
+        self.in_order = ok;
+        match next {
+            Some(next) if ok => self.in_flight = Some(next),
+            Some(next) => next.answer.abort(), // sent over state the failure discarded
+            None => {}
+        }
+        self.record_state();
+    }
+
+    /// Records a schedule and sends its step, if it has one, to the shards.
+    async fn send(&mut self, schedule: crate::scheduler::Schedule) -> Option<InFlight> {
         self.record_schedule(&schedule);
         for id in schedule.failed {
             self.fail(
@@ -462,29 +528,55 @@ impl<B: Backend> Loop<B> {
             );
         }
         let Some(step) = schedule.step else {
-            // Only preemptions happened, or a dynamic batch is filling.
             self.wake_at = schedule.wake_at;
-            self.record_state();
-            tokio::task::yield_now().await;
-            return;
+            return None;
         };
         if self.needs_clear {
             if let Err(e) = self.backend.clear_cache().await {
                 tracing::warn!(error = %e, "clearing the shards failed");
             }
             self.needs_clear = false;
+            self.in_order = false;
         }
-        let step_id = step.step_id;
-        let started = Instant::now();
+        let sent = Instant::now();
         for joined in &step.joined {
             if let Some(entry) = self.entries.get_mut(&joined.id) {
-                entry.started_at.get_or_insert(started);
+                entry.started_at.get_or_insert(sent);
             }
         }
-        match self.backend.step(step).await {
+        self.scheduler.expect_samples(&schedule.samples);
+        let step_id = step.step_id;
+        let backend = self.backend.clone();
+        Some(InFlight {
+            step_id,
+            num_tokens: schedule.num_tokens,
+            samples: schedule.samples,
+            sent,
+            answer: tokio::spawn(async move { backend.step(step).await }),
+        })
+    }
+
+    /// Waits for a step's answer and applies it; false when the step failed (every
+    /// request in flight failed with it, and the shards are cleared before the next).
+    async fn apply_step(&mut self, step: InFlight) -> bool {
+        let InFlight {
+            step_id,
+            num_tokens,
+            samples,
+            sent,
+            answer,
+        } = step;
+        let answer = match answer.await {
+            Ok(answer) => answer,
+            Err(e) => Err(ShardError {
+                rank: 0,
+                message: format!("the step task ended: {e}"),
+            }),
+        };
+        match answer {
             Ok(response) => {
                 let router_start = Instant::now();
-                let expected: HashSet<RequestId> = schedule.samples.iter().copied().collect();
+                let expected: HashSet<RequestId> = samples.iter().copied().collect();
                 let mut sampled = HashSet::with_capacity(response.generations.len());
                 for generation in response.generations {
                     if !expected.contains(&generation.id) {
@@ -499,7 +591,7 @@ impl<B: Backend> Loop<B> {
                     sampled.insert(generation.id);
                     self.apply(generation);
                 }
-                for id in schedule.samples {
+                for id in samples {
                     if !sampled.contains(&id) && self.entries.contains_key(&id) {
                         self.fail(
                             id,
@@ -509,12 +601,13 @@ impl<B: Backend> Loop<B> {
                 }
                 tracing::trace!(
                     step_id,
-                    tokens = schedule.num_tokens,
-                    step_us = router_start.duration_since(started).as_micros() as u64,
+                    tokens = num_tokens,
+                    step_us = router_start.duration_since(sent).as_micros() as u64,
                     forward_us = response.forward_ns / 1000,
                     apply_us = router_start.elapsed().as_micros() as u64,
                     "step"
                 );
+                true
             }
             Err(e) => {
                 tracing::error!(step_id, error = %e, "step failed; failing every request in flight");
@@ -534,9 +627,9 @@ impl<B: Backend> Loop<B> {
                         .send(Err(InferError::Generation(message.clone())));
                 }
                 self.needs_clear = true;
+                false
             }
         }
-        self.record_state();
     }
 
     /// Step-level metrics, and the end of the queue wait for requests admitted now.

@@ -159,6 +159,7 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
         eos_token_ids: info.eos_token_ids.clone(),
         max_waiting_requests: args.max_waiting_requests,
         model_id: args.model_id.clone(),
+        async_scheduling: !args.no_async_scheduling,
     };
     let infer = Infer::spawn(
         shards.clone(),

@@ -16,6 +16,15 @@
 //! 3. waiting requests in arrival order (preempted ones first), as the batching mode,
 //!    the token budget, the batch size and the free blocks allow; a prompt whose leading
 //!    full blocks are in the prefix cache joins with those blocks shared and skips them.
+//!
+//! `schedule_ahead` decides the next step while the previous one still runs (the batching
+//! loop sends it at once, so the shards go from one step to the next without waiting for
+//! the router): the tokens that step samples are *pending* -- known to the shards, not yet
+//! to the router -- and count as known tokens, so their requests decode them. Ahead, a
+//! request is never preempted, failed or re-joined (a re-join would need the pending token
+//! itself): when the running requests are short of blocks nothing is scheduled ahead, and
+//! the ordinary schedule, once the step in flight is applied, preempts. A request at its
+//! token limit is not scheduled past it.
 
 use std::time::{Duration, Instant};
 
@@ -72,6 +81,11 @@ pub struct Sequence {
     pub swapped: Vec<u32>,
     /// Whether it has ever been admitted (left the queue for the first time).
     pub started: bool,
+    /// Sampled tokens the shards know and the router does not yet (0 or 1: the step in
+    /// flight when the next one was scheduled ahead).
+    pub pending: usize,
+    /// It generates at most this many tokens: never scheduled past them.
+    pub max_new_tokens: usize,
     /// Member of the batch being formed or run (dynamic and static batching).
     in_batch: bool,
 }
@@ -93,6 +107,8 @@ impl Sequence {
             arrived: Instant::now(),
             swapped: Vec::new(),
             started: false,
+            pending: 0,
+            max_new_tokens: usize::MAX,
             in_batch: false,
         }
     }
@@ -101,8 +117,14 @@ impl Sequence {
         self.token_ids.len() - self.prompt_len
     }
 
+    /// Tokens to compute before it samples: the known ones, and the pending one.
     fn remaining(&self) -> usize {
-        self.token_ids.len() - self.num_computed
+        self.token_ids.len() + self.pending - self.num_computed
+    }
+
+    /// Its last allowed token is known or pending: nothing more to compute.
+    fn at_limit(&self) -> bool {
+        self.num_generated() + self.pending >= self.max_new_tokens
     }
 }
 
@@ -275,14 +297,30 @@ impl Scheduler {
         }
     }
 
-    /// Appends sampled tokens to a running request.
+    /// Appends sampled tokens to a running request (they were pending when the step after
+    /// theirs was scheduled ahead; the full blocks they complete enter the prefix cache).
     pub fn append_tokens(&mut self, id: RequestId, tokens: &[u32]) -> bool {
         match self.running_index(id) {
             Some(i) => {
-                self.running[i].token_ids.extend_from_slice(tokens);
+                let seq = &mut self.running[i];
+                seq.token_ids.extend_from_slice(tokens);
+                seq.pending = seq.pending.saturating_sub(tokens.len());
+                let seed = chain_seed(&seq.adapter_id);
+                self.blocks
+                    .register_full(id, &seq.token_ids, seq.num_computed, seed);
                 true
             }
             None => false,
+        }
+    }
+
+    /// The step just sent samples a token for each of `ids`: until `append_tokens` brings
+    /// it, `schedule_ahead` counts it as pending.
+    pub fn expect_samples(&mut self, ids: &[RequestId]) {
+        for &id in ids {
+            if let Some(i) = self.running_index(id) {
+                self.running[i].pending += 1;
+            }
         }
     }
 
@@ -306,6 +344,8 @@ impl Scheduler {
         seq.blocks_sent = 0;
         seq.sampling.seed = seed;
         seq.prompt_logprobs = false;
+        // The parent's sample (pending until applied) is its own, not the child's.
+        seq.pending = 0;
         if seq.remaining() == 0 {
             seq.num_computed -= 1;
         }
@@ -394,8 +434,11 @@ impl Scheduler {
     /// `n` more tokens. All or nothing.
     fn take_blocks(&mut self, i: usize, n: usize, copies: &mut Vec<pb::BlockCopy>) -> bool {
         let (id, from) = (self.running[i].id, self.running[i].num_computed);
-        let need =
-            self.blocks.copies_needed(id, from, from + n) + self.blocks.missing_for(id, from + n);
+        let copies_needed = self.blocks.copies_needed(id, from, from + n);
+        if copies_needed > 0 && self.running[i].pending > 0 && self.running[i].on_shard {
+            return false; // a copy re-joins the request, which needs its pending token
+        }
+        let need = copies_needed + self.blocks.missing_for(id, from + n);
         if need > self.blocks.num_free() {
             return false;
         }
@@ -436,8 +479,42 @@ impl Scheduler {
         self.schedule_at(Instant::now())
     }
 
+    /// Decides the next step while the previous one runs: see the module documentation.
+    /// Nothing (an empty schedule) when the running requests are short of blocks: the
+    /// ordinary schedule, once the step in flight is applied, preempts as it should.
+    pub fn schedule_ahead(&mut self) -> Schedule {
+        if self.short_of_blocks() {
+            return Schedule::default();
+        }
+        self.plan(Instant::now(), true)
+    }
+
+    /// Whether the running decodes need more blocks (new ones, copies) than are free, or
+    /// leave none for a running prefill.
+    fn short_of_blocks(&self) -> bool {
+        let mut need = 0;
+        let mut prefilling = false;
+        for seq in &self.running {
+            let (id, from) = (seq.id, seq.num_computed);
+            match seq.remaining() {
+                1 if !seq.at_limit() => {
+                    need += self.blocks.copies_needed(id, from, from + 1)
+                        + self.blocks.missing_for(id, from + 1);
+                }
+                0 | 1 => {}
+                _ => prefilling = true,
+            }
+        }
+        let free = self.blocks.num_free();
+        need > free || (prefilling && need == free)
+    }
+
     /// Decides the next step as of `now` (dynamic batching compares arrival times to it).
     pub fn schedule_at(&mut self, now: Instant) -> Schedule {
+        self.plan(now, false)
+    }
+
+    fn plan(&mut self, now: Instant, ahead: bool) -> Schedule {
         // The previous step has run: its blocks are hit-able, its swapped-in host blocks free.
         self.blocks.mark_ready();
         self.host_free.append(&mut self.host_released);
@@ -450,15 +527,22 @@ impl Scheduler {
         let mut swap_in = Vec::new();
 
         // 1. Running decodes, oldest first; preempt the latest arrival when blocks run out.
+        // (Ahead of a running step a request short of blocks waits instead: `starved`.)
+        let mut starved = false;
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
-            if self.running[i].remaining() != 1 {
+            if self.running[i].remaining() != 1 || self.running[i].at_limit() {
                 i += 1;
                 continue;
             }
             if self.take_blocks(i, 1, &mut copies) {
                 self.plan_tokens(&mut plan, self.running[i].id, 1);
                 budget -= 1;
+                i += 1;
+                continue;
+            }
+            if ahead {
+                starved = true; // no preemption ahead: it waits for the next step
                 i += 1;
                 continue;
             }
@@ -499,6 +583,11 @@ impl Scheduler {
                 i += 1;
                 continue;
             }
+            if ahead {
+                starved = true;
+                i += 1;
+                continue;
+            }
             // Not even one block: preempt a later arrival that has nothing planned, or
             // wait for decodes to finish (they preempt when they need to).
             let victim = self
@@ -524,9 +613,10 @@ impl Scheduler {
             }
         }
 
-        // 3. Waiting requests, unless this step had to preempt (they would thrash).
+        // 3. Waiting requests, unless this step had to preempt (they would thrash) or
+        //    left a running request waiting for blocks.
         let preempted = !out.preempted.is_empty() || !out.swapped_out.is_empty();
-        if !preempted {
+        if !preempted && !starved {
             self.admit(now, &mut budget, &mut plan, &mut swap_in, &mut out);
         }
 
@@ -578,7 +668,7 @@ impl Scheduler {
             seq.blocks_sent = table.len();
             seq.num_computed += n;
             out.num_tokens += n;
-            if seq.num_computed == seq.token_ids.len() {
+            if seq.num_computed == seq.token_ids.len() + seq.pending {
                 out.samples.push(id);
             }
         }

@@ -60,11 +60,21 @@ struct FakeState {
     max_live_blocks: usize,
     /// Prompt positions computed, over every step.
     prompt_computed: usize,
+    /// The last step applied: like the shards, steps run in step_id order.
+    last_step: Option<u64>,
+    /// A step failed: the state is unknown until the router clears it (a step sent
+    /// ahead of the failure fails too).
+    broken: bool,
+    /// Step calls received and not yet answered, and the most at once.
+    outstanding: usize,
+    max_outstanding: usize,
 }
 
 #[derive(Clone)]
 struct FakeShard {
     state: Arc<Mutex<FakeState>>,
+    /// One step at a time, as the shard's forward thread.
+    executor: Arc<tokio::sync::Mutex<()>>,
     script: Script,
     num_blocks: usize,
     delay: Duration,
@@ -74,6 +84,7 @@ impl FakeShard {
     fn new(script: Script, num_blocks: usize) -> Self {
         Self {
             state: Arc::default(),
+            executor: Arc::default(),
             script,
             num_blocks,
             delay: Duration::ZERO,
@@ -197,13 +208,32 @@ impl FakeShard {
 
 impl Backend for FakeShard {
     async fn step(&self, req: pb::StepRequest) -> Result<pb::StepResponse, ShardError> {
+        {
+            let mut s = self.state.lock().unwrap();
+            s.outstanding += 1;
+            s.max_outstanding = s.max_outstanding.max(s.outstanding);
+        }
+        // With asynchronous scheduling two steps are in flight: run them in step_id order
+        // whatever order the calls arrive in, as the shards do.
+        let _running = loop {
+            let running = self.executor.lock().await;
+            let last = self.state.lock().unwrap().last_step;
+            if last.is_none_or(|l| req.step_id <= l + 1) {
+                break running;
+            }
+            drop(running);
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        };
         if !self.delay.is_zero() {
             tokio::time::sleep(self.delay).await;
         }
         let mut s = self.state.lock().unwrap();
+        s.outstanding -= 1;
+        s.last_step = Some(req.step_id);
         s.steps += 1;
-        if s.fail_steps > 0 {
-            s.fail_steps -= 1;
+        if s.fail_steps > 0 || s.broken {
+            s.fail_steps = s.fail_steps.saturating_sub(1);
+            s.broken = true;
             return Err(ShardError {
                 rank: 0,
                 message: "boom".into(),
@@ -213,7 +243,10 @@ impl Backend for FakeShard {
     }
 
     async fn clear_cache(&self) -> Result<(), ShardError> {
-        self.state.lock().unwrap().requests.clear();
+        let mut s = self.state.lock().unwrap();
+        s.requests.clear();
+        s.last_step = None;
+        s.broken = false;
         Ok(())
     }
 }
@@ -228,12 +261,14 @@ struct Harness {
 struct Setup {
     shard: FakeShard,
     max_concurrent: usize,
+    async_scheduling: bool,
 }
 
 fn setup(script: Script) -> Setup {
     Setup {
         shard: FakeShard::new(script, 64),
         max_concurrent: 16,
+        async_scheduling: true,
     }
 }
 
@@ -252,6 +287,12 @@ impl Setup {
         self
     }
 
+    /// Each step scheduled only after the previous one's tokens are back.
+    fn synchronous(mut self) -> Self {
+        self.async_scheduling = false;
+        self
+    }
+
     /// How long each step takes (so requests stay in flight a while).
     fn step_delay(mut self, delay: Duration) -> Self {
         self.shard.delay = delay;
@@ -262,6 +303,7 @@ impl Setup {
         let Setup {
             shard,
             max_concurrent,
+            async_scheduling,
         } = self;
         let limits = Limits {
             max_input_tokens: 48,
@@ -306,6 +348,7 @@ impl Setup {
             eos_token_ids: vec![testing::eos_id()],
             max_waiting_requests: 64,
             model_id: "test-model".into(),
+            async_scheduling,
         };
         let infer = Infer::spawn(shard.clone(), validation, max_concurrent, config);
         let app = router(AppState {
@@ -1090,4 +1133,50 @@ async fn streams_carry_the_operator_headers_known_when_they_start() {
     );
     assert_eq!(headers["x-accel-buffering"], "no");
     h.assert_protocol_ok();
+}
+
+#[tokio::test]
+async fn async_scheduling_overlaps_steps_and_answers_as_the_synchronous_loop() {
+    async fn run_all(setup: Setup) -> (Vec<Value>, usize) {
+        let h = setup
+            .step_delay(Duration::from_millis(2))
+            .max_concurrent(64)
+            .build();
+        let bodies = [
+            ("alpha", json!({"max_new_tokens": 12})),
+            ("beta gamma", json!({"max_new_tokens": 3})),
+            ("delta", json!({"max_new_tokens": 30, "stop": ["z"]})),
+            ("eta theta", json!({"max_new_tokens": 1})),
+            ("iota", json!({"max_new_tokens": 20, "stop": ["nn"]})),
+        ]
+        .map(|(inputs, mut parameters)| {
+            parameters["details"] = json!(true);
+            json!({"inputs": inputs, "parameters": parameters})
+        });
+        let outputs =
+            futures::future::join_all(bodies.iter().map(|b| h.post("/generate", b.clone()))).await;
+        h.assert_protocol_ok();
+        let answers = outputs
+            .into_iter()
+            .map(|(status, v)| {
+                assert_eq!(status, StatusCode::OK, "{v}");
+                json!([
+                    v["generated_text"],
+                    v["details"]["finish_reason"],
+                    v["details"]["generated_tokens"]
+                ])
+            })
+            .collect();
+        let most = h.shard_state().max_outstanding;
+        (answers, most)
+    }
+    let (overlapped, most_in_flight) = run_all(setup(Script::Hash)).await;
+    let (synchronous, one_at_a_time) = run_all(setup(Script::Hash).synchronous()).await;
+    assert_eq!(overlapped, synchronous);
+    assert_eq!(most_in_flight, 2, "the next step is sent while one runs");
+    assert_eq!(one_at_a_time, 1);
+    assert!(
+        overlapped.iter().any(|a| a[1] == "stop_sequence"),
+        "a request should end on a stop string (the step sent ahead computed past it)"
+    );
 }

@@ -151,6 +151,14 @@ def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
         default=_bool_flag(os.environ.get(env, "")),
         help=f"turn prefix caching off [env: {env}]",
     )
+    env = "CADENCE_NO_ASYNC_SCHEDULING"
+    p.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        default=_bool_flag(os.environ.get(env, "")),
+        help="schedule each step only after the previous one's tokens are back, instead of "
+        f"while it runs [env: {env}]",
+    )
     add(
         p,
         "--batching",

@@ -60,6 +60,7 @@ class LaunchConfig:
     preemption: str = "recompute"
     swap_blocks: int | None = None  # None: the router's default (4 x num_blocks)
     no_prefix_caching: bool = False
+    no_async_scheduling: bool = False
     batching: str = "continuous"
     batch_timeout_ms: int = 50
     max_waiting_requests: int = 128
@@ -128,6 +129,8 @@ def _scheduler_argv(cfg: LaunchConfig) -> list[str]:
         argv += ["--swap-blocks", str(cfg.swap_blocks)]
     if cfg.no_prefix_caching:
         argv.append("--no-prefix-caching")
+    if cfg.no_async_scheduling:
+        argv.append("--no-async-scheduling")
     return argv
 
 

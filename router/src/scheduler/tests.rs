@@ -612,3 +612,91 @@ fn random_workloads_under_every_policy_match_the_kv_model_and_finish() {
         assert_eq!(s.blocks().num_free(), s.blocks().num_blocks());
     }
 }
+
+/// One request with this prompt length and token limit, on a scheduler that is not
+/// short of anything unless `num_blocks` says so.
+fn limited(prompt_len: usize, max_new_tokens: usize, num_blocks: usize) -> Scheduler {
+    let mut s = setup(64, 8, num_blocks).prefix_caching().build();
+    let mut q = seq(0, prompt_len);
+    q.max_new_tokens = max_new_tokens;
+    s.add(q);
+    s
+}
+
+/// What the batching loop does with asynchronous scheduling: send (mark the samples
+/// pending), schedule the next step ahead and send it, then apply the first one's tokens.
+fn send(s: &mut Scheduler, out: &Schedule) {
+    s.expect_samples(&out.samples);
+    s.check_invariants().unwrap();
+}
+
+fn apply(s: &mut Scheduler, out: &Schedule, token: u32) {
+    for &id in &out.samples {
+        s.append_tokens(id, &[token]);
+    }
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn scheduled_ahead_a_request_decodes_its_pending_token_and_stops_at_its_limit() {
+    let mut s = limited(3, 3, 100);
+    let first = s.schedule();
+    assert_eq!(computes(&first), vec![(0, 3)]);
+    send(&mut s, &first);
+    // The prompt's sample is pending: the next step decodes it without knowing it.
+    let second = s.schedule_ahead();
+    assert_eq!(computes(&second), vec![(0, 1)]);
+    assert_eq!(second.samples, vec![0]);
+    send(&mut s, &second);
+    apply(&mut s, &first, 1000);
+    let third = s.schedule_ahead();
+    assert_eq!(computes(&third), vec![(0, 1)]);
+    send(&mut s, &third);
+    apply(&mut s, &second, 1001);
+    // Two tokens known, the third (its last) pending: nothing more to compute.
+    assert!(s.schedule_ahead().step.is_none());
+    apply(&mut s, &third, 1002);
+    assert_eq!(s.get(0).unwrap().token_ids[3..], [1000, 1001, 1002]);
+    assert_eq!(s.get(0).unwrap().pending, 0);
+}
+
+#[test]
+fn ahead_of_a_step_short_of_blocks_nothing_is_scheduled_so_the_next_step_preempts() {
+    // Two 4-token prompts fill both blocks; each pending token needs a third block.
+    let mut s = setup(64, 8, 2).with_prompts(&[4, 4]);
+    let first = s.schedule();
+    assert_eq!(first.samples, vec![0, 1]);
+    send(&mut s, &first);
+    s.add(seq(2, 1)); // would fit in a freed block, but running requests come first
+    let ahead = s.schedule_ahead();
+    assert!(ahead.step.is_none() && ahead.preempted.is_empty() && ahead.failed.is_empty());
+    assert_eq!((s.num_running(), s.num_waiting()), (2, 1));
+    // Once the tokens are known, the ordinary schedule preempts the latest arrival.
+    apply(&mut s, &first, 1000);
+    let next = s.schedule();
+    assert_eq!(next.preempted, vec![1]);
+    assert_eq!(computes(&next), vec![(0, 1)]);
+}
+
+#[test]
+fn a_block_completed_by_a_pending_token_is_cached_once_the_token_is_known() {
+    let mut s = limited(3, 10, 100);
+    let first = s.schedule();
+    send(&mut s, &first);
+    let second = s.schedule_ahead(); // computes position 3, the pending token's
+    send(&mut s, &second);
+    let probe = vec![100, 101, 102, 1000, 7, 8];
+    let m = s.blocks().match_prefix(&probe, chain_seed(""));
+    assert!(
+        m.blocks.is_empty() && !m.pending,
+        "its content is not known yet"
+    );
+    apply(&mut s, &first, 1000);
+    apply(&mut s, &second, 1001);
+    // A prompt starting with that block's four tokens finds it.
+    s.add(seq_of(1, probe));
+    let out = s.schedule();
+    assert_eq!(out.prefix_hits, 4);
+    let joined = &out.step.as_ref().unwrap().joined[0];
+    assert_eq!((joined.id, joined.num_cached), (1, 4));
+}

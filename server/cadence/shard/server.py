@@ -1,8 +1,10 @@
 """The shard's gRPC server (grpc.aio) on a unix socket.
 
 The forward runs off the event loop in a single-thread executor, so `Health` answers
-while a long Step runs and Steps, Warmup and ClearCache stay strictly ordered. A bad
-Step becomes a gRPC error with a clear message; the shard keeps serving.
+while a long Step runs and Steps, Warmup and ClearCache stay strictly ordered. Steps
+reach that thread in `step_id` order: with asynchronous scheduling the router sends step
+N + 1 while N runs, and two calls are not guaranteed to be handled in the order they were
+sent. A bad Step becomes a gRPC error with a clear message; the shard keeps serving.
 """
 
 from __future__ import annotations
@@ -32,17 +34,65 @@ GRPC_OPTIONS = [
 
 T = TypeVar("T")
 
+# How long a step waits for the one before it before running anyway (that one was
+# cancelled by the router after a failure, or never sent).
+STEP_ORDER_TIMEOUT_S = 2.0
+
+
+class StepOrder:
+    """Hands steps to the forward thread in `step_id` order: a step whose predecessor has
+    not been handed over yet waits for it (up to STEP_ORDER_TIMEOUT_S)."""
+
+    def __init__(self) -> None:
+        self.last: int | None = None
+        self.waiters: dict[int, asyncio.Future[None]] = {}
+
+    async def wait_turn(self, step_id: int) -> None:
+        if self.last is None or step_id <= self.last + 1:
+            return
+        turn = asyncio.get_running_loop().create_future()
+        self.waiters[step_id] = turn
+        try:
+            await asyncio.wait_for(turn, STEP_ORDER_TIMEOUT_S)
+        except TimeoutError:
+            logger.warning(f"step {step_id}: step {step_id - 1} never came; running it anyway")
+        finally:
+            self.waiters.pop(step_id, None)
+
+    def handed_over(self, step_id: int) -> None:
+        self.last = step_id
+        turn = self.waiters.pop(step_id + 1, None)
+        if turn is not None and not turn.done():
+            turn.set_result(None)
+
+    def reset(self) -> None:
+        """After ClearCache the router starts over: no step waits for an earlier one."""
+        self.last = None
+        for turn in self.waiters.values():
+            if not turn.done():
+                turn.set_result(None)
+        self.waiters.clear()
+
 
 class ShardServicer(shard_pb2_grpc.ShardServicer):
     def __init__(self, engine: Engine, executor: ThreadPoolExecutor) -> None:
         self.engine = engine
         self.executor = executor
+        self.order = StepOrder()
 
     async def _run(self, context: grpc.aio.ServicerContext, what: str, fn: Callable[[], T]) -> T:
         """Runs `fn` on the forward thread; failures become gRPC errors."""
-        loop = asyncio.get_running_loop()
+        return await self._result(context, what, self._submit(fn))
+
+    def _submit(self, fn: Callable[[], T]) -> asyncio.Future[T]:
+        """Queues `fn` on the forward thread now (in call order)."""
+        return asyncio.get_running_loop().run_in_executor(self.executor, fn)
+
+    async def _result(
+        self, context: grpc.aio.ServicerContext, what: str, future: asyncio.Future[T]
+    ) -> T:
         try:
-            return await loop.run_in_executor(self.executor, fn)
+            return await future
         except StepError as e:
             logger.warning(f"{what} rejected: {e}")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{what} rejected: {e}")
@@ -83,13 +133,15 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
     async def Step(
         self, request: shard_pb2.StepRequest, context: grpc.aio.ServicerContext
     ) -> shard_pb2.StepResponse:
-        return await self._run(
-            context, f"step {request.step_id}", lambda: self.engine.step(request)
-        )
+        await self.order.wait_turn(request.step_id)
+        running = self._submit(lambda: self.engine.step(request))
+        self.order.handed_over(request.step_id)
+        return await self._result(context, f"step {request.step_id}", running)
 
     async def ClearCache(
         self, request: shard_pb2.ClearCacheRequest, context: grpc.aio.ServicerContext
     ) -> shard_pb2.ClearCacheResponse:
+        self.order.reset()
         await self._run(context, "clear_cache", self.engine.clear_cache)
         return shard_pb2.ClearCacheResponse()
 
