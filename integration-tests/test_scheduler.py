@@ -140,6 +140,19 @@ def test_64_requests_at_3x_kv_capacity_all_complete_with_unloaded_outputs(
     assert_load_survives(tight, unloaded, "recompute", smollm_dir)
 
 
+def test_async_scheduling_under_3x_kv_capacity_gives_the_same_outputs(
+    tmp_path_factory: pytest.TempPathFactory, unloaded: list[str], smollm_dir: str
+) -> None:
+    """Steps scheduled while the previous one runs (off by default on CPU): the same 64
+    requests, preempting when the blocks run out, with prefix caching on."""
+    server = small_cache(tmp_path_factory, "--async-scheduling", "on")
+    try:
+        assert "async_scheduling=true" in server.log()
+        assert_load_survives(server, unloaded, "recompute", smollm_dir)
+    finally:
+        assert stop(server) == 0, server.log()
+
+
 @pytest.mark.slow
 def test_swap_preemption_gives_the_same_outputs(
     tmp_path_factory: pytest.TempPathFactory, unloaded: list[str], smollm_dir: str

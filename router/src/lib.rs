@@ -128,6 +128,7 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
         max_input_tokens = limits.max_input_tokens,
         max_total_tokens = limits.max_total_tokens,
         num_blocks = args.num_blocks,
+        async_scheduling = !args.no_async_scheduling,
         "shards ready"
     );
     let app_info = Info {

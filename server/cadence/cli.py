@@ -151,13 +151,13 @@ def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
         default=_bool_flag(os.environ.get(env, "")),
         help=f"turn prefix caching off [env: {env}]",
     )
-    env = "CADENCE_NO_ASYNC_SCHEDULING"
-    p.add_argument(
-        "--no-async-scheduling",
-        action="store_true",
-        default=_bool_flag(os.environ.get(env, "")),
-        help="schedule each step only after the previous one's tokens are back, instead of "
-        f"while it runs [env: {env}]",
+    add(
+        p,
+        "--async-scheduling",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="schedule and send each step while the previous one runs (auto: on with a GPU; "
+        "off on CPU, where the overlapped work competes with the forward for the cores)",
     )
     add(
         p,

@@ -60,7 +60,7 @@ class LaunchConfig:
     preemption: str = "recompute"
     swap_blocks: int | None = None  # None: the router's default (4 x num_blocks)
     no_prefix_caching: bool = False
-    no_async_scheduling: bool = False
+    async_scheduling: str = "auto"  # auto: on with a GPU, off on CPU (docs/scheduler.md)
     batching: str = "continuous"
     batch_timeout_ms: int = 50
     max_waiting_requests: int = 128
@@ -129,9 +129,17 @@ def _scheduler_argv(cfg: LaunchConfig) -> list[str]:
         argv += ["--swap-blocks", str(cfg.swap_blocks)]
     if cfg.no_prefix_caching:
         argv.append("--no-prefix-caching")
-    if cfg.no_async_scheduling:
+    if not async_scheduling(cfg):
         argv.append("--no-async-scheduling")
     return argv
+
+
+def async_scheduling(cfg: LaunchConfig) -> bool:
+    """On a GPU the round trip between steps is idle host time worth hiding; on a CPU the
+    forward already uses every core and the overlapped work only competes with it."""
+    if cfg.async_scheduling == "auto":
+        return cfg.device.startswith("cuda")
+    return cfg.async_scheduling == "on"
 
 
 def launch(cfg: LaunchConfig) -> int:
