@@ -20,17 +20,14 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from cadence.kernels import cpu as cpu_kernels
 from cadence.layers.attention import AttentionContext, prefill_attention
 from cadence.layers.linear import LinearBase
-from cadence.layers.packed import PACKED_MAX_ROWS
+from cadence.layers.packed import linear
 
 if TYPE_CHECKING:
     from cadence.models.llama import LlamaModel
-
-_linear_packed = None  # torch.ops.mkldnn._linear_pointwise, looked up once
 
 
 def applies(ctx: AttentionContext, weights: torch.Tensor) -> bool:
@@ -44,17 +41,13 @@ def applies(ctx: AttentionContext, weights: torch.Tensor) -> bool:
 
 
 def _linear(layer: LinearBase, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
-    global _linear_packed
-    bias = layer.bias if with_bias else None
-    if layer.packed_weight is not None and x.shape[0] <= PACKED_MAX_ROWS:
-        if _linear_packed is None:
-            _linear_packed = torch.ops.mkldnn._linear_pointwise
-        return _linear_packed(x, layer.packed_weight, bias, "none", [], "")
-    return F.linear(x, layer.weight, bias)
+    """The layer's product without its module call (prepacked weight when it has one)."""
+    return linear(x, layer.weight, layer.bias if with_bias else None, layer.packed_weight)
 
 
 def _row_parallel(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
-    y = _linear(layer, x, with_bias=layer.tp_rank == 0)  # the bias is added once
+    """RowParallelLinear.forward without the module call: bias once, then all-reduce."""
+    y = _linear(layer, x, with_bias=layer.tp_rank == 0)
     if layer.tp_size > 1:
         dist.all_reduce(y)
     return y

@@ -292,10 +292,7 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     tokens, heads, head_dim = x.shape
     if x.stride(2) != 1 or x.stride(1) != head_dim:
         raise ValueError("rotary_ needs each token's heads packed (stride head_dim, 1)")
-    cos = cos.reshape(tokens, head_dim).contiguous()
-    sin = sin.reshape(tokens, head_dim).contiguous()
-    if cos.dtype != x.dtype or sin.dtype != x.dtype:
-        raise ValueError("cos and sin must be in x's dtype")
+    cos, sin = _cos_sin_rows(cos, sin, tokens, x.dtype)
     status = _load().cadence_rotary(
         x.data_ptr(), tokens, heads, head_dim, x.stride(0), cos.data_ptr(), sin.data_ptr(),
         DTYPES[x.dtype], torch.get_num_threads(),
