@@ -7,11 +7,10 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-import httpx
 from tqdm import tqdm
 
 from cadence.bench.arrivals import arrival_gaps
-from cadence.bench.client import send, served_model
+from cadence.bench.client import send, served_model, session
 from cadence.bench.datasets import BenchRequest
 from cadence.bench.metrics import RequestOutput
 
@@ -36,9 +35,8 @@ async def run_benchmark(
     gaps = arrival_gaps(len(requests), cfg.request_rate, cfg.burstiness, cfg.seed)
     limit = cfg.max_concurrency or len(requests)
     cap = asyncio.Semaphore(limit)
-    limits = httpx.Limits(max_connections=limit + 4, max_keepalive_connections=limit + 4)
     bar = tqdm(total=len(requests), disable=not cfg.progress, unit="req")
-    async with httpx.AsyncClient(base_url=cfg.url, timeout=3600, limits=limits) as client:
+    async with session(cfg.url, limit + 4) as client:
         model = cfg.model or ""
         if cfg.backend == "openai" and not model:
             model = await served_model(client)
