@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from cadence.flags import add_flag, add_switch
 
-# The client's modules (numpy, tokenizers, httpx) load when a benchmark runs, so the rest
+# The client's modules (numpy, tokenizers, aiohttp) load when a benchmark runs, so the rest
 # of the `cadence` command line starts fast.
 if TYPE_CHECKING:
     from cadence.bench.datasets import BenchRequest
