@@ -14,6 +14,7 @@ use serde_json::{json, Value};
 use tower::ServiceExt;
 
 use crate::args::Limits;
+use crate::chat::ChatTemplate;
 use crate::client::Backend;
 use crate::detokenize::testing;
 use crate::error::ShardError;
@@ -34,6 +35,8 @@ struct FakeRequest {
     computed: usize,
     blocks: Vec<u32>,
     seed: u64,
+    /// Return the prompt's logprobs with the first token (each -1.0).
+    prompt_logprobs: bool,
 }
 
 /// How the fake picks tokens.
@@ -127,6 +130,7 @@ impl FakeShard {
                     computed: j.num_cached as usize,
                     blocks: j.block_table.clone(),
                     seed: j.sampling.as_ref().map_or(0, |p| p.seed),
+                    prompt_logprobs: j.prompt_logprobs,
                 },
             );
         }
@@ -188,11 +192,19 @@ impl FakeShard {
             let r = s.requests.get_mut(&id).unwrap();
             r.computed += n;
             if let Some(token) = token {
+                // With the first sampled token only, as the shards.
+                let first = r.tokens.len() == r.prompt_len;
+                let prompt_logprobs = if first && r.prompt_logprobs {
+                    vec![-1.0; r.prompt_len - 1]
+                } else {
+                    Vec::new()
+                };
                 r.tokens.push(token);
                 generations.push(pb::Generation {
                     id,
                     token_ids: vec![token],
                     logprobs: vec![-0.5],
+                    prompt_logprobs,
                     ..Default::default()
                 });
             }
@@ -262,6 +274,7 @@ struct Setup {
     shard: FakeShard,
     max_concurrent: usize,
     async_scheduling: bool,
+    chat: Option<Arc<ChatTemplate>>,
 }
 
 fn setup(script: Script) -> Setup {
@@ -269,6 +282,7 @@ fn setup(script: Script) -> Setup {
         shard: FakeShard::new(script, 64),
         max_concurrent: 16,
         async_scheduling: true,
+        chat: None,
     }
 }
 
@@ -293,6 +307,15 @@ impl Setup {
         self
     }
 
+    /// A chat template (`role: content` lines, then `assistant:`).
+    fn chat_template(mut self) -> Self {
+        let template =
+            "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:";
+        let chat = ChatTemplate::new(template.into(), "<|bos|>".into(), testing::EOS.into());
+        self.chat = Some(Arc::new(chat.unwrap()));
+        self
+    }
+
     /// How long each step takes (so requests stay in flight a while).
     fn step_delay(mut self, delay: Duration) -> Self {
         self.shard.delay = delay;
@@ -304,6 +327,7 @@ impl Setup {
             shard,
             max_concurrent,
             async_scheduling,
+            chat,
         } = self;
         let limits = Limits {
             max_input_tokens: 48,
@@ -355,7 +379,7 @@ impl Setup {
             infer,
             info,
             shards: None,
-            chat: None,
+            chat,
         });
         Harness { app, shard }
     }
@@ -1179,4 +1203,149 @@ async fn async_scheduling_overlaps_steps_and_answers_as_the_synchronous_loop() {
         overlapped.iter().any(|a| a[1] == "stop_sequence"),
         "a request should end on a stop string (the step sent ahead computed past it)"
     );
+}
+
+/// The chunks of an OpenAI stream (it must end with `[DONE]`, left out), and its headers.
+async fn openai_stream(h: &Harness, path: &str, body: Value) -> (HeaderMap, Vec<Value>) {
+    let (status, headers, text) = h.send(post_json(path, &body, None)).await;
+    assert_eq!(status, StatusCode::OK, "{body}: {text}");
+    let data: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data:"))
+        .map(str::trim)
+        .collect();
+    assert_eq!(data.last(), Some(&"[DONE]"), "{text}");
+    let chunks = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    (headers, chunks)
+}
+
+/// A streamed completion put back together: each choice's text, and its logprobs lists
+/// concatenated, by choice index.
+fn streamed_choices(chunks: &[Value]) -> Vec<(String, Value)> {
+    let mut choices: Vec<(String, Value)> = Vec::new();
+    for choice in chunks.iter().flat_map(|c| c["choices"].as_array().unwrap()) {
+        let index = choice["index"].as_u64().unwrap() as usize;
+        if choices.len() <= index {
+            choices.resize(index + 1, (String::new(), json!({})));
+        }
+        let (text, logprobs) = &mut choices[index];
+        text.push_str(choice["text"].as_str().unwrap());
+        if let Some(lp) = choice["logprobs"].as_object() {
+            for (key, values) in lp {
+                let list = logprobs[key.as_str()]
+                    .as_array()
+                    .cloned()
+                    .unwrap_or_default();
+                let more = values.as_array().unwrap().iter().cloned();
+                logprobs[key.as_str()] = list.into_iter().chain(more).collect();
+            }
+        }
+    }
+    choices
+}
+
+#[tokio::test]
+async fn several_prompts_count_every_prompt_in_x_prompt_tokens_streamed_or_not() {
+    let h = harness(Script::Hash);
+    let prompts = ["hello", "hi there"];
+    let total = prompts.iter().map(|p| prompt_tokens(p)).sum::<usize>();
+    let body = json!({"prompt": prompts, "max_tokens": 2, "temperature": 0});
+    let (status, headers, text) = h.send(post_json("/v1/completions", &body, None)).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["usage"]["prompt_tokens"], total);
+    assert_eq!(headers["x-prompt-tokens"], total.to_string().as_str());
+    let mut body = body;
+    body["stream"] = json!(true);
+    let (headers, _) = openai_stream(&h, "/v1/completions", body).await;
+    assert_eq!(headers["x-prompt-tokens"], total.to_string().as_str());
+    h.assert_protocol_ok();
+}
+
+#[tokio::test]
+async fn streamed_echo_is_the_prompt_as_sent_like_the_whole_answer() {
+    let h = harness(Script::Hash);
+    let body = json!({"prompt": ["hello", "hi"], "n": 2, "echo": true, "max_tokens": 3,
+                      "temperature": 0});
+    let (status, whole) = h.post("/v1/completions", body.clone()).await;
+    assert_eq!(status, StatusCode::OK, "{whole}");
+    let mut streamed = body;
+    streamed["stream"] = json!(true);
+    let (_, chunks) = openai_stream(&h, "/v1/completions", streamed).await;
+    let choices = streamed_choices(&chunks);
+    assert_eq!(choices.len(), 4);
+    for (index, (text, _)) in choices.iter().enumerate() {
+        let prompt = ["hello", "hi"][index / 2];
+        assert!(text.starts_with(prompt), "{index}: {text:?}");
+        assert_eq!(whole["choices"][index]["text"], text.as_str(), "{index}");
+    }
+    h.assert_protocol_ok();
+}
+
+#[tokio::test]
+async fn streamed_echo_with_logprobs_sends_the_prompt_logprobs_like_the_whole_answer() {
+    let h = harness(Script::Hash);
+    let body = json!({"prompt": ["hello", "hi"], "n": 2, "echo": true, "logprobs": 1,
+                      "max_tokens": 3, "temperature": 0});
+    let (status, whole) = h.post("/v1/completions", body.clone()).await;
+    assert_eq!(status, StatusCode::OK, "{whole}");
+    let mut streamed = body;
+    streamed["stream"] = json!(true);
+    let (_, chunks) = openai_stream(&h, "/v1/completions", streamed).await;
+    let choices = streamed_choices(&chunks);
+    assert_eq!(choices.len(), 4);
+    for (index, (_, logprobs)) in choices.iter().enumerate() {
+        let expected = &whole["choices"][index]["logprobs"];
+        let prompt_len = prompt_tokens(["hello", "hi"][index / 2]);
+        // The prompt's tokens first (the first without a logprob), then the 3 generated.
+        assert_eq!(expected["tokens"].as_array().unwrap().len(), prompt_len + 3);
+        assert_eq!(expected["token_logprobs"][0], Value::Null);
+        assert_eq!(expected["token_logprobs"][1], -1.0);
+        assert_eq!(logprobs, expected, "choice {index}");
+    }
+    h.assert_protocol_ok();
+}
+
+#[tokio::test]
+async fn stream_chunks_carry_null_usage_only_when_the_usage_chunk_is_asked() {
+    let h = setup(Script::Hash).chat_template().build();
+    let requests = [
+        ("/v1/completions", json!({"prompt": "hello"})),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hello"}]}),
+        ),
+    ];
+    for (path, mut body) in requests {
+        body["max_tokens"] = json!(3);
+        body["stream"] = json!(true);
+        let (_, chunks) = openai_stream(&h, path, body.clone()).await;
+        for chunk in &chunks {
+            assert!(chunk.get("usage").is_none(), "{path}: {chunk}");
+        }
+        body["stream_options"] = json!({"include_usage": true});
+        let (_, chunks) = openai_stream(&h, path, body).await;
+        let (last, tokens) = chunks.split_last().unwrap();
+        assert_eq!(last["choices"], json!([]), "{path}");
+        assert_eq!(last["usage"]["completion_tokens"], 3, "{path}");
+        for chunk in tokens {
+            assert_eq!(chunk.get("usage"), Some(&Value::Null), "{path}: {chunk}");
+        }
+    }
+    h.assert_protocol_ok();
+}
+
+#[tokio::test]
+async fn streaming_best_of_must_equal_n_either_way() {
+    let h = harness(Script::Hash);
+    for best_of in [1, 3] {
+        let body = json!({"prompt": "hi", "n": 2, "best_of": best_of, "stream": true});
+        let (status, _, text) = h.send(post_json("/v1/completions", &body, None)).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{body}: {text}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["error"]["param"], "best_of", "{text}");
+    }
 }

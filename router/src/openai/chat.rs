@@ -15,7 +15,7 @@ use super::error::{ApiError, OpenAiError, OpenAiJson, ParamNames};
 use super::generate;
 use super::logprobs::ChatLogprobs;
 use super::sampling::{Sampling, StopInput};
-use super::stream::{self, Chunks, StreamOptions};
+use super::stream::{self, ChunkUsage, Chunks, StreamOptions};
 use super::{finish_reason, Envelope, Usage, FINGERPRINT};
 use crate::chat::TemplateMessage;
 use crate::detokenize::TokenizerInfo;
@@ -136,11 +136,14 @@ pub struct ChatCompletionChunk {
     model: String,
     system_fingerprint: String,
     choices: Vec<ChatChunkChoice>,
-    usage: Option<Usage>,
+    /// As `stream::ChunkUsage` says.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Usage>)]
+    usage: ChunkUsage,
 }
 
 impl ChatCompletionChunk {
-    fn new(envelope: &Envelope, choices: Vec<ChatChunkChoice>, usage: Option<Usage>) -> Self {
+    fn new(envelope: &Envelope, choices: Vec<ChatChunkChoice>, usage: ChunkUsage) -> Self {
         Self {
             id: envelope.id.clone(),
             object: "chat.completion.chunk",
@@ -246,7 +249,7 @@ async fn chat_inner(state: AppState, r: ChatRequest) -> Result<Response, ApiErro
     }
     let answered = generate::collect_all(submitted, names).await?;
     let usage = generate::usage(&answered);
-    let headers = generate::headers(&answered);
+    let headers = generate::headers(&answered, &usage);
     let choices = answered
         .into_iter()
         .flat_map(|a| a.samples)
@@ -359,7 +362,7 @@ fn chat_stream(
     let opening = (0..n)
         .map(|index| {
             let role = choice(index, Some("assistant"), Some(String::new()), None, None);
-            ChatCompletionChunk::new(&envelope, vec![role], None)
+            ChatCompletionChunk::new(&envelope, vec![role], stream::no_usage_yet(include_usage))
         })
         .collect();
     let last = envelope.clone();
@@ -375,9 +378,9 @@ fn chat_stream(
             });
             let reason = event.end.as_ref().map(|e| finish_reason(e.finish_reason));
             let token = choice(index, None, Some(event.token.text), logprobs, reason);
-            ChatCompletionChunk::new(&envelope, vec![token], None)
+            ChatCompletionChunk::new(&envelope, vec![token], stream::no_usage_yet(include_usage))
         },
-        usage: move |usage| ChatCompletionChunk::new(&last, Vec::new(), Some(usage)),
+        usage: move |usage| ChatCompletionChunk::new(&last, Vec::new(), Some(Some(usage))),
     };
     stream::respond(submitted, n, names, include_usage, chunks)
 }

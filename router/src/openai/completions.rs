@@ -13,7 +13,7 @@ use super::error::{ApiError, OpenAiError, OpenAiJson, ParamNames};
 use super::generate::{self, Answered};
 use super::logprobs::CompletionLogprobs;
 use super::sampling::{Sampling, StopInput};
-use super::stream::{self, Chunks, StreamOptions};
+use super::stream::{self, ChunkUsage, Chunks, StreamOptions};
 use super::{finish_reason, Envelope, Usage, FINGERPRINT};
 use crate::detokenize::TokenizerInfo;
 use crate::infer::{Submitted, TokenEvent};
@@ -74,7 +74,7 @@ pub struct CompletionChoice {
     finish_reason: Option<&'static str>,
 }
 
-// The whole answer, and each chunk of a stream (then `usage` only in the last one).
+// The whole answer, and each chunk of a stream (`usage` as `stream::ChunkUsage` says).
 #[derive(Debug, Serialize, ToSchema)]
 pub struct Completion {
     id: String,
@@ -84,11 +84,12 @@ pub struct Completion {
     system_fingerprint: String,
     choices: Vec<CompletionChoice>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    usage: Option<Usage>,
+    #[schema(value_type = Option<Usage>)]
+    usage: ChunkUsage,
 }
 
 impl Completion {
-    fn new(envelope: &Envelope, choices: Vec<CompletionChoice>, usage: Option<Usage>) -> Self {
+    fn new(envelope: &Envelope, choices: Vec<CompletionChoice>, usage: ChunkUsage) -> Self {
         Self {
             id: envelope.id.clone(),
             object: "text_completion",
@@ -168,8 +169,8 @@ async fn completions_inner(state: AppState, r: CompletionRequest) -> Result<Resp
         max_tokens: Some(r.max_tokens.unwrap_or(16)),
         top_n: r.logprobs,
         prompt_logprobs: shown.echo && shown.logprobs,
-        // A stream echoes the prompt in its opening chunks instead.
-        echo: shown.echo && !stream,
+        // Streamed or not, the echo is the prompt validation kept (`ValidRequest::prefix`).
+        echo: shown.echo,
     };
     let (parameters, extra) = sampling.into_parameters()?;
     let n = extra.n.max(1) as usize;
@@ -189,13 +190,13 @@ async fn completions_inner(state: AppState, r: CompletionRequest) -> Result<Resp
     }
     let answered = generate::collect_all(submitted, NAMES).await?;
     let usage = generate::usage(&answered);
-    let headers = generate::headers(&answered);
+    let headers = generate::headers(&answered, &usage);
     let mut choices = Vec::new();
     for (p, answer) in answered.into_iter().enumerate() {
         choices.extend(prompt_choices(&tokenizer, answer, p * n, n, shown));
     }
     let envelope = Envelope::new("cmpl", &state);
-    let body = Completion::new(&envelope, choices, Some(usage));
+    let body = Completion::new(&envelope, choices, Some(Some(usage)));
     Ok((headers, Json(body)).into_response())
 }
 
@@ -279,6 +280,8 @@ fn best_n(mut samples: Vec<Sample>, n: usize) -> Vec<Sample> {
     samples
 }
 
+/// The stream: each choice's first chunk carries its echoed prompt (and the prompt's
+/// logprobs) before its first token, as vLLM streams the echo.
 fn completion_stream(
     submitted: Vec<Submitted>,
     n: usize,
@@ -287,42 +290,81 @@ fn completion_stream(
     shown: Shown,
     include_usage: bool,
 ) -> Response {
-    let choice = |text, index, logprobs, finish_reason| CompletionChoice {
-        text,
-        index,
-        logprobs,
-        finish_reason,
-    };
-    // Echo: each choice opens with its prompt.
-    let mut opening = Vec::new();
-    if shown.echo {
-        for (p, s) in submitted.iter().enumerate() {
-            let text = tokenizer.decode_all(&s.request.input_ids);
-            for j in 0..n {
-                let echoed = choice(text.clone(), p * n + j, None, None);
-                opening.push(Completion::new(&envelope, vec![echoed], None));
-            }
-        }
-    }
+    let prompts: Vec<String> = submitted
+        .iter()
+        .map(|s| s.request.prefix.clone().unwrap_or_default())
+        .collect();
+    let mut choices = vec![StreamedChoice::default(); prompts.len() * n];
     let last = envelope.clone();
     let chunks = Chunks {
-        opening,
-        token: move |index, event: TokenEvent| {
-            let logprobs = shown.logprobs.then(|| {
-                CompletionLogprobs::of(
-                    &tokenizer,
-                    std::slice::from_ref(&event.token),
-                    std::slice::from_ref(&event.top_tokens),
-                    0,
-                    0,
-                    shown.alternatives,
-                )
-            });
+        opening: Vec::new(),
+        token: move |index: usize, event: TokenEvent| {
             let reason = event.end.as_ref().map(|e| finish_reason(e.finish_reason));
-            let token = choice(event.token.text, index, logprobs, reason);
-            Completion::new(&envelope, vec![token], None)
+            let prompt = &prompts[index / n];
+            let (text, logprobs) = choices[index].next(&tokenizer, prompt, event, shown);
+            let token = CompletionChoice {
+                text,
+                index,
+                logprobs,
+                finish_reason: reason,
+            };
+            Completion::new(&envelope, vec![token], stream::no_usage_yet(include_usage))
         },
-        usage: move |usage| Completion::new(&last, Vec::new(), Some(usage)),
+        usage: move |usage| Completion::new(&last, Vec::new(), Some(Some(usage))),
     };
     stream::respond(submitted, n, NAMES, include_usage, chunks)
+}
+
+/// Where one streamed choice is: whether its prompt was echoed, and the text offset of
+/// its next token (counted as the whole answer's logprobs count them).
+#[derive(Clone, Default)]
+struct StreamedChoice {
+    echoed: bool,
+    offset: usize,
+}
+
+impl StreamedChoice {
+    /// The text and logprobs of the chunk for `event`: the first one echoes `prompt`.
+    fn next(
+        &mut self,
+        tokenizer: &TokenizerInfo,
+        prompt: &str,
+        event: TokenEvent,
+        shown: Shown,
+    ) -> (String, Option<CompletionLogprobs>) {
+        let mut text = String::new();
+        let mut logprobs = CompletionLogprobs::default();
+        if shown.echo && !self.echoed {
+            self.echoed = true;
+            text.push_str(prompt);
+            // As `prompt_choices`: the prompt's logprobs from 0, then the generated
+            // tokens from the end of the prompt's text.
+            if shown.logprobs {
+                logprobs = CompletionLogprobs::of(
+                    tokenizer,
+                    &event.prefill,
+                    &event.prefill_top_tokens,
+                    1,
+                    0,
+                    shown.alternatives,
+                );
+            }
+            self.offset = prompt.len();
+        }
+        text.push_str(&event.token.text);
+        let logprobs = shown.logprobs.then(|| {
+            let token = CompletionLogprobs::of(
+                tokenizer,
+                std::slice::from_ref(&event.token),
+                std::slice::from_ref(&event.top_tokens),
+                0,
+                self.offset,
+                shown.alternatives,
+            );
+            self.offset = token.end_offset().unwrap_or(self.offset);
+            logprobs.append(token);
+            logprobs
+        });
+        (text, logprobs)
+    }
 }

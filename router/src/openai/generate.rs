@@ -64,16 +64,18 @@ pub(super) fn usage(answered: &[Answered]) -> Usage {
     Usage::new(prompt_tokens, completion_tokens)
 }
 
-/// The timing headers of the first prompt's request over every sample. (So with several
-/// prompts `x-prompt-tokens` counts the first one only, where a stream counts them all.)
-pub(super) fn headers(answered: &[Answered]) -> HeaderMap {
+/// The timing headers over every sample, `x-prompt-tokens` counting every prompt (as
+/// `usage` and a stream's header do).
+pub(super) fn headers(answered: &[Answered], usage: &Usage) -> HeaderMap {
     let ends: Vec<_> = answered
         .iter()
         .flat_map(|a| &a.samples)
         .map(|s| &s.end)
         .collect();
-    answered
-        .first()
-        .map(|a| timing_headers(&a.request, &ends))
-        .unwrap_or_default()
+    let Some(first) = answered.first() else {
+        return HeaderMap::new();
+    };
+    let mut headers = timing_headers(&first.request, &ends);
+    headers.insert("x-prompt-tokens", usage.prompt_tokens.into());
+    headers
 }

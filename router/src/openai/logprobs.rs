@@ -56,6 +56,11 @@ impl CompletionLogprobs {
         out
     }
 
+    /// The text offset just past the last token.
+    pub(super) fn end_offset(&self) -> Option<usize> {
+        Some(self.text_offset.last()? + self.tokens.last()?.len())
+    }
+
     /// `self` followed by `more`.
     pub(super) fn append(&mut self, more: Self) {
         self.tokens.extend(more.tokens);

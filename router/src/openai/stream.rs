@@ -8,8 +8,9 @@ use std::sync::Arc;
 use axum::http::{HeaderMap, HeaderValue};
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
-use futures::stream::{self, Stream, StreamExt};
+use futures::stream::{self, BoxStream, Stream, StreamExt};
 use serde::{Deserialize, Serialize};
+use tokio::sync::mpsc::UnboundedReceiver;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use utoipa::ToSchema;
 
@@ -24,6 +25,15 @@ pub struct StreamOptions {
     pub include_usage: Option<bool>,
 }
 
+/// A stream chunk's `usage`, as OpenAI sends it: `null` on every chunk but the last when
+/// the client asked for the usage chunk, no field at all otherwise (`None`).
+pub(super) type ChunkUsage = Option<Option<Usage>>;
+
+/// The `usage` of a chunk before the last.
+pub(super) fn no_usage_yet(include_usage: bool) -> ChunkUsage {
+    include_usage.then_some(None)
+}
+
 /// Whether the client asked for the usage chunk.
 pub(super) fn include_usage(options: Option<StreamOptions>) -> bool {
     options.and_then(|o| o.include_usage).unwrap_or(false)
@@ -31,7 +41,7 @@ pub(super) fn include_usage(options: Option<StreamOptions>) -> bool {
 
 /// How one route's chunks look.
 pub(super) struct Chunks<C, T, U> {
-    /// Sent before any token (chat: each choice's role; completions: echoed prompts).
+    /// Sent before any token (chat: each choice's role).
     pub opening: Vec<C>,
     /// The chunk for one token of choice `index`.
     pub token: T,
@@ -105,12 +115,52 @@ fn merged(
     n: usize,
 ) -> (usize, impl Stream<Item = (usize, EventResult)>) {
     let prompt_tokens = submitted.iter().map(|s| s.request.input_ids.len()).sum();
-    let streams = submitted.into_iter().enumerate().flat_map(|(p, s)| {
-        s.samples.into_iter().enumerate().map(move |(j, rx)| {
+    let prompts = submitted
+        .into_iter()
+        .enumerate()
+        .map(|(p, s)| samples(p * n, s.samples));
+    (prompt_tokens, stream::select_all(prompts))
+}
+
+/// One prompt's samples as one stream, choice indices from `first_index`. Only the
+/// first sample's first event carries the prompt's logprobs, and the siblings start
+/// after it (`Loop::admit`): it is read first and its prompt logprobs copied into each
+/// sibling's first event, so every choice can show them.
+fn samples(
+    first_index: usize,
+    receivers: Vec<UnboundedReceiver<EventResult>>,
+) -> BoxStream<'static, (usize, EventResult)> {
+    let mut receivers = receivers.into_iter();
+    let Some(mut first) = receivers.next() else {
+        return stream::empty().boxed();
+    };
+    let siblings: Vec<_> = receivers.collect();
+    stream::once(async move {
+        let opening = first.recv().await;
+        let prefill = match &opening {
+            Some(Ok(e)) => (e.prefill.clone(), e.prefill_top_tokens.clone()),
+            _ => Default::default(),
+        };
+        let first = stream::iter(opening)
+            .chain(UnboundedReceiverStream::new(first))
+            .map(move |e| (first_index, e));
+        let siblings = siblings.into_iter().enumerate().map(move |(j, rx)| {
+            let prefill = prefill.clone();
             UnboundedReceiverStream::new(rx)
-                .map(move |e| (p * n + j, e))
+                .enumerate()
+                .map(move |(k, e)| {
+                    let e = e.map(|mut e| {
+                        if k == 0 {
+                            (e.prefill, e.prefill_top_tokens) = prefill.clone();
+                        }
+                        e
+                    });
+                    (first_index + 1 + j, e)
+                })
                 .boxed()
-        })
-    });
-    (prompt_tokens, stream::select_all(streams))
+        });
+        stream::select_all(std::iter::once(first.boxed()).chain(siblings))
+    })
+    .flatten()
+    .boxed()
 }
