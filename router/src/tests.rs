@@ -1305,6 +1305,24 @@ async fn streamed_echo_with_logprobs_sends_the_prompt_logprobs_like_the_whole_an
         assert_eq!(expected["token_logprobs"][0], Value::Null);
         assert_eq!(expected["token_logprobs"][1], -1.0);
         assert_eq!(logprobs, expected, "choice {index}");
+        // Every offset points at its token in the choice's text (the BOS, a special
+        // token the echo does not show, at 0 and taking no room).
+        let text = whole["choices"][index]["text"].as_str().unwrap();
+        let tokens = expected["tokens"].as_array().unwrap();
+        let offsets = expected["text_offset"].as_array().unwrap();
+        for (i, (token, offset)) in tokens.iter().zip(offsets).enumerate() {
+            let (token, at) = (token.as_str().unwrap(), offset.as_u64().unwrap() as usize);
+            if i == 0 && token == "<|bos|>" {
+                assert_eq!(at, 0);
+                continue;
+            }
+            let at_offset = text.get(at..at + token.len());
+            assert_eq!(
+                at_offset,
+                Some(token),
+                "choice {index} token {i} in {text:?}"
+            );
+        }
     }
     h.assert_protocol_ok();
 }

@@ -20,12 +20,17 @@ pub struct CompletionLogprobs {
     tokens: Vec<String>,
     token_logprobs: Vec<Option<f32>>,
     top_logprobs: Vec<Option<HashMap<String, f32>>>,
+    /// Where each token starts in the choice's text (echoed prompt, then completion).
     text_offset: Vec<usize>,
+    /// The offset just past the last token.
+    #[serde(skip)]
+    end: Option<usize>,
 }
 
 impl CompletionLogprobs {
     /// Logprobs of `tokens` and, `with_top`, their alternatives: `top[i - top_offset]`
-    /// belongs to `tokens[i]`. Text offsets count from `start`.
+    /// belongs to `tokens[i]`. Text offsets count from `start`; a special token (a BOS)
+    /// is not in the choice's text, so it takes no room there.
     pub(super) fn of(
         tokenizer: &TokenizerInfo,
         tokens: &[Token],
@@ -39,7 +44,9 @@ impl CompletionLogprobs {
         for (i, t) in tokens.iter().enumerate() {
             let text = token_string(tokenizer, t.id);
             out.text_offset.push(offset);
-            offset += text.len();
+            if !t.special {
+                offset += text.len();
+            }
             out.tokens.push(text);
             out.token_logprobs.push(t.logprob);
             let alternatives = i.checked_sub(top_offset).and_then(|j| top.get(j));
@@ -53,12 +60,13 @@ impl CompletionLogprobs {
                     _ => None,
                 });
         }
+        out.end = (!tokens.is_empty()).then_some(offset);
         out
     }
 
     /// The text offset just past the last token.
     pub(super) fn end_offset(&self) -> Option<usize> {
-        Some(self.text_offset.last()? + self.tokens.last()?.len())
+        self.end
     }
 
     /// `self` followed by `more`.
@@ -67,6 +75,7 @@ impl CompletionLogprobs {
         self.token_logprobs.extend(more.token_logprobs);
         self.top_logprobs.extend(more.top_logprobs);
         self.text_offset.extend(more.text_offset);
+        self.end = more.end.or(self.end);
     }
 }
 
