@@ -1265,18 +1265,27 @@ async fn several_prompts_count_every_prompt_in_x_prompt_tokens_streamed_or_not()
     h.assert_protocol_ok();
 }
 
+/// Two prompts, two choices each, echoed: the whole answer and the streamed choices
+/// (text and logprobs put back together).
+async fn echo_whole_and_streamed(h: &Harness, logprobs: Value) -> (Value, Vec<(String, Value)>) {
+    let mut body = json!({"prompt": ["hello", "hi"], "n": 2, "echo": true, "max_tokens": 3,
+                          "temperature": 0});
+    if !logprobs.is_null() {
+        body["logprobs"] = logprobs;
+    }
+    let (status, whole) = h.post("/v1/completions", body.clone()).await;
+    assert_eq!(status, StatusCode::OK, "{whole}");
+    body["stream"] = json!(true);
+    let (_, chunks) = openai_stream(h, "/v1/completions", body).await;
+    let choices = streamed_choices(&chunks);
+    assert_eq!(choices.len(), 4);
+    (whole, choices)
+}
+
 #[tokio::test]
 async fn streamed_echo_is_the_prompt_as_sent_like_the_whole_answer() {
     let h = harness(Script::Hash);
-    let body = json!({"prompt": ["hello", "hi"], "n": 2, "echo": true, "max_tokens": 3,
-                      "temperature": 0});
-    let (status, whole) = h.post("/v1/completions", body.clone()).await;
-    assert_eq!(status, StatusCode::OK, "{whole}");
-    let mut streamed = body;
-    streamed["stream"] = json!(true);
-    let (_, chunks) = openai_stream(&h, "/v1/completions", streamed).await;
-    let choices = streamed_choices(&chunks);
-    assert_eq!(choices.len(), 4);
+    let (whole, choices) = echo_whole_and_streamed(&h, Value::Null).await;
     for (index, (text, _)) in choices.iter().enumerate() {
         let prompt = ["hello", "hi"][index / 2];
         assert!(text.starts_with(prompt), "{index}: {text:?}");
@@ -1288,15 +1297,7 @@ async fn streamed_echo_is_the_prompt_as_sent_like_the_whole_answer() {
 #[tokio::test]
 async fn streamed_echo_with_logprobs_sends_the_prompt_logprobs_like_the_whole_answer() {
     let h = harness(Script::Hash);
-    let body = json!({"prompt": ["hello", "hi"], "n": 2, "echo": true, "logprobs": 1,
-                      "max_tokens": 3, "temperature": 0});
-    let (status, whole) = h.post("/v1/completions", body.clone()).await;
-    assert_eq!(status, StatusCode::OK, "{whole}");
-    let mut streamed = body;
-    streamed["stream"] = json!(true);
-    let (_, chunks) = openai_stream(&h, "/v1/completions", streamed).await;
-    let choices = streamed_choices(&chunks);
-    assert_eq!(choices.len(), 4);
+    let (whole, choices) = echo_whole_and_streamed(&h, json!(1)).await;
     for (index, (_, logprobs)) in choices.iter().enumerate() {
         let expected = &whole["choices"][index]["logprobs"];
         let prompt_len = prompt_tokens(["hello", "hi"][index / 2]);

@@ -175,15 +175,8 @@ const NAMES_MAX_TOKENS: ParamNames = &[
               (status = 429, body = OpenAiError)))]
 pub async fn chat_completions(
     State(state): State<AppState>,
-    OpenAiJson(request): OpenAiJson<ChatRequest>,
-) -> Response {
-    match chat_inner(state, request).await {
-        Ok(response) => response,
-        Err(e) => e.into_response(),
-    }
-}
-
-async fn chat_inner(state: AppState, r: ChatRequest) -> Result<Response, ApiError> {
+    OpenAiJson(r): OpenAiJson<ChatRequest>,
+) -> Result<Response, ApiError> {
     refuse_unsupported(&r)?;
     let with_logprobs = r.logprobs.unwrap_or(false);
     if r.top_logprobs.is_some_and(|n| n > 0) && !with_logprobs {

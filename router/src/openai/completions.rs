@@ -126,15 +126,8 @@ struct Shown {
               (status = 429, body = OpenAiError)))]
 pub async fn completions(
     State(state): State<AppState>,
-    OpenAiJson(request): OpenAiJson<CompletionRequest>,
-) -> Response {
-    match completions_inner(state, request).await {
-        Ok(response) => response,
-        Err(e) => e.into_response(),
-    }
-}
-
-async fn completions_inner(state: AppState, r: CompletionRequest) -> Result<Response, ApiError> {
+    OpenAiJson(r): OpenAiJson<CompletionRequest>,
+) -> Result<Response, ApiError> {
     if r.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::invalid("suffix", "is not supported"));
     }
