@@ -275,19 +275,19 @@ def prefill_attention(
     v_cache: torch.Tensor,
     ctx: AttentionContext,
     scale: float,
-    mask: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """q: [Tp, heads, head_dim], the prefill tokens, packed -> same shape. `mask`
-    defaults to the causal one."""
+    """q: [Tp, heads, head_dim], the prefill tokens, packed -> same shape; causal, within
+    `sliding_window` when given."""
     assert ctx.prefill_seq is not None and ctx.prefill_col is not None
-    mask = ctx.prefill_mask if mask is None else mask
+    mask = ctx.masks(sliding_window)[1]
     tables = ctx.prefill_tables
     assert tables is not None
     padded = q.new_zeros(tables.shape[0], ctx.max_query_len, q.shape[1], q.shape[2])
     padded[ctx.prefill_seq, ctx.prefill_col] = q
     k = _gather(k_cache, tables, q.dtype, _scratch("prefill_k", k_cache, tables))
     v = _gather(v_cache, tables, q.dtype, _scratch("prefill_v", v_cache, tables))
-    if ctx.prefill_from_start and mask is ctx.prefill_mask:
+    if ctx.prefill_from_start and sliding_window is None:
         # Whole prompts: query i sees keys 0..i of its own chunk, which SDPA's causal
         # kernel does without a mask and skipping the masked half (padded query rows
         # see pad keys, and are dropped below).
@@ -312,7 +312,6 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention for a mixed batch (decode rows first): q [T, heads, head_dim]."""
     ctx = get_context()
-    decode_mask, prefill_mask = ctx.masks(sliding_window)
     d = ctx.num_decode
     if d > 0 and ctx.backend == "cpu":
         from cadence.kernels import cpu
@@ -325,11 +324,12 @@ def paged_attention(
         if d == q.shape[0]:
             return decode
     elif d > 0:
+        decode_mask = ctx.masks(sliding_window)[0]
         assert ctx.decode_tables is not None and decode_mask is not None
         decode = decode_attention(q[:d], k_cache, v_cache, ctx.decode_tables, decode_mask, scale)
         if d == q.shape[0]:
             return decode
-    prefill = prefill_attention(q[d:], k_cache, v_cache, ctx, scale, prefill_mask)
+    prefill = prefill_attention(q[d:], k_cache, v_cache, ctx, scale, sliding_window)
     if d == 0:
         return prefill
     return torch.cat((decode, prefill), dim=0)

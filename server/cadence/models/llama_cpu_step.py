@@ -126,8 +126,7 @@ def forward_step(
                 )  # fmt: skip
                 _check(status, "cadence_paged_decode_attention")
             q = q_rotated[d:].view(-1, heads, head_dim)
-            mask = ctx.masks(window)[1]
-            out = prefill_attention(q, k_cache, v_cache, ctx, cache.scale, mask)
+            out = prefill_attention(q, k_cache, v_cache, ctx, cache.scale, window)
             attended[d:].view(-1, heads, head_dim).copy_(out)
         x = _row_parallel(attn.o_proj, attended)
         norm(layer.post_attention_layernorm.weight, x, True, normed)
