@@ -74,7 +74,9 @@ def stop(server: LaunchedServer) -> int:
 def smollm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedServer]:
     """The embedded SmolLM2-135M-Instruct in float32, as `cadence launch` serves it."""
     tmp = tmp_path_factory.mktemp("smollm")
-    server = launch(tmp, "--dtype", "float32", "--kv-cache-memory", "512MiB")
+    server = launch(
+        tmp, "--dtype", "float32", "--kv-cache-dtype", "float32", "--kv-cache-memory", "512MiB"
+    )
     yield server
     code = stop(server)
     assert code == 0, f"launcher exited with {code} on SIGTERM:\n{server.log()}"

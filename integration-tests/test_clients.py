@@ -11,9 +11,10 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from conftest import LaunchedServer, launch, stop
 from huggingface_hub import InferenceClient
 from text_generation import Client
+
+from conftest import LaunchedServer, launch, stop
 
 KEY = "test-key-4"
 

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import LaunchedServer, launch, stop
 from test_fidelity import CHAT_PROMPTS, greedy_ids
+
+from conftest import LaunchedServer, launch, stop
 
 NEW_TOKENS = 32
 
@@ -23,7 +24,16 @@ def two_shards(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedSer
     tmp = tmp_path_factory.mktemp("smollm-tp2")
     server = launch(
         tmp,
-        *("--num-shard", "2", "--dtype", "float32", "--kv-cache-memory", "256MiB"),
+        *(
+            "--num-shard",
+            "2",
+            "--dtype",
+            "float32",
+            "--kv-cache-dtype",
+            "float32",
+            "--kv-cache-memory",
+            "256MiB",
+        ),
         "--check-rank-agreement",
     )
     yield server
@@ -92,7 +102,16 @@ def test_an_opt_checkpoint_is_served_over_two_shards_as_transformers_generates(
 
     server = launch(
         tmp_path,
-        *("--model-id", str(model_dir), "--num-shard", "2", "--dtype", "float32"),
+        *(
+            "--model-id",
+            str(model_dir),
+            "--num-shard",
+            "2",
+            "--dtype",
+            "float32",
+            "--kv-cache-dtype",
+            "float32",
+        ),
         *("--kv-cache-memory", "16MiB", "--check-rank-agreement"),
     )
     try:

@@ -1,9 +1,12 @@
-"""SmolLM2's linear layers on CPU, 30 layers' worth of distinct bf16 weights (so they
-stream from memory as in a real step) plus the LM head: oneDNN with the weight prepacked
-(`cadence.layers.packed`) against `F.linear`, per batch size. Decides up to how many
-rows the packed weights are used (`PACKED_MAX_ROWS`).
+"""SmolLM2's linear layers on CPU, 30 layers' worth of distinct weights (so they stream
+from memory as in a real step) plus the LM head: oneDNN with the weight prepacked
+(`cadence.layers.packed`) against `F.linear`, per batch size. Decided up to how many
+rows bfloat16 weights are used packed (`BF16_PACKED_MAX_ROWS`), and that float32 ones
+always are. `ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2` holds both libraries
+to what an AVX2-only CPU runs.
 
     python kernels/cpu_linear_bench.py [--threads 2] [--rows 1,32,96,256,352,512,1024]
+        [--dtype bfloat16|float32]
 """
 
 from __future__ import annotations
@@ -44,16 +47,18 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rows", default="1,32,96,256,352,512,1024")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     a = p.parse_args()
+    dtype = getattr(torch, a.dtype)
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
-    weights = [[torch.randn(n, k).bfloat16() for n, k in SHAPES] for _ in range(LAYERS)]
-    weights.append([torch.randn(VOCAB, 576).bfloat16()])
+    weights = [[torch.randn(n, k).to(dtype) for n, k in SHAPES] for _ in range(LAYERS)]
+    weights.append([torch.randn(VOCAB, 576).to(dtype)])
     packed = [[torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in ws] for ws in weights]
     total = sum(w.numel() * w.element_size() for ws in weights for w in ws)
 
     for rows in (int(r) for r in a.rows.split(",")):
-        inputs = {k: torch.randn(rows, k).bfloat16() for k in (576, 1536)}
+        inputs = {k: torch.randn(rows, k).to(dtype) for k in (576, 1536)}
         t_packed = best_ms(lambda x=inputs: run(packed, x, prepacked=True))
         t_plain = best_ms(lambda x=inputs: run(weights, x, prepacked=False))
         print(

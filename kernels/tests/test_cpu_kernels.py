@@ -1,18 +1,18 @@
 """The C++ CPU kernels (`cadence.kernels.cpu`) against their torch references: random
 paged caches over shuffled blocks, several block sizes, head dims, GQA ratios, ragged
 lengths including 1 and block boundaries, sliding windows, every dtype pairing the
-shard uses; outputs are poisoned before each run so unwritten elements fail."""
+shard uses; outputs are poisoned before each run so unwritten elements fail. Every test
+runs once per instruction set of the kernels (the `cpu_isa` fixture: AVX-512 BF16,
+AVX-512, AVX2, scalar), the ones this CPU lacks skipped."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from cadence.kernels import cpu
-from cadence.layers.packed import linear, packing_supported
 from kernel_cases import assert_close, paged_cache, poisoned
 
-pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C++ compiler")
+pytestmark = pytest.mark.usefixtures("cpu_isa")
 
 LENS = [1, 15, 16, 17, 33, 64, 130]  # one token, around block boundaries, longer
 
@@ -111,18 +111,6 @@ def test_greedy_logprobs_match_log_softmax(dtype, vocab):
     ref_ids, ref_logprobs = cpu.greedy_logprobs_ref(logits)
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-5, rtol=1e-5, equal_nan=True)
-
-
-@pytest.mark.skipif(not packing_supported(torch.empty(1, dtype=torch.bfloat16)), reason="no oneDNN")
-@pytest.mark.parametrize("rows", [1, 7, 32, 64, 65, 300, 320, 321])
-def test_prepacked_linear_matches_f_linear(rows):
-    g = torch.Generator().manual_seed(rows)
-    weight = torch.randn(96, 80, generator=g).bfloat16()
-    bias = torch.randn(96, generator=g).bfloat16()
-    x = torch.randn(rows, 80, generator=g).bfloat16()
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
-    ours = linear(x, weight, bias, packed)
-    torch.testing.assert_close(ours, F.linear(x, weight, bias), atol=0.06, rtol=0.02)
 
 
 def _torch_layers(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -129,6 +129,7 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
         max_total_tokens = limits.max_total_tokens,
         num_blocks = args.num_blocks,
         async_scheduling = !args.no_async_scheduling,
+        kernels = ?info.kernels,
         "shards ready"
     );
     let app_info = Info {
@@ -147,6 +148,7 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
         block_size: args.block_size as usize,
         num_blocks: args.num_blocks as usize,
         world_size: shards.world_size(),
+        kernels: info.kernels.clone().into_iter().collect(),
         version: env!("CARGO_PKG_VERSION"),
         router: "cadence",
     };

@@ -42,6 +42,9 @@ pub struct Info {
     pub block_size: usize,
     pub num_blocks: usize,
     pub world_size: usize,
+    /// What serves each kernel family on the shards: `isa` (the C++ CPU kernels'
+    /// instruction set), `attention`, `products`, `norms`, `sampling`.
+    pub kernels: std::collections::BTreeMap<String, String>,
     pub version: &'static str,
     pub router: &'static str,
 }

@@ -354,6 +354,7 @@ impl Setup {
             block_size: BLOCK_SIZE,
             num_blocks: shard.num_blocks,
             world_size: 1,
+            kernels: [("isa".to_string(), "scalar".to_string())].into(),
             version: "test",
             router: "cadence",
         };

@@ -25,6 +25,17 @@ from cadence.logs import LOG_FORMATS, setup_logging
 from cadence.model_source import ModelSourceError
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
+MODEL_DTYPE_CHOICES = ("auto", *DTYPE_CHOICES)
+CPU_ISA_CHOICES = ("auto", "avx512_bf16", "avx512", "avx2", "scalar")
+DTYPE_HELP = (
+    "weights and activations (auto: bfloat16 on a GPU and on CPUs with AVX-512 BF16, "
+    "float32 on other CPUs, where it is the faster)"
+)
+KV_DTYPE_HELP = "KV cache dtype (default: bfloat16 under float32 weights on CPU, else --dtype)"
+CPU_ISA_HELP = (
+    "instruction set of the C++ CPU kernels (auto: the best this CPU has); naming one the "
+    "CPU lacks is an error at start"
+)
 T = TypeVar("T")
 
 
@@ -62,9 +73,10 @@ def _launch_parser(sub: Any) -> None:
     add(p, "--model-id", help="local model folder or Hub id (default: embedded SmolLM2-135M)")
     add(p, "--hostname", default="127.0.0.1", help="address the HTTP server binds")
     add(p, "--port", type=int, default=8080, help="port the HTTP server binds")
-    add(p, "--dtype", default="bfloat16", choices=DTYPE_CHOICES, help="weights and activations")
-    add(p, "--kv-cache-dtype", choices=DTYPE_CHOICES, help="KV cache dtype (default: --dtype)")
+    add(p, "--dtype", default="auto", choices=MODEL_DTYPE_CHOICES, help=DTYPE_HELP)
+    add(p, "--kv-cache-dtype", choices=DTYPE_CHOICES, help=KV_DTYPE_HELP)
     add(p, "--device", default="cpu", help="cpu, cuda or cuda:N")
+    add(p, "--cpu-isa", default="auto", choices=CPU_ISA_CHOICES, help=CPU_ISA_HELP)
     add(
         p,
         "--num-shard",
@@ -187,10 +199,11 @@ def _serve_parser(sub: Any) -> None:
     add = add_flag
     add(p, "--model-id", required=True, help="local model folder (config.json, *.safetensors)")
     add(p, "--uds-path", required=True, help="unix socket the shard listens on")
-    add(p, "--dtype", default="bfloat16", choices=DTYPE_CHOICES, help="weights and activations")
+    add(p, "--dtype", default="auto", choices=MODEL_DTYPE_CHOICES, help=DTYPE_HELP)
     add(p, "--device", default="cpu", help="cpu, cuda or cuda:N")
+    add(p, "--cpu-isa", default="auto", choices=CPU_ISA_CHOICES, help=CPU_ISA_HELP)
     add(p, "--block-size", type=_positive_int, default=16, help="tokens per KV cache block")
-    add(p, "--kv-cache-dtype", choices=DTYPE_CHOICES, help="KV cache dtype (default: --dtype)")
+    add(p, "--kv-cache-dtype", choices=DTYPE_CHOICES, help=KV_DTYPE_HELP)
     add(p, "--rank", type=int, default=0, help="this shard's tensor-parallel rank")
     add(p, "--world-size", type=_positive_int, default=1, help="number of shards")
     add(p, "--master-addr", default="127.0.0.1", help="torch.distributed rendezvous address")
@@ -250,10 +263,12 @@ def _run_launch(args: argparse.Namespace) -> int:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    from cadence.launcher import resolve_cpu_choices
     from cadence.model_source import resolve_model
     from cadence.shard.server import serve
 
-    serve(config_from(args, ShardConfig, model_dir=resolve_model(args.model_id)))
+    cfg = config_from(args, ShardConfig, model_dir=resolve_model(args.model_id))
+    serve(resolve_cpu_choices(cfg))
     return 0
 
 

@@ -11,7 +11,7 @@ class ShardConfig:
 
     model_dir: str  # a local Hugging Face folder (config.json, *.safetensors)
     uds_path: str  # unix socket the gRPC server listens on
-    dtype: str = "bfloat16"  # "float32" | "bfloat16" | "float16"
+    dtype: str = "auto"  # "float32" | "bfloat16" | "float16" | "auto" (isa.default_dtype)
     device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
     block_size: int = 16  # tokens per KV block
     rank: int = 0
@@ -21,3 +21,4 @@ class ShardConfig:
     kv_cache_dtype: str | None = None  # None: follow dtype
     log_format: str = "text"  # "text" | "json"
     model_id: str = ""  # reported by Info; "" = model_dir
+    cpu_isa: str = "auto"  # the C++ kernels' instruction set: "auto" or one of isa.ISAS

@@ -15,7 +15,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from loguru import logger
 
@@ -35,9 +35,10 @@ class LaunchConfig:
     model_id: str | None = None  # None: the embedded SmolLM2, converted on first use
     hostname: str = "127.0.0.1"
     port: int = 8080
-    dtype: str = "bfloat16"
-    kv_cache_dtype: str | None = None  # None: follow dtype
+    dtype: str = "auto"  # auto: resolve_cpu_choices picks by device and CPU
+    kv_cache_dtype: str | None = None  # None: isa.default_kv_cache_dtype
     device: str = "cpu"
+    cpu_isa: str = "auto"  # the C++ CPU kernels' instruction set (kernels/cpu/isa.py)
     num_shard: int = 1  # tensor-parallel ranks, one shard process each
     master_port: int | None = None  # torch.distributed rendezvous; None: a free port
     check_rank_agreement: bool = False  # router compares every rank's Step answer
@@ -74,6 +75,7 @@ def shard_argv(cfg: LaunchConfig, model_dir: str, uds_path: str, rank: int) -> l
         *(sys.executable, "-m", "cadence", "serve"),
         *("--model-id", model_dir, "--uds-path", uds_path),
         *("--dtype", cfg.dtype, "--device", cfg.device, "--block-size", str(cfg.block_size)),
+        *("--cpu-isa", cfg.cpu_isa),
         *("--rank", str(rank), "--world-size", str(cfg.num_shard)),
         *("--master-addr", "127.0.0.1", "--master-port", str(cfg.master_port or 29500)),
         *(("--kv-cache-dtype", cfg.kv_cache_dtype) if cfg.kv_cache_dtype else ()),
@@ -142,10 +144,38 @@ def async_scheduling(cfg: LaunchConfig) -> bool:
     return cfg.async_scheduling == "on"
 
 
+C = TypeVar("C")  # LaunchConfig or ShardConfig: both have device, dtype, cpu_isa
+
+
+def resolve_cpu_choices(cfg: C) -> C:
+    """`cfg` with `cpu_isa`, `dtype` and `kv_cache_dtype` made concrete: the instruction
+    set the CPU kernels run with (the best the CPU has, or the one asked for, checked here
+    so a CPU lacking it is a clear error at start rather than a crash in a shard), the
+    dtype that serves fastest with it, and the KV cache's dtype."""
+    from cadence.kernels.cpu import isa
+
+    try:
+        chosen = isa.resolve(cfg.cpu_isa)
+    except isa.IsaError as err:
+        raise LaunchError(str(err)) from None
+    dtype = isa.default_dtype(cfg.device, chosen) if cfg.dtype == "auto" else cfg.dtype
+    kv_dtype = cfg.kv_cache_dtype or isa.default_kv_cache_dtype(cfg.device, dtype)
+    return replace(cfg, cpu_isa=chosen, dtype=dtype, kv_cache_dtype=kv_dtype)
+
+
 def launch(cfg: LaunchConfig) -> int:
     """Runs the whole stack; returns the process exit code."""
+    from cadence.kernels.cpu import isa
     from cadence.model_source import resolve_model
 
+    cfg = resolve_cpu_choices(cfg)
+    logger.info(
+        "CPU {!r} runs {}: kernels for {}, {} weights",
+        isa.cpu_model(),
+        ", ".join(isa.supported()),
+        cfg.cpu_isa,
+        cfg.dtype,
+    )
     if cfg.num_shard > 1 and cfg.master_port is None:
         cfg = replace(cfg, master_port=_free_port())
 

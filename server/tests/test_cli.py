@@ -48,7 +48,8 @@ def test_env_name_is_cadence_prefixed_upper_snake() -> None:
 def test_launch_defaults_build_the_documented_config() -> None:
     cfg = config_from(build_parser().parse_args(["launch"]), LaunchConfig)
     assert cfg == LaunchConfig()
-    assert (cfg.hostname, cfg.port, cfg.dtype, cfg.device) == ("127.0.0.1", 8080, "bfloat16", "cpu")
+    assert (cfg.hostname, cfg.port, cfg.dtype, cfg.device) == ("127.0.0.1", 8080, "auto", "cpu")
+    assert cfg.cpu_isa == "auto"
     assert (cfg.kv_cache_memory, cfg.memory_fraction) == (None, 0.1)
 
 

@@ -13,12 +13,11 @@ import random
 
 import pytest
 import torch
-from cadence.kernels import cpu
 from cadence.models import llama_cpu_step
 from cadence.pb import shard_pb2
 from shard_helpers import MiniRouter
 
-pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C++ compiler")
+pytestmark = pytest.mark.usefixtures("cpu_isa")  # every instruction set the CPU runs
 
 LLAMA_VARIANTS = [
     "llama_gqa",

@@ -77,7 +77,7 @@ def run_rank(
             engine.warmup(max_batch_tokens=64, max_batch_size=8, kv_cache_bytes=1 << 20)
             results[Path(model_dir).name] = {
                 "logits": scripted_logits(engine),
-                "weight_bytes": engine.weight_bytes,
+                "weight_bytes": engine.weight_bytes - engine.packed_bytes,  # the slices alone
                 "checkpoint_bytes_read": engine.checkpoint_bytes_read,
                 "kv_heads": engine.attention[0].num_kv_heads,
             }

@@ -67,6 +67,33 @@ def _openai_body(req: BenchRequest, ignore_eos: bool, model: str) -> dict[str, A
     return body
 
 
+async def _stream(
+    client: aiohttp.ClientSession,
+    path: str,
+    body: dict[str, Any],
+    backend: str,
+    times: list[float],
+) -> int | None:
+    """Sends one request and reads its event stream, appending each token event's arrival
+    time to `times`; returns the server's count of generated tokens, if it gave one."""
+    reported: int | None = None
+    async with client.post(path, json=body) as r:
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
+        async for event in _events(r):
+            now = time.perf_counter()
+            if backend == "tgi":
+                times.append(now)  # one event per token
+                details = event.get("details") or {}
+                reported = details.get("generated_tokens", reported)
+            else:
+                if any(c.get("text") for c in event.get("choices", [])):
+                    times.append(now)  # a chunk may hold more than one token
+                usage = event.get("usage") or {}
+                reported = usage.get("completion_tokens", reported)
+    return reported
+
+
 async def send(
     client: aiohttp.ClientSession,
     backend: str,
@@ -83,24 +110,20 @@ async def send(
     start = time.perf_counter()
     times: list[float] = []
     reported: int | None = None
-    try:
-        async with client.post(path, json=body) as r:
-            if r.status != 200:
-                raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
-            async for event in _events(r):
-                now = time.perf_counter()
-                if backend == "tgi":
-                    times.append(now)  # one event per token
-                    details = event.get("details") or {}
-                    reported = details.get("generated_tokens", reported)
-                else:
-                    if any(c.get("text") for c in event.get("choices", [])):
-                        times.append(now)  # a chunk may hold more than one token
-                    usage = event.get("usage") or {}
-                    reported = usage.get("completion_tokens", reported)
-    except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, ValueError) as err:
-        out.error = f"{type(err).__name__}: {err}"
-        return out
+    for attempt in (1, 2):
+        try:
+            reported = await _stream(client, path, body, backend, times)
+            break
+        except aiohttp.ServerDisconnectedError as err:
+            # a pooled keep-alive connection the server had already closed (llama.cpp's
+            # server does between requests): once more on a fresh connection, the time
+            # lost counted in the request's latency
+            if times or attempt == 2:
+                out.error = f"{type(err).__name__}: {err}"
+                return out
+        except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, ValueError) as err:
+            out.error = f"{type(err).__name__}: {err}"
+            return out
     if not times:
         out.error = "no tokens received"
         return out

@@ -170,6 +170,7 @@ def build_dataset(args: argparse.Namespace) -> list[BenchRequest]:
 
 def measure(cfg: RunConfig, requests: list[BenchRequest]) -> dict[str, Any]:
     from cadence.bench.datasets import BenchRequest
+    from cadence.bench.machine import machine, server_kernels
     from cadence.bench.metrics import summarize
     from cadence.bench.runner import run_benchmark, warm_up
 
@@ -178,6 +179,8 @@ def measure(cfg: RunConfig, requests: list[BenchRequest]) -> dict[str, Any]:
     result: dict[str, Any] = summarize(outputs, duration)
     result["num_prompts"] = len(requests)
     result["errors"] = sorted({o.error for o in outputs if not o.success})[:5]
+    result["machine"] = machine()
+    result["server"] = server_kernels(cfg.url)
     return result
 
 

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from cadence.bench import machine
 from cadence.bench.metrics import LATENCIES, PERCENTILES
 
 TITLES = {
@@ -28,6 +29,7 @@ def table(result: dict[str, Any]) -> str:
         ("Total token throughput (tok/s)", result["total_token_throughput"]),
     ]
     lines = ["{:=^60}".format(" Serving Benchmark Result ")]
+    lines += [f"{k:<26}{v:>34}" for k, v in machine.rows(result)]
     lines += [_row(k, v) for k, v in rows]
     for name in LATENCIES:
         lines.append("{:-^60}".format(f" {TITLES[name]} "))

@@ -1,34 +1,65 @@
 """Linear weights prepacked for oneDNN on CPU.
 
-`F.linear` on a bfloat16 CPU tensor reorders the weight into oneDNN's blocked layout on
-every call; for a decode-sized batch (a few dozen rows) that reorder costs as much as the
-product itself. `pack_linear_weights` stores each linear weight once more in the blocked
-layout, and `linear` uses it up to 320 rows (1.4x faster than `F.linear` from 32 to 320
-rows on SmolLM2's shapes); from ~350 rows oneDNN takes another path and the two are
-equal, so larger batches (prefill chunks) keep `F.linear`. Only bfloat16 on CPU, where
-torch has the oneDNN ops; `CADENCE_CPU_KERNELS=0` turns it off.
+`F.linear` on a CPU tensor reorders (bfloat16, through oneDNN) or packs (float32,
+through MKL's sgemm) the weight on every call; for a decode-sized batch (a few dozen
+rows) that costs as much as the product itself. `pack_linear_weights` stores each linear
+weight once more in oneDNN's blocked layout, and `linear` multiplies through it:
+
+- bfloat16 up to 320 rows (1.4x faster than `F.linear` from 32 to 320 rows on SmolLM2's
+  shapes); from ~350 rows oneDNN takes another path and the two are equal, so larger
+  batches (prefill chunks) keep `F.linear`. Only where the CPU kernels run with AVX-512:
+  oneDNN refuses to prepack bfloat16 on CPUs without AVX-512 BW/VL/DQ (or AVX-NE-CONVERT).
+- float32 at every batch size: 1.2-1.8x faster than `F.linear` from 1 to 1024 rows with
+  oneDNN held to AVX2, and 2.2x on the tied LM head at 32 rows (kernels/cpu_linear_bench.py).
+
+Each dtype is tried once on a tiny weight before any model weight is packed.
+`CADENCE_CPU_KERNELS=0` turns it off.
 """
 
 from __future__ import annotations
 
 import os
+from functools import cache
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-PACKED_MAX_ROWS = 320  # rows up to which the packed weight is used (kernels/cpu_linear_bench.py)
+from cadence.kernels import cpu as cpu_kernels
+
+BF16_PACKED_MAX_ROWS = 320  # bf16 rows up to which the packed weight is used
 _PACK_HINT_ROWS = 32  # the batch size oneDNN chooses the blocked layout for
 
 
-def packing_supported(weight: torch.Tensor) -> bool:
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
-        and os.environ.get("CADENCE_CPU_KERNELS", "1") != "0"
-        and torch.backends.mkldnn.is_available()
+@cache
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN prepacks and multiplies a weight of `dtype` on this CPU (tried once)."""
+    if not (
+        torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    ):
+        return False
+    try:
+        weight = torch.ones(16, 16, dtype=dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_HINT_ROWS)
+        x = torch.ones(2, 16, dtype=dtype)
+        torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    except RuntimeError:
+        return False
+    return True
+
+
+def packing_supported(weight: torch.Tensor) -> bool:
+    if weight.device.type != "cpu" or os.environ.get("CADENCE_CPU_KERNELS", "1") == "0":
+        return False
+    if weight.dtype == torch.float32:
+        return onednn_packs(torch.float32)
+    return (
+        weight.dtype == torch.bfloat16
+        and cpu_kernels.available()
+        and cpu_kernels.selected_isa() in ("avx512_bf16", "avx512")
+        and onednn_packs(torch.bfloat16)
     )
 
 
@@ -55,7 +86,11 @@ def linear(
     bias: torch.Tensor | None,
     packed: torch.Tensor | None,
 ) -> torch.Tensor:
-    """F.linear, through the packed weight when there is one and the batch is small."""
-    if packed is not None and x.dim() == 2 and x.shape[0] <= PACKED_MAX_ROWS:
+    """F.linear, through the packed weight when there is one and it is the faster."""
+    if (
+        packed is not None
+        and x.dim() == 2
+        and (x.dtype is torch.float32 or x.shape[0] <= BF16_PACKED_MAX_ROWS)
+    ):
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
     return F.linear(x, weight, bias)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -12,6 +13,8 @@ import torch.distributed as dist
 from loguru import logger
 
 from cadence.config import ShardConfig
+from cadence.kernels import cpu as cpu_kernels
+from cadence.kernels.cpu import isa as cpu_isa
 from cadence.kv_cache import KVCache, bytes_per_block
 from cadence.layers.attention import (
     AttentionContext,
@@ -23,6 +26,7 @@ from cadence.layers.packed import pack_linear_weights
 from cadence.models import load_model, read_config, to_dtype
 from cadence.pb import shard_pb2
 from cadence.sampling import TOP_N, SampleOutput, SamplingBatch, sample
+from cadence.shard.kernel_report import kernel_paths, log_line
 from cadence.shard.memory import PeakMeter, available_bytes
 from cadence.shard.state import BatchState, ForwardBatch, StepPlan
 
@@ -67,6 +71,15 @@ class Engine:
         self.device = torch.device(cfg.device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", cfg.rank % torch.cuda.device_count())
+        if self.device.type == "cpu":
+            # once, before the model is built: every CPU kernel call runs this choice
+            try:
+                cpu_kernels.select(cfg.cpu_isa)
+            except cpu_kernels.KernelBuildError as err:
+                logger.warning(f"C++ CPU kernels unavailable, serving through torch: {err}")
+        if cfg.dtype == "auto":
+            isa = cpu_kernels.selected_isa() or "scalar"
+            self.cfg = cfg = replace(cfg, dtype=cpu_isa.default_dtype(cfg.device, isa))
         self.dtype = to_dtype(cfg.dtype)
         self.kv_dtype = to_dtype(cfg.kv_cache_dtype or cfg.dtype)
         self.config = read_config(cfg.model_dir)
@@ -76,7 +89,7 @@ class Engine:
         unique = {p.data_ptr(): p for p in self.model.parameters()}.values()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in unique)
         self.checkpoint_bytes_read: int = getattr(self.model, "checkpoint_bytes_read", 0)
-        # bfloat16 on CPU: a second copy of each linear weight in oneDNN's blocked layout
+        # on CPU: a second copy of each linear weight in oneDNN's blocked layout
         self.packed_bytes = pack_linear_weights(self.model)
         self.weight_bytes += self.packed_bytes
         self.block_size = cfg.block_size
@@ -102,6 +115,10 @@ class Engine:
             + ") "
             f"in {time.perf_counter() - started:.1f}s"
         )
+        self.kernels = kernel_paths(
+            self.device, self.dtype, self.attention_backend, self.packed_bytes
+        )
+        logger.info(log_line(self.kernels))
 
     # -- RPCs ----------------------------------------------------------------------
 
@@ -122,6 +139,7 @@ class Engine:
             max_position_embeddings=m.max_position_embeddings,
             vocab_size=m.vocab_size,
             eos_token_ids=_eos_ids(self.cfg.model_dir, c),
+            kernels=self.kernels,
         )
 
     def warmup(

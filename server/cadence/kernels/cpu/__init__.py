@@ -1,13 +1,21 @@
 """C++ kernels for the shard's CPU path (`cpu_kernels.cpp` beside this file), with a
 plain torch reference beside each (`*_ref`), which is what the tests compare against.
 
-The source is compiled on first use with the machine's C++ compiler (`$CXX`, default
-g++) for the machine it runs on (-march=native, OpenMP) into
+The source is compiled once per instruction set (`isa.ISAS`: AVX-512 with BF16, AVX-512,
+AVX2 + FMA + F16C, portable scalar), each with its own explicit `-march`, by the
+machine's C++ compiler (`$CXX`, default g++) with OpenMP, into
 `~/.cache/cadence/kernels/` (or `$CADENCE_KERNEL_CACHE`), keyed by a hash of the source,
-the flags and the compiler, and loaded with ctypes; `make install` builds it ahead of
-time (`python -m cadence.kernels.cpu`). Without a compiler `available()` is False and
-the shard keeps the torch backend. The ctypes calls release the GIL; OpenMP is torch's
-own runtime (its libgomp is loaded before this library).
+the flags and the compiler. `make install` builds every one ahead of time (`python -m
+cadence.kernels.cpu`); a missing one is built on first use. Which one runs is decided
+once, at start, from what the CPU reports (`select`, `--cpu-isa`, `$CADENCE_CPU_ISA`),
+so a build made on one machine runs on another. One library per instruction set rather
+than one binary holding all of them: the inline and template functions that each copy
+instantiates (the standard library's among them) would otherwise be merged across
+copies by the linker, and an AVX-512 instance could end up called on an AVX2 CPU.
+
+Without a compiler `available()` is False and the shard keeps the torch backend. The
+ctypes calls release the GIL; OpenMP is torch's own runtime (its libgomp is loaded
+before this library).
 """
 
 from __future__ import annotations
@@ -20,18 +28,23 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
+from cadence.kernels.cpu import isa as isas
 from cadence.kernels.reference import decode_attention_ref
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+BASE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 _lock = threading.Lock()
-_library: ctypes.CDLL | None = None
+_library: ctypes.CDLL | None = None  # the selected instruction set's library
+_selected: str | None = None
+_loaded: dict[str, ctypes.CDLL] = {}
 _error: str | None = None
 
 
@@ -52,21 +65,25 @@ def _compiler() -> str:
     return path
 
 
-def library_path() -> Path:
-    """Where the build for this source, compiler and machine lives."""
+def flags(isa: str) -> tuple[str, ...]:
+    return (*BASE_FLAGS, *isas.compile_flags(isa))
+
+
+def library_path(isa: str) -> Path:
+    """Where the build of this source for `isa`, by this compiler, lives."""
     cxx = _compiler()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode()):
+    for part in (SOURCE.read_bytes(), " ".join(flags(isa)).encode(), version.encode()):
         key.update(part)
-    key.update(platform.machine().encode() + platform.processor().encode())
-    return cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    key.update(platform.machine().encode())
+    return cache_dir() / f"cpu_kernels-{isa}-{key.hexdigest()[:16]}.so"
 
 
-def build() -> Path:
-    """Compiles the kernels unless this exact build exists; atomic (a temp file renamed
-    into place), so concurrent shards never load a half-written library."""
-    target = library_path()
+def build(isa: str) -> Path:
+    """Compiles the kernels for `isa` unless this exact build exists; atomic (a temp file
+    renamed into place), so concurrent shards never load a half-written library."""
+    target = library_path(isa)
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -74,10 +91,12 @@ def build() -> Path:
     os.close(fd)
     try:
         done = subprocess.run(
-            [_compiler(), *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True
+            [_compiler(), *flags(isa), "-o", tmp, str(SOURCE)], capture_output=True, text=True
         )
         if done.returncode != 0:
-            raise KernelBuildError(f"compiling {SOURCE.name} failed:\n{done.stderr[-2000:]}")
+            raise KernelBuildError(
+                f"compiling {SOURCE.name} for {isa} failed:\n{done.stderr[-2000:]}"
+            )
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -85,63 +104,92 @@ def build() -> Path:
     return target
 
 
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+    signatures = {
+        "cadence_paged_decode_attention": [
+            ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i32, i32, i32, i32, f32, i64, i32, i32, i32,
+        ],
+        "cadence_greedy_logprobs": [ptr, i64, i64, ptr, ptr, i32, i32],
+        "cadence_rms_norm": [ptr, ptr, ptr, ptr, ptr, i64, i64, f32, i32, i32],
+        "cadence_silu_mul": [ptr, ptr, i64, i64, i32, i32],
+        "cadence_rotary": [ptr, i64, i32, i32, i64, ptr, ptr, i32, i32],
+        "cadence_rotary_write_kv": [
+            ptr, i64, i64, i32, i32, i32, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32,
+        ],
+        "cadence_decode_layer_attention": [
+            ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i32, i32, i32, i32,
+            f32, i64, i32, i32, i32,
+        ],
+    }  # fmt: skip
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = i32
+    return lib
+
+
+def library(isa: str) -> ctypes.CDLL:
+    """The loaded library of `isa` (built first if needed); the CPU must run `isa`."""
+    with _lock:
+        if isa not in _loaded:
+            lacking = isas.missing(isa)
+            if lacking:
+                raise isas.IsaError(f"this CPU cannot run the {isa} kernels: lacks {lacking}")
+            try:
+                _loaded[isa] = _bind(ctypes.CDLL(str(build(isa))))
+            except OSError as e:
+                raise KernelBuildError(f"loading the {isa} kernels failed: {e}") from e
+        return _loaded[isa]
+
+
+def select(requested: str | None = None) -> str:
+    """Makes the kernels of `requested` ("auto", an instruction set, or None for
+    $CADENCE_CPU_ISA) the ones every call below runs; returns the instruction set.
+    Raises IsaError for one the CPU lacks, KernelBuildError when they cannot be built."""
+    global _library, _selected, _error
+    try:
+        chosen = isas.resolve(requested)
+        lib = library(chosen)
+    except (KernelBuildError, isas.IsaError) as e:
+        _error = str(e)
+        raise
+    _library, _selected, _error = lib, chosen, None
+    return chosen
+
+
+@contextmanager
+def selected(isa: str) -> Iterator[str]:
+    """Runs the block with the kernels of `isa` (tests of every path), then restores the
+    previous choice."""
+    previous = _selected
+    select(isa)
+    try:
+        yield isa
+    finally:
+        select(previous)
+
+
+def selected_isa() -> str | None:
+    """The instruction set of the kernels in use (None before any is loaded)."""
+    return _selected
+
+
 def _load() -> ctypes.CDLL:
-    global _library, _error
     if _library is not None:  # every layer of every step comes here: no lock once loaded
         return _library
-    with _lock:
-        if _library is not None:
-            return _library
-        if _error is not None:
-            raise KernelBuildError(_error)
-        try:
-            lib = ctypes.CDLL(str(build()))
-        except (KernelBuildError, OSError) as e:
-            _error = str(e)
-            raise KernelBuildError(_error) from e
-        i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-        lib.cadence_paged_decode_attention.argtypes = [
-            ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i32, i32, i32, i32,
-            ctypes.c_float, i64, i32, i32, i32,
-        ]  # fmt: skip
-        lib.cadence_paged_decode_attention.restype = i32
-        lib.cadence_greedy_logprobs.argtypes = [ptr, i64, i64, ptr, ptr, i32, i32]
-        lib.cadence_greedy_logprobs.restype = i32
-        lib.cadence_rms_norm.argtypes = [
-            ptr,
-            ptr,
-            ptr,
-            ptr,
-            ptr,
-            i64,
-            i64,
-            ctypes.c_float,
-            i32,
-            i32,
-        ]
-        lib.cadence_rms_norm.restype = i32
-        lib.cadence_silu_mul.argtypes = [ptr, ptr, i64, i64, i32, i32]
-        lib.cadence_silu_mul.restype = i32
-        lib.cadence_rotary.argtypes = [ptr, i64, i32, i32, i64, ptr, ptr, i32, i32]
-        lib.cadence_rotary.restype = i32
-        lib.cadence_rotary_write_kv.argtypes = [
-            ptr, i64, i64, i32, i32, i32, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32,
-        ]  # fmt: skip
-        lib.cadence_rotary_write_kv.restype = i32
-        lib.cadence_decode_layer_attention.argtypes = [
-            ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i32, i32, i32, i32,
-            ctypes.c_float, i64, i32, i32, i32,
-        ]  # fmt: skip
-        lib.cadence_decode_layer_attention.restype = i32
-        _library = lib
-        return lib
+    if _error is not None:
+        raise KernelBuildError(_error)
+    select()  # the instruction set of $CADENCE_CPU_ISA, else the best the CPU has
+    assert _library is not None
+    return _library
 
 
 def available() -> bool:
     """True when the kernels are built (or build now) and load."""
     try:
         _load()
-    except KernelBuildError:
+    except (KernelBuildError, isas.IsaError):
         return False
     return True
 
