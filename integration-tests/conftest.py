@@ -93,3 +93,48 @@ def smollm_dir() -> str:
 def client(smollm_server: LaunchedServer) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=smollm_server.url, timeout=300) as http:
         yield http
+
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a KV cache is in one sentence.",
+    "List three primary colors.",
+    "How do I reverse a list in Python?",
+    "What is 12 times 7?",
+    "Give me a short motivational quote.",
+    "Translate 'good morning' into Spanish.",
+]
+NEW_TOKENS = 64
+
+
+def greedy_ids(client: httpx.Client, text: str, max_new_tokens: int) -> list[int]:
+    response = client.post(
+        "/generate",
+        json={"inputs": text, "parameters": {"max_new_tokens": max_new_tokens, "details": True}},
+    )
+    assert response.status_code == 200, response.text
+    return [token["id"] for token in response.json()["details"]["tokens"]]
+
+
+@pytest.fixture(scope="session")
+def transformers_reference(smollm_dir: str) -> tuple[list[str], list[list[int]], int]:
+    """Chat prompts rendered with the model's template, and transformers' greedy continuations."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm_dir)
+    model = AutoModelForCausalLM.from_pretrained(smollm_dir, dtype=torch.float32).eval()
+    texts, outputs = [], []
+    for prompt in CHAT_PROMPTS:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+        input_ids = tokenizer(text, return_tensors="pt").input_ids
+        with torch.inference_mode():
+            generated = model.generate(
+                input_ids, max_new_tokens=NEW_TOKENS, do_sample=False, num_beams=1
+            )
+        texts.append(text)
+        outputs.append(generated[0, input_ids.shape[1] :].tolist())
+    return texts, outputs, tokenizer.eos_token_id

@@ -1,0 +1,78 @@
+"""`cadence launch` on every CPU kernel path this machine runs: the default picks the
+best instruction set and the dtype for it and says so in /info, a forced path serves the
+same greedy tokens as transformers, and a path that cannot run is refused at start."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from cadence.kernels.cpu import isa
+
+from conftest import LaunchedServer, greedy_ids, launch, stop
+
+PROMPTS = 4  # of test_fidelity's chat prompts, 64 greedy tokens each
+
+
+@pytest.fixture(scope="module")
+def default_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedServer]:
+    server = launch(tmp_path_factory.mktemp("default"), "--kv-cache-memory", "128MiB")
+    yield server
+    assert stop(server) == 0, server.log()
+
+
+def test_the_default_launch_runs_the_best_kernels_this_cpu_has(default_server) -> None:
+    info = httpx.get(f"{default_server.url}/info").json()
+    best = isa.supported()[0]
+    assert info["kernels"]["isa"] == best
+    assert info["model_dtype"] == isa.default_dtype("cpu", best)
+    for family in ("attention", "products", "norms", "sampling"):
+        assert info["kernels"][family], family
+    assert best in info["kernels"]["attention"]  # the C++ paged decode of that build
+    log = default_server.log()
+    assert f"kernels: isa {best}; attention C++ {best}" in log  # the shard's one line
+
+
+@pytest.mark.parametrize("cpu_isa", isa.ISAS)
+def test_each_kernel_path_serves_transformers_greedy_tokens(
+    cpu_isa: str,
+    tmp_path_factory: pytest.TempPathFactory,
+    transformers_reference: tuple[list[str], list[list[int]], int],
+) -> None:
+    lacking = isa.missing(cpu_isa)
+    if lacking:
+        pytest.skip(f"this CPU lacks {', '.join(lacking)}")
+    server = launch(
+        tmp_path_factory.mktemp(cpu_isa),
+        *("--cpu-isa", cpu_isa, "--dtype", "float32", "--kv-cache-dtype", "float32"),
+        *("--kv-cache-memory", "128MiB"),
+    )
+    try:
+        assert httpx.get(f"{server.url}/info").json()["kernels"]["isa"] == cpu_isa
+        texts, expected, eos_id = transformers_reference
+        with httpx.Client(base_url=server.url, timeout=120) as client:
+            for text, reference in list(zip(texts, expected, strict=True))[:PROMPTS]:
+                if eos_id in reference:
+                    reference = reference[: reference.index(eos_id) + 1]
+                assert greedy_ids(client, text, len(reference)) == reference, (cpu_isa, text)
+    finally:
+        assert stop(server) == 0, server.log()
+
+
+def _launch_exit(*args: str) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "cadence", "launch", "--port", "0", *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120)
+
+
+def test_an_instruction_set_that_cannot_run_is_refused_at_start(tmp_path: Path) -> None:
+    unknown = _launch_exit("--cpu-isa", "avx1024")
+    assert unknown.returncode == 2 and "--cpu-isa" in unknown.stderr
+    for name in (n for n in isa.ISAS if isa.missing(n)):  # none on an AVX-512 BF16 CPU
+        refused = _launch_exit("--cpu-isa", name)
+        assert refused.returncode == 2, refused.stdout + refused.stderr
+        assert f"--cpu-isa {name}: this CPU lacks" in refused.stdout + refused.stderr
+        assert "starting shard" not in refused.stdout + refused.stderr
