@@ -32,8 +32,11 @@ class LaunchedServer:
         return self.log_path.read_text(errors="replace")
 
 
-def launch(tmp_dir: Path, *args: str, timeout: float = 300.0) -> LaunchedServer:
-    """Starts `cadence launch` and waits until its router answers /health."""
+def launch(
+    tmp_dir: Path, *args: str, timeout: float = 300.0, env: dict[str, str] | None = None
+) -> LaunchedServer:
+    """Starts `cadence launch` (in `env`, default this process's environment) and waits
+    until its router answers /health."""
     port = free_port()
     log_path = tmp_dir / f"launch-{port}.log"
     log_file = log_path.open("w")
@@ -42,6 +45,7 @@ def launch(tmp_dir: Path, *args: str, timeout: float = 300.0) -> LaunchedServer:
         stdout=log_file,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        env=env,
     )
     server = LaunchedServer(f"http://127.0.0.1:{port}", process, log_path)
     deadline = time.monotonic() + timeout

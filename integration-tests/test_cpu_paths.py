@@ -4,6 +4,7 @@ same greedy tokens as transformers, and a path that cannot run is refused at sta
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -59,6 +60,37 @@ def test_each_kernel_path_serves_transformers_greedy_tokens(
                 if eos_id in reference:
                     reference = reference[: reference.index(eos_id) + 1]
                 assert greedy_ids(client, text, len(reference)) == reference, (cpu_isa, text)
+    finally:
+        assert stop(server) == 0, server.log()
+
+
+def test_without_a_compiler_it_serves_through_torch(
+    tmp_path_factory: pytest.TempPathFactory,
+    transformers_reference: tuple[list[str], list[list[int]], int],
+) -> None:
+    """A machine with no C++ compiler (and no kernels built before): the shard serves
+    through torch's attention and layers, and says so."""
+    tmp = tmp_path_factory.mktemp("no-compiler")
+    env = os.environ | {"CXX": "no-such-compiler", "CADENCE_KERNEL_CACHE": str(tmp / "none")}
+    server = launch(
+        tmp,
+        *("--dtype", "float32", "--kv-cache-dtype", "float32", "--kv-cache-memory", "64MiB"),
+        env=env,
+    )
+    try:
+        kernels = httpx.get(f"{server.url}/info").json()["kernels"]
+        assert kernels["isa"].startswith("none (no C++ compiler")
+        assert (kernels["attention"], kernels["norms"], kernels["sampling"]) == (
+            "torch gather + SDPA",
+            "torch",
+            "torch",
+        )
+        texts, expected, eos_id = transformers_reference
+        reference = (
+            expected[0][: expected[0].index(eos_id) + 1] if eos_id in expected[0] else expected[0]
+        )
+        with httpx.Client(base_url=server.url, timeout=120) as client:
+            assert greedy_ids(client, texts[0], len(reference)) == reference
     finally:
         assert stop(server) == 0, server.log()
 
