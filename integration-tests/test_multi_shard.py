@@ -11,9 +11,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_fidelity import CHAT_PROMPTS, greedy_ids
 
-from conftest import LaunchedServer, launch, stop
+from conftest import CHAT_PROMPTS, LaunchedServer, greedy_ids, launch, stop
 
 NEW_TOKENS = 32
 
