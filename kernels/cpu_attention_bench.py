@@ -1,8 +1,11 @@
-"""The CPU paged decode attention alone: 30 layers' worth of scattered bfloat16 KV
-(SmolLM2's shapes: 9 query heads over 3 KV heads of 64), one query per sequence, the C++
-kernel (`cadence.kernels.cpu`) against the torch backend's gather + SDPA.
+"""The CPU paged decode attention alone: 30 layers' worth of scattered KV (SmolLM2's
+shapes: 9 query heads over 3 KV heads of 64), one query per sequence, the C++ kernel
+(`cadence.kernels.cpu`) against the torch backend's gather + SDPA. bfloat16 queries and
+cache by default; `--dtype float32` for the servers that run in float32 (below
+AVX512-BF16), with `--kv-dtype` for their cache. $CADENCE_CPU_ISA picks the kernels' build.
 
     PYTHONPATH=server python kernels/cpu_attention_bench.py [--batch 32] [--context 420]
+        [--dtype float32] [--kv-dtype bfloat16]
         [--in-cache]   # every sequence and layer reads the same blocks: compute alone
 """
 
@@ -22,28 +25,33 @@ def main() -> None:
     p.add_argument("--context", type=int, default=420)
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--dtype", default="bfloat16", help="the queries' and outputs' dtype")
+    p.add_argument("--kv-dtype", default=None, help="the cache's dtype (default: --dtype)")
     p.add_argument(
         "--in-cache", action="store_true",
         help="every sequence and layer reads the same blocks (they stay in L2): compute alone",
     )  # fmt: skip
     a = p.parse_args()
     torch.manual_seed(0)
+    dtype = getattr(torch, a.dtype)
+    kv_dtype = getattr(torch, a.kv_dtype or a.dtype)
     b, n, bs = a.batch, a.context, 16
     per_seq = -(-n // bs)
-    q = torch.randn(b, 9, 64).bfloat16()
+    q = torch.randn(b, 9, 64).to(dtype)
     if a.in_cache:  # one pool of one sequence's blocks, shared by every sequence and layer
         shape = (per_seq + 8, bs, 3, 64)
-        caches = [(torch.randn(shape).bfloat16(), torch.randn(shape).bfloat16())] * a.layers
+        caches = [(torch.randn(shape).to(kv_dtype), torch.randn(shape).to(kv_dtype))] * a.layers
         tables = torch.arange(per_seq).repeat(b, 1)
     else:
         shape = (b * per_seq + 8, bs, 3, 64)
         caches = [
-            (torch.randn(shape).bfloat16(), torch.randn(shape).bfloat16()) for _ in range(a.layers)
+            (torch.randn(shape).to(kv_dtype), torch.randn(shape).to(kv_dtype))
+            for _ in range(a.layers)
         ]
         tables = torch.randperm(b * per_seq).view(b, per_seq).long()  # scattered blocks
     lens = torch.full((b,), n)
     mask = (torch.arange(per_seq * bs) < lens.unsqueeze(1)).view(b, 1, 1, -1)
-    kv_mb = a.layers * b * n * 3 * 64 * 2 * 2 / 1e6
+    kv_mb = a.layers * b * n * 3 * 64 * 2 * kv_dtype.itemsize / 1e6
     t_kernel = timed(
         lambda: [cpu.paged_decode_attention(q, k, v, tables, lens, 0.125) for k, v in caches],
         a.steps,
@@ -51,7 +59,10 @@ def main() -> None:
     t_torch = timed(
         lambda: [decode_attention(q, k, v, tables, mask, 0.125) for k, v in caches], a.steps
     )
-    print(f"{a.layers} layers, batch {b}, context {n}: {kv_mb:.0f} MB of KV read")
+    print(
+        f"{a.layers} layers, batch {b}, context {n}, {a.dtype} queries over a "
+        f"{a.kv_dtype or a.dtype} cache, {cpu.selected_isa()} kernels: {kv_mb:.0f} MB of KV read"
+    )
     print(f"C++ kernel       {t_kernel:6.1f} ms  ({kv_mb / t_kernel:.1f} GB/s)")
     print(f"gather + SDPA    {t_torch:6.1f} ms  ({kv_mb / t_torch:.1f} GB/s)")
 
