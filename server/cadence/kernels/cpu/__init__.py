@@ -38,7 +38,10 @@ from cadence.kernels.cpu import isa as isas
 from cadence.kernels.reference import decode_attention_ref
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-BASE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+# -fno-trapping-math: loops with a select or a min/max around fast_exp (greedy's sum, the
+# generic SwiGLU) vectorize without AVX-512's masked stores (avx2 greedy: 1.5 -> 0.43 ms at
+# 32 x 49152); no FP exception flag is ever read here.
+BASE_FLAGS = ("-O3", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 _lock = threading.Lock()
