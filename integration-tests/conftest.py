@@ -32,6 +32,11 @@ class LaunchedServer:
         return self.log_path.read_text(errors="replace")
 
 
+# float32 weights and KV cache (by default the cache is bfloat16 under float32 weights on
+# CPU): the tests that compare against transformers in float32 pin both
+FLOAT32 = ("--dtype", "float32", "--kv-cache-dtype", "float32")
+
+
 def launch(
     tmp_dir: Path, *args: str, timeout: float = 300.0, env: dict[str, str] | None = None
 ) -> LaunchedServer:
@@ -78,9 +83,7 @@ def stop(server: LaunchedServer) -> int:
 def smollm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedServer]:
     """The embedded SmolLM2-135M-Instruct in float32, as `cadence launch` serves it."""
     tmp = tmp_path_factory.mktemp("smollm")
-    server = launch(
-        tmp, "--dtype", "float32", "--kv-cache-dtype", "float32", "--kv-cache-memory", "512MiB"
-    )
+    server = launch(tmp, *FLOAT32, "--kv-cache-memory", "512MiB")
     yield server
     code = stop(server)
     assert code == 0, f"launcher exited with {code} on SIGTERM:\n{server.log()}"

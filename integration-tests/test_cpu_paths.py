@@ -14,7 +14,7 @@ import httpx
 import pytest
 from cadence.kernels.cpu import isa
 
-from conftest import LaunchedServer, greedy_ids, launch, stop
+from conftest import FLOAT32, LaunchedServer, greedy_ids, launch, stop
 
 PROMPTS = 4  # of test_fidelity's chat prompts, 64 greedy tokens each
 
@@ -49,7 +49,7 @@ def test_each_kernel_path_serves_transformers_greedy_tokens(
         pytest.skip(f"this CPU lacks {', '.join(lacking)}")
     server = launch(
         tmp_path_factory.mktemp(cpu_isa),
-        *("--cpu-isa", cpu_isa, "--dtype", "float32", "--kv-cache-dtype", "float32"),
+        *("--cpu-isa", cpu_isa, *FLOAT32),
         *("--kv-cache-memory", "128MiB"),
     )
     try:
@@ -74,7 +74,8 @@ def test_without_a_compiler_it_serves_through_torch(
     env = os.environ | {"CXX": "no-such-compiler", "CADENCE_KERNEL_CACHE": str(tmp / "none")}
     server = launch(
         tmp,
-        *("--dtype", "float32", "--kv-cache-dtype", "float32", "--kv-cache-memory", "64MiB"),
+        *FLOAT32,
+        *("--kv-cache-memory", "64MiB"),
         env=env,
     )
     try:

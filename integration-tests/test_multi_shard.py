@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import CHAT_PROMPTS, LaunchedServer, greedy_ids, launch, stop
+from conftest import CHAT_PROMPTS, FLOAT32, LaunchedServer, greedy_ids, launch, stop
 
 NEW_TOKENS = 32
 
@@ -23,16 +23,7 @@ def two_shards(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedSer
     tmp = tmp_path_factory.mktemp("smollm-tp2")
     server = launch(
         tmp,
-        *(
-            "--num-shard",
-            "2",
-            "--dtype",
-            "float32",
-            "--kv-cache-dtype",
-            "float32",
-            "--kv-cache-memory",
-            "256MiB",
-        ),
+        *("--num-shard", "2", *FLOAT32, "--kv-cache-memory", "256MiB"),
         "--check-rank-agreement",
     )
     yield server
@@ -106,10 +97,7 @@ def test_an_opt_checkpoint_is_served_over_two_shards_as_transformers_generates(
             str(model_dir),
             "--num-shard",
             "2",
-            "--dtype",
-            "float32",
-            "--kv-cache-dtype",
-            "float32",
+            *FLOAT32,
         ),
         *("--kv-cache-memory", "16MiB", "--check-rank-agreement"),
     )

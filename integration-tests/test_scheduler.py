@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from conftest import LaunchedServer, launch, stop
+from conftest import FLOAT32, LaunchedServer, launch, stop
 
 MAX_NEW = 24
 BLOCK = 16
@@ -68,15 +68,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedServ
     """A roomy cache, no prefix caching, prompt chunks of 256 tokens."""
     server = launch(
         tmp_path_factory.mktemp("ref"),
-        *(
-            "--dtype",
-            "float32",
-            "--kv-cache-dtype",
-            "float32",
-            "--kv-cache-memory",
-            "256MiB",
-            "--no-prefix-caching",
-        ),
+        *(*FLOAT32, "--kv-cache-memory", "256MiB", "--no-prefix-caching"),
         *("--max-prefill-chunk", "256", "--max-input-tokens", "4000"),
         *("--max-total-tokens", "4096"),
     )
@@ -88,16 +80,7 @@ def small_cache(tmp_path_factory: pytest.TempPathFactory, *extra: str) -> Launch
     # ~42 blocks of 16 tokens (0.7 MiB each in float32): the 64 requests need 3x that.
     return launch(
         tmp_path_factory.mktemp("small"),
-        *(
-            "--dtype",
-            "float32",
-            "--kv-cache-dtype",
-            "float32",
-            "--kv-cache-memory",
-            "30MiB",
-            "--max-waiting-requests",
-            "64",
-        ),
+        *(*FLOAT32, "--kv-cache-memory", "30MiB", "--max-waiting-requests", "64"),
         *extra,
     )
 
@@ -114,10 +97,7 @@ def cached(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedServer]
     """Prefix caching on (the default), room for every request's blocks."""
     server = launch(
         tmp_path_factory.mktemp("cached"),
-        "--dtype",
-        "float32",
-        "--kv-cache-dtype",
-        "float32",
+        *FLOAT32,
         "--kv-cache-memory",
         "128MiB",
     )
