@@ -121,8 +121,8 @@ def bfloat16_is_fast(isa: str) -> bool:
     """Whether bfloat16 weights and activations beat float32 with this instruction set:
     only with native BF16 dot products (oneDNN's bf16 products and the bf16 attention
     kernel); elsewhere oneDNN refuses to prepack bf16 or emulates it, and torch's bf16
-    products ran at half float32's speed (SmolLM2's at 32 rows with torch and oneDNN held
-    to AVX2: 152 against 75 ms, docs/benchmarks.md)."""
+    products ran at a quarter of prepacked float32's speed (SmolLM2's at 32 rows with
+    torch and oneDNN held to AVX2: 175.6 against 45.1 ms, docs/benchmarks.md)."""
     return isa == "avx512_bf16"
 
 
