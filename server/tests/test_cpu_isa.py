@@ -27,6 +27,7 @@ OLD_ATOM = frozenset("sse2 ssse3".split())
 )
 def test_supported_instruction_sets_follow_the_cpu_flags(flags, expected, monkeypatch):
     monkeypatch.setattr(isa, "is_x86", lambda: True)
+    monkeypatch.delenv("CADENCE_CPU_ISA", raising=False)
     assert isa.supported(flags) == expected
     assert isa.resolve("auto", flags) == expected[0]
     assert isa.resolve(None, flags) == expected[0]  # $CADENCE_CPU_ISA unset
