@@ -1,13 +1,17 @@
-// CPU kernels of the shard's `cpu` attention backend, called through ctypes
-// (cadence/kernels/cpu/__init__.py builds this file with g++ -O3 -fopenmp, once per
-// instruction set: see isa.py).
+// CPU kernels of the shard's `cpu` attention backend and its flat Llama step, called
+// through ctypes (cadence/kernels/cpu/__init__.py builds this file with g++ -O3 -fopenmp
+// once per instruction set, see isa.py; the vector paths below are chosen at compile time
+// by what that build's -march enables: CADENCE_AVX512_BF16, CADENCE_AVX2, else portable).
 //
 // Everything here is memory-bound work that torch on CPU does in several passes:
 //   - paged decode attention: one query per sequence reads its keys and values straight
 //     from the paged cache through its block table (no gather into a padded copy), with
-//     the query heads of one KV head packed together, online softmax over blocks;
+//     the query heads of one KV head together, online softmax over blocks;
 //   - greedy sampling with log-probabilities: argmax, max and log-sum-exp of each row
-//     in one pass over the logits instead of a full log_softmax.
+//     in two passes over the logits instead of a full log_softmax;
+//   - RMSNorm with the residual add, SwiGLU, the rotary embedding, and the rotary with
+//     the KV-cache write (alone, or with the decode attention of a decode-only step),
+//     each rounding where torch's layer rounds.
 // Each kernel takes raw pointers; the Python side checks shapes, dtypes and contiguity.
 // OpenMP is the same runtime torch uses (its bundled libgomp.so.1 is loaded first).
 
@@ -30,6 +34,14 @@
 namespace {
 
 enum DType : int { F32 = 0, BF16 = 1, F16 = 2 };
+
+// IEEE half precision: C++ compilers spell it _Float16 on x86-64 and __fp16 on aarch64
+// (both convert to and from float with round to nearest even).
+#if defined(__aarch64__)
+using half_t = __fp16;
+#else
+using half_t = _Float16;
+#endif
 
 template <int DT>
 constexpr int64_t sizeof_dtype() {
@@ -64,7 +76,7 @@ inline void load_row(const void* src, int64_t offset, float* dst, int n) {
 #pragma omp simd
         for (int i = 0; i < n; ++i) dst[i] = bf16_to_f32(s[i]);
     } else {
-        const _Float16* s = static_cast<const _Float16*>(src) + offset;
+        const half_t* s = static_cast<const half_t*>(src) + offset;
 #pragma omp simd
         for (int i = 0; i < n; ++i) dst[i] = static_cast<float>(s[i]);
     }
@@ -81,9 +93,9 @@ inline void store_row(void* dst, int64_t offset, const float* src, float mul, in
 #pragma omp simd
         for (int i = 0; i < n; ++i) d[i] = f32_to_bf16(src[i] * mul);
     } else {
-        _Float16* d = static_cast<_Float16*>(dst) + offset;
+        half_t* d = static_cast<half_t*>(dst) + offset;
 #pragma omp simd
-        for (int i = 0; i < n; ++i) d[i] = static_cast<_Float16>(src[i] * mul);
+        for (int i = 0; i < n; ++i) d[i] = static_cast<half_t>(src[i] * mul);
     }
 }
 
@@ -858,7 +870,7 @@ inline float round_to(float x) {
     } else if constexpr (DT == BF16) {
         return bf16_to_f32(f32_to_bf16(x));
     } else {
-        return static_cast<float>(static_cast<_Float16>(x));
+        return static_cast<float>(static_cast<half_t>(x));
     }
 }
 
