@@ -1,6 +1,7 @@
 """`cadence bench experiment E1|E2|E3|E4`: launch cadence in each configuration an
-experiment of MISSION.md needs, run its workload, write `docs/experiments/<E>.md` (the
-command, the table, a summary computed from the numbers) and PNG plots beside it.
+experiment needs (docs/experiments/README.md says what each measures), run its workload,
+write `docs/experiments/<E>.md` (the command, the table, a summary computed from the
+numbers) and PNG plots beside it.
 
 `--scale small` divides the documents' lengths and counts so each experiment runs in
 minutes on 2 CPU cores; `--scale full` uses them as published (for a GPU).
@@ -267,7 +268,7 @@ def _measure_sampled(url: str, requests: list[BenchRequest]) -> tuple[Row, Metri
 
 def e3(scale: Scale, out: Path, server_args: list[str], scale_name: str) -> None:
     """Throughput as --max-batch-size grows (the plateau), and the largest batch a small
-    KV budget holds. Replicas of a small model (MISSION capability 17) are not built."""
+    KV budget holds. Replicas of a small model (data parallelism) are not built."""
     maker = PromptMaker(load_tokenizer(None), np.random.default_rng(1))
     input_len, output_len = scale.tokens(256), scale.tokens(128)
     num = max(E3_BATCH_SIZES)
@@ -356,7 +357,7 @@ def e3(scale: Scale, out: Path, server_args: list[str], scale_name: str) -> None
         )
     text += (
         "\nNot done: one instance against several replicas of a small model. Replicas "
-        "(MISSION capability 17) are not built yet, so that half of E3 has no numbers.\n"
+        "(data parallelism) are not built yet, so that half of E3 has no numbers.\n"
     )
     (out / "E3.md").write_text(text)
 
