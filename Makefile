@@ -13,10 +13,12 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
 install: venv deps proto router cpu-kernels model
 
-# Reused when it is there; `python3 -m venv` needs Debian's python3-venv package.
+# Reused when it is there with pip; made anew otherwise (a `python3 -m venv` that failed for
+# want of Debian's python3-venv package leaves one without pip behind).
 venv:
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || { echo "creating $(VENV) failed: \
-	install your distribution's venv support (Debian/Ubuntu: apt-get install python3-venv)"; exit 1; }
+	@$(PY) -m pip --version >/dev/null 2>&1 || { rm -rf $(VENV) && $(PYTHON) -m venv $(VENV); } || \
+	{ echo "creating $(VENV) failed: install your distribution's venv support \
+	(Debian/Ubuntu: apt-get install python3-venv)"; rm -rf $(VENV); exit 1; }
 	$(PY) -m pip install -q --upgrade pip
 
 # Heavy dependencies (torch among them) install once; pip skips what is already there.
