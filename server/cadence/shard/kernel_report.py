@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from cadence.kernels import cpu as cpu_kernels
@@ -23,11 +21,7 @@ def kernel_paths(
             "sampling": "torch",
         }
     isa = cpu_kernels.selected_isa()
-    kernels_on = (
-        isa is not None
-        and dtype in cpu_kernels.DTYPES
-        and os.environ.get("CADENCE_CPU_KERNELS", "1") != "0"
-    )
+    kernels_on = cpu_kernels.enabled_for(torch.empty(0, dtype=dtype))
     cxx = f"C++ {isa}" if kernels_on else "torch"
     if attention_backend == "cpu":
         attention = f"C++ {isa} paged decode, torch SDPA prefill"

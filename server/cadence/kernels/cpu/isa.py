@@ -58,32 +58,30 @@ def compile_flags(isa: str) -> tuple[str, ...]:
     return X86_FLAGS[isa] if is_x86() else ()
 
 
-@cache
-def cpu_flags() -> frozenset[str]:
-    """The feature flags of the first processor in /proc/cpuinfo (empty where there is none)."""
+def _cpuinfo(*keys: str) -> str | None:
+    """The first processor's value of the first of `keys` in /proc/cpuinfo (x86 and ARM
+    name the same things differently), or None where there is none."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 key, _, value = line.partition(":")
-                if key.strip() in ("flags", "Features"):
-                    return frozenset(value.split())
+                if key.strip() in keys:
+                    return value.strip()
     except OSError:
         pass
-    return frozenset()
+    return None
+
+
+@cache
+def cpu_flags() -> frozenset[str]:
+    """The processor's feature flags (empty where /proc/cpuinfo has none)."""
+    return frozenset((_cpuinfo("flags", "Features") or "").split())
 
 
 @cache
 def cpu_model() -> str:
-    """The processor's name as /proc/cpuinfo gives it ("" where unknown)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() in ("model name", "Model", "cpu model"):
-                    return value.strip()
-    except OSError:
-        pass
-    return platform.processor()
+    """The processor's name as /proc/cpuinfo gives it."""
+    return _cpuinfo("model name", "Model", "cpu model") or platform.processor()
 
 
 def supported(flags: frozenset[str] | None = None) -> tuple[str, ...]:
