@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
-from cadence.kernels.cpu import isa
+import torch
+
+# Without a GPU the Triton kernels' tests run under the interpreter. Triton (and
+# `cadence.kernels`) read the variable once, when a kernel module is imported: so it is set
+# here, before anything of cadence is.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from cadence.kernels.cpu import isa  # noqa: E402
 
 
 @pytest.fixture(params=isa.ISAS)

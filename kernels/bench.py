@@ -100,10 +100,15 @@ def bench_kernels(bw: float, dtype: torch.dtype) -> None:
 
 
 def bench_decode_step(model_dir: str, batch: int, ctx: int, bw: float, dtype: torch.dtype) -> None:
-    from cadence.layers.attention import AttentionContext, forward_context
+    from cadence.attention_backends import StepLayout
+    from cadence.attention_backends.triton_paged import TritonAttention
+    from cadence.layers import kernel_ops
     from cadence.models import load_model
+    from cadence.runners import ModelRunner
 
     model = load_model(model_dir, dtype, torch.device("cuda"))
+    kernel_ops.bind(model, kernel_ops.triton_ops())  # as the engine binds them on CUDA
+    runner = ModelRunner(model, TritonAttention())
     cfg, layers = model.config, model.attention_layers()
     bs = 16
     per_seq = (ctx + bs) // bs
@@ -113,24 +118,23 @@ def bench_decode_step(model_dir: str, batch: int, ctx: int, bw: float, dtype: to
         )
     lens = torch.full((batch,), ctx + 1, device="cuda")
     slots = tables[:, ctx // bs].long() * bs + ctx % bs
-    c = AttentionContext.build(
-        slots,
-        torch.arange(batch + 1, device="cuda"),
-        lens,
-        tables.long(),
-        bs,
-        batch,
-        1,
-        per_seq,
-        0,
-        backend="triton",
+    layout = StepLayout(
+        slot_mapping=slots,
+        query_start=torch.arange(batch + 1, device="cuda"),
+        context_lens=lens,
+        block_tables=tables.long(),
+        block_size=bs,
+        num_decode=batch,
+        max_query_len=1,
+        decode_blocks=per_seq,
+        prefill_blocks=0,
     )
     ids = torch.randint(0, cfg.vocab_size, (batch,), device="cuda")
     pos = torch.full((batch,), ctx, device="cuda")
 
     def step() -> None:
-        with torch.inference_mode(), forward_context(c):
-            model.compute_logits(model(ids, pos))
+        with torch.inference_mode():
+            model.compute_logits(runner.forward(layout, ids, pos))
 
     ms = cuda_ms(step, 20)
     esize = torch.finfo(dtype).bits // 8

@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 
 import torch
+from cadence.attention_backends.torch_sdpa import decode_attention
 from cadence.kernels import cpu
-from cadence.layers.attention import decode_attention
 from cpu_decode_step import timed  # the same timing loop (run as a script from kernels/)
 
 

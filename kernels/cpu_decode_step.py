@@ -18,11 +18,16 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from cadence.attention_backends import StepLayout, forward_context
+from cadence.attention_backends.base import Workspace
+from cadence.attention_backends.cpu_paged import CpuAttention
+from cadence.attention_backends.torch_sdpa import TorchAttention
 from cadence.kernels import cpu
 from cadence.layers import attention as attn_mod
-from cadence.layers.attention import AttentionContext, Workspace, forward_context
+from cadence.layers import kernel_ops
 from cadence.layers.packed import pack_linear_weights
-from cadence.models import llama_cpu_step, load_model
+from cadence.models import load_model
+from cadence.runners import LlamaCpuFlatRunner, ModelRunner
 
 MODEL = Path.home() / ".cache/cadence/models/SmolLM2-135M-Instruct"
 
@@ -62,18 +67,21 @@ def main() -> None:
     slots = tables[:, n // bs] * bs + n % bs
     ids = torch.randint(0, cfg.vocab_size, (b,))
     pos = torch.full((b,), n)
-    contexts = {
-        backend: AttentionContext.build(
-            slots, torch.arange(b + 1), lens, tables, bs, b, 1, (n + bs) // bs, 0,
-            Workspace(), backend=backend,
-        )
-        for backend in ("torch", "cpu")
-    }  # fmt: skip
-    ctx = contexts["torch"]
+    layout = StepLayout(
+        slot_mapping=slots, query_start=torch.arange(b + 1), context_lens=lens,
+        block_tables=tables, block_size=bs, num_decode=b, max_query_len=1,
+        decode_blocks=(n + bs) // bs, prefill_blocks=0,
+    )  # fmt: skip
+    runners: dict[str, ModelRunner] = {"torch": ModelRunner(model, TorchAttention(Workspace()))}
+    if cpu.available():
+        kernel_ops.bind(model, kernel_ops.cpu_ops(cpu.selected_isa() or ""))
+        runners["cpu"] = LlamaCpuFlatRunner(model, CpuAttention(Workspace()))
+        # the cpu backend through the model's modules, as the other backends run
+        runners["cpu, module forward"] = ModelRunner(model, runners["cpu"].attention)
 
     def paged(backend: str) -> None:
-        with torch.inference_mode(), forward_context(contexts[backend]):
-            model(ids, pos)
+        with torch.inference_mode():
+            runners[backend].forward(layout, ids, pos)
 
     # contiguous: every layer's K/V as [B, kv_heads, L, head_dim]; the step writes its
     # token at position n and attends over n + 1 keys with no mask
@@ -94,30 +102,24 @@ def main() -> None:
     def contiguous() -> None:
         original = attn_mod.Attention.forward
         attn_mod.Attention.forward = contiguous_forward
+        torch_runner = runners["torch"]
         try:
-            with torch.inference_mode(), forward_context(ctx):
-                model(ids, pos)
+            with torch.inference_mode():
+                meta = torch_runner.attention.metadata(layout)
+                with forward_context(torch_runner.attention, meta):
+                    model(ids, pos)
         finally:
             attn_mod.Attention.forward = original
 
     print(f"torch threads {torch.get_num_threads()}, batch {b}, context {n}, block {bs}, {a.dtype}")
     t_contig = timed(contiguous, a.steps)
     print(f"contiguous decode step           {t_contig:7.1f} ms")
-    for backend in ("cpu", "torch") if cpu.available() else ("torch",):
+    for backend in ("cpu", "cpu, module forward", "torch"):
+        if backend not in runners:
+            continue
         t = timed(lambda backend=backend: paged(backend), a.steps)
         print(
             f"paged decode step, {backend:5} backend {t:7.1f} ms  (/contiguous {t / t_contig:.2f}x)"
-        )
-    if cpu.available():  # the cpu backend through the model's modules, as the others run
-        flat = llama_cpu_step.applies
-        llama_cpu_step.applies = lambda *args: False
-        try:
-            t = timed(lambda: paged("cpu"), a.steps)
-        finally:
-            llama_cpu_step.applies = flat
-        print(
-            f"paged decode step, cpu backend, module forward {t:7.1f} ms  "
-            f"(/contiguous {t / t_contig:.2f}x)"
         )
 
 

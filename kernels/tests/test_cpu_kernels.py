@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from cadence.kernels import cpu
+from cadence.layers.kernel_ops import TORCH_OPS, LayerOps, bind, cpu_ops
 from kernel_cases import assert_close, paged_cache, poisoned
 
 pytestmark = pytest.mark.usefixtures("cpu_isa")
@@ -113,14 +114,15 @@ def test_greedy_logprobs_match_log_softmax(dtype, vocab):
     torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-5, rtol=1e-5, equal_nan=True)
 
 
-def _torch_layers(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CADENCE_CPU_KERNELS", "0")
+def _cpu_ops() -> LayerOps:
+    """The C++ kernels as an engine on this CPU binds them into the layers."""
+    return cpu_ops(cpu.selected_isa() or "")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("hidden", [200, 576])  # 576: bfloat16's 16-lane path
-def test_rms_norm_matches_the_torch_layer(dtype, with_residual, hidden, monkeypatch):
+def test_rms_norm_matches_the_torch_layer(dtype, with_residual, hidden):
     from cadence.layers.norm import RMSNorm
 
     g = torch.Generator().manual_seed(3)
@@ -128,8 +130,9 @@ def test_rms_norm_matches_the_torch_layer(dtype, with_residual, hidden, monkeypa
     norm.weight.data = (torch.rand(hidden, generator=g) + 0.5).to(dtype)
     x = (torch.randn(37, hidden, generator=g) * 3).to(dtype)
     residual = torch.randn(37, hidden, generator=g).to(dtype) if with_residual else None
+    bind(norm, _cpu_ops())
     ours = norm(x, residual)
-    _torch_layers(monkeypatch)
+    bind(norm, TORCH_OPS)
     ref = norm(x, residual)
     if with_residual:
         assert_close(ours[0], ref[0], dtype)
@@ -140,33 +143,37 @@ def test_rms_norm_matches_the_torch_layer(dtype, with_residual, hidden, monkeypa
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("inter", [96, 100])  # 96: bfloat16's 16-lane path
-def test_silu_mul_matches_the_torch_layer(dtype, inter, monkeypatch):
+def test_silu_mul_matches_the_torch_layer(dtype, inter):
     from cadence.layers.activation import SiluAndMul
 
     x = (torch.randn(19, 2 * inter, generator=torch.Generator().manual_seed(4)) * 4).to(dtype)
-    ours = SiluAndMul()(x)
-    _torch_layers(monkeypatch)
-    assert_close(ours, SiluAndMul()(x), dtype)
+    layer = SiluAndMul()
+    bind(layer, _cpu_ops())
+    ours = layer(x)
+    bind(layer, TORCH_OPS)
+    assert_close(ours, layer(x), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_rotary_in_place_on_a_fused_qkv_view_matches_the_torch_layer(dtype, head_dim, monkeypatch):
-    from cadence.layers.rotary import RotaryEmbedding, apply_rotary
+def test_rotary_in_place_on_a_fused_qkv_view_matches_the_torch_layer(dtype, head_dim):
+    from cadence.layers.rotary import RotaryEmbedding
 
     rope = RotaryEmbedding(head_dim, {"rope_theta": 10000.0, "rope_type": "default"})
     positions = torch.tensor([0, 1, 2, 15, 16, 17, 300, 4095])
-    cos, sin = rope.cos_sin(positions, dtype)
     qkv = torch.randn(8, (4 + 2 + 2) * head_dim, generator=torch.Generator().manual_seed(5))
     qkv = qkv.to(dtype)
     q_ref = qkv[:, : 4 * head_dim].clone().view(-1, 4, head_dim)
     kv_before = qkv[:, 4 * head_dim :].clone()
     q = qkv[:, : 4 * head_dim].view(-1, 4, head_dim)  # strided rows, as in the model
-    ours = apply_rotary(q, cos, sin)
+    bind(rope, _cpu_ops())
+    ours = rope.angles(positions, dtype).apply(q)
     assert ours.data_ptr() == qkv.data_ptr()  # in place
     assert torch.equal(qkv[:, 4 * head_dim :], kv_before)  # the rest of the row untouched
-    _torch_layers(monkeypatch)
-    assert_close(ours, apply_rotary(q_ref, cos, sin), dtype)
+    bind(rope, TORCH_OPS)
+    ref = rope.angles(positions, dtype).apply(q_ref)
+    assert ref.data_ptr() != q_ref.data_ptr()
+    assert_close(ours, ref, dtype)
 
 
 @pytest.mark.parametrize(

@@ -22,3 +22,5 @@ class ShardConfig:
     log_format: str = "text"  # "text" | "json"
     model_id: str = ""  # reported by Info; "" = model_dir
     cpu_isa: str = "auto"  # the C++ kernels' instruction set: "auto" or one of isa.ISAS
+    attention_backend: str = "auto"  # "auto" | "torch" | "cpu" | "triton"
+    cpu_kernels: bool = True  # False: the layers run torch, no C++ kernel, no prepacking

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cadence.kernels import cpu as cpu_kernels
+from cadence.layers.kernel_ops import GreedyFn
 from cadence.pb import shard_pb2
 
 # columns of a parameter row
@@ -181,22 +181,25 @@ def _warp(x: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     return x
 
 
-def sample(logits: torch.Tensor, b: SamplingBatch) -> SampleOutput:
-    """logits: [R, vocab] of the rows that sample this step."""
+def sample(
+    logits: torch.Tensor, b: SamplingBatch, greedy_kernel: GreedyFn | None = None
+) -> SampleOutput:
+    """logits: [R, vocab] of the rows that sample this step. `greedy_kernel` (the shard's
+    bound `LayerOps.greedy`) serves all-greedy batches without top-n alternatives."""
     greedy = not b.any_sample and b.max_top_n == 0
     unchanged = b.bias_rows is None and PENALTY not in b.features
-    if greedy and unchanged and cpu_kernels.enabled_for(logits):
+    if greedy and unchanged and greedy_kernel is not None:
         # one pass over the logits as the model gave them (bfloat16 read as is), no
         # float32 copy and no log_softmax row
-        ids, chosen = cpu_kernels.greedy_logprobs(logits)
+        ids, chosen = greedy_kernel(logits)
         return SampleOutput(ids, chosen, None, None)
     logits = logits.float()
     if b.bias_rows is not None:
         logits = logits.index_put((b.bias_rows, b.bias_ids), b.bias_values, accumulate=True)
     if PENALTY in b.features:
         logits = apply_penalties(logits, b)
-    if greedy and cpu_kernels.enabled_for(logits):
-        ids, chosen = cpu_kernels.greedy_logprobs(logits)
+    if greedy and greedy_kernel is not None:
+        ids, chosen = greedy_kernel(logits)
         return SampleOutput(ids, chosen, None, None)
     logprobs = logits.log_softmax(dim=-1)
     ids = logits.argmax(dim=-1)

@@ -3,19 +3,16 @@ and saved as safetensors, and a small driver that plays the router's part."""
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-# the triton attention backend's tests run the kernels under the interpreter without a
-# GPU; triton reads this when a kernel module is imported (kernels/tests sets it too)
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# (TRITON_INTERPRET is set by the root conftest, before cadence is imported)
 
 from cadence.config import ShardConfig  # noqa: E402
 from cadence.shard.engine import Engine  # noqa: E402
@@ -148,8 +145,11 @@ def hf_model() -> Callable[[Path], PreTrainedModel]:
     return get
 
 
-def make_engine(model_dir: Path, num_blocks: int = 64, dtype: str = "float32") -> Engine:
-    engine = Engine(ShardConfig(model_dir=str(model_dir), uds_path="", dtype=dtype))
+def make_engine(
+    model_dir: Path, num_blocks: int = 64, dtype: str = "float32", **config: Any
+) -> Engine:
+    """An engine with its KV cache allocated; `config`: more ShardConfig fields."""
+    engine = Engine(ShardConfig(model_dir=str(model_dir), uds_path="", dtype=dtype, **config))
     engine.warmup(
         max_batch_tokens=64,
         max_batch_size=8,

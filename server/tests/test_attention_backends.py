@@ -11,35 +11,32 @@ from pathlib import Path
 import pytest
 import test_model
 import torch
-from cadence.layers.attention import select_backend
+from cadence.attention_backends.base import Workspace
+from cadence.layers.kernel_ops import TORCH_OPS, UsesLayerOps
+from cadence.runners import LlamaCpuFlatRunner, ModelRunner
+from cadence.shard import backends
 from cadence.shard.engine import Engine
 
 
 def _engine_with_backend(
-    backend: str, monkeypatch: pytest.MonkeyPatch, engine_for: Callable[..., Engine]
+    backend: str, engine_for: Callable[..., Engine], **config: object
 ) -> Callable[..., Engine]:
-    monkeypatch.setenv("CADENCE_ATTENTION_BACKEND", backend)
-
     def make(model_dir: Path, **kwargs: object) -> Engine:
-        engine = engine_for(model_dir, **kwargs)
-        assert engine.attention_backend == backend
+        engine = engine_for(model_dir, attention_backend=backend, **config, **kwargs)
+        assert engine.attention_backend.name == backend
         return engine
 
     return make
 
 
 @pytest.fixture
-def triton_engine_for(
-    monkeypatch: pytest.MonkeyPatch, engine_for: Callable[..., Engine]
-) -> Callable[..., Engine]:
-    return _engine_with_backend("triton", monkeypatch, engine_for)
+def triton_engine_for(engine_for: Callable[..., Engine]) -> Callable[..., Engine]:
+    return _engine_with_backend("triton", engine_for)
 
 
 @pytest.fixture
-def torch_engine_for(
-    monkeypatch: pytest.MonkeyPatch, engine_for: Callable[..., Engine]
-) -> Callable[..., Engine]:
-    return _engine_with_backend("torch", monkeypatch, engine_for)
+def torch_engine_for(engine_for: Callable[..., Engine]) -> Callable[..., Engine]:
+    return _engine_with_backend("torch", engine_for)
 
 
 @pytest.mark.parametrize(
@@ -61,7 +58,8 @@ def test_torch_backend_mixed_prefill_and_decode_batch(model_dirs, hf_model, torc
 
 def test_cpu_backend_is_the_cpu_default(model_dirs, engine_for) -> None:
     engine = engine_for(model_dirs("llama_gqa"))
-    assert engine.attention_backend == "cpu"
+    assert engine.attention_backend.name == "cpu"
+    assert isinstance(engine.runner, LlamaCpuFlatRunner)
 
 
 @pytest.mark.parametrize(
@@ -88,14 +86,44 @@ def test_triton_backend_mixed_prefill_and_decode_batch(model_dirs, hf_model, tri
 
 
 def test_backend_switch_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert select_backend(None, torch.device("cpu")) == "cpu"  # the C++ kernels build here
-    assert select_backend("auto", torch.device("cpu")) == "cpu"
-    assert select_backend("torch", torch.device("cpu")) == "torch"
-    assert select_backend("torch", torch.device("cuda")) == "torch"
+    cpu, gpu, ws = torch.device("cpu"), torch.device("cuda"), Workspace()
+    on = backends.CpuKernels(True)
+    off = backends.CpuKernels(False, "turned off (--no-cpu-kernels)")
+
+    def chosen(requested: str, device: torch.device, kernels: backends.CpuKernels) -> str:
+        return backends.attention_backend(requested, device, kernels, ws).name
+
+    assert chosen("auto", cpu, on) == "cpu"  # the C++ kernels build here
+    assert chosen("auto", cpu, off) == "torch"
+    assert chosen("torch", cpu, on) == "torch"
+    assert chosen("torch", gpu, off) == "torch"
     with pytest.raises(ValueError, match="CPU devices only"):
-        select_backend("cpu", torch.device("cuda"))
+        chosen("cpu", gpu, off)
+    with pytest.raises(ValueError, match=r"unavailable: turned off \(--no-cpu-kernels\)"):
+        chosen("cpu", cpu, off)
     with pytest.raises(ValueError, match="unknown attention backend"):
-        select_backend("flash", torch.device("cpu"))
+        chosen("flash", cpu, on)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
-        select_backend("triton", torch.device("cpu"))
+        chosen("triton", cpu, on)
+
+
+def test_without_cpu_kernels_every_layer_runs_torch(model_dirs, engine_for) -> None:
+    engine = engine_for(model_dirs("llama_gqa"), cpu_kernels=False)
+    assert engine.attention_backend.name == "torch"
+    assert engine.ops is TORCH_OPS
+    assert type(engine.runner) is ModelRunner
+    assert engine.packed_bytes == 0
+    norms = [m for m in engine.model.modules() if isinstance(m, UsesLayerOps)]
+    assert norms and all(m.ops is TORCH_OPS for m in norms)
+
+
+def test_triton_norms_and_rotary_serve_beside_the_triton_backend(model_dirs, hf_model, engine_for):
+    """Without the C++ kernels, the triton backend's engine binds Triton's RMSNorm and
+    rotary into the model (as on CUDA) and still matches transformers."""
+    make = _engine_with_backend("triton", engine_for, cpu_kernels=False)
+    engine = make(model_dirs("llama_gqa"))
+    assert engine.ops.norms.startswith("triton")
+    test_model.test_prefill_and_ten_decode_steps_match_transformers(
+        "llama_gqa", model_dirs, hf_model, make
+    )

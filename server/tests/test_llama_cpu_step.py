@@ -1,4 +1,5 @@
-"""The flat CPU forward step of the Llama family (`cadence.models.llama_cpu_step`) gives
+"""The flat CPU forward step of the Llama family (`cadence.models.llama_cpu_step`, run by
+`LlamaCpuFlatRunner`, the engine's runner on CPU) gives
 the generic forward's bits: same hidden states and same KV cache contents, step after
 step -- whole prompts, a prompt in two chunks (the second over its cached prefix), mixed
 prefill + decode steps, decode-only steps across block boundaries and past a sliding
@@ -15,6 +16,7 @@ import pytest
 import torch
 from cadence.models import llama_cpu_step
 from cadence.pb import shard_pb2
+from cadence.runners import LlamaCpuFlatRunner, ModelRunner
 from shard_helpers import MiniRouter
 
 pytestmark = pytest.mark.usefixtures("cpu_isa")  # every instruction set the CPU runs
@@ -42,6 +44,8 @@ def test_flat_step_gives_the_generic_forwards_bits(
     name, dtype, model_dirs, engine_for, monkeypatch
 ):
     engine = engine_for(model_dirs(name), num_blocks=64, dtype=dtype)
+    assert isinstance(engine.runner, LlamaCpuFlatRunner)
+    generic_runner = ModelRunner(engine.model, engine.attention_backend)
     taken: list[int] = []
     flat_step = llama_cpu_step.forward_step
 
@@ -71,7 +75,7 @@ def test_flat_step_gives_the_generic_forwards_bits(
             assert taken[-1:] == [batch.num_tokens]  # every step takes the flat loop
             after_flat = _caches(e)
             with monkeypatch.context() as m:
-                m.setattr(llama_cpu_step, "applies", lambda *args: False)
+                m.setattr(e, "runner", generic_runner)
                 generic = e.forward(batch)
             assert torch.equal(flat, generic), f"step {n}"
             same = zip(after_flat, _caches(e), strict=True)

@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from cadence.kernels import cpu
-from cadence.layers.packed import linear, onednn_packs, packing_supported
+from cadence.layers.linear import ColumnParallelLinear
+from cadence.layers.packed import linear, onednn_packs, pack_linear_weights, packing_supported
 
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=0.06, rtol=0.02)}
 
@@ -37,7 +38,12 @@ def test_bfloat16_is_prepacked_only_with_avx512(cpu_isa):
     assert cpu.selected_isa() == cpu_isa
 
 
-def test_nothing_is_prepacked_with_the_cpu_kernels_off(monkeypatch):
-    monkeypatch.setenv("CADENCE_CPU_KERNELS", "0")
-    assert not packing_supported(torch.empty(8, 8))
-    assert not packing_supported(torch.empty(8, 8, dtype=torch.bfloat16))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nothing_is_prepacked_with_the_cpu_kernels_off(dtype):
+    layer = ColumnParallelLinear(80, 96, bias=False)
+    layer.weight.data = torch.randn(96, 80).to(dtype)
+    assert pack_linear_weights(layer, enabled=False) == 0
+    assert layer.packed_weight is None
+    expected = 96 * 80 * layer.weight.element_size() if packing_supported(layer.weight) else 0
+    assert pack_linear_weights(layer, enabled=True) == expected
+    assert (layer.packed_weight is not None) == (expected > 0)

@@ -19,10 +19,14 @@ def triton_available() -> bool:
     return True
 
 
+# Read once, as triton reads it when the kernels are decorated.
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def dot_in_f32(dtype: object) -> bool:
     """The Triton interpreter computes bfloat16 arithmetic on raw bits (wrong results), so
     under it the attention kernels upcast their bfloat16 tiles before `tl.dot`; compiled
     kernels keep bfloat16 tensor-core dots."""
     import torch
 
-    return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return dtype == torch.bfloat16 and INTERPRETED

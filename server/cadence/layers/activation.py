@@ -9,15 +9,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cadence.kernels import cpu as cpu_kernels
+from cadence.layers.kernel_ops import UsesLayerOps
 
 
-class SiluAndMul(nn.Module):
+class SiluAndMul(UsesLayerOps, nn.Module):
+    """SwiGLU over a fused [T, 2 * inter] gate/up projection -> [T, inter]."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and cpu_kernels.enabled_for(x):
-            return cpu_kernels.silu_mul(x)
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return self.ops.silu_mul(x)
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:

@@ -14,12 +14,11 @@ weight once more in oneDNN's blocked layout, and `linear` multiplies through it:
   (`kernels/cpu_linear_bench.py --dtype float32`).
 
 Each dtype is tried once on a tiny weight before any model weight is packed.
-`CADENCE_CPU_KERNELS=0` turns it off.
+Off with the C++ kernels (`--no-cpu-kernels`).
 """
 
 from __future__ import annotations
 
-import os
 from functools import cache
 
 import torch
@@ -52,7 +51,7 @@ def onednn_packs(dtype: torch.dtype) -> bool:
 
 
 def packing_supported(weight: torch.Tensor) -> bool:
-    if weight.device.type != "cpu" or os.environ.get("CADENCE_CPU_KERNELS", "1") == "0":
+    if weight.device.type != "cpu":
         return False
     if weight.dtype == torch.float32:
         return onednn_packs(torch.float32)
@@ -64,10 +63,12 @@ def packing_supported(weight: torch.Tensor) -> bool:
     )
 
 
-def pack_linear_weights(model: nn.Module) -> int:
-    """Gives every module with a `packed_weight` slot its packed copy; returns the bytes
-    added. Call after the weights are loaded (and tied)."""
+def pack_linear_weights(model: nn.Module, enabled: bool = True) -> int:
+    """Gives every module with a `packed_weight` slot its packed copy (when `enabled`);
+    returns the bytes added. Call after the weights are loaded (and tied)."""
     added = 0
+    if not enabled:
+        return added
     for module in model.modules():
         if not hasattr(module, "packed_weight"):
             continue

@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from cadence.kernels import cpu as cpu_kernels
+from cadence.layers.kernel_ops import RotaryFn, UsesLayerOps, rotary_torch
 
 
 def rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
@@ -44,8 +45,22 @@ def inverse_frequencies(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
     raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3)")
 
 
-class RotaryEmbedding(nn.Module):
-    """`cos_sin(positions)` is computed once per forward and shared by every layer."""
+@dataclass(slots=True)
+class Rope:
+    """One forward's rotary angles, shared by every layer, and the kernel that applies
+    them."""
+
+    cos: torch.Tensor  # [T, 1, head_dim] in the activations' dtype
+    sin: torch.Tensor
+    rotate: RotaryFn
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, head_dim] -> rotated (in place where the kernel can)."""
+        return self.rotate(x, self.cos, self.sin)
+
+
+class RotaryEmbedding(UsesLayerOps, nn.Module):
+    """`angles(positions)` is computed once per forward and shared by every layer."""
 
     def __init__(self, head_dim: int, params: dict[str, Any]) -> None:
         super().__init__()
@@ -56,17 +71,11 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [T, 1, head_dim]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
+    def angles(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        cos, sin = self.cos_sin(positions, dtype)
+        return Rope(cos, sin, self.ops.rotary)
+
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]. On CPU, in place through the C++ kernel when x's heads
-    are packed (x is then returned rotated); elsewhere a new tensor."""
-    if (
-        cpu_kernels.enabled_for(x)
-        and x.stride(2) == 1
-        and x.stride(1) == x.shape[2]
-        and cos.dtype == x.dtype
-    ):
-        return cpu_kernels.rotary_(x, cos, sin)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    """x: [T, heads, head_dim] -> a new tensor, rotated with plain torch."""
+    return rotary_torch(x, cos, sin)

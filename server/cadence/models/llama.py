@@ -16,12 +16,11 @@ import torch
 from torch import nn
 
 from cadence.layers.activation import SiluAndMul
-from cadence.layers.attention import Attention, current_context
+from cadence.layers.attention import Attention
 from cadence.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from cadence.layers.linear import MergedColumnParallelLinear, QKVLinear, RowParallelLinear
 from cadence.layers.norm import RMSNorm
-from cadence.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
-from cadence.models import llama_cpu_step
+from cadence.layers.rotary import Rope, RotaryEmbedding, rope_parameters
 
 
 @dataclass(slots=True)
@@ -109,12 +108,12 @@ class LlamaAttention(nn.Module):
             sliding_window=cfg.sliding_windows[layer],
         )
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        q = rope.apply(q.view(-1, self.num_heads, self.head_dim))
+        k = rope.apply(k.view(-1, self.num_kv_heads, self.head_dim))
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.attn(q, k, v))
 
@@ -146,14 +145,13 @@ class LlamaDecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         residual: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: Rope,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, cos, sin)
+        x = self.self_attn(x, rope)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -167,19 +165,11 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        ctx = current_context()
-        if (
-            ctx is not None
-            and input_ids.dim() == 1
-            and self.norm.weight.dtype == self.embed_tokens.weight.dtype
-            and llama_cpu_step.applies(ctx, self.embed_tokens.weight)
-        ):
-            return llama_cpu_step.forward_step(self, input_ids, positions, ctx)
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        rope = self.rotary.angles(positions, x.dtype)
         residual = None
         for layer in self.layers:
-            x, residual = layer(x, residual, cos, sin)
+            x, residual = layer(x, residual, rope)
         x, _ = self.norm(x, residual)
         return x
 

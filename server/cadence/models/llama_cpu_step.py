@@ -21,23 +21,14 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from cadence.attention_backends.cpu_paged import CpuMetadata
+from cadence.attention_backends.torch_sdpa import prefill_attention
 from cadence.kernels import cpu as cpu_kernels
-from cadence.layers.attention import AttentionContext, prefill_attention
 from cadence.layers.linear import LinearBase
 from cadence.layers.packed import linear
 
 if TYPE_CHECKING:
     from cadence.models.llama import LlamaModel
-
-
-def applies(ctx: AttentionContext, weights: torch.Tensor) -> bool:
-    """Whether `forward_step` serves the step: the `cpu` backend, and weights (hence
-    activations) of a dtype the C++ kernels take."""
-    return (
-        ctx.backend == "cpu"
-        and (ctx.num_decode == 0 or ctx.decode_tables is not None)
-        and cpu_kernels.enabled_for(weights)
-    )
 
 
 def _linear(layer: LinearBase, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
@@ -59,7 +50,7 @@ def _check(status: int, kernel: str) -> None:
 
 
 def forward_step(
-    model: LlamaModel, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
+    model: LlamaModel, input_ids: torch.Tensor, positions: torch.Tensor, ctx: CpuMetadata
 ) -> torch.Tensor:
     """The hidden states after the final norm [T, hidden], as `LlamaModel.forward`
     computes them; rows ordered as the context's (decode rows first)."""
@@ -73,11 +64,7 @@ def forward_step(
     first = model.layers[0].self_attn
     heads, kv_heads, head_dim = first.num_heads, first.num_kv_heads, first.head_dim
     d = ctx.num_decode
-    tables = ctx.decode_tables
-    if tables is not None and tables.stride(1) != 1:
-        tables = tables.contiguous()
-    lens = ctx.context_lens[:d].contiguous()
-    slots = ctx.slot_mapping.contiguous()
+    tables, lens, slots = ctx.decode_tables, ctx.decode_lens, ctx.slot_mapping
     normed = torch.empty_like(x)
     residual = x  # the embedding's own tensor, updated in place from here on
     q_rotated = torch.empty(tokens, heads * head_dim, dtype=dtype)
@@ -126,7 +113,8 @@ def forward_step(
                 )  # fmt: skip
                 _check(status, "cadence_paged_decode_attention")
             q = q_rotated[d:].view(-1, heads, head_dim)
-            out = prefill_attention(q, k_cache, v_cache, ctx, cache.scale, window)
+            assert ctx.prefill is not None
+            out = prefill_attention(q, k_cache, v_cache, ctx.prefill, cache.scale, window)
             attended[d:].view(-1, heads, head_dim).copy_(out)
         x = _row_parallel(attn.o_proj, attended)
         norm(layer.post_attention_layernorm.weight, x, True, normed)

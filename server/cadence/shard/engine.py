@@ -1,9 +1,10 @@
-"""The model runner: loads the model, sizes and allocates the KV cache (Warmup), and runs
-one Step: apply the diff, one forward over every scheduled token, sample."""
+"""The shard's engine: loads the model, chooses once what computes its steps (attention
+backend, per-op kernels, model runner: `cadence.shard.backends`), sizes and allocates the
+KV cache (Warmup), and runs one Step: apply the diff, one forward over every scheduled
+token, sample."""
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -12,20 +13,18 @@ import torch
 import torch.distributed as dist
 from loguru import logger
 
+from cadence.attention_backends import StepLayout
+from cadence.attention_backends.base import Workspace
 from cadence.config import ShardConfig
 from cadence.kernels import cpu as cpu_kernels
 from cadence.kernels.cpu import isa as cpu_isa
 from cadence.kv_cache import KVCache, bytes_per_block
-from cadence.layers.attention import (
-    AttentionContext,
-    Workspace,
-    forward_context,
-    select_backend,
-)
+from cadence.layers import kernel_ops
 from cadence.layers.packed import pack_linear_weights
 from cadence.models import load_model, read_config, to_dtype
 from cadence.pb import shard_pb2
 from cadence.sampling import TOP_N, SampleOutput, SamplingBatch, sample
+from cadence.shard import backends
 from cadence.shard.kernel_report import kernel_paths, log_line
 from cadence.shard.memory import PeakMeter, available_bytes
 from cadence.shard.state import BatchState, ForwardBatch, StepPlan
@@ -71,12 +70,15 @@ class Engine:
         self.device = torch.device(cfg.device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", cfg.rank % torch.cuda.device_count())
+        cpu = backends.CpuKernels(False, "not on a CPU device")
         if self.device.type == "cpu":
             # once, before the model is built: every CPU kernel call runs this choice
             try:
                 cpu_kernels.select(cfg.cpu_isa)
+                cpu = backends.CpuKernels(cfg.cpu_kernels, "turned off (--no-cpu-kernels)")
             except cpu_kernels.KernelBuildError as err:
                 logger.warning(f"C++ CPU kernels unavailable, serving through torch: {err}")
+                cpu = backends.CpuKernels(False, str(err))
         if cfg.dtype == "auto":
             isa = cpu_kernels.selected_isa() or "scalar"
             self.cfg = cfg = replace(cfg, dtype=cpu_isa.default_dtype(cfg.device, isa))
@@ -90,17 +92,19 @@ class Engine:
         self.weight_bytes = sum(p.numel() * p.element_size() for p in unique)
         self.checkpoint_bytes_read: int = getattr(self.model, "checkpoint_bytes_read", 0)
         # on CPU: a second copy of each linear weight in oneDNN's blocked layout
-        self.packed_bytes = pack_linear_weights(self.model)
+        self.packed_bytes = pack_linear_weights(self.model, enabled=cfg.cpu_kernels)
         self.weight_bytes += self.packed_bytes
         self.block_size = cfg.block_size
         first = self.attention[0]
         self.bytes_per_block = bytes_per_block(
             len(self.attention), cfg.block_size, first.num_kv_heads, first.head_dim, self.kv_dtype
         )
-        self.workspace = Workspace()
-        self.attention_backend = select_backend(
-            os.environ.get("CADENCE_ATTENTION_BACKEND"), self.device
+        self.attention_backend = backends.attention_backend(
+            cfg.attention_backend, self.device, cpu, Workspace()
         )
+        self.ops = backends.layer_ops(self.device, self.attention_backend, cpu)
+        kernel_ops.bind(self.model, self.ops)
+        self.runner = backends.model_runner(self.model, self.attention_backend)
         self.kv: KVCache | None = None
         self.state: BatchState | None = None
         # Cumulative counts of what the forward passes computed (HealthResponse).
@@ -110,14 +114,15 @@ class Engine:
             f"loaded {self.config.get('model_type')} from {cfg.model_dir} "
             f"({self.weight_bytes / MiB:.1f} MiB {cfg.dtype} on {self.device}, rank "
             f"{cfg.rank}/{cfg.world_size}, {self.checkpoint_bytes_read / MiB:.1f} MiB read, "
-            f"{self.attention_backend} attention"
+            f"{self.attention_backend.name} attention"
             + (f", {self.packed_bytes / MiB:.1f} MiB prepacked" if self.packed_bytes else "")
             + ") "
             f"in {time.perf_counter() - started:.1f}s"
         )
         self.kernels = kernel_paths(
-            self.device, self.dtype, self.attention_backend, self.packed_bytes
-        )
+            self.device, self.dtype, self.attention_backend, self.ops, self.runner,
+            self.packed_bytes,
+        )  # fmt: skip
         logger.info(log_line(self.kernels))
 
     # -- RPCs ----------------------------------------------------------------------
@@ -221,7 +226,7 @@ class Engine:
         if batch.sample_rows.numel():
             logits = self.model.compute_logits(hidden[batch.sample_tokens.to(self.device)])
             sb = self._on_device(state.sampling_batch(batch))
-            out = sample(logits, sb)
+            out = sample(logits, sb, self.ops.greedy)
             ids = out.ids.cpu()
             state.commit(batch, ids)
             generations = self._generations(batch, sb, ids, out)
@@ -252,7 +257,7 @@ class Engine:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """One forward over the flat batch -> hidden states [T, hidden]."""
         d = self.device
-        ctx = AttentionContext.build(
+        layout = StepLayout(
             slot_mapping=batch.slot_mapping.to(d, non_blocking=True),
             query_start=batch.query_start.to(d, non_blocking=True),
             context_lens=batch.context_lens.to(d, non_blocking=True),
@@ -263,11 +268,8 @@ class Engine:
             decode_blocks=batch.decode_blocks,
             prefill_blocks=batch.prefill_blocks,
             prefill_from_start=batch.prefill_from_start,
-            workspace=self.workspace,
-            backend=self.attention_backend,
         )
-        with forward_context(ctx):
-            return self.model(batch.input_ids.to(d), batch.positions.to(d))
+        return self.runner.forward(layout, batch.input_ids.to(d), batch.positions.to(d))
 
     def _on_device(self, b: SamplingBatch) -> SamplingBatch:
         if self.device.type == "cpu":

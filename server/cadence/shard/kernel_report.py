@@ -2,41 +2,42 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from cadence.attention_backends import AttentionBackend
 from cadence.kernels import cpu as cpu_kernels
+from cadence.layers.kernel_ops import LayerOps
 from cadence.layers.packed import BF16_PACKED_MAX_ROWS
+from cadence.runners import ModelRunner
 
 
 def kernel_paths(
-    device: torch.device, dtype: torch.dtype, attention_backend: str, packed_bytes: int
+    device: torch.device,
+    dtype: torch.dtype,
+    attention: AttentionBackend[Any],
+    ops: LayerOps,
+    runner: ModelRunner,
+    packed_bytes: int,
 ) -> dict[str, str]:
-    """{"isa", "attention", "products", "norms", "sampling"} -> what serves each."""
-    if device.type != "cpu":
-        return {
-            "isa": "",
-            "attention": attention_backend,
-            "products": f"torch {_name(dtype)}",
-            "norms": "torch",
-            "sampling": "torch",
-        }
-    isa = cpu_kernels.selected_isa()
-    kernels_on = cpu_kernels.enabled_for(torch.empty(0, dtype=dtype))
-    cxx = f"C++ {isa}" if kernels_on else "torch"
-    if attention_backend == "cpu":
-        attention = f"C++ {isa} paged decode, torch SDPA prefill"
-    else:
-        attention = "torch gather + SDPA" if attention_backend == "torch" else attention_backend
+    """{"isa", "attention", "products", "norms", "sampling", "runner"} -> what serves each."""
+    isa = ""
+    if device.type == "cpu":
+        isa = cpu_kernels.selected_isa() or (
+            "none (" + (cpu_kernels.unavailable_reason() or "not loaded") + ")"
+        )
     products = f"torch {_name(dtype)}"
     if packed_bytes:
         rows = "" if dtype == torch.float32 else f" up to {BF16_PACKED_MAX_ROWS} rows, else torch"
         products = f"oneDNN {_name(dtype)} prepacked{rows}"
     return {
-        "isa": isa or "none (" + (cpu_kernels.unavailable_reason() or "not loaded") + ")",
-        "attention": attention,
+        "isa": isa,
+        "attention": attention.description,
         "products": products,
-        "norms": cxx,
-        "sampling": f"{cxx} greedy, torch otherwise" if kernels_on else "torch",
+        "norms": ops.norms,
+        "sampling": ops.sampling,
+        "runner": runner.description,
     }
 
 

@@ -1,0 +1,256 @@
+"""The torch backend: each sequence's context gathered through its block table into a
+padded tensor, then one `scaled_dot_product_attention` for all decode rows and one for
+all prefill rows. Runs on any device; the CPU fallback when the C++ kernels cannot
+build, and the prefill half of the `cpu` backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from cadence.attention_backends.base import AttentionBackend, StepLayout, Workspace
+
+if TYPE_CHECKING:
+    from cadence.layers.attention import Attention
+
+
+@dataclass(slots=True)
+class PaddedPrefill:
+    """The prefill rows padded to [Bp, max_query_len] query slots, with their masks."""
+
+    context_lens: torch.Tensor  # [Bp]
+    query_start: torch.Tensor  # [Bp+1], offsets into the whole step's tokens
+    tables: torch.Tensor  # [Bp, blocks the prefills need]
+    mask: torch.Tensor  # [Bp, 1, max_q, L] key is visible
+    seq: torch.Tensor  # [Tp] prefill sequence of each prefill token
+    col: torch.Tensor  # [Tp] index of each token within its chunk
+    max_query_len: int
+    from_start: bool  # no row has a cached prefix: SDPA's causal kernel, no mask
+    workspace: Workspace | None
+    # sliding-window masks, built on first use per window size
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, layout: StepLayout, workspace: Workspace | None) -> PaddedPrefill | None:
+        d, n = layout.num_decode, layout.num_prefill
+        if n == 0:
+            return None
+        device = layout.context_lens.device
+        keys = torch.arange(layout.prefill_blocks * layout.block_size, device=device)
+        starts = layout.query_start[d:]
+        q_lens = starts[1:] - starts[:-1]
+        num_tokens = layout.slot_mapping.shape[0] - d
+        seq = torch.repeat_interleave(
+            torch.arange(n, device=device), q_lens, output_size=num_tokens
+        )
+        col = torch.arange(num_tokens, device=device) - (starts[seq] - starts[0])
+        lens = layout.context_lens[d:]
+        # absolute position of query i of sequence b: context_len - q_len + i
+        first = (lens - q_lens).view(-1, 1, 1)
+        pos = first + torch.arange(layout.max_query_len, device=device).view(1, -1, 1)
+        mask = (keys.view(1, 1, -1) <= pos).unsqueeze(1)
+        return cls(
+            context_lens=lens,
+            query_start=starts,
+            tables=layout.block_tables[d:, : layout.prefill_blocks],
+            mask=mask,
+            seq=seq,
+            col=col,
+            max_query_len=layout.max_query_len,
+            from_start=layout.prefill_from_start,
+            workspace=workspace,
+        )
+
+    def mask_for(self, window: int | None) -> torch.Tensor:
+        """With a sliding `window`, a query at position p sees only keys k with
+        p - window < k <= p (Mistral's convention)."""
+        if window is None:
+            return self.mask
+        if window not in self.windowed:
+            device = self.context_lens.device
+            q_lens = self.query_start[1:] - self.query_start[:-1]
+            first = (self.context_lens - q_lens).view(-1, 1, 1)
+            pos = first + torch.arange(self.max_query_len, device=device).view(1, -1, 1)
+            keys = torch.arange(self.mask.shape[-1], device=device).view(1, 1, -1)
+            self.windowed[window] = self.mask & (keys > pos - window).unsqueeze(1)
+        return self.windowed[window]
+
+
+@dataclass(slots=True)
+class PaddedDecode:
+    """The decode rows' contexts padded to the longest, with the mask of real keys."""
+
+    context_lens: torch.Tensor  # [Bd]
+    tables: torch.Tensor  # [Bd, blocks the decodes need]
+    mask: torch.Tensor  # [Bd, 1, 1, L] key is visible
+    workspace: Workspace | None
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, layout: StepLayout, workspace: Workspace | None) -> PaddedDecode | None:
+        d = layout.num_decode
+        if d == 0:
+            return None
+        device = layout.context_lens.device
+        keys = torch.arange(layout.decode_blocks * layout.block_size, device=device)
+        lens = layout.context_lens[:d]
+        return cls(
+            context_lens=lens,
+            tables=layout.block_tables[:d, : layout.decode_blocks],
+            mask=(keys < lens.unsqueeze(1)).view(d, 1, 1, -1),
+            workspace=workspace,
+        )
+
+    def mask_for(self, window: int | None) -> torch.Tensor:
+        if window is None:
+            return self.mask
+        if window not in self.windowed:
+            d = self.context_lens.shape[0]
+            keys = torch.arange(self.mask.shape[-1], device=self.context_lens.device)
+            first = (self.context_lens - window).view(d, 1, 1, 1)  # query at lens - 1
+            self.windowed[window] = self.mask & (keys.view(1, 1, 1, -1) >= first)
+        return self.windowed[window]
+
+
+@dataclass(slots=True)
+class TorchMetadata:
+    slot_mapping: torch.Tensor
+    num_decode: int
+    decode: PaddedDecode | None
+    prefill: PaddedPrefill | None
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Stores new keys/values ([T, kv_heads, head_dim]) at their slots."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def gather(
+    cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None
+) -> torch.Tensor:
+    """[B, kv_heads, blocks * block_size, head_dim]: each sequence's context, copied block
+    by block through its block table (into `out` when given)."""
+    b, n = tables.shape
+    flat = cache.view(cache.shape[0], -1)
+    rows = torch.index_select(flat, 0, tables.reshape(-1), out=out)
+    x = rows.view(b, n * cache.shape[1], cache.shape[2], cache.shape[3]).transpose(1, 2)
+    return x.to(dtype)
+
+
+def _scratch(
+    workspace: Workspace | None, name: str, cache: torch.Tensor, tables: torch.Tensor
+) -> torch.Tensor | None:
+    if workspace is None:
+        return None
+    shape = (tables.numel(), cache[0].numel())
+    return workspace.get(name, shape, cache.dtype, cache.device)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    workspace: Workspace | None = None,
+) -> torch.Tensor:
+    """q: [B, heads, head_dim], one query per sequence -> [B, heads, head_dim]."""
+    k = gather(
+        k_cache, block_tables, q.dtype, _scratch(workspace, "decode_k", k_cache, block_tables)
+    )
+    v = gather(
+        v_cache, block_tables, q.dtype, _scratch(workspace, "decode_v", v_cache, block_tables)
+    )
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    return out.squeeze(2)
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    p: PaddedPrefill,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """q: [Tp, heads, head_dim], the prefill tokens, packed -> same shape; causal, within
+    `sliding_window` when given."""
+    padded = q.new_zeros(p.tables.shape[0], p.max_query_len, q.shape[1], q.shape[2])
+    padded[p.seq, p.col] = q
+    k = gather(k_cache, p.tables, q.dtype, _scratch(p.workspace, "prefill_k", k_cache, p.tables))
+    v = gather(v_cache, p.tables, q.dtype, _scratch(p.workspace, "prefill_v", v_cache, p.tables))
+    if p.from_start and sliding_window is None:
+        # Whole prompts: query i sees keys 0..i of its own chunk, which SDPA's causal
+        # kernel does without a mask and skipping the masked half (padded query rows
+        # see pad keys, and are dropped below).
+        n = p.max_query_len
+        out = F.scaled_dot_product_attention(
+            padded.transpose(1, 2), k[:, :, :n], v[:, :, :n], is_causal=True, scale=scale,
+            enable_gqa=True,
+        )  # fmt: skip
+    else:
+        out = F.scaled_dot_product_attention(
+            padded.transpose(1, 2), k, v, attn_mask=p.mask_for(sliding_window), scale=scale,
+            enable_gqa=True,
+        )  # fmt: skip
+    return out.transpose(1, 2)[p.seq, p.col]
+
+
+class TorchAttention(AttentionBackend[TorchMetadata]):
+    name = "torch"
+    description = "torch gather + SDPA"
+
+    def __init__(self, workspace: Workspace | None = None) -> None:
+        self.workspace = workspace if workspace is not None else Workspace()
+
+    def metadata(self, layout: StepLayout) -> TorchMetadata:
+        return TorchMetadata(
+            slot_mapping=layout.slot_mapping,
+            num_decode=layout.num_decode,
+            decode=PaddedDecode.build(layout, self.workspace),
+            prefill=PaddedPrefill.build(layout, self.workspace),
+        )
+
+    @staticmethod
+    def num_decode(meta: TorchMetadata) -> int:
+        return meta.num_decode
+
+    def write_kv(
+        self, layer: Attention, k: torch.Tensor, v: torch.Tensor, meta: TorchMetadata
+    ) -> None:
+        write_kv(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping)
+
+    def decode(
+        self, layer: Attention, q: torch.Tensor, meta: TorchMetadata, out: torch.Tensor
+    ) -> None:
+        d = meta.decode
+        assert d is not None
+        mask = d.mask_for(layer.sliding_window)
+        out.copy_(
+            decode_attention(
+                q, layer.k_cache, layer.v_cache, d.tables, mask, layer.scale, d.workspace
+            )
+        )
+
+    def prefill(
+        self, layer: Attention, q: torch.Tensor, meta: TorchMetadata, out: torch.Tensor
+    ) -> None:
+        assert meta.prefill is not None
+        out.copy_(
+            prefill_attention(
+                q, layer.k_cache, layer.v_cache, meta.prefill, layer.scale, layer.sliding_window
+            )
+        )

@@ -1,0 +1,88 @@
+"""Chooses, once per engine, what computes a shard's step: the attention backend, the
+layers' per-op kernels and the model runner. The one place that maps names (the
+`--attention-backend` flag, devices) to implementations."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from cadence.attention_backends import AttentionBackend
+from cadence.attention_backends.base import Workspace
+from cadence.attention_backends.cpu_paged import CpuAttention
+from cadence.attention_backends.torch_sdpa import TorchAttention
+from cadence.kernels import cpu as cpu_kernels
+from cadence.kernels import triton_available
+from cadence.layers.kernel_ops import TORCH_OPS, LayerOps, cpu_ops, triton_ops
+from cadence.models.llama import LlamaForCausalLM
+from cadence.runners import LlamaCpuFlatRunner, ModelRunner
+
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+
+
+@dataclass(frozen=True, slots=True)
+class CpuKernels:
+    """Whether the C++ CPU kernels serve this shard, and why not when they do not."""
+
+    on: bool
+    reason: str = ""  # why they are off
+
+
+def attention_backend(
+    requested: str, device: torch.device, cpu: CpuKernels, workspace: Workspace
+) -> AttentionBackend[Any]:
+    """`auto`: triton on CUDA when triton imports; on CPU `cpu` when the C++ kernels
+    serve, else torch. `triton` on a CPU device needs `TRITON_INTERPRET=1` (tests only:
+    the interpreter is slow)."""
+    requested = requested.lower()
+    if requested not in ATTENTION_BACKENDS:
+        raise ValueError(
+            f"unknown attention backend {requested!r} (one of {', '.join(ATTENTION_BACKENDS)})"
+        )
+    if requested == "auto":
+        if device.type == "cpu":
+            requested = "cpu" if cpu.on else "torch"
+        else:
+            requested = "triton" if device.type == "cuda" and triton_available() else "torch"
+    if requested == "cpu":
+        if device.type != "cpu":
+            raise ValueError("the cpu attention backend runs on CPU devices only")
+        if not cpu.on:
+            raise ValueError(f"the cpu attention backend is unavailable: {cpu.reason}")
+        return CpuAttention(workspace)
+    if requested == "triton":
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+            raise ValueError("the triton attention backend on CPU needs TRITON_INTERPRET=1")
+        from cadence.attention_backends.triton_paged import TritonAttention  # imports triton
+
+        return TritonAttention()
+    return TorchAttention(workspace)
+
+
+def layer_ops(device: torch.device, attention: AttentionBackend[Any], cpu: CpuKernels) -> LayerOps:
+    """The C++ kernels where they serve; Triton's on CUDA (and beside the triton backend
+    under the interpreter); torch otherwise."""
+    if cpu.on:
+        isa = cpu_kernels.selected_isa()
+        assert isa is not None
+        return cpu_ops(isa)
+    if attention.name == "triton" or (device.type == "cuda" and triton_available()):
+        return triton_ops()
+    return TORCH_OPS
+
+
+def model_runner(model: nn.Module, attention: AttentionBackend[Any]) -> ModelRunner:
+    """The flat CPU step for the Llama family under the cpu backend (weights of one dtype
+    the C++ kernels take); the model's own forward otherwise."""
+    if (
+        isinstance(model, LlamaForCausalLM)
+        and isinstance(attention, CpuAttention)
+        and model.model.embed_tokens.weight.dtype in cpu_kernels.DTYPES
+        and model.model.norm.weight.dtype == model.model.embed_tokens.weight.dtype
+    ):
+        return LlamaCpuFlatRunner(model, attention)
+    return ModelRunner(model, attention)
