@@ -1,7 +1,7 @@
 //! Errors: what clients see (`InferError`, TGI's `{"error", "error_type"}` shape) and
 //! what stops the router from starting (`RouterError`).
 
-use axum::http::StatusCode;
+use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Serialize;
@@ -12,7 +12,7 @@ pub enum InferError {
     /// Bad input: 422.
     #[error("{0}")]
     Validation(String),
-    /// Too many requests in flight: 429.
+    /// Too many requests in flight or waiting: 429.
     #[error("{0}")]
     Overloaded(String),
     /// A shard failed while generating: 424.
@@ -59,8 +59,23 @@ impl InferError {
 
 impl IntoResponse for InferError {
     fn into_response(self) -> Response {
-        (self.status(), Json(self.body())).into_response()
+        error_response(self.status(), self.body())
     }
+}
+
+/// Seconds a client told 429 waits before trying again.
+pub const RETRY_AFTER_SECONDS: u32 = 1;
+
+/// An error answer in any route's shape; a 429 says when to try again (`Retry-After`,
+/// which OpenAI's clients honour).
+pub fn error_response(status: StatusCode, body: impl Serialize) -> Response {
+    let mut response = (status, Json(body)).into_response();
+    if status == StatusCode::TOO_MANY_REQUESTS {
+        response
+            .headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER_SECONDS));
+    }
+    response
 }
 
 /// A failed gRPC call to a shard.

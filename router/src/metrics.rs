@@ -226,7 +226,7 @@ impl Metrics {
             ),
             (
                 "cadence_requests_rejected_total",
-                "Requests answered 429 because the queue was full.",
+                "Requests answered 429: --max-concurrent-requests in flight or --max-waiting-requests waiting.",
                 &self.requests_rejected,
             ),
             (

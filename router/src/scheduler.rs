@@ -15,7 +15,9 @@
 //! 2. running prefills, oldest first: the next chunk, at most `max_prefill_chunk` tokens;
 //! 3. waiting requests in arrival order (preempted ones first), as the batching mode,
 //!    the token budget, the batch size and the free blocks allow; a prompt whose leading
-//!    full blocks are in the prefix cache joins with those blocks shared and skips them.
+//!    full blocks are in the prefix cache joins with those blocks shared and skips them;
+//! 4. the diff: the requests to drop, the block copies and swaps, the requests that join
+//!    (with their tokens and block table) and those that go on (with their new blocks).
 //!
 //! `schedule_ahead` decides the next step while the previous one still runs (the batching
 //! loop sends it at once, so the shards go from one step to the next without waiting for
@@ -214,6 +216,35 @@ struct Planned {
     n: usize,
 }
 
+/// The step being built: who computes how many tokens, the block moves it carries, the
+/// token budget left, and what the schedule reports.
+struct Draft {
+    budget: usize,
+    plan: Vec<Planned>,
+    copies: Vec<pb::BlockCopy>,
+    swap_out: Vec<pb::BlockCopy>,
+    swap_in: Vec<pb::BlockCopy>,
+    out: Schedule,
+}
+
+impl Draft {
+    fn new(budget: usize) -> Self {
+        Self {
+            budget,
+            plan: Vec::new(),
+            copies: Vec::new(),
+            swap_out: Vec::new(),
+            swap_in: Vec::new(),
+            out: Schedule::default(),
+        }
+    }
+
+    /// Whether this step preempted a running request.
+    fn preempted(&self) -> bool {
+        !self.out.preempted.is_empty() || !self.out.swapped_out.is_empty()
+    }
+}
+
 impl Scheduler {
     pub fn new(config: SchedulerConfig) -> Self {
         let swap = match config.preemption {
@@ -387,8 +418,8 @@ impl Scheduler {
     }
 
     /// Preempts `seq` (already out of `running`): by swapping when asked and the host
-    /// pool has room, else by recomputation. Returns whether it was swapped.
-    fn preempt(&mut self, mut seq: Sequence, swap_out: &mut Vec<pb::BlockCopy>) -> bool {
+    /// pool has room, else by recomputation.
+    fn preempt(&mut self, mut seq: Sequence, draft: &mut Draft) {
         let table = self.blocks.table(seq.id);
         let swap = self.config.preemption == Preemption::Swap
             && seq.on_shard
@@ -397,7 +428,7 @@ impl Scheduler {
         if swap {
             for &src in table {
                 let dst = self.host_free.pop().expect("checked above");
-                swap_out.push(pb::BlockCopy { src, dst });
+                draft.swap_out.push(pb::BlockCopy { src, dst });
                 seq.swapped.push(dst);
             }
         } else {
@@ -410,8 +441,12 @@ impl Scheduler {
         seq.on_shard = false;
         seq.blocks_sent = 0;
         seq.num_preemptions += 1;
+        if swap {
+            draft.out.swapped_out.push(seq.id);
+        } else {
+            draft.out.preempted.push(seq.id);
+        }
         self.waiting.push_front(seq);
-        swap
     }
 
     /// Most tokens `seq` can compute from its current position with the free blocks.
@@ -461,10 +496,12 @@ impl Scheduler {
         self.blocks.grow_to(id, from + n)
     }
 
-    /// Adds `n` tokens of running request `id` to the step, and enters the full blocks
-    /// they complete in the prefix cache (hit-able once the step has run).
-    fn plan_tokens(&mut self, plan: &mut Vec<Planned>, id: RequestId, n: usize) {
-        plan.push(Planned { id, n });
+    /// Adds `n` tokens of running request `id` to the step, within its budget, and
+    /// enters the full blocks they complete in the prefix cache (hit-able once the step
+    /// has run).
+    fn plan_tokens(&mut self, draft: &mut Draft, id: RequestId, n: usize) {
+        draft.plan.push(Planned { id, n });
+        draft.budget -= n;
         let i = self
             .running_index(id)
             .expect("planned requests are running");
@@ -479,6 +516,28 @@ impl Scheduler {
         self.schedule_at(Instant::now())
     }
 
+    /// Decides the next step as of `now` (dynamic batching compares arrival times to it).
+    pub fn schedule_at(&mut self, now: Instant) -> Schedule {
+        let mut draft = self.begin_step();
+        // 1. Running decodes; the latest arrival is preempted when blocks run out, and
+        //    the decode that was short of them retries.
+        let mut from = 0;
+        while let Some(i) = self.plan_decodes(&mut draft, from) {
+            self.preempt_latest(i, &mut draft);
+            from = i;
+        }
+        // 2. Running prefills; a chunk without a block preempts or waits.
+        let mut from = 0;
+        while let Some(i) = self.plan_prefills(&mut draft, from) {
+            from = self.make_room_for_prefill(i, &mut draft);
+        }
+        // 3. Waiting requests, unless this step had to preempt (they would thrash).
+        if !draft.preempted() {
+            self.admit(now, &mut draft);
+        }
+        self.build_step(draft)
+    }
+
     /// Decides the next step while the previous one runs: see the module documentation.
     /// Nothing (an empty schedule) when the running requests are short of blocks: the
     /// ordinary schedule, once the step in flight is applied, preempts as it should.
@@ -486,7 +545,26 @@ impl Scheduler {
         if self.short_of_blocks() {
             return Schedule::default();
         }
-        self.plan(Instant::now(), true)
+        let now = Instant::now();
+        let mut draft = self.begin_step();
+        // 1. and 2. as `schedule_at`, except that nothing is preempted ahead: a request
+        //    short of blocks waits for the next step.
+        let mut starved = false;
+        let mut from = 0;
+        while let Some(i) = self.plan_decodes(&mut draft, from) {
+            starved = true;
+            from = i + 1;
+        }
+        let mut from = 0;
+        while let Some(i) = self.plan_prefills(&mut draft, from) {
+            starved = true;
+            from = i + 1;
+        }
+        // 3. Waiting requests, unless a running request was left waiting for blocks.
+        if !starved {
+            self.admit(now, &mut draft);
+        }
+        self.build_step(draft)
     }
 
     /// Whether the running decodes need more blocks (new ones, copies) than are free, or
@@ -509,128 +587,113 @@ impl Scheduler {
         need > free || (prefilling && need == free)
     }
 
-    /// Decides the next step as of `now` (dynamic batching compares arrival times to it).
-    pub fn schedule_at(&mut self, now: Instant) -> Schedule {
-        self.plan(now, false)
-    }
-
-    fn plan(&mut self, now: Instant, ahead: bool) -> Schedule {
-        // The previous step has run: its blocks are hit-able, its swapped-in host blocks free.
+    /// Starts a step: the previous one has run, so its blocks are hit-able and its
+    /// swapped-in host blocks free.
+    fn begin_step(&mut self) -> Draft {
         self.blocks.mark_ready();
         self.host_free.append(&mut self.host_released);
+        Draft::new(self.config.max_batch_tokens)
+    }
 
-        let mut out = Schedule::default();
-        let mut budget = self.config.max_batch_tokens;
-        let mut plan: Vec<Planned> = Vec::new();
-        let mut copies = Vec::new();
-        let mut swap_out = Vec::new();
-        let mut swap_in = Vec::new();
-
-        // 1. Running decodes, oldest first; preempt the latest arrival when blocks run out.
-        // (Ahead of a running step a request short of blocks waits instead: `starved`.)
-        let mut starved = false;
-        let mut i = 0;
-        while i < self.running.len() && budget > 0 {
-            if self.running[i].remaining() != 1 || self.running[i].at_limit() {
-                i += 1;
-                continue;
-            }
-            if self.take_blocks(i, 1, &mut copies) {
-                self.plan_tokens(&mut plan, self.running[i].id, 1);
-                budget -= 1;
-                i += 1;
-                continue;
-            }
-            if ahead {
-                starved = true; // no preemption ahead: it waits for the next step
-                i += 1;
-                continue;
-            }
-            let id = self.running[i].id;
-            let victim = self.running.pop().expect("running is not empty");
-            if victim.id == id && self.running.is_empty() {
-                // It cannot fit even with the whole cache to itself.
-                self.drop_failed(victim);
-                out.failed.push(id);
-            } else {
-                let vid = victim.id;
-                if self.preempt(victim, &mut swap_out) {
-                    out.swapped_out.push(vid);
-                } else {
-                    out.preempted.push(vid);
-                }
-            }
-            // Retry the same request (now with more blocks free), unless it was the victim.
-        }
-
-        // 2. Running prefills (chunked), oldest first.
-        let mut i = 0;
-        while i < self.running.len() && budget > 0 {
+    /// Plans one token for each running request from the `from`-th on that has caught
+    /// up (oldest first), taking a block when its last is full. Stops at the first that
+    /// is short of blocks and returns its index.
+    fn plan_decodes(&mut self, draft: &mut Draft, from: usize) -> Option<usize> {
+        let mut i = from;
+        while i < self.running.len() && draft.budget > 0 {
             let seq = &self.running[i];
-            let id = seq.id;
-            if seq.remaining() <= 1 {
-                i += 1;
-                continue;
-            }
-            let mut n = self.chunk(seq, budget);
-            let fits = self.fits(seq);
-            if fits > 0 && fits < n {
-                n = fits; // a chunk shrinks to the free blocks rather than preempting
-            }
-            if fits > 0 && self.take_blocks(i, n, &mut copies) {
-                self.plan_tokens(&mut plan, id, n);
-                budget -= n;
-                i += 1;
-                continue;
-            }
-            if ahead {
-                starved = true;
-                i += 1;
-                continue;
-            }
-            // Not even one block: preempt a later arrival that has nothing planned, or
-            // wait for decodes to finish (they preempt when they need to).
-            let victim = self
-                .running
-                .iter()
-                .rposition(|s| s.id > id && !plan.iter().any(|p| p.id == s.id));
-            match victim {
-                Some(v) => {
-                    let victim = self.running.remove(v);
-                    let vid = victim.id;
-                    if self.preempt(victim, &mut swap_out) {
-                        out.swapped_out.push(vid);
-                    } else {
-                        out.preempted.push(vid);
-                    }
+            if seq.remaining() == 1 && !seq.at_limit() {
+                if !self.take_blocks(i, 1, &mut draft.copies) {
+                    return Some(i);
                 }
-                None if self.running.len() == 1 => {
-                    let seq = self.running.remove(i);
-                    self.drop_failed(seq);
-                    out.failed.push(id);
-                }
-                None => i += 1,
+                self.plan_tokens(draft, self.running[i].id, 1);
             }
+            i += 1;
         }
+        None
+    }
 
-        // 3. Waiting requests, unless this step had to preempt (they would thrash) or
-        //    left a running request waiting for blocks.
-        let preempted = !out.preempted.is_empty() || !out.swapped_out.is_empty();
-        if !preempted && !starved {
-            self.admit(now, &mut budget, &mut plan, &mut swap_in, &mut out);
+    /// Frees blocks for running request `i`'s decode by preempting the latest arrival
+    /// (possibly `i` itself); fails `i` when it is alone and still short.
+    fn preempt_latest(&mut self, i: usize, draft: &mut Draft) {
+        let id = self.running[i].id;
+        let victim = self.running.pop().expect("running is not empty");
+        if victim.id == id && self.running.is_empty() {
+            // It cannot fit even with the whole cache to itself.
+            self.drop_failed(victim);
+            draft.out.failed.push(id);
+        } else {
+            self.preempt(victim, draft);
         }
+    }
 
-        let removed = std::mem::take(&mut self.removed);
+    /// Plans the next prompt chunk of each running request from the `from`-th on that
+    /// has more than one token to compute (oldest first), shrunk to the free blocks
+    /// rather than preempting. Stops at the first that cannot get even one block and
+    /// returns its index.
+    fn plan_prefills(&mut self, draft: &mut Draft, from: usize) -> Option<usize> {
+        let mut i = from;
+        while i < self.running.len() && draft.budget > 0 {
+            let seq = &self.running[i];
+            if seq.remaining() > 1 {
+                let id = seq.id;
+                let mut n = self.chunk(seq, draft.budget);
+                let fits = self.fits(seq);
+                if fits > 0 && fits < n {
+                    n = fits;
+                }
+                if fits == 0 || !self.take_blocks(i, n, &mut draft.copies) {
+                    return Some(i);
+                }
+                self.plan_tokens(draft, id, n);
+            }
+            i += 1;
+        }
+        None
+    }
+
+    /// Running request `i`'s prefill has no block: preempts a later arrival that has
+    /// nothing planned, or fails `i` when it is alone, or leaves it to wait for decodes
+    /// to finish (they preempt when they need to). Returns where the prefills go on.
+    fn make_room_for_prefill(&mut self, i: usize, draft: &mut Draft) -> usize {
+        let id = self.running[i].id;
+        let victim = self
+            .running
+            .iter()
+            .rposition(|s| s.id > id && !draft.plan.iter().any(|p| p.id == s.id));
+        match victim {
+            Some(v) => {
+                let victim = self.running.remove(v);
+                self.preempt(victim, draft);
+                i
+            }
+            None if self.running.len() == 1 => {
+                let seq = self.running.remove(i);
+                self.drop_failed(seq);
+                draft.out.failed.push(id);
+                i
+            }
+            None => i + 1,
+        }
+    }
+
+    /// The step's diff (4th in the module documentation), when it computes or moves
+    /// anything; else the removals wait for the next real step.
+    fn build_step(&mut self, draft: Draft) -> Schedule {
+        let Draft {
+            plan,
+            copies,
+            swap_out,
+            swap_in,
+            mut out,
+            ..
+        } = draft;
         if plan.is_empty() && swap_out.is_empty() {
-            // Keep the removals for the next real step.
-            self.removed = removed;
             return out;
         }
-
-        // 4. The diff; full blocks computed by it enter the prefix cache.
         let mut step = pb::StepRequest {
             step_id: self.step_id,
-            removed,
+            removed: std::mem::take(&mut self.removed),
             copies,
             swap_out,
             swap_in,
@@ -718,24 +781,20 @@ impl Scheduler {
         }
     }
 
-    fn admit(
-        &mut self,
-        now: Instant,
-        budget: &mut usize,
-        plan: &mut Vec<Planned>,
-        swap_in: &mut Vec<pb::BlockCopy>,
-        out: &mut Schedule,
-    ) {
+    /// Plans the waiting requests (3rd in the module documentation): in arrival order, as
+    /// the batching mode, the budget, the batch size and the free blocks allow; a prompt's
+    /// cached prefix is shared, not computed.
+    fn admit(&mut self, now: Instant, draft: &mut Draft) {
         let cap = match self.config.batching {
             Batching::None => 1,
             _ => self.config.max_batch_size,
         };
-        while *budget > 0 && self.running.len() < cap && self.may_admit(now, out) {
+        while draft.budget > 0 && self.running.len() < cap && self.may_admit(now, &mut draft.out) {
             let seq = self.waiting.front().expect("may_admit saw it");
             let id = seq.id;
             if !seq.swapped.is_empty() {
                 // Swapped out: its blocks come back from the host, then it goes on.
-                let n = self.chunk(seq, *budget);
+                let n = self.chunk(seq, draft.budget);
                 let need = self.blocks.blocks_for(seq.num_computed + n);
                 if need > self.blocks.num_free() {
                     break;
@@ -745,10 +804,10 @@ impl Scheduler {
                 debug_assert!(grown);
                 let table = self.blocks.table(id);
                 for (&src, &dst) in seq.swapped.iter().zip(table) {
-                    swap_in.push(pb::BlockCopy { src, dst });
+                    draft.swap_in.push(pb::BlockCopy { src, dst });
                 }
                 self.host_released.append(&mut seq.swapped);
-                self.join(seq, n, budget, plan);
+                self.join(seq, n, draft);
                 continue;
             }
             // Fresh, or preempted by recomputation: prefix cache first.
@@ -765,7 +824,7 @@ impl Scheduler {
                 break;
             }
             let cached = m.blocks.len() * self.blocks.block_size();
-            let n = (seq.token_ids.len() - cached).min(*budget);
+            let n = (seq.token_ids.len() - cached).min(draft.budget);
             let n = match self.config.max_prefill_chunk {
                 0 => n,
                 c if seq.token_ids.len() - cached > 1 => n.min(c),
@@ -778,8 +837,8 @@ impl Scheduler {
                 break;
             }
             if self.blocks.caching() {
-                out.prefix_queried += seq.token_ids.len();
-                out.prefix_hits += cached;
+                draft.out.prefix_queried += seq.token_ids.len();
+                draft.out.prefix_hits += cached;
             }
             let mut seq = self.waiting.pop_front().expect("front exists");
             self.blocks.adopt_prefix(id, &m);
@@ -788,18 +847,19 @@ impl Scheduler {
             seq.num_computed = cached;
             if !seq.started {
                 seq.started = true;
-                out.admitted.push(id);
+                draft.out.admitted.push(id);
             }
-            self.join(seq, n, budget, plan);
+            self.join(seq, n, draft);
         }
     }
 
-    fn join(&mut self, seq: Sequence, n: usize, budget: &mut usize, plan: &mut Vec<Planned>) {
+    /// Puts an admitted request among the running ones, in arrival order, with its
+    /// first `n` tokens planned.
+    fn join(&mut self, seq: Sequence, n: usize, draft: &mut Draft) {
         let id = seq.id;
         let pos = self.running.partition_point(|s| s.id < id);
         self.running.insert(pos, seq);
-        self.plan_tokens(plan, id, n);
-        *budget -= n;
+        self.plan_tokens(draft, id, n);
     }
 
     /// Checks the bookkeeping (tests and debug builds).

@@ -21,7 +21,7 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use crate::chat::ChatTemplate;
 use crate::client::ShardClient;
 use crate::error::{ErrorBody, InferError};
-use crate::infer::{End, EventResult, FinishReason, Infer, Token};
+use crate::infer::{best_first, collect, End, EventResult, FinishReason, Infer, Token};
 use crate::validation::{Extra, GenerateRequest, Prompt, ValidRequest};
 
 /// `GET /info`.
@@ -190,61 +190,6 @@ pub struct TokenizeRequest {
     parameters: Option<serde_json::Value>,
 }
 
-/// One finished sample: every event of its stream gathered.
-pub struct Sample {
-    pub tokens: Vec<Token>,
-    pub top_tokens: Vec<Vec<Token>>,
-    pub prefill: Vec<Token>,
-    pub prefill_top_tokens: Vec<Vec<Token>>,
-    pub end: End,
-}
-
-/// Reads one sample's stream to its end.
-pub async fn collect(
-    mut rx: tokio::sync::mpsc::UnboundedReceiver<EventResult>,
-) -> Result<Sample, InferError> {
-    let mut tokens = Vec::new();
-    let mut top_tokens = Vec::new();
-    let mut prefill = Vec::new();
-    let mut prefill_top_tokens = Vec::new();
-    while let Some(event) = rx.recv().await {
-        let event = event?;
-        if !event.prefill.is_empty() {
-            prefill = event.prefill;
-            prefill_top_tokens = event.prefill_top_tokens;
-        }
-        tokens.push(event.token);
-        top_tokens.push(event.top_tokens);
-        if let Some(end) = event.end {
-            return Ok(Sample {
-                tokens,
-                top_tokens,
-                prefill,
-                prefill_top_tokens,
-                end,
-            });
-        }
-    }
-    Err(InferError::Generation(
-        "the request ended without a result".into(),
-    ))
-}
-
-/// Validates and queues any route's request: a 429 before validation when full.
-pub async fn submit(
-    infer: &Infer,
-    prompt: Prompt,
-    parameters: crate::validation::GenerateParameters,
-    extra: Extra,
-) -> Result<crate::infer::Submitted, InferError> {
-    let permit = infer.try_permit()?;
-    let valid = infer
-        .validation
-        .validate_prompt(prompt, parameters, extra)
-        .await?;
-    infer.enqueue(valid, permit)
-}
-
 /// Headers for operators: where the time went and how many tokens it took.
 pub fn timing_headers(request: &ValidRequest, samples: &[&End]) -> HeaderMap {
     let mut headers = HeaderMap::new();
@@ -334,19 +279,16 @@ async fn generate_inner(
     request: GenerateRequest,
 ) -> Result<(HeaderMap, GenerateResponse), InferError> {
     let (prompt, parameters) = tgi_parts(request);
-    let submitted = submit(&state.infer, prompt, parameters, Extra::default()).await?;
+    let submitted = state
+        .infer
+        .submit(prompt, parameters, Extra::default())
+        .await?;
     let valid = submitted.request;
     let mut samples =
         futures::future::try_join_all(submitted.samples.into_iter().map(collect)).await?;
     let headers = timing_headers(&valid, &samples.iter().map(|s| &s.end).collect::<Vec<_>>());
-    // best_of: the sample with the highest cumulative logprob; the first on ties.
-    let best = (0..samples.len())
-        .rev()
-        .max_by(|&a, &b| {
-            let (a, b) = (&samples[a].end, &samples[b].end);
-            a.cumulative_logprob.total_cmp(&b.cumulative_logprob)
-        })
-        .unwrap_or(0);
+    // The best sample answers; the others, in sample order, are the best_of_sequences.
+    let best = best_first(&samples)[0];
     let prefill = std::mem::take(&mut samples[0].prefill);
     let chosen = samples.remove(best);
     let top = |s: Vec<Vec<Token>>| {
@@ -399,21 +341,11 @@ pub async fn generate_stream(
 ) -> Response {
     let characters = request.inputs.chars().count();
     let (prompt, parameters) = tgi_parts(request);
-    let infer = &state.infer;
-    let submitted = async {
-        let permit = infer.try_permit()?;
-        let valid = infer
-            .validation
-            .validate_prompt(prompt, parameters, Extra::default())
-            .await?;
-        if valid.best_of > 1 {
-            return Err(InferError::Validation(
-                "parameters.best_of > 1 is not supported when streaming".into(),
-            ));
-        }
-        infer.enqueue(valid, permit)
+    let extra = Extra {
+        stream: true,
+        ..Extra::default()
     };
-    match submitted.await {
+    match state.infer.submit(prompt, parameters, extra).await {
         Ok(mut submitted) => {
             let rx = submitted.samples.remove(0);
             let headers = stream_headers(&submitted.request, characters);

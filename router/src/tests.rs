@@ -81,6 +81,8 @@ struct FakeShard {
     script: Script,
     num_blocks: usize,
     delay: Duration,
+    /// While true, every step waits (its requests stay in flight until the test resumes).
+    paused: Arc<tokio::sync::watch::Sender<bool>>,
 }
 
 impl FakeShard {
@@ -91,6 +93,7 @@ impl FakeShard {
             script,
             num_blocks,
             delay: Duration::ZERO,
+            paused: Arc::new(tokio::sync::watch::channel(false).0),
         }
     }
 
@@ -225,6 +228,7 @@ impl Backend for FakeShard {
             s.outstanding += 1;
             s.max_outstanding = s.max_outstanding.max(s.outstanding);
         }
+        let _ = self.paused.subscribe().wait_for(|paused| !paused).await;
         // With asynchronous scheduling two steps are in flight: run them in step_id order
         // whatever order the calls arrive in, as the shards do.
         let _running = loop {
@@ -269,10 +273,11 @@ struct Harness {
 }
 
 /// A router in front of a `FakeShard`, configured by chaining: 64 KV blocks, 16
-/// concurrent requests, 32 tokens per step, no step delay unless changed.
+/// concurrent requests, 64 waiting, 32 tokens per step, no step delay unless changed.
 struct Setup {
     shard: FakeShard,
     max_concurrent: usize,
+    max_waiting: usize,
     async_scheduling: bool,
     chat: Option<Arc<ChatTemplate>>,
 }
@@ -281,6 +286,7 @@ fn setup(script: Script) -> Setup {
     Setup {
         shard: FakeShard::new(script, 64),
         max_concurrent: 16,
+        max_waiting: 64,
         async_scheduling: true,
         chat: None,
     }
@@ -298,6 +304,17 @@ impl Setup {
 
     fn max_concurrent(mut self, requests: usize) -> Self {
         self.max_concurrent = requests;
+        self
+    }
+
+    fn max_waiting(mut self, requests: usize) -> Self {
+        self.max_waiting = requests;
+        self
+    }
+
+    /// The shard holds every step until `Harness::resume`.
+    fn paused(self) -> Self {
+        self.shard.paused.send_replace(true);
         self
     }
 
@@ -326,6 +343,7 @@ impl Setup {
         let Setup {
             shard,
             max_concurrent,
+            max_waiting,
             async_scheduling,
             chat,
         } = self;
@@ -371,7 +389,7 @@ impl Setup {
                 BLOCK_SIZE,
             ),
             eos_token_ids: vec![testing::eos_id()],
-            max_waiting_requests: 64,
+            max_waiting_requests: max_waiting,
             model_id: "test-model".into(),
             async_scheduling,
         };
@@ -437,6 +455,18 @@ impl Harness {
 
     fn shard_state(&self) -> MutexGuard<'_, FakeState> {
         self.shard.state.lock().unwrap()
+    }
+
+    /// Lets the paused shard run its steps.
+    fn resume(&self) {
+        self.shard.paused.send_replace(false);
+    }
+
+    /// Waits until the paused shard holds `n` steps.
+    async fn until_steps_held(&self, n: usize) {
+        while self.shard_state().outstanding < n {
+            tokio::task::yield_now().await;
+        }
     }
 
     fn assert_protocol_ok(&self) {
@@ -1368,4 +1398,161 @@ async fn streaming_best_of_must_equal_n_either_way() {
         let v: Value = serde_json::from_str(&text).unwrap();
         assert_eq!(v["error"]["param"], "best_of", "{text}");
     }
+}
+
+/// Asks every generating route, streaming and not, `best_of` / `n` included, to generate
+/// while the router is overloaded: each must answer 429 in its own error shape, saying
+/// `why`, with `Retry-After`. Returns how many were asked.
+async fn assert_every_route_overloaded(h: &Harness, why: &str) -> u64 {
+    let chat = |extra: Value| {
+        let mut body = json!({"messages": [{"role": "user", "content": "hi"}]});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        body
+    };
+    let requests = [
+        ("/generate", json!({"inputs": "hi"})),
+        (
+            "/generate",
+            json!({"inputs": "hi", "parameters": {"best_of": 2, "do_sample": true}}),
+        ),
+        ("/generate_stream", json!({"inputs": "hi"})),
+        ("/", json!({"inputs": "hi"})),
+        ("/", json!({"inputs": "hi", "stream": true})),
+        ("/v1/completions", json!({"prompt": "hi"})),
+        (
+            "/v1/completions",
+            json!({"prompt": ["hi", "ho"], "n": 2, "best_of": 3}),
+        ),
+        ("/v1/completions", json!({"prompt": "hi", "stream": true})),
+        ("/v1/chat/completions", chat(json!({}))),
+        (
+            "/v1/chat/completions",
+            chat(json!({"n": 2, "stream": true})),
+        ),
+    ];
+    for (path, body) in &requests {
+        let (status, headers, text) = h.send(post_json(path, body, None)).await;
+        assert_eq!(
+            status,
+            StatusCode::TOO_MANY_REQUESTS,
+            "{path} {body}: {text}"
+        );
+        assert_eq!(headers["retry-after"], "1", "{path} {body}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        let message = if path.starts_with("/v1/") {
+            assert_eq!(v["error"]["type"], "rate_limit_exceeded", "{path}: {v}");
+            &v["error"]["message"]
+        } else {
+            assert_eq!(v["error_type"], "overloaded", "{path}: {v}");
+            &v["error"]
+        };
+        assert!(message.as_str().unwrap().contains(why), "{path}: {v}");
+    }
+    requests.len() as u64
+}
+
+/// The value of `cadence_requests_rejected_total`.
+async fn rejected(h: &Harness) -> u64 {
+    let (_, _, text) = h.get("/metrics").await;
+    let key = "cadence_requests_rejected_total{model=\"test-model\"} ";
+    let line = text.lines().find(|l| l.starts_with(key)).unwrap();
+    line[key.len()..].parse().unwrap()
+}
+
+/// Reads a streamed answer to its end: its `data:` events.
+async fn stream_events(response: axum::response::Response) -> Vec<String> {
+    let bytes = axum::body::to_bytes(response.into_body(), usize::MAX)
+        .await
+        .unwrap();
+    let text = String::from_utf8(bytes.to_vec()).unwrap();
+    text.lines()
+        .filter_map(|l| l.strip_prefix("data:"))
+        .map(|d| d.trim().to_string())
+        .collect()
+}
+
+/// Starts a stream of two tokens and returns its response, the body unread.
+async fn hold_stream(h: &Harness) -> axum::response::Response {
+    let body = json!({"inputs": "hi", "parameters": {"max_new_tokens": 2}});
+    let response = h
+        .app
+        .clone()
+        .oneshot(post_json("/generate_stream", &body, None))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    response
+}
+
+#[tokio::test]
+async fn beyond_max_concurrent_requests_every_route_is_429_with_retry_after_and_counted() {
+    let h = setup(Script::Hash)
+        .chat_template()
+        .max_concurrent(1)
+        .paused()
+        .build();
+    // The one slot in flight, held as long as the shard is paused.
+    let held = hold_stream(&h).await;
+    assert_eq!(rejected(&h).await, 0);
+    let asked = assert_every_route_overloaded(&h, "too many requests in flight").await;
+    assert_eq!(rejected(&h).await, asked);
+    h.resume();
+    assert_eq!(stream_events(held).await.len(), 2);
+    let (status, v) = h.post("/generate", json!({"inputs": "hi"})).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(rejected(&h).await, asked);
+    h.assert_protocol_ok();
+}
+
+#[tokio::test]
+async fn beyond_max_waiting_requests_every_route_is_429_with_retry_after_and_counted() {
+    let h = setup(Script::Hash)
+        .chat_template()
+        .max_waiting(1)
+        .paused()
+        .build();
+    // The first request leaves the queue at its first step, which the paused shard
+    // holds; the loop waits for that step, so the second stays in the queue's one place.
+    let running = hold_stream(&h).await;
+    h.until_steps_held(1).await;
+    let waiting = hold_stream(&h).await;
+    let asked = assert_every_route_overloaded(&h, "the queue is full").await;
+    assert_eq!(rejected(&h).await, asked);
+    h.resume();
+    assert_eq!(stream_events(running).await.len(), 2);
+    assert_eq!(stream_events(waiting).await.len(), 2);
+    let (status, v) = h.post("/generate", json!({"inputs": "hi"})).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(rejected(&h).await, asked);
+    h.assert_protocol_ok();
+}
+
+#[tokio::test]
+async fn streaming_refuses_best_of_on_the_tgi_routes_and_frees_the_slot() {
+    let h = setup(Script::Hash).max_concurrent(1).build();
+    let parameters = json!({"best_of": 2, "do_sample": true, "max_new_tokens": 2});
+    for (path, body) in [
+        (
+            "/generate_stream",
+            json!({"inputs": "hi", "parameters": parameters}),
+        ),
+        (
+            "/",
+            json!({"inputs": "hi", "parameters": parameters, "stream": true}),
+        ),
+    ] {
+        let (status, v) = h.post(path, body).await;
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{path}: {v}");
+        assert_eq!(
+            v["error"], "parameters.best_of > 1 is not supported when streaming",
+            "{path}"
+        );
+    }
+    let body = json!({"inputs": "hi", "parameters": parameters});
+    let (status, v) = h.post("/generate", body).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(rejected(&h).await, 0);
+    h.assert_protocol_ok();
 }

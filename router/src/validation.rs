@@ -26,13 +26,16 @@ pub enum Prompt {
     Ids(Vec<u32>),
 }
 
-/// What the OpenAI routes ask for beyond TGI's parameters.
+/// What a route asks for beyond TGI's parameters.
 #[derive(Debug, Clone, Default)]
 pub struct Extra {
     /// Token id -> bias added to its logit, each in [-100, 100].
     pub logit_bias: HashMap<u32, f32>,
     /// Samples returned (OpenAI's `n`); 0 means 1. `best_of` is how many are generated.
     pub n: u32,
+    /// The answer is streamed: every sample is sent as it is generated, so none can be
+    /// left out (`best_of` must equal `n`).
+    pub stream: bool,
 }
 
 /// `POST /generate`, `/generate_stream` and `/`.
@@ -224,18 +227,8 @@ fn sampling(
 }
 
 impl Validation {
-    /// Validates and tokenizes a request. Tokenization runs on the blocking pool.
-    pub async fn validate(&self, request: GenerateRequest) -> Result<ValidRequest, InferError> {
-        let prompt = Prompt::Text {
-            text: request.inputs,
-            add_special: true,
-        };
-        let parameters = request.parameters.unwrap_or_default();
-        self.validate_prompt(prompt, parameters, Extra::default())
-            .await
-    }
-
     /// Validates any route's request: a prompt, TGI's parameters and the extras.
+    /// Tokenization runs on the blocking pool.
     pub async fn validate_prompt(
         &self,
         prompt: Prompt,
@@ -391,6 +384,11 @@ impl Validation {
                 "{field}: {input_len} input tokens + {max_new_tokens} new tokens need {blocks} \
                  KV blocks but the cache holds {}",
                 limits.num_blocks
+            )));
+        }
+        if extra.stream && best_of > n {
+            return Err(invalid(format!(
+                "parameters.best_of > {n} is not supported when streaming"
             )));
         }
         Ok(ValidRequest {

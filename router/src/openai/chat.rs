@@ -213,7 +213,9 @@ pub async fn chat_completions(
         prompt_logprobs: false,
         echo: false,
     };
-    let (parameters, extra) = sampling.into_parameters()?;
+    let stream = r.stream.unwrap_or(false);
+    let (parameters, mut extra) = sampling.into_parameters()?;
+    extra.stream = stream;
     let n = extra.n.max(1) as usize;
     // The template writes the special tokens itself.
     let prompt = Prompt::Text {
@@ -227,7 +229,7 @@ pub async fn chat_completions(
     };
     let submitted = generate::submit_all(&state, vec![prompt], parameters, extra, names).await?;
     let tokenizer = state.infer.validation.tokenizer.clone();
-    if r.stream.unwrap_or(false) {
+    if stream {
         let envelope = Envelope::new("chatcmpl", &state);
         let include_usage = stream::include_usage(r.stream_options);
         return Ok(chat_stream(

@@ -16,8 +16,8 @@ use super::sampling::{Sampling, StopInput};
 use super::stream::{self, ChunkUsage, Chunks, StreamOptions};
 use super::{finish_reason, Envelope, Usage, FINGERPRINT};
 use crate::detokenize::TokenizerInfo;
-use crate::infer::{Submitted, TokenEvent};
-use crate::server::{AppState, Sample};
+use crate::infer::{best_first, Sample, Submitted, TokenEvent};
+use crate::server::AppState;
 use crate::validation::Prompt;
 
 #[derive(Debug, Clone, Deserialize, ToSchema)]
@@ -165,7 +165,8 @@ pub async fn completions(
         // Streamed or not, the echo is the prompt validation kept (`ValidRequest::prefix`).
         echo: shown.echo,
     };
-    let (parameters, extra) = sampling.into_parameters()?;
+    let (parameters, mut extra) = sampling.into_parameters()?;
+    extra.stream = stream;
     let n = extra.n.max(1) as usize;
     let submitted = generate::submit_all(&state, prompts, parameters, extra, NAMES).await?;
     let tokenizer = state.infer.validation.tokenizer.clone();
@@ -259,18 +260,19 @@ fn prompt_choices(
         })
 }
 
-/// The `best_of` samples of a prompt, best first, cut to `n`: ranked by cumulative
-/// logprob when more were generated than returned.
-fn best_n(mut samples: Vec<Sample>, n: usize) -> Vec<Sample> {
-    if samples.len() > n {
-        samples.sort_by(|a, b| {
-            b.end
-                .cumulative_logprob
-                .total_cmp(&a.end.cumulative_logprob)
-        });
-        samples.truncate(n);
+/// The `best_of` samples of a prompt cut to `n`, best first when more were generated
+/// than returned (in sample order otherwise).
+fn best_n(samples: Vec<Sample>, n: usize) -> Vec<Sample> {
+    if samples.len() <= n {
+        return samples;
     }
-    samples
+    let order = best_first(&samples);
+    let mut samples: Vec<Option<Sample>> = samples.into_iter().map(Some).collect();
+    order
+        .into_iter()
+        .take(n)
+        .filter_map(|i| samples[i].take())
+        .collect()
 }
 
 /// The stream: each choice's first chunk carries its echoed prompt (and the prompt's

@@ -4,12 +4,11 @@
 use axum::extract::{FromRequest, Request};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::Json;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use crate::error::InferError;
+use crate::error::{error_response, InferError};
 use crate::server::read_body;
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -110,7 +109,7 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, Json(self.body)).into_response()
+        error_response(self.status, self.body)
     }
 }
 

@@ -5,8 +5,8 @@ use axum::http::HeaderMap;
 
 use super::error::{ApiError, ParamNames};
 use super::Usage;
-use crate::infer::Submitted;
-use crate::server::{collect, submit, timing_headers, AppState, Sample};
+use crate::infer::{collect, Sample, Submitted};
+use crate::server::{timing_headers, AppState};
 use crate::validation::{Extra, GenerateParameters, Prompt, ValidRequest};
 
 /// Submits every prompt with the same parameters; the first rejection answers for all
@@ -20,7 +20,9 @@ pub(super) async fn submit_all(
 ) -> Result<Vec<Submitted>, ApiError> {
     let mut submitted = Vec::with_capacity(prompts.len());
     for prompt in prompts {
-        let s = submit(&state.infer, prompt, parameters.clone(), extra.clone())
+        let s = state
+            .infer
+            .submit(prompt, parameters.clone(), extra.clone())
             .await
             .map_err(|e| ApiError::from_infer(e, names))?;
         submitted.push(s);

@@ -3,8 +3,8 @@
 //! `data: [DONE]`, `n` / `best_of`, logprobs, `logit_bias`, and errors in OpenAI's shape
 //! `{"error": {"message", "type", "param", "code"}}` (400 for bad input).
 //!
-//! Each request is turned into TGI's parameters plus `Extra` (`sampling`) and goes through
-//! the same validation and batching loop as the TGI routes (`generate`). The two
+//! Each request is turned into TGI's parameters plus `Extra` (`sampling`) and goes in
+//! through `Infer::submit`, as the TGI routes' requests do (`generate`). The two
 //! generating routes differ only in their request and response shapes
 //! (`completions`, `chat`); they share the streaming (`stream`), the logprobs (`logprobs`)
 //! and the errors (`error`).

@@ -1,5 +1,5 @@
 //! The sampling fields both routes share, turned into TGI's `GenerateParameters` plus
-//! the OpenAI-only `Extra` (`logit_bias`, `n`).
+//! `Extra`'s `logit_bias` and `n`.
 
 use std::collections::HashMap;
 
@@ -104,6 +104,11 @@ impl Sampling {
             ignore_eos: self.ignore_eos,
             ..Default::default()
         };
-        Ok((parameters, Extra { logit_bias, n }))
+        let extra = Extra {
+            logit_bias,
+            n,
+            ..Extra::default()
+        };
+        Ok((parameters, extra))
     }
 }

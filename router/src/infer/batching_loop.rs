@@ -1,0 +1,308 @@
+//! The batching loop: the one task that owns the scheduler and every request's decoding
+//! state. It takes new requests, drops those whose client left, schedules, sends each
+//! step to the shards and applies their answer (`output`); a step that fails fails every
+//! request in flight.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Instant;
+
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+use super::handle::Admission;
+use super::output::Entry;
+use super::siblings::Sibling;
+use crate::blocks::RequestId;
+use crate::client::Backend;
+use crate::detokenize::TokenizerInfo;
+use crate::error::{InferError, ShardError};
+use crate::metrics::Metrics;
+use crate::pb;
+use crate::scheduler::{Schedule, Scheduler, SchedulerConfig};
+
+/// The loop's fixed inputs.
+pub struct LoopConfig {
+    pub scheduler: SchedulerConfig,
+    pub eos_token_ids: Vec<u32>,
+    /// Requests waiting for their first step beyond which new ones get 429.
+    pub max_waiting_requests: usize,
+    /// The `model` label of the metrics.
+    pub model_id: String,
+    /// Schedule step N + 1 while step N runs (see the module documentation of `infer`).
+    pub async_scheduling: bool,
+}
+
+/// A step sent to the shards whose answer has not been applied yet.
+pub(super) struct InFlight {
+    step_id: u64,
+    num_tokens: usize,
+    /// Requests the shards sample a token for.
+    samples: Vec<RequestId>,
+    sent: Instant,
+    answer: JoinHandle<Result<pb::StepResponse, ShardError>>,
+}
+
+pub(super) struct Loop<B> {
+    backend: Arc<B>,
+    pub(super) tokenizer: TokenizerInfo,
+    pub(super) eos: HashSet<u32>,
+    pub(super) scheduler: Scheduler,
+    pub(super) entries: HashMap<RequestId, Entry>,
+    /// Siblings waiting to fork from their first sample, keyed by its id.
+    pub(super) siblings: HashMap<RequestId, Vec<Sibling>>,
+    pub(super) next_id: RequestId,
+    /// The shards may hold stale state (a step failed, or this is the first step) and
+    /// are cleared before the next step.
+    needs_clear: bool,
+    pub(super) metrics: Arc<Metrics>,
+    /// Nothing can run before then (a dynamic batch waiting to fill).
+    wake_at: Option<Instant>,
+    async_scheduling: bool,
+    /// The oldest step sent and not yet applied.
+    pub(super) in_flight: Option<InFlight>,
+    /// The shards have run a step since they were last cleared, so they know which
+    /// step id comes next and run a step sent ahead after the one before it. (Cleared
+    /// at the first step, so a shard left with another router's ids starts over.)
+    in_order: bool,
+}
+
+/// Runs the loop until every handle (`Infer`) is dropped.
+pub(super) async fn run<B: Backend>(
+    backend: B,
+    mut rx: mpsc::UnboundedReceiver<Admission>,
+    tokenizer: TokenizerInfo,
+    config: LoopConfig,
+    metrics: Arc<Metrics>,
+) {
+    metrics
+        .kv_blocks_total
+        .set(config.scheduler.num_blocks as f64);
+    let mut lp = Loop {
+        backend: Arc::new(backend),
+        tokenizer,
+        eos: config.eos_token_ids.into_iter().collect(),
+        scheduler: Scheduler::new(config.scheduler),
+        entries: HashMap::new(),
+        siblings: HashMap::new(),
+        next_id: 0,
+        metrics,
+        wake_at: None,
+        async_scheduling: config.async_scheduling,
+        in_flight: None,
+        needs_clear: true,
+        in_order: false,
+    };
+    loop {
+        // New requests; sleep on the channel only when there is nothing to run (or
+        // nothing before `wake_at`).
+        if !lp.scheduler.has_work() && lp.in_flight.is_none() {
+            match rx.recv().await {
+                Some(admission) => lp.admit(admission),
+                None => return,
+            }
+        } else if let Some(at) = lp.wake_at.take() {
+            tokio::select! {
+                admission = rx.recv() => match admission {
+                    Some(admission) => lp.admit(admission),
+                    None => return,
+                },
+                _ = tokio::time::sleep_until(at.into()) => {}
+            }
+        }
+        while let Ok(admission) = rx.try_recv() {
+            lp.admit(admission);
+        }
+        lp.drop_cancelled();
+        if !lp.scheduler.has_work() && lp.in_flight.is_none() {
+            continue;
+        }
+        lp.iterate().await;
+    }
+}
+
+impl<B: Backend> Loop<B> {
+    /// Drops the requests whose client went away.
+    fn drop_cancelled(&mut self) {
+        let gone: Vec<RequestId> = self
+            .entries
+            .iter()
+            .filter(|(_, e)| e.events.is_closed())
+            .map(|(&id, _)| id)
+            .collect();
+        for id in gone {
+            tracing::debug!(id, "client went away; cancelled");
+            self.retire(id);
+        }
+    }
+
+    /// Drops a request everywhere: blocks now, shard state at the next step.
+    pub(super) fn retire(&mut self, id: RequestId) -> Option<Entry> {
+        self.scheduler.finish(id);
+        self.start_siblings(id, false);
+        self.entries.remove(&id)
+    }
+
+    fn fail(&mut self, id: RequestId, error: InferError) {
+        if let Some(entry) = self.retire(id) {
+            self.metrics.requests_failed.add(1);
+            let _ = entry.events.send(Err(error));
+        }
+    }
+
+    /// Sends a step unless one is in flight, sends the next one ahead of it when
+    /// asynchronous scheduling allows, then applies the answer of the one in flight.
+    async fn iterate(&mut self) {
+        if self.in_flight.is_none() {
+            let schedule = self.scheduler.schedule();
+            match self.send(schedule).await {
+                Some(step) => self.in_flight = Some(step),
+                None => {
+                    // Only preemptions happened, or a dynamic batch is filling.
+                    self.record_state();
+                    tokio::task::yield_now().await;
+                    return;
+                }
+            }
+        }
+        // Siblings fork from their first sample's state as of its first token: no step
+        // may be scheduled past that before it is applied.
+        let mut next = None;
+        if self.async_scheduling && self.siblings.is_empty() && self.in_order {
+            let schedule = self.scheduler.schedule_ahead();
+            next = self.send(schedule).await;
+            self.wake_at = None; // decided again once the step in flight is applied
+        }
+        let step = self.in_flight.take().expect("a step is in flight");
+        let ok = self.apply_step(step).await;
+        self.in_order = ok;
+        match next {
+            Some(next) if ok => self.in_flight = Some(next),
+            Some(next) => next.answer.abort(), // sent over state the failure discarded
+            None => {}
+        }
+        self.record_state();
+    }
+
+    /// Records a schedule and sends its step, if it has one, to the shards.
+    async fn send(&mut self, schedule: Schedule) -> Option<InFlight> {
+        self.record_schedule(&schedule);
+        for id in schedule.failed {
+            self.fail(
+                id,
+                InferError::Generation("the request does not fit in the KV cache".into()),
+            );
+        }
+        if !schedule.preempted.is_empty() || !schedule.swapped_out.is_empty() {
+            tracing::info!(
+                recomputed = ?schedule.preempted,
+                swapped = ?schedule.swapped_out,
+                free_blocks = self.scheduler.blocks().num_free(),
+                "KV cache full: preempted"
+            );
+        }
+        let Some(step) = schedule.step else {
+            self.wake_at = schedule.wake_at;
+            return None;
+        };
+        if self.needs_clear {
+            if let Err(e) = self.backend.clear_cache().await {
+                tracing::warn!(error = %e, "clearing the shards failed");
+            }
+            self.needs_clear = false;
+            self.in_order = false;
+        }
+        let sent = Instant::now();
+        for joined in &step.joined {
+            if let Some(entry) = self.entries.get_mut(&joined.id) {
+                entry.started_at.get_or_insert(sent);
+            }
+        }
+        self.scheduler.expect_samples(&schedule.samples);
+        let step_id = step.step_id;
+        let backend = self.backend.clone();
+        Some(InFlight {
+            step_id,
+            num_tokens: schedule.num_tokens,
+            samples: schedule.samples,
+            sent,
+            answer: tokio::spawn(async move { backend.step(step).await }),
+        })
+    }
+
+    /// Waits for a step's answer and applies it; false when the step failed (every
+    /// request in flight failed with it, and the shards are cleared before the next).
+    async fn apply_step(&mut self, step: InFlight) -> bool {
+        let InFlight {
+            step_id,
+            num_tokens,
+            samples,
+            sent,
+            answer,
+        } = step;
+        let answer = match answer.await {
+            Ok(answer) => answer,
+            Err(e) => Err(ShardError {
+                rank: 0,
+                message: format!("the step task ended: {e}"),
+            }),
+        };
+        match answer {
+            Ok(response) => {
+                let router_start = Instant::now();
+                let expected: HashSet<RequestId> = samples.iter().copied().collect();
+                let mut sampled = HashSet::with_capacity(response.generations.len());
+                for generation in response.generations {
+                    if !expected.contains(&generation.id) {
+                        // A token for a request that had not caught up: its state would
+                        // diverge from the shard's, so it cannot go on.
+                        self.fail(
+                            generation.id,
+                            InferError::Generation("the shard sampled out of turn".into()),
+                        );
+                        continue;
+                    }
+                    sampled.insert(generation.id);
+                    self.apply(generation);
+                }
+                for id in samples {
+                    if !sampled.contains(&id) && self.entries.contains_key(&id) {
+                        self.fail(
+                            id,
+                            InferError::Generation("the shard returned no token".into()),
+                        );
+                    }
+                }
+                tracing::trace!(
+                    step_id,
+                    tokens = num_tokens,
+                    step_us = router_start.duration_since(sent).as_micros() as u64,
+                    forward_us = response.forward_ns / 1000,
+                    apply_us = router_start.elapsed().as_micros() as u64,
+                    "step"
+                );
+                true
+            }
+            Err(e) => {
+                tracing::error!(step_id, error = %e, "step failed; failing every request in flight");
+                let message = format!("generation failed: {e}");
+                for id in self.scheduler.reset() {
+                    if let Some(entry) = self.entries.remove(&id) {
+                        self.metrics.requests_failed.add(1);
+                        let _ = entry
+                            .events
+                            .send(Err(InferError::Generation(message.clone())));
+                    }
+                }
+                for Sibling { entry, .. } in self.siblings.drain().flat_map(|(_, s)| s) {
+                    self.metrics.requests_failed.add(1);
+                    let _ = entry
+                        .events
+                        .send(Err(InferError::Generation(message.clone())));
+                }
+                self.needs_clear = true;
+                false
+            }
+        }
+    }
+}

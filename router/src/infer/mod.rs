@@ -1,0 +1,35 @@
+//! The batching loop and its handle.
+//!
+//! One task owns every piece of batch state (the scheduler, each request's decoding
+//! state); HTTP handlers talk to it over channels. Each iteration: take new requests,
+//! drop those whose client left, schedule, send the Step diff to the shards, then turn
+//! the sampled tokens into text, check EOS / stop strings / length, stream, and retire
+//! finished requests (their blocks are freed at once, their shard state at the next step).
+//!
+//! Asynchronous scheduling (unless `--no-async-scheduling`; `cadence launch` keeps it for
+//! GPUs, see docs/scheduler.md): while step N runs, the loop schedules step
+//! N + 1 ahead (`Scheduler::schedule_ahead`, N's samples pending) and sends it, then waits
+//! for N's tokens. The shards run steps in the order sent, so they go from N to N + 1
+//! without waiting for the router, and the router's work and the round trip overlap the
+//! forward. A request that ends at step N (EOS, a stop string) has one more token computed
+//! by N + 1, which is dropped.
+//!
+//! - `handle`: `Infer`, what the HTTP side holds; `Infer::submit` is the one way in.
+//! - `batching_loop`: the loop itself: sending steps, applying their answers, failures.
+//! - `siblings`: a request's `best_of` samples, forked from the first.
+//! - `output`: sampled tokens turned into text and events; ends of requests.
+//! - `step_metrics`: what the loop records per schedule and per step.
+//! - `events`: what a handler receives; `samples`: those events gathered, and ranked.
+
+mod batching_loop;
+mod events;
+mod handle;
+mod output;
+mod samples;
+mod siblings;
+mod step_metrics;
+
+pub use batching_loop::LoopConfig;
+pub use events::{End, EventResult, FinishReason, Token, TokenEvent};
+pub use handle::{Infer, Submitted};
+pub use samples::{best_first, collect, Sample};

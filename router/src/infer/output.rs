@@ -1,0 +1,252 @@
+//! Turning the tokens a step sampled into what a request's handler receives: text
+//! (incremental detokenization, stop strings), end conditions (EOS, stop string, length),
+//! per-token metrics, and the request's retirement once it ends.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Instant;
+
+use tokio::sync::{mpsc, OwnedSemaphorePermit};
+
+use super::batching_loop::Loop;
+use super::events::{End, EventResult, FinishReason, Token, TokenEvent};
+use super::handle::QueueSlot;
+use crate::client::Backend;
+use crate::detokenize::{Detokenizer, TokenizerInfo};
+use crate::pb;
+use crate::scheduler::Sequence;
+use crate::stop::StopMatcher;
+use crate::validation::ValidRequest;
+
+/// Per-request state the loop keeps beside the scheduler's `Sequence`.
+pub(super) struct Entry {
+    pub(super) events: mpsc::UnboundedSender<EventResult>,
+    detokenizer: Detokenizer,
+    stop: StopMatcher,
+    max_new_tokens: usize,
+    ignore_eos: bool,
+    input_length: usize,
+    generated: usize,
+    text: String,
+    prefix: Option<String>,
+    seed: Option<u64>,
+    /// The prompt, while its logprobs are still to be sent (with the first token).
+    prompt: Option<Vec<u32>>,
+    cumulative_logprob: f32,
+    pub(super) queued_at: Instant,
+    pub(super) started_at: Option<Instant>,
+    first_token_at: Option<Instant>,
+    last_token_at: Option<Instant>,
+    /// Released at the request's first step; shared by its samples.
+    pub(super) slot: Option<Arc<QueueSlot>>,
+    /// Shared by the samples of one request: the slot frees when the last one ends.
+    _permit: Arc<OwnedSemaphorePermit>,
+}
+
+/// What the samples of one request share: when it was queued, its place in the waiting
+/// queue and its permit.
+pub(super) struct Shared {
+    pub queued_at: Instant,
+    pub slot: Arc<QueueSlot>,
+    pub permit: Arc<OwnedSemaphorePermit>,
+}
+
+impl<B: Backend> Loop<B> {
+    /// Applies one request's sampled tokens: text, stops, events, retirement.
+    pub(super) fn apply(&mut self, generation: pb::Generation) {
+        let id = generation.id;
+        // Its first token: the prompt is computed, so its siblings fork from it now.
+        self.start_siblings(id, true);
+        let Some(entry) = self.entries.get_mut(&id) else {
+            return; // cancelled while the step ran
+        };
+        let mut accepted = Vec::with_capacity(generation.token_ids.len());
+        let mut finished = false;
+        let tokenizer = &self.tokenizer;
+        let to_tokens = |top: &pb::TopTokens| -> Vec<Token> {
+            top.ids
+                .iter()
+                .zip(&top.logprobs)
+                .map(|(&id, &logprob)| Token {
+                    id,
+                    text: tokenizer.token_text(id),
+                    logprob: Some(logprob),
+                    special: tokenizer.is_special(id),
+                })
+                .collect()
+        };
+        let mut prefill = Vec::new();
+        let mut prefill_top_tokens = Vec::new();
+        if let Some(prompt) = entry.prompt.take() {
+            prefill = prompt
+                .iter()
+                .enumerate()
+                .map(|(i, &id)| Token {
+                    id,
+                    text: tokenizer.token_text(id),
+                    logprob: i
+                        .checked_sub(1)
+                        .and_then(|j| generation.prompt_logprobs.get(j).copied()),
+                    special: tokenizer.is_special(id),
+                })
+                .collect();
+            prefill_top_tokens = generation.prompt_top_tokens.iter().map(to_tokens).collect();
+        }
+        for (i, &token_id) in generation.token_ids.iter().enumerate() {
+            let top_tokens = generation
+                .top_tokens
+                .get(i)
+                .map(to_tokens)
+                .unwrap_or_default();
+            let now = Instant::now();
+            match entry.last_token_at {
+                Some(last) => self.metrics.itl.observe((now - last).as_secs_f64()),
+                None => self
+                    .metrics
+                    .ttft
+                    .observe((now - entry.queued_at).as_secs_f64()),
+            }
+            entry.last_token_at = Some(now);
+            self.metrics.generation_tokens.add(1);
+            let mut event = entry.on_token(
+                tokenizer,
+                &self.eos,
+                token_id,
+                generation.logprobs.get(i).copied(),
+                top_tokens,
+            );
+            event.prefill = std::mem::take(&mut prefill);
+            event.prefill_top_tokens = std::mem::take(&mut prefill_top_tokens);
+            accepted.push(token_id);
+            finished = event.end.is_some();
+            if let Some(end) = &event.end {
+                let elapsed = entry.queued_at.elapsed();
+                self.metrics.e2e.observe(elapsed.as_secs_f64());
+                self.metrics.requests_succeeded.add(1);
+                let ttft = entry
+                    .first_token_at
+                    .map(|t| t.duration_since(entry.queued_at));
+                tracing::info!(
+                    id,
+                    generated_tokens = end.generated_tokens,
+                    finish_reason = ?end.finish_reason,
+                    total_ms = elapsed.as_millis() as u64,
+                    ttft_ms = ttft.map(|t| t.as_millis() as u64),
+                    "finished"
+                );
+            }
+            let _ = entry.events.send(Ok(event));
+            if finished {
+                break;
+            }
+        }
+        if finished {
+            self.retire(id);
+        } else {
+            self.scheduler.append_tokens(id, &accepted);
+        }
+    }
+}
+
+impl Entry {
+    /// The state of sample `seq` of `request` before its first token.
+    pub(super) fn new(
+        events: mpsc::UnboundedSender<EventResult>,
+        request: &ValidRequest,
+        seq: &Sequence,
+        seed: Option<u64>,
+        shared: &Shared,
+    ) -> Self {
+        Self {
+            events,
+            detokenizer: Detokenizer::new(&seq.token_ids),
+            stop: StopMatcher::new(request.stop.clone()),
+            max_new_tokens: request.max_new_tokens,
+            ignore_eos: request.ignore_eos,
+            input_length: seq.prompt_len,
+            generated: 0,
+            text: String::new(),
+            prefix: request.prefix.clone(),
+            seed,
+            prompt: seq.prompt_logprobs.then(|| request.input_ids.clone()),
+            cumulative_logprob: 0.0,
+            queued_at: shared.queued_at,
+            started_at: None,
+            first_token_at: None,
+            last_token_at: None,
+            slot: Some(shared.slot.clone()),
+            _permit: shared.permit.clone(),
+        }
+    }
+
+    fn on_token(
+        &mut self,
+        tokenizer: &TokenizerInfo,
+        eos: &HashSet<u32>,
+        id: u32,
+        logprob: Option<f32>,
+        top_tokens: Vec<Token>,
+    ) -> TokenEvent {
+        self.generated += 1;
+        let now = Instant::now();
+        if self.first_token_at.is_none() {
+            self.first_token_at = Some(now);
+        }
+        self.cumulative_logprob += logprob.unwrap_or(0.0);
+        let mut text = String::new();
+        let mut finish = None;
+        if eos.contains(&id) && !self.ignore_eos {
+            finish = Some(FinishReason::EosToken);
+        } else {
+            let piece = self.detokenizer.push(tokenizer, id);
+            let release = self.stop.push(&piece);
+            text = release.text;
+            if release.stopped {
+                finish = Some(FinishReason::StopSequence);
+            }
+        }
+        if finish.is_none() && self.generated >= self.max_new_tokens {
+            finish = Some(FinishReason::Length);
+        }
+        if matches!(finish, Some(FinishReason::Length | FinishReason::EosToken)) {
+            // Release what was held back (an incomplete character, a partial stop).
+            let rest = self.detokenizer.flush(tokenizer);
+            let release = self.stop.push(&rest);
+            text.push_str(&release.text);
+            if release.stopped {
+                finish = Some(FinishReason::StopSequence);
+            } else {
+                text.push_str(&self.stop.flush());
+            }
+        }
+        self.text.push_str(&text);
+        let end = finish.map(|finish_reason| End {
+            finish_reason,
+            generated_text: match &self.prefix {
+                Some(prefix) => format!("{prefix}{}", self.text),
+                None => self.text.clone(),
+            },
+            generated_tokens: self.generated,
+            input_length: self.input_length,
+            seed: self.seed,
+            cumulative_logprob: self.cumulative_logprob,
+            queue_time: self
+                .started_at
+                .unwrap_or(now)
+                .saturating_duration_since(self.queued_at),
+            inference_time: now.saturating_duration_since(self.started_at.unwrap_or(now)),
+        });
+        TokenEvent {
+            token: Token {
+                id,
+                text,
+                logprob,
+                special: tokenizer.is_special(id),
+            },
+            top_tokens,
+            prefill: Vec::new(),
+            prefill_top_tokens: Vec::new(),
+            end,
+        }
+    }
+}

@@ -1,0 +1,43 @@
+//! What the batching loop records in the metrics once per schedule and once per step.
+
+use super::batching_loop::Loop;
+use crate::scheduler::Schedule;
+
+impl<B> Loop<B> {
+    /// Step-level metrics, and the end of the queue wait for requests admitted now.
+    pub(super) fn record_schedule(&mut self, schedule: &Schedule) {
+        let m = &self.metrics;
+        m.preemptions_recompute.add(schedule.preempted.len() as u64);
+        m.preemptions_swap.add(schedule.swapped_out.len() as u64);
+        m.prefix_queries.add(schedule.prefix_queried as u64);
+        m.prefix_hits.add(schedule.prefix_hits as u64);
+        if let Some(step) = &schedule.step {
+            let size = step.joined.len() + step.continuing.len();
+            if size > 0 {
+                m.batch_size.observe(size as f64);
+                m.batch_tokens.observe(schedule.num_tokens as f64);
+                m.step_tokens.add(schedule.num_tokens as u64);
+            }
+        }
+        for id in &schedule.admitted {
+            if let Some(entry) = self.entries.get_mut(id) {
+                entry.slot = None;
+                m.queue_time
+                    .observe(entry.queued_at.elapsed().as_secs_f64());
+            }
+        }
+    }
+
+    /// Queue and KV gauges after a step.
+    pub(super) fn record_state(&self) {
+        let m = &self.metrics;
+        let s = &self.scheduler;
+        m.waiting.set(s.num_waiting() as f64);
+        m.running.set(s.num_running() as f64);
+        let swapped = s.waiting().iter().filter(|q| !q.swapped.is_empty()).count();
+        m.swapped.set(swapped as f64);
+        m.kv_blocks_used.set(s.blocks().num_used() as f64);
+        m.kv_blocks_cached.set(s.blocks().num_cached() as f64);
+        m.kv_utilization.set(s.kv_utilization());
+    }
+}
