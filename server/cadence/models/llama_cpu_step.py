@@ -44,22 +44,15 @@ def _row_parallel(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def _check(status: int, kernel: str) -> None:
-    if status != 0:
-        raise RuntimeError(f"{kernel} failed with status {status}")
-
-
 def forward_step(
     model: LlamaModel, input_ids: torch.Tensor, positions: torch.Tensor, ctx: CpuMetadata
 ) -> torch.Tensor:
     """The hidden states after the final norm [T, hidden], as `LlamaModel.forward`
     computes them; rows ordered as the context's (decode rows first)."""
-    lib = cpu_kernels._load()
-    threads = torch.get_num_threads()
+    ops = torch.ops.cadence  # the C++ kernels (registered by importing cpu_kernels)
     x = model.embed_tokens(input_ids)
-    tokens, hidden = x.shape
+    tokens = x.shape[0]
     dtype = x.dtype
-    dt = cpu_kernels.DTYPES[dtype]
     cos, sin = model.rotary.cos_sin(positions, dtype)  # [T, 1, head_dim], contiguous
     first = model.layers[0].self_attn
     heads, kv_heads, head_dim = first.num_heads, first.num_kv_heads, first.head_dim
@@ -69,16 +62,16 @@ def forward_step(
     residual = x  # the embedding's own tensor, updated in place from here on
     q_rotated = torch.empty(tokens, heads * head_dim, dtype=dtype)
     attended = torch.empty(tokens, heads * head_dim, dtype=dtype)
+    q_heads = q_rotated.view(tokens, heads, head_dim)  # both as the kernels write them
+    attended_heads = attended.view(tokens, heads, head_dim)
     act = None
     eps = model.norm.eps
 
     def norm(weight: torch.Tensor, src: torch.Tensor, add_residual: bool, out: torch.Tensor):
-        r = residual.data_ptr() if add_residual else None
-        status = lib.cadence_rms_norm(
-            src.data_ptr(), r, weight.data_ptr(), out.data_ptr(), r, tokens, hidden, eps, dt,
-            threads,
-        )  # fmt: skip
-        _check(status, "cadence_rms_norm")
+        if add_residual:  # residual += src in place, out = its norm
+            ops.add_rms_norm_(residual, src, weight, eps, out)
+        else:
+            ops.rms_norm.out(src, weight, eps, out)
 
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
@@ -86,32 +79,21 @@ def forward_step(
         qkv = _linear(attn.qkv_proj, normed)
         cache = attn.attn
         k_cache, v_cache = cache.k_cache, cache.v_cache
-        kv_dt = cpu_kernels.DTYPES[k_cache.dtype]
-        block_size, window = k_cache.shape[1], cache.sliding_window
+        window = cache.sliding_window
         if d == tokens:  # decode rows only: rotary, cache write and attention in one call
-            status = lib.cadence_decode_layer_attention(
-                qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(),
-                q_rotated.data_ptr(), attended.data_ptr(), k_cache.data_ptr(),
-                v_cache.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.stride(0),
-                lens.data_ptr(), d, heads, kv_heads, head_dim, block_size, cache.scale,
-                window or 0, dt, kv_dt, threads,
+            ops.decode_layer_attention.out(
+                qkv, heads, kv_heads, cos, sin, k_cache, v_cache, slots, tables, lens,
+                cache.scale, window, q_heads, attended_heads,
             )  # fmt: skip
-            _check(status, "cadence_decode_layer_attention")
         else:
-            status = lib.cadence_rotary_write_kv(
-                qkv.data_ptr(), tokens, qkv.stride(0), heads, kv_heads, head_dim,
-                cos.data_ptr(), sin.data_ptr(), q_rotated.data_ptr(), k_cache.data_ptr(),
-                v_cache.data_ptr(), slots.data_ptr(), dt, kv_dt, threads,
-            )  # fmt: skip
-            _check(status, "cadence_rotary_write_kv")
+            ops.rotary_write_kv.out(
+                qkv, heads, kv_heads, cos, sin, k_cache, v_cache, slots, q_heads
+            )
             if d > 0:
-                status = lib.cadence_paged_decode_attention(
-                    q_rotated.data_ptr(), attended.data_ptr(), k_cache.data_ptr(),
-                    v_cache.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
-                    d, heads, kv_heads, head_dim, block_size, cache.scale, window or 0, dt,
-                    kv_dt, threads,
+                ops.paged_decode_attention.out(
+                    q_heads[:d], k_cache, v_cache, tables, lens, cache.scale, window,
+                    attended_heads[:d],
                 )  # fmt: skip
-                _check(status, "cadence_paged_decode_attention")
             q = q_rotated[d:].view(-1, heads, head_dim)
             assert ctx.prefill is not None
             out = prefill_attention(q, k_cache, v_cache, ctx.prefill, cache.scale, window)
@@ -121,10 +103,7 @@ def forward_step(
         gate_up = _linear(layer.mlp.gate_up_proj, normed)
         if act is None:
             act = torch.empty(tokens, gate_up.shape[1] // 2, dtype=dtype)
-        status = lib.cadence_silu_mul(
-            gate_up.data_ptr(), act.data_ptr(), tokens, act.shape[1], dt, threads
-        )
-        _check(status, "cadence_silu_mul")
+        ops.silu_mul.out(gate_up, act)
         x = _row_parallel(layer.mlp.down_proj, act)
     out = torch.empty_like(x)
     norm(model.norm.weight, x, True, out)

@@ -8,7 +8,8 @@ import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-from cadence.kernels.cpu import KernelBuildError, build, isa
+from cadence.kernels.cpu import isa
+from cadence.kernels.cpu.builds import KernelBuildError, build
 
 
 def _build(name: str) -> str:

@@ -1,18 +1,25 @@
-// CPU kernels of the shard's `cpu` attention backend and its flat Llama step, called
-// through ctypes (cadence/kernels/cpu/__init__.py builds this file with g++ -O3 -fopenmp
-// once per instruction set, see isa.py; the vector paths below are chosen at compile time
-// by what that build's -march enables: CADENCE_AVX512_BF16, CADENCE_AVX2, else portable).
+// CPU kernels of the shard's `cpu` attention backend and its flat Llama step. Built with
+// g++ -O3 -fopenmp once per instruction set (cadence/kernels/cpu/builds.py, isa.py); the
+// vector paths below are chosen at compile time by what that build's -march enables:
+// CADENCE_AVX512_BF16, CADENCE_AVX2, else portable. Python calls them only through the
+// torch operators of cadence/kernels/cpu/ops.py (torch.ops.cadence.*), which check every
+// shape, dtype, device and layout (checks.py): each entry point below takes raw pointers
+// and trusts them.
 //
-// Everything here is memory-bound work that torch on CPU does in several passes:
-//   - paged decode attention: one query per sequence reads its keys and values straight
-//     from the paged cache through its block table (no gather into a padded copy), with
-//     the query heads of one KV head together, online softmax over blocks;
-//   - greedy sampling with log-probabilities: argmax, max and log-sum-exp of each row
-//     in two passes over the logits instead of a full log_softmax;
-//   - RMSNorm with the residual add, SwiGLU, the rotary embedding, and the rotary with
-//     the KV-cache write (alone, or with the decode attention of a decode-only step),
-//     each rounding where torch's layer rounds.
-// Each kernel takes raw pointers; the Python side checks shapes, dtypes and contiguity.
+// Everything here is memory-bound work that torch on CPU does in several passes. The
+// entry points (extern "C", each returning a Status):
+//   - cadence_paged_decode_attention: one query per sequence reads its keys and values
+//     straight from the paged cache through its block table (no gather into a padded
+//     copy), with the query heads of one KV head together, online softmax over blocks;
+//   - cadence_greedy_logprobs: greedy sampling with log-probabilities, the argmax, max
+//     and log-sum-exp of each row in two passes over the logits instead of a full
+//     log_softmax;
+//   - cadence_rms_norm: RMSNorm, with the residual add when given;
+//   - cadence_silu_mul: SwiGLU over the fused gate/up projection;
+//   - cadence_rotary: the rotary embedding in place;
+//   - cadence_rotary_write_kv: the rotary with the KV-cache write;
+//   - cadence_decode_layer_attention: the two before, for a decode-only step, in one call;
+// the elementwise ones each rounding where torch's layer rounds.
 // OpenMP is the same runtime torch uses (its bundled libgomp.so.1 is loaded first).
 
 #include <cmath>
@@ -34,6 +41,9 @@
 namespace {
 
 enum DType : int { F32 = 0, BF16 = 1, F16 = 2 };
+
+// What an entry point returns (ops.py names each in its error).
+enum Status : int { OK = 0, BAD_HEADS = 1, BAD_DTYPE = 2 };
 
 // IEEE half precision: C++ compilers spell it _Float16 on x86-64 and __fp16 on aarch64
 // (both convert to and from float with round to nearest even).
@@ -1236,13 +1246,13 @@ int cadence_paged_decode_attention(const void* q, void* out, const void* k_cache
                                    int64_t num_seqs, int num_heads, int num_kv_heads,
                                    int head_dim, int block_size, float scale, int64_t window,
                                    int q_dtype, int kv_dtype, int num_threads) {
-    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 1;
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return BAD_HEADS;
 #define CADENCE_DECODE(QT, KT)                                                              \
     if (q_dtype == QT && kv_dtype == KT) {                                                  \
         decode_all<QT, KT>(q, out, k_cache, v_cache, block_tables, table_stride,            \
                            context_lens, num_seqs, num_heads, num_kv_heads, head_dim,       \
                            block_size, scale, window, num_threads);                         \
-        return 0;                                                                           \
+        return OK;                                                                          \
     }
     CADENCE_DECODE(F32, F32)
     CADENCE_DECODE(BF16, BF16)
@@ -1252,7 +1262,7 @@ int cadence_paged_decode_attention(const void* q, void* out, const void* k_cache
     CADENCE_DECODE(BF16, F32)
     CADENCE_DECODE(F16, F32)
 #undef CADENCE_DECODE
-    return 2;
+    return BAD_DTYPE;
 }
 
 // logits: [rows, vocab] of dtype (float32 or bfloat16). Per row: the argmax (the first
@@ -1267,21 +1277,21 @@ int cadence_greedy_logprobs(const void* logits, int64_t rows, int64_t vocab, int
     } else if (dtype == BF16) {
         greedy_all<BF16>(logits, rows, vocab, ids, logprobs, num_threads);
     } else {
-        return 2;
+        return BAD_DTYPE;
     }
-    return 0;
+    return OK;
 }
 
 }  // extern "C"
 
 extern "C" {
 
-#define CADENCE_BY_DTYPE(dtype, call) \
-    switch (dtype) {                  \
-        case F32: call(F32); return 0;  \
-        case BF16: call(BF16); return 0; \
-        case F16: call(F16); return 0;  \
-        default: return 2;            \
+#define CADENCE_BY_DTYPE(dtype, call)     \
+    switch (dtype) {                      \
+        case F32: call(F32); return OK;   \
+        case BF16: call(BF16); return OK; \
+        case F16: call(F16); return OK;   \
+        default: return BAD_DTYPE;        \
     }
 
 int cadence_rms_norm(const void* x, const void* residual, const void* weight, void* out,
@@ -1317,7 +1327,7 @@ int cadence_rotary_write_kv(const void* qkv, int64_t tokens, int64_t x_stride, i
     if (dtype == DT && kv_dtype == KT) {                                                   \
         rotary_write_kv_all<DT, KT>(qkv, tokens, x_stride, heads, kv_heads, head_dim, cos, \
                                     sin, q_out, k_cache, v_cache, slots, num_threads);     \
-        return 0;                                                                          \
+        return OK;                                                                         \
     }
     CADENCE_WRITE(F32, F32)
     CADENCE_WRITE(BF16, BF16)
@@ -1327,7 +1337,7 @@ int cadence_rotary_write_kv(const void* qkv, int64_t tokens, int64_t x_stride, i
     CADENCE_WRITE(BF16, F32)
     CADENCE_WRITE(F16, F32)
 #undef CADENCE_WRITE
-    return 2;
+    return BAD_DTYPE;
 }
 
 // A decode step's whole attention for one layer in one call: cadence_rotary_write_kv for
@@ -1340,7 +1350,7 @@ int cadence_decode_layer_attention(const void* qkv, int64_t x_stride, const void
                                    const int64_t* context_lens, int64_t num_seqs, int num_heads,
                                    int num_kv_heads, int head_dim, int block_size, float scale,
                                    int64_t window, int dtype, int kv_dtype, int num_threads) {
-    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 1;
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return BAD_HEADS;
     const int written = cadence_rotary_write_kv(qkv, num_seqs, x_stride, num_heads, num_kv_heads,
                                                 head_dim, cos, sin, q_out, k_cache, v_cache,
                                                 slots, dtype, kv_dtype, num_threads);

@@ -1,0 +1,339 @@
+"""The C++ kernels as torch operators (`torch.ops.cadence.*`, `cadence.kernels.cpu.ops`):
+`torch.library.opcheck` on every operator with small real inputs for every dtype pairing
+its kernel takes (the schema's mutations and aliasing, the fake implementation against the
+real one, tracing through AOT dispatch with dynamic shapes); bad arguments rejected before
+any pointer reaches the kernel, with the argument named, by the real and the fake
+implementation alike; the out= and in-place variants giving the functional ones' bits;
+and the operators calling the selected instruction set's library."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import torch
+from cadence.kernels import cpu
+from cadence.kernels.cpu import ops as cpu_ops
+from kernel_cases import paged_cache
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+OPS = torch.ops.cadence
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+DTYPES = [F32, BF16, F16]
+# (activations, cache): every pairing the attention and cache-write kernels are built for
+PAIRS = [(F32, F32), (BF16, BF16), (F16, F16), (F32, BF16), (F32, F16), (BF16, F32), (F16, F32)]
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 64, 16
+LENS = [1, 17, 5]  # one token, across a block boundary, within one
+
+
+@pytest.fixture(autouse=True)
+def kernels() -> None:
+    if not cpu.available():
+        pytest.skip(f"no CPU kernels: {cpu.unavailable_reason()}")
+
+
+def _generator() -> torch.Generator:
+    return torch.Generator().manual_seed(0)
+
+
+def _attention_args(dtype: torch.dtype, kv_dtype: torch.dtype) -> dict[str, Any]:
+    k_cache, v_cache, tables = paged_cache(LENS, BLOCK, KV_HEADS, HEAD_DIM, kv_dtype, seed=1)
+    q = torch.randn(len(LENS), HEADS, HEAD_DIM, generator=_generator()).to(dtype)
+    return {
+        "q": q,
+        "k_cache": k_cache.cpu(),
+        "v_cache": v_cache.cpu(),
+        "block_tables": tables.cpu().long(),
+        "context_lens": torch.tensor(LENS),
+        "scale": HEAD_DIM**-0.5,
+        "sliding_window": None,
+    }
+
+
+def _write_kv_args(dtype: torch.dtype, kv_dtype: torch.dtype, tokens: int) -> dict[str, Any]:
+    g = _generator()
+    width = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+    angles = torch.rand(tokens, 1, HEAD_DIM, generator=g) * 6
+    return {
+        "qkv": torch.randn(tokens, width, generator=g).to(dtype),
+        "heads": HEADS,
+        "kv_heads": KV_HEADS,
+        "cos": angles.cos().to(dtype),
+        "sin": angles.sin().to(dtype),
+        "k_cache": torch.randn(6, BLOCK, KV_HEADS, HEAD_DIM, generator=g).to(kv_dtype),
+        "v_cache": torch.randn(6, BLOCK, KV_HEADS, HEAD_DIM, generator=g).to(kv_dtype),
+        "slot_mapping": torch.randperm(6 * BLOCK, generator=g)[:tokens],
+    }
+
+
+def _decode_layer_args(dtype: torch.dtype, kv_dtype: torch.dtype) -> dict[str, Any]:
+    attention = _attention_args(dtype, kv_dtype)
+    args = _write_kv_args(dtype, kv_dtype, len(LENS))
+    blocks = attention["block_tables"]
+    last = torch.tensor(LENS) - 1  # the new token's slot: the last of each sequence
+    args.update(
+        k_cache=attention["k_cache"],
+        v_cache=attention["v_cache"],
+        slot_mapping=blocks.gather(1, (last // BLOCK).unsqueeze(1)).squeeze(1) * BLOCK
+        + last % BLOCK,
+        block_tables=blocks,
+        context_lens=attention["context_lens"],
+        scale=attention["scale"],
+        sliding_window=4,
+    )
+    return args
+
+
+def _norm_args(dtype: torch.dtype) -> dict[str, Any]:
+    g = _generator()
+    return {
+        "x": torch.randn(5, 64, generator=g).to(dtype),
+        "weight": (torch.rand(64, generator=g) + 0.5).to(dtype),
+        "eps": 1e-5,
+    }
+
+
+def _residual(dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(5, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
+
+
+def _empty(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
+
+
+def _cases() -> list[Any]:
+    """(operator, its arguments by name) for every operator and dtype pairing."""
+    cases: list[tuple[Any, dict[str, Any]]] = []
+    q_shape = (len(LENS), HEADS, HEAD_DIM)
+    for dtype, kv_dtype in PAIRS:
+        cases += [
+            (OPS.paged_decode_attention.default, _attention_args(dtype, kv_dtype)),
+            (
+                OPS.paged_decode_attention.out,
+                {**_attention_args(dtype, kv_dtype), "out": _empty(*q_shape, dtype=dtype)},
+            ),
+            (OPS.rotary_write_kv.default, _write_kv_args(dtype, kv_dtype, 3)),
+            (
+                OPS.rotary_write_kv.out,
+                {
+                    **_write_kv_args(dtype, kv_dtype, 3),
+                    "q_out": _empty(3, HEADS, HEAD_DIM, dtype=dtype),
+                },
+            ),
+            (
+                OPS.decode_layer_attention.out,
+                {
+                    **_decode_layer_args(dtype, kv_dtype),
+                    "q_out": _empty(*q_shape, dtype=dtype),
+                    "out": _empty(*q_shape, dtype=dtype),
+                },
+            ),
+        ]
+    for dtype in DTYPES:
+        head = torch.randn(3, HEADS * 2, HEAD_DIM, generator=_generator()).to(dtype)
+        angles = torch.rand(3, 1, HEAD_DIM, generator=_generator())
+        cases += [
+            (OPS.rms_norm.default, _norm_args(dtype)),
+            (OPS.rms_norm.out, {**_norm_args(dtype), "out": _empty(5, 64, dtype=dtype)}),
+            (OPS.add_rms_norm.default, {"residual": _residual(dtype), **_norm_args(dtype)}),
+            (
+                OPS.add_rms_norm_.default,
+                {
+                    "residual": _residual(dtype),
+                    **_norm_args(dtype),
+                    "out": _empty(5, 64, dtype=dtype),
+                },
+            ),
+            (OPS.silu_mul.default, {"x": _norm_args(dtype)["x"]}),
+            (OPS.silu_mul.out, {"x": _norm_args(dtype)["x"], "out": _empty(5, 32, dtype=dtype)}),
+            (
+                OPS.rotary_.default,  # the query half of each row: a strided view, as in the model
+                {
+                    "x": head[:, :HEADS],
+                    "cos": angles.cos().to(dtype),
+                    "sin": angles.sin().to(dtype),
+                },
+            ),
+        ]
+    for dtype in (F32, BF16):
+        logits = torch.randn(4, 1000, generator=_generator()).to(dtype)
+        cases.append((OPS.greedy_logprobs.default, {"logits": logits}))
+    return [pytest.param(op, args, id=f"{op}-{_dtypes(args)}") for op, args in cases]
+
+
+def _dtypes(args: dict[str, Any]) -> str:
+    seen = dict.fromkeys(str(v.dtype)[6:] for v in args.values() if isinstance(v, torch.Tensor))
+    return "-".join(d for d in seen if d != "int64")
+
+
+def _in_order(op: Any, args: dict[str, Any]) -> tuple[Any, ...]:
+    """The arguments in the schema's order (the outputs too: none is keyword-only)."""
+    return tuple(args[a.name] for a in op._schema.arguments if a.name in args)
+
+
+def _name(op: Any) -> str:
+    return f"{op._schema.name.removeprefix('cadence::')}.{op._overloadname}"
+
+
+@pytest.mark.parametrize(("op", "args"), _cases())
+def test_opcheck(op, args):
+    torch.library.opcheck(op, _in_order(op, args))
+
+
+def test_every_operator_has_an_opcheck_case():
+    defined = {schema[: schema.index("(")] for schema, _, _ in cpu_ops._OPERATORS}
+    defined = {name if "." in name else f"{name}.default" for name in defined}
+    assert {_name(case.values[0]) for case in _cases()} == defined
+
+
+def _bad_cases() -> list[Any]:
+    """(operator, good arguments with one changed, the error naming what is wrong)."""
+    q_shape = (len(LENS), HEADS, HEAD_DIM)
+    attention = {**_attention_args(BF16, BF16), "out": _empty(*q_shape, dtype=BF16)}
+    k_cache, v_cache = attention["k_cache"], attention["v_cache"]
+    write_kv = {**_write_kv_args(F32, BF16, 3), "q_out": _empty(3, HEADS, HEAD_DIM, dtype=F32)}
+    decode_layer = {
+        **_decode_layer_args(BF16, BF16),
+        "q_out": _empty(*q_shape, dtype=BF16),
+        "out": _empty(*q_shape, dtype=BF16),
+    }
+    norm = {**_norm_args(BF16), "out": _empty(5, 64, dtype=BF16)}
+    head = torch.randn(3, 2 * HEADS, HEAD_DIM).to(BF16)
+    rotary = {"x": head[:, :HEADS], "cos": _empty(3, 1, HEAD_DIM, dtype=BF16)}
+    rotary["sin"] = rotary["cos"]
+    strided = k_cache.transpose(1, 2).contiguous().transpose(1, 2)  # k_cache's shape, not packed
+    cases = [
+        (OPS.paged_decode_attention.out, {"q": attention["q"].double()}, "q must be float32"),
+        (
+            OPS.paged_decode_attention.out,
+            {"q": attention["q"][:, :3]},
+            "q must be .* multiple of 2",
+        ),
+        (OPS.paged_decode_attention.out, {"k_cache": strided}, "k_cache must be a contiguous"),
+        (OPS.paged_decode_attention.out, {"k_cache": k_cache.to("meta")}, "k_cache must be a CPU"),
+        (OPS.paged_decode_attention.out, {"v_cache": v_cache[:-1]}, "v_cache must be contiguous"),
+        (
+            OPS.paged_decode_attention.out,
+            {"q": attention["q"].half()},
+            "no kernel for torch.float16",
+        ),
+        (
+            OPS.paged_decode_attention.out,
+            {"block_tables": attention["block_tables"].int()},
+            "block_tables must be int64",
+        ),
+        (
+            OPS.paged_decode_attention.out,
+            {"context_lens": attention["context_lens"][:2]},
+            r"context_lens must be int64 \[3\]",
+        ),
+        (OPS.paged_decode_attention.out, {"out": _empty(*q_shape, dtype=F32)}, "out must be"),
+        (
+            OPS.paged_decode_attention.default,
+            {"v_cache": v_cache.transpose(2, 3).contiguous().transpose(2, 3)},
+            "v_cache must be contiguous, shaped",
+        ),
+        (
+            OPS.rms_norm.out,
+            {"weight": norm["weight"].float()},
+            r"weight must be torch.bfloat16 \[64\]",
+        ),
+        (OPS.rms_norm.out, {"out": _empty(64, 5, dtype=BF16).t()}, "out must be a contiguous"),
+        (OPS.add_rms_norm.default, {"residual": _residual(BF16)[:4]}, "residual must be"),
+        (
+            OPS.add_rms_norm_.default,
+            {"residual": _empty(64, 5, dtype=BF16).t()},
+            "residual must be a contiguous",
+        ),
+        (OPS.silu_mul.out, {"x": norm["x"][:, :63]}, r"x must be .* \[rows, 2 \* inter\]"),
+        (OPS.silu_mul.out, {"out": _empty(5, 31, dtype=BF16)}, r"out must be .*\[5, 32\]"),
+        (OPS.rotary_.default, {"x": head[:, :, ::2]}, "x must be .* heads packed"),
+        (OPS.rotary_.default, {"cos": rotary["cos"].float()}, "cos must be torch.bfloat16"),
+        (OPS.rotary_write_kv.out, {"qkv": write_kv["qkv"][:, :-1]}, "qkv must be"),
+        (OPS.rotary_write_kv.out, {"slot_mapping": write_kv["slot_mapping"].int()}, "slot_mapping"),
+        (OPS.rotary_write_kv.out, {"kv_heads": 3}, "kv_heads must be the cache's 2, got 3"),
+        (OPS.rotary_write_kv.out, {"sin": write_kv["sin"][:2]}, "sin must be shaped and typed"),
+        (OPS.rotary_write_kv.out, {"q_out": _empty(3, HEADS, HEAD_DIM, dtype=BF16)}, "q_out must"),
+        (
+            OPS.decode_layer_attention.out,
+            {"block_tables": decode_layer["block_tables"][:2]},
+            r"block_tables must be int64 \[3, blocks\]",
+        ),
+        (OPS.decode_layer_attention.out, {"out": _empty(3, HEADS, 32, dtype=BF16)}, "out must be"),
+        (OPS.greedy_logprobs.default, {"logits": torch.randn(2, 10).half()}, "logits must be"),
+    ]
+    bases = {
+        "paged_decode_attention.out": attention,
+        "paged_decode_attention.default": {k: v for k, v in attention.items() if k != "out"},
+        "rms_norm.out": norm,
+        "add_rms_norm.default": {"residual": _residual(BF16), **_norm_args(BF16)},
+        "add_rms_norm_.default": {"residual": _residual(BF16), **norm},
+        "silu_mul.out": {"x": norm["x"], "out": _empty(5, 32, dtype=BF16)},
+        "rotary_.default": rotary,
+        "rotary_write_kv.out": write_kv,
+        "decode_layer_attention.out": decode_layer,
+        "greedy_logprobs.default": {},
+    }
+    return [
+        pytest.param(
+            op,
+            {**bases[_name(op)], **change},
+            f"cadence::{_name(op)}: ".replace(".default", "") + why,
+            id=f"{_name(op)}-{re.sub(r'[^A-Za-z0-9_ ]', '', why)}",
+        )
+        for op, change, why in cases
+    ]
+
+
+@pytest.mark.parametrize(("op", "args", "error"), _bad_cases())
+def test_bad_arguments_are_rejected_naming_the_argument(op, args, error):
+    with pytest.raises(ValueError, match=error):
+        op(*_in_order(op, args))
+
+
+@pytest.mark.parametrize(("op", "args", "error"), _bad_cases())
+def test_the_fake_implementation_rejects_them_too(op, args, error):
+    with FakeTensorMode() as mode:
+        fake = {
+            k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in args.items()
+        }
+        with pytest.raises(ValueError, match=error):
+            op(*_in_order(op, fake))
+
+
+@pytest.mark.usefixtures("cpu_isa")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_in_place_gives_the_functional_bits(dtype):
+    args = _norm_args(dtype)
+    residual = _residual(dtype)
+    expected, expected_residual = OPS.add_rms_norm(residual, args["x"], args["weight"], 1e-5)
+    out = _empty(5, 64, dtype=dtype)
+    OPS.add_rms_norm_(residual, args["x"], args["weight"], 1e-5, out=out)
+    assert torch.equal(out, expected)
+    assert torch.equal(residual, expected_residual)
+
+
+@pytest.mark.usefixtures("cpu_isa")
+@pytest.mark.parametrize(("dtype", "kv_dtype"), PAIRS)
+def test_decode_layer_attention_is_the_cache_write_then_the_attention(dtype, kv_dtype):
+    args = _decode_layer_args(dtype, kv_dtype)
+    k_cache, v_cache = args["k_cache"].clone(), args["v_cache"].clone()
+    q = OPS.rotary_write_kv(
+        args["qkv"], HEADS, KV_HEADS, args["cos"], args["sin"], k_cache, v_cache,
+        args["slot_mapping"],
+    )  # fmt: skip
+    expected = OPS.paged_decode_attention(
+        q, k_cache, v_cache, args["block_tables"], args["context_lens"], args["scale"], 4
+    )
+    q_out = _empty(len(LENS), HEADS, HEAD_DIM, dtype=dtype)
+    out = _empty(len(LENS), HEADS, HEAD_DIM, dtype=dtype)
+    op = OPS.decode_layer_attention.out
+    op(*_in_order(op, {**args, "q_out": q_out, "out": out}))
+    assert torch.equal(q_out, q)
+    assert torch.equal(out, expected)
+    assert torch.equal(args["k_cache"], k_cache) and torch.equal(args["v_cache"], v_cache)
+
+
+def test_the_operators_call_the_selected_instruction_sets_library(cpu_isa):
+    assert cpu_ops._kernels() is cpu.library(cpu_isa)
