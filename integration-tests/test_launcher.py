@@ -1,4 +1,5 @@
-"""The launcher fails loudly when a child cannot start, and stops cleanly on SIGTERM."""
+"""The launcher fails loudly when a child cannot start or the router cannot warm the
+shards up, and stops cleanly on SIGTERM."""
 
 from __future__ import annotations
 
@@ -19,3 +20,20 @@ def test_launch_with_a_broken_model_exits_nonzero_with_the_shard_log(tmp_path: P
     )
     assert result.returncode != 0
     assert "no-such-architecture" in result.stdout + result.stderr
+
+
+def test_a_failed_warmup_exits_nonzero_with_the_shards_message() -> None:
+    """The router warms the shards up; 1 byte of KV cache holds no block."""
+    result = subprocess.run(
+        [sys.executable, "-m", "cadence", "launch", "--kv-cache-memory", "1", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 1
+    error = result.stdout + result.stderr
+    assert "router exited with code 1" in error
+    assert (
+        "shard 0: Internal: warmup failed: RuntimeError: no memory left for the KV cache"
+        in (error.split("router exited with code 1")[1])
+    )

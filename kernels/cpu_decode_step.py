@@ -2,7 +2,7 @@
 kernel reading blocks in place) and the `torch` backend (gather + SDPA), against the
 same step with contiguous (non-paged) attention: per-sequence K/V already laid out
 [B, kv_heads, L, head_dim], the new token written in place, no block tables. The `cpu`
-backend runs the flat decode loop (`cadence.models.llama_cpu_step`) by default; its
+backend runs the flat decode loop (`cadence.runners.llama_cpu_flat`) by default; its
 last line runs it through the model's modules instead, as every other variant runs
 (prepacked linears, fused norms when the C++ kernels are built), which is the
 like-for-like comparison of paged against contiguous attention.

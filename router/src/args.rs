@@ -2,7 +2,9 @@
 
 use std::path::PathBuf;
 
-use clap::{Parser, ValueEnum};
+use clap::{CommandFactory, Parser, ValueEnum};
+
+use crate::pb;
 
 /// `--preemption`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -57,21 +59,25 @@ pub struct Args {
     #[arg(long, env = "CADENCE_MODEL_ID")]
     pub model_id: String,
 
-    /// Number of KV-cache blocks the shards allocated.
-    #[arg(long, env = "CADENCE_NUM_BLOCKS")]
-    pub num_blocks: u32,
-
-    /// Tokens per KV-cache block (must match the shards).
-    #[arg(long, env = "CADENCE_BLOCK_SIZE", default_value_t = 16)]
-    pub block_size: u32,
-
-    /// Most tokens computed in one step (prefill chunks and decodes together).
+    /// Most tokens computed in one step (prefill chunks and decodes together); the shards
+    /// profile their memory with a step this large at warm-up.
     #[arg(long, env = "CADENCE_MAX_BATCH_TOKENS", default_value_t = 1024)]
     pub max_batch_tokens: u32,
 
     /// Most requests in one step.
     #[arg(long, env = "CADENCE_MAX_BATCH_SIZE", default_value_t = 64)]
     pub max_batch_size: u32,
+
+    /// Bytes of KV cache each shard allocates at warm-up [default: --memory-fraction of
+    /// the free memory].
+    #[arg(long, env = "CADENCE_KV_CACHE_BYTES")]
+    pub kv_cache_bytes: Option<u64>,
+
+    /// Share of the free memory (on CPU: MemAvailable, split between the ranks) that holds
+    /// a shard's activations and KV cache (and on a GPU its weights) when --kv-cache-bytes
+    /// is unset.
+    #[arg(long, env = "CADENCE_MEMORY_FRACTION", default_value_t = 0.1)]
+    pub memory_fraction: f32,
 
     /// Most prompt tokens one request computes per step (chunked prefill); 0 = up to
     /// --max-batch-tokens.
@@ -83,8 +89,8 @@ pub struct Args {
     #[arg(long, env = "CADENCE_PREEMPTION", value_enum, default_value_t = PreemptionArg::Recompute)]
     pub preemption: PreemptionArg,
 
-    /// Host-memory blocks for swap preemption [default: 4 × --num-blocks, the most the
-    /// shards accept].
+    /// Host-memory blocks for swap preemption [default: 4 × the KV cache's blocks, the
+    /// most the shards accept].
     #[arg(long, env = "CADENCE_SWAP_BLOCKS")]
     pub swap_blocks: Option<u32>,
 
@@ -170,8 +176,16 @@ pub struct Args {
     pub check_rank_agreement: bool,
 }
 
-/// The limits every request is checked against, resolved once at start from the flags
-/// and the shard's `Info`.
+/// The KV cache the shards allocated at warm-up (the smallest rank's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvCache {
+    pub num_blocks: usize,
+    /// Tokens per block.
+    pub block_size: usize,
+}
+
+/// The limits every request is checked against, resolved once at start from the flags,
+/// the shard's `Info` and the KV cache.
 #[derive(Debug, Clone)]
 pub struct Limits {
     pub max_input_tokens: usize,
@@ -184,8 +198,35 @@ pub struct Limits {
 }
 
 impl Args {
-    /// Resolves the token limits against the model's context length.
-    pub fn limits(&self, max_position_embeddings: u32) -> Result<Limits, String> {
+    /// What every rank gets at warm-up.
+    pub fn warmup_request(&self) -> pb::WarmupRequest {
+        pb::WarmupRequest {
+            max_batch_tokens: self.max_batch_tokens,
+            max_batch_size: self.max_batch_size,
+            kv_cache_bytes: self.kv_cache_bytes.unwrap_or(0),
+            memory_fraction: self.memory_fraction,
+        }
+    }
+
+    /// Checks the flags that warm-up uses, before it runs.
+    pub fn check_warmup(&self) -> Result<(), String> {
+        if self.max_batch_tokens == 0 || self.max_batch_size == 0 {
+            return Err("max_batch_tokens and max_batch_size must be positive".into());
+        }
+        if self.kv_cache_bytes.is_none()
+            && !(self.memory_fraction > 0.0 && self.memory_fraction <= 1.0)
+        {
+            return Err(format!(
+                "--memory-fraction ({}) must be in (0, 1]",
+                self.memory_fraction
+            ));
+        }
+        Ok(())
+    }
+
+    /// Resolves the token limits against the model's context length and the KV cache the
+    /// shards allocated.
+    pub fn limits(&self, max_position_embeddings: u32, cache: KvCache) -> Result<Limits, String> {
         let max_total = self.max_total_tokens.unwrap_or(max_position_embeddings) as usize;
         let max_input = match self.max_input_tokens {
             Some(n) => n as usize,
@@ -208,17 +249,17 @@ impl Args {
         if self.max_best_of == 0 {
             return Err("max_best_of must be positive".into());
         }
-        if self.block_size == 0 || self.num_blocks == 0 {
+        if cache.block_size == 0 || cache.num_blocks == 0 {
             return Err("block_size and num_blocks must be positive".into());
         }
-        if self.swap_blocks.is_some_and(|n| n > 4 * self.num_blocks) {
+        if self
+            .swap_blocks
+            .is_some_and(|n| n as usize > 4 * cache.num_blocks)
+        {
             return Err(format!(
-                "--swap-blocks may be at most 4 × --num-blocks ({})",
-                4 * self.num_blocks
+                "--swap-blocks may be at most 4 × the KV cache's blocks ({})",
+                4 * cache.num_blocks
             ));
-        }
-        if self.max_batch_tokens == 0 || self.max_batch_size == 0 {
-            return Err("max_batch_tokens and max_batch_size must be positive".into());
         }
         Ok(Limits {
             max_input_tokens: max_input,
@@ -226,26 +267,28 @@ impl Args {
             max_stop_sequences: self.max_stop_sequences,
             max_top_n_tokens: self.max_top_n_tokens,
             max_best_of: self.max_best_of,
-            block_size: self.block_size as usize,
-            num_blocks: self.num_blocks as usize,
+            block_size: cache.block_size,
+            num_blocks: cache.num_blocks,
         })
     }
 
-    /// The scheduler's configuration from the flags.
-    pub fn scheduler_config(&self) -> crate::scheduler::SchedulerConfig {
+    /// The scheduler's configuration from the flags and the KV cache.
+    pub fn scheduler_config(&self, cache: KvCache) -> crate::scheduler::SchedulerConfig {
         use crate::scheduler::{Batching, Preemption, SchedulerConfig};
         let mut c = SchedulerConfig::new(
             self.max_batch_tokens as usize,
             self.max_batch_size as usize,
-            self.num_blocks as usize,
-            self.block_size as usize,
+            cache.num_blocks,
+            cache.block_size,
         );
         c.max_prefill_chunk = self.max_prefill_chunk as usize;
         c.preemption = match self.preemption {
             PreemptionArg::Recompute => Preemption::Recompute,
             PreemptionArg::Swap => Preemption::Swap,
         };
-        c.swap_blocks = self.swap_blocks.unwrap_or(4 * self.num_blocks) as usize;
+        c.swap_blocks = self
+            .swap_blocks
+            .map_or(4 * cache.num_blocks, |n| n as usize);
         c.prefix_caching = !self.no_prefix_caching;
         c.batching = match self.batching {
             BatchingArg::Continuous => Batching::Continuous,
@@ -256,6 +299,20 @@ impl Args {
         c.batch_timeout = std::time::Duration::from_millis(self.batch_timeout_ms);
         c
     }
+}
+
+/// Every flag's default as the command line spells it (`--port` → `8080`); flags without
+/// one are absent. The Python CLI shows these rather than restating them.
+pub fn flag_defaults() -> Vec<(String, String)> {
+    Args::command()
+        .get_arguments()
+        .filter_map(|arg| {
+            let long = arg.get_long()?;
+            let values = arg.get_default_values();
+            let shown: Vec<_> = values.iter().map(|v| v.to_string_lossy()).collect();
+            (!shown.is_empty()).then(|| (format!("--{long}"), shown.join(",")))
+        })
+        .collect()
 }
 
 impl Args {
@@ -288,42 +345,73 @@ impl Args {
 mod tests {
     use super::*;
 
+    const CACHE: KvCache = KvCache {
+        num_blocks: 100,
+        block_size: 16,
+    };
+
+    fn parse(extra: &[&str]) -> Result<Args, clap::Error> {
+        let base = ["cadence-router", "--tokenizer", "/m", "--model-id", "m"];
+        Args::try_parse_from(base.iter().chain(extra))
+    }
+
     #[test]
     fn flags_parse_with_defaults_and_limits_derive_from_the_model() {
-        let args = Args::try_parse_from([
-            "cadence-router",
+        let args = parse(&[
             "--shard-uds-path",
             "/tmp/a.sock",
             "--shard-uds-path",
             "/tmp/b.sock",
-            "--tokenizer",
-            "/m",
-            "--model-id",
-            "m",
-            "--num-blocks",
-            "100",
         ])
         .unwrap();
         assert_eq!(args.shard_uds_path.len(), 2);
         assert_eq!(args.port, 8080);
-        assert_eq!(args.block_size, 16);
-        let limits = args.limits(2048).unwrap();
+        let limits = args.limits(2048, CACHE).unwrap();
         assert_eq!(limits.max_total_tokens, 2048);
         assert_eq!(limits.max_input_tokens, 2047);
+        assert_eq!((limits.num_blocks, limits.block_size), (100, 16));
     }
 
     #[test]
     fn shard_uds_path_is_required() {
-        let err = Args::try_parse_from([
-            "cadence-router",
-            "--tokenizer",
-            "/m",
-            "--model-id",
-            "m",
-            "--num-blocks",
-            "1",
-        ])
-        .unwrap_err();
+        let err = parse(&[]).unwrap_err();
         assert!(err.to_string().contains("--shard-uds-path"));
+    }
+
+    #[test]
+    fn warmup_asks_for_the_memory_fraction_unless_a_size_is_given() {
+        let args = parse(&["--shard-uds-path", "/s", "--max-batch-tokens", "256"]).unwrap();
+        let request = args.warmup_request();
+        assert_eq!(
+            (request.max_batch_tokens, request.max_batch_size),
+            (256, 64)
+        );
+        assert_eq!((request.kv_cache_bytes, request.memory_fraction), (0, 0.1));
+        let sized = parse(&["--shard-uds-path", "/s", "--kv-cache-bytes", "1048576"]).unwrap();
+        assert_eq!(sized.warmup_request().kv_cache_bytes, 1 << 20);
+        assert!(sized.check_warmup().is_ok());
+        let bad = parse(&["--shard-uds-path", "/s", "--memory-fraction", "1.5"]).unwrap();
+        assert!(bad.check_warmup().unwrap_err().contains("(0, 1]"));
+    }
+
+    #[test]
+    fn swap_blocks_are_bounded_by_the_kv_cache() {
+        let args = parse(&["--shard-uds-path", "/s", "--swap-blocks", "401"]).unwrap();
+        assert!(args
+            .limits(2048, CACHE)
+            .unwrap_err()
+            .contains("at most 4 × the KV cache's blocks (400)"));
+        let args = parse(&["--shard-uds-path", "/s"]).unwrap();
+        assert_eq!(args.scheduler_config(CACHE).swap_blocks, 400);
+    }
+
+    #[test]
+    fn flag_defaults_spell_what_clap_parses() {
+        let defaults: std::collections::HashMap<_, _> = flag_defaults().into_iter().collect();
+        assert_eq!(defaults["--port"], "8080");
+        assert_eq!(defaults["--memory-fraction"], "0.1");
+        assert_eq!(defaults["--preemption"], "recompute");
+        assert!(!defaults.contains_key("--max-input-tokens")); // derived from the model
+        assert!(!defaults.contains_key("--kv-cache-bytes"));
     }
 }

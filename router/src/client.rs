@@ -1,10 +1,13 @@
 //! The one client for all shards. Every call goes to every rank concurrently; rank 0's
 //! answer is used (all ranks compute the same thing) and any rank's failure fails the call.
 //! With `check_agreement` (a debug flag) every rank's Step answer is compared with rank 0's.
-//! Shards listen on unix sockets.
+//! Steps travel on one stream per rank (`steps`). Shards listen on unix sockets.
+
+mod steps;
 
 use std::future::Future;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::try_join_all;
@@ -15,22 +18,32 @@ use tonic::transport::{Channel, Endpoint, Uri};
 use crate::error::{RouterError, ShardError};
 use crate::pb;
 use crate::pb::shard_client::ShardClient as Grpc;
+use steps::Steps;
 
 /// Largest message either way (long prompts travel in `NewRequest.token_ids`).
 const MAX_MESSAGE_BYTES: usize = 256 << 20;
 
 /// What the batching loop needs from the shards; a fake implements it in tests.
 pub trait Backend: Send + Sync + 'static {
+    /// Sends one step; the returned future is its answer. The step is handed to the
+    /// shards by this call, not when the future is first polled, so steps called in
+    /// step_id order run in that order, each right behind the one before it: a step may be
+    /// sent while the one before it runs. A failed step ends the shards' session (so does
+    /// a step abandoned unanswered after it was sent): from the next step on they hold no
+    /// request.
     fn step(
         &self,
         request: pb::StepRequest,
-    ) -> impl Future<Output = Result<pb::StepResponse, ShardError>> + Send;
-    fn clear_cache(&self) -> impl Future<Output = Result<(), ShardError>> + Send;
+    ) -> impl Future<Output = Result<pb::StepResponse, ShardError>> + Send + 'static;
+    /// Ends the shards' session: from the next step on they hold no request (their KV
+    /// blocks stay allocated). The loop calls it when it has forgotten every request.
+    fn end_session(&self);
 }
 
 #[derive(Clone)]
 pub struct ShardClient {
     ranks: Vec<Grpc<Channel>>,
+    steps: Arc<Steps>,
     check_agreement: bool,
 }
 
@@ -100,6 +113,7 @@ impl ShardClient {
             );
         }
         Ok(Self {
+            steps: Arc::new(Steps::new(ranks.clone())),
             ranks,
             check_agreement: false,
         })
@@ -115,37 +129,48 @@ impl ShardClient {
         self.ranks.len()
     }
 
-    /// Every rank's `Info`, rank 0 first.
-    pub async fn info(&self) -> Result<Vec<pb::InfoResponse>, ShardError> {
+    /// Calls every rank at once; their answers, rank 0 first, or the first failure.
+    async fn every_rank<T, F, Fut>(&self, call: F) -> Result<Vec<T>, ShardError>
+    where
+        F: Fn(Grpc<Channel>) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    {
         try_join_all(self.ranks.iter().enumerate().map(|(rank, c)| {
-            let mut c = c.clone();
+            let answer = call(c.clone());
             async move {
-                c.info(pb::InfoRequest {})
+                answer
                     .await
-                    .map(|r| r.into_inner())
+                    .map(tonic::Response::into_inner)
                     .map_err(|s| shard_error(rank, s))
             }
         }))
         .await
     }
 
+    /// Every rank's `Info`, rank 0 first.
+    pub async fn info(&self) -> Result<Vec<pb::InfoResponse>, ShardError> {
+        self.every_rank(|mut c| async move { c.info(pb::InfoRequest {}).await })
+            .await
+    }
+
+    /// Every rank's `Warmup`, rank 0 first. All ranks at once: tensor-parallel ranks
+    /// profile together and agree on their number of blocks.
+    pub async fn warmup(
+        &self,
+        request: pb::WarmupRequest,
+    ) -> Result<Vec<pb::WarmupResponse>, ShardError> {
+        self.every_rank(|mut c| async move { c.warmup(request).await })
+            .await
+    }
+
     /// True when every rank answers and is ready.
     pub async fn health(&self) -> Result<bool, ShardError> {
-        let answers = try_join_all(self.ranks.iter().enumerate().map(|(rank, c)| {
-            let mut c = c.clone();
-            async move {
-                c.health(pb::HealthRequest {})
-                    .await
-                    .map(|r| r.into_inner().ready)
-                    .map_err(|s| shard_error(rank, s))
-            }
-        }))
-        .await?;
-        Ok(answers.into_iter().all(|ready| ready))
+        let answers = self
+            .every_rank(|mut c| async move { c.health(pb::HealthRequest {}).await })
+            .await?;
+        Ok(answers.iter().all(|h| h.ready))
     }
-}
 
-impl ShardClient {
     /// Rank 0's cumulative (computed tokens, prompt tokens computed).
     pub async fn computed_tokens(&self) -> Result<(u64, u64), ShardError> {
         let mut c = self.ranks[0].clone();
@@ -159,43 +184,32 @@ impl ShardClient {
 }
 
 impl Backend for ShardClient {
-    async fn step(&self, request: pb::StepRequest) -> Result<pb::StepResponse, ShardError> {
-        let last = self.ranks.len() - 1;
-        let mut request = Some(request);
-        let calls = self.ranks.iter().enumerate().map(|(rank, c)| {
-            let mut c = c.clone();
-            // Every rank but the last gets a copy; the last takes the original.
-            let r = if rank == last {
-                request.take().expect("one request per rank")
-            } else {
-                request.clone().expect("one request per rank")
-            };
-            async move {
-                c.step(r)
-                    .await
-                    .map(|r| r.into_inner())
-                    .map_err(|s| shard_error(rank, s))
+    /// The step is handed over to the streams when this is called, not when the future
+    /// is first polled: steps called in step_id order are written in that order.
+    fn step(
+        &self,
+        request: pb::StepRequest,
+    ) -> impl Future<Output = Result<pb::StepResponse, ShardError>> + Send + 'static {
+        let submitted = self.steps.submit(request);
+        let steps = self.steps.clone();
+        let check = self.check_agreement;
+        async move {
+            let epoch = submitted.epoch;
+            let answer = submitted.answers().await.and_then(|mut answers| {
+                if check {
+                    check_agreement(&answers)?;
+                }
+                Ok(answers.swap_remove(0))
+            });
+            if let Err(e) = &answer {
+                steps.end_session(Some(epoch), &e.to_string());
             }
-        });
-        let mut answers = try_join_all(calls.collect::<Vec<_>>()).await?;
-        if self.check_agreement {
-            check_agreement(&answers)?;
+            answer
         }
-        Ok(answers.swap_remove(0))
     }
 
-    async fn clear_cache(&self) -> Result<(), ShardError> {
-        try_join_all(self.ranks.iter().enumerate().map(|(rank, c)| {
-            let mut c = c.clone();
-            async move {
-                c.clear_cache(pb::ClearCacheRequest {})
-                    .await
-                    .map(|_| ())
-                    .map_err(|s| shard_error(rank, s))
-            }
-        }))
-        .await?;
-        Ok(())
+    fn end_session(&self) {
+        self.steps.end_session(None, "ended by the router");
     }
 }
 

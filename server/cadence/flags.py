@@ -50,6 +50,7 @@ def add_flag(
     help: str,
     type: Callable[[str], Any] = str,
     default: Any = None,
+    shown_default: Any = None,
     choices: Sequence[Any] | None = None,
     required: bool = False,
     env: str | None = None,
@@ -58,6 +59,8 @@ def add_flag(
 
     argparse runs `type` on string defaults, so an environment value is checked like a
     command-line one; `choices` are checked here because argparse skips them for defaults.
+    `shown_default` is the default --help shows when `default` is None because another
+    program (the router) applies it.
     """
     env = env or env_name(flag)
     value = os.environ.get(env)
@@ -65,7 +68,8 @@ def add_flag(
         if choices is not None and type(value) not in choices:
             parser.error(f"{env}={value!r} is not one of {list(choices)}")
         default, required = value, False
-    shown = "" if default is None else f"default: {default}; "
+    shown = default if default is not None else shown_default
+    shown = "" if shown is None else f"default: {shown}; "
     parser.add_argument(
         flag,
         type=type,
@@ -76,11 +80,34 @@ def add_flag(
     )
 
 
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
 def add_switch(
     parser: argparse.ArgumentParser, flag: str, *, help: str, env: str | None = None
 ) -> None:
     """An on/off `flag`, on when given or when its twin (`env`, or CADENCE_<FLAG>) is
     1/true/yes/on."""
     env = env or env_name(flag)
-    default = os.environ.get(env, "").strip().lower() in ("1", "true", "yes", "on")
+    default = os.environ.get(env, "").strip().lower() in _TRUE
     parser.add_argument(flag, action="store_true", default=default, help=f"{help} [env: {env}]")
+
+
+def add_toggle(parser: argparse.ArgumentParser, flag: str, *, default: bool, help: str) -> None:
+    """`flag` and `--no-<flag>`, defaulting to its twin CADENCE_<FLAG> (1/true/yes/on or
+    0/false/no/off), then `default`."""
+    env = env_name(flag)
+    value = os.environ.get(env)
+    if value is not None:
+        text = value.strip().lower()
+        if text not in _TRUE + _FALSE:
+            parser.error(f"{env}={value!r} is not one of {list(_TRUE + _FALSE)}")
+        default = text in _TRUE
+    shown = "on" if default else "off"
+    parser.add_argument(
+        flag,
+        action=argparse.BooleanOptionalAction,
+        default=default,
+        help=f"{help} [default: {shown}; env: {env}]",
+    )

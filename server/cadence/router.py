@@ -1,15 +1,32 @@
-"""`python -m cadence.router ARGS`: runs the Rust router compiled into cadence._router."""
+"""`python -m cadence.router ARGS`: runs the Rust router compiled into cadence._router.
+At start it connects to the shards, warms them up and sizes its KV block accounting on
+what they allocated (`--help` lists the flags)."""
 
 from __future__ import annotations
 
 import sys
 
 
-def main() -> None:
+def flag_defaults() -> dict[str, str]:
+    """The router's own flag defaults, as its command line spells them ("--port" ->
+    "8080"); empty when the router is not built."""
+    try:
+        from cadence._router import flag_defaults as read
+    except ImportError:
+        return {}
+    return read()
+
+
+def main() -> int:
     from cadence._router import serve
 
-    serve(["cadence-router", *sys.argv[1:]])
+    try:
+        serve(["cadence-router", *sys.argv[1:]])
+    except RuntimeError as err:  # why it could not start or stopped: no traceback
+        print(f"cadence-router: {err}", file=sys.stderr, flush=True)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

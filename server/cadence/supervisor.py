@@ -6,9 +6,9 @@ PR_SET_PDEATHSIG fires when the *thread* that started the child ends: start chil
 the main thread.
 
 The death signal is set by a tiny exec shim rather than a `preexec_fn`: a `preexec_fn`
-forces a plain fork() that runs Python's at-fork hooks, and grpc's hooks (the launcher
-talks gRPC to the shards) can abort the child before it reaches exec. Without one,
-subprocess uses vfork() and the child runs no Python before exec.
+forces a plain fork() that runs Python's at-fork hooks in the child, and some (grpc's, in
+a process that talks gRPC) can abort it before it reaches exec. Without one, subprocess
+uses vfork() and the child runs no Python before exec.
 """
 
 from __future__ import annotations

@@ -49,8 +49,18 @@ def test_launch_defaults_build_the_documented_config() -> None:
     cfg = config_from(build_parser().parse_args(["launch"]), LaunchConfig)
     assert cfg == LaunchConfig()
     assert (cfg.hostname, cfg.port, cfg.dtype, cfg.device) == ("127.0.0.1", 8080, "auto", "cpu")
-    assert cfg.cpu_isa == "auto"
-    assert (cfg.kv_cache_memory, cfg.memory_fraction) == (None, 0.1)
+    assert (cfg.cpu_isa, cfg.attention_backend, cfg.cpu_kernels) == ("auto", "auto", True)
+    # the KV cache's share of free memory is the router's to default (0.1)
+    assert (cfg.kv_cache_memory, cfg.memory_fraction) == (None, None)
+
+
+def test_launch_help_shows_the_routers_defaults_for_its_flags() -> None:
+    pytest.importorskip("cadence._router")
+    launch = build_parser()._subparsers._group_actions[0].choices["launch"]  # noqa: SLF001
+    helps = {a.dest: a.help for a in launch._actions}  # noqa: SLF001
+    assert "[default: 0.1; env: CADENCE_MEMORY_FRACTION]" in helps["memory_fraction"]
+    assert "[default: 1024; env: CADENCE_MAX_BATCH_TOKENS]" in helps["max_batch_tokens"]
+    assert "[default: recompute; env: CADENCE_PREEMPTION]" in helps["preemption"]
 
 
 def test_launch_flags_reach_the_config() -> None:
@@ -117,10 +127,9 @@ def test_shard_and_router_command_lines_use_their_exact_flags() -> None:
     shard = shard_argv(cfg, "/m", "/u/shard-0.sock", 0)
     assert shard[1:4] == ["-m", "cadence", "serve"]
     assert shard[shard.index("--uds-path") + 1] == "/u/shard-0.sock"
-    router = router_argv(cfg, "/m", ["/u/shard-0.sock", "/u/shard-1.sock"], 321)
+    router = router_argv(cfg, "/m", ["/u/shard-0.sock", "/u/shard-1.sock"])
     assert router[1:3] == ["-m", "cadence.router"]
     assert router.count("--shard-uds-path") == 2
-    assert router[router.index("--num-blocks") + 1] == "321"
     assert router[router.index("--tokenizer") + 1] == "/m"
     assert router[router.index("--max-total-tokens") + 1] == "2048"
     assert "--max-input-tokens" not in router
@@ -135,12 +144,40 @@ def test_tensor_parallel_flags_reach_every_shard_and_the_router() -> None:
         args = build_parser().parse_args(shard[3:])
         assert (args.rank, args.world_size, args.master_port) == (rank, 2, 29555)
         assert args.kv_cache_dtype == "float32"
-    router = router_argv(cfg, "/m", ["/u/shard-0.sock", "/u/shard-1.sock"], 8)
+    router = router_argv(cfg, "/m", ["/u/shard-0.sock", "/u/shard-1.sock"])
     assert "--check-rank-agreement" in router
-    assert "--check-rank-agreement" not in router_argv(LaunchConfig(), "/m", ["/u/s"], 8)
+    assert "--check-rank-agreement" not in router_argv(LaunchConfig(), "/m", ["/u/s"])
 
 
 def test_check_rank_agreement_has_an_environment_twin(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not build_parser().parse_args(["launch"]).check_rank_agreement
     monkeypatch.setenv("CADENCE_CHECK_RANK_AGREEMENT", "true")
     assert config_from(build_parser().parse_args(["launch"]), LaunchConfig).check_rank_agreement
+
+
+def test_shard_kernel_choices_have_environment_twins_and_flags_win(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    serve = ["serve", "--model-id", "/m", "--uds-path", "/s"]
+    cfg = config_from(build_parser().parse_args(serve), ShardConfig, model_dir="/m")
+    assert (cfg.attention_backend, cfg.cpu_kernels) == ("auto", True)
+    monkeypatch.setenv("CADENCE_ATTENTION_BACKEND", "TORCH")
+    monkeypatch.setenv("CADENCE_CPU_KERNELS", "0")
+    cfg = config_from(build_parser().parse_args(serve), ShardConfig, model_dir="/m")
+    assert (cfg.attention_backend, cfg.cpu_kernels) == ("torch", False)
+    args = build_parser().parse_args([*serve, "--attention-backend", "cpu", "--cpu-kernels"])
+    assert (args.attention_backend, args.cpu_kernels) == ("cpu", True)
+    monkeypatch.delenv("CADENCE_CPU_KERNELS")
+    cfg = config_from(build_parser().parse_args(["launch", "--no-cpu-kernels"]), LaunchConfig)
+    assert cfg.cpu_kernels is False
+
+
+@pytest.mark.parametrize(
+    ("name", "value"), [("CADENCE_ATTENTION_BACKEND", "flash"), ("CADENCE_CPU_KERNELS", "maybe")]
+)
+def test_bad_kernel_choices_in_the_environment_are_reported(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: str
+) -> None:
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit):
+        build_parser()

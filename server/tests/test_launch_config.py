@@ -1,9 +1,16 @@
-"""What the launcher passes the router for --async-scheduling."""
+"""What the launcher passes the router and the shards: the router flags that were set and
+nothing else, every shard setting explicitly."""
 
 from __future__ import annotations
 
 import pytest
-from cadence.launcher import LaunchConfig, _scheduler_argv
+from cadence.cli import build_parser, config_from
+from cadence.config import LaunchConfig, ShardConfig, router_fields
+from cadence.launcher import router_argv, shard_argv
+
+
+def _router_argv(cfg: LaunchConfig) -> list[str]:
+    return router_argv(cfg, "/m", ["/u/shard-0.sock"])
 
 
 @pytest.mark.parametrize(
@@ -17,5 +24,71 @@ from cadence.launcher import LaunchConfig, _scheduler_argv
     ],
 )
 def test_async_scheduling_is_on_with_a_gpu_unless_asked(device, choice, overlapped):
-    argv = _scheduler_argv(LaunchConfig(model_id="m", device=device, async_scheduling=choice))
+    argv = _router_argv(LaunchConfig(model_id="m", device=device, async_scheduling=choice))
     assert ("--no-async-scheduling" not in argv) == overlapped
+
+
+def test_router_flags_left_unset_keep_the_routers_defaults() -> None:
+    argv = _router_argv(LaunchConfig())
+    flags = [a for a in argv[3:] if a.startswith("--")]
+    assert flags == [
+        *("--hostname", "--port", "--shard-uds-path", "--tokenizer", "--model-id"),
+        *("--log-format", "--no-async-scheduling"),
+    ]
+
+
+def test_router_flags_that_were_set_are_forwarded_by_name() -> None:
+    cfg = LaunchConfig(
+        max_batch_tokens=256,
+        memory_fraction=0.5,
+        kv_cache_memory=1 << 20,
+        preemption="swap",
+        no_prefix_caching=True,
+    )
+    argv = _router_argv(cfg)
+    assert argv[argv.index("--max-batch-tokens") + 1] == "256"
+    assert argv[argv.index("--memory-fraction") + 1] == "0.5"
+    assert argv[argv.index("--kv-cache-bytes") + 1] == str(1 << 20)
+    assert argv[argv.index("--preemption") + 1] == "swap"
+    assert "--no-prefix-caching" in argv and "--max-batch-size" not in argv
+
+
+def test_every_router_flag_the_launcher_can_pass_is_one_the_router_parses(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """Drift between the launcher's router fields and the router's own flags: the whole
+    command line, every forwarded flag set, goes through the router's parser."""
+    router = pytest.importorskip("cadence._router")
+    values = {"preemption": "swap", "batching": "dynamic", "memory_fraction": 0.5}
+    values |= {"api_key_file": "/k", "cors_allow_origin": "*"}
+    cfg = LaunchConfig(
+        kv_cache_memory=1 << 20,
+        **{
+            name: values.get(name, True if name.startswith(("no_", "check_")) else 3)
+            for name in router_fields(LaunchConfig())
+        },
+    )
+    argv = _router_argv(cfg)
+    assert all(("--" + name.replace("_", "-")) in argv for name in router_fields(cfg))
+    router.serve(["cadence-router", *argv[3:], "--help"])  # an unknown flag raises
+    assert "Usage: cadence-router" in capfd.readouterr().out
+
+
+def test_the_launchers_router_address_defaults_are_the_routers() -> None:
+    """The launcher must know where the router listens, so it keeps these two."""
+    from cadence.router import flag_defaults
+
+    defaults = flag_defaults()
+    if not defaults:
+        pytest.skip("the router is not built")
+    cfg = LaunchConfig()
+    assert (cfg.hostname, str(cfg.port)) == (defaults["--hostname"], defaults["--port"])
+
+
+def test_shard_settings_reach_every_shards_config() -> None:
+    cfg = LaunchConfig(attention_backend="torch", cpu_kernels=False, block_size=32)
+    args = build_parser().parse_args(shard_argv(cfg, "/m", "/u/shard-0.sock", 0)[3:])
+    shard = config_from(args, ShardConfig, model_dir=args.model_id)
+    assert (shard.attention_backend, shard.cpu_kernels, shard.block_size) == ("torch", False, 32)
+    args = build_parser().parse_args(shard_argv(LaunchConfig(), "/m", "/u/s", 0)[3:])
+    assert (args.attention_backend, args.cpu_kernels) == ("auto", True)

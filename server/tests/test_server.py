@@ -3,22 +3,33 @@ by `ShardClient`, as the launcher and the router drive it."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 from cadence.pb import shard_pb2
-from cadence.shard.client import ShardClient
+from cadence.shard.client import ShardClient, StepFailed, StepStream
 from shard_helpers import MiniRouter
 
 SERVER = Path(__file__).resolve().parents[1]
+
+
+def numbered(stream: StepStream) -> Callable[[shard_pb2.StepRequest], shard_pb2.StepResponse]:
+    """`stream.step` with step ids 0, 1, 2, ... as the router numbers them."""
+    ids = itertools.count()
+
+    def step(request: shard_pb2.StepRequest) -> shard_pb2.StepResponse:
+        request.step_id = next(ids)
+        return stream.step(request)
+
+    return step
 
 
 @pytest.fixture
@@ -50,16 +61,16 @@ def test_shard_serves_info_warmup_steps_errors_and_stops_cleanly(shard, tmp_path
     assert (info.block_size, info.vocab_size, list(info.eos_token_ids)) == (16, 256, [2])
     assert not client.health().ready
 
-    with pytest.raises(grpc.RpcError) as err:
-        client.step(shard_pb2.StepRequest())
-    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    with client.steps() as stream, pytest.raises(StepFailed, match="before Warmup"):
+        stream.step(shard_pb2.StepRequest())
 
     warm = client.warmup(max_batch_tokens=256, max_batch_size=8, kv_cache_bytes=16 << 20)
     assert warm.num_blocks == (16 << 20) // warm.bytes_per_block
     assert warm.kv_cache_bytes == warm.num_blocks * warm.bytes_per_block
     assert warm.weight_bytes > 0 and client.health().ready
 
-    router = MiniRouter(num_blocks=warm.num_blocks, step_fn=client.step)
+    stream = client.steps()
+    router = MiniRouter(num_blocks=warm.num_blocks, step_fn=numbered(stream))
     resp = router.step(joined=[router.join(1, [5, 6, 7, 8]), router.join(2, [9] * 20, 7)])
     assert [g.id for g in resp.generations] == [1] and resp.computed_tokens == 11
     resp = router.step(joined=[router.join(3, [4, 4])], continuing=[router.cont(1), router.cont(2)])
@@ -67,14 +78,12 @@ def test_shard_serves_info_warmup_steps_errors_and_stops_cleanly(shard, tmp_path
     resp = router.step(removed=[router.remove(1)], continuing=[router.cont(2), router.cont(3)])
     assert sorted(g.id for g in resp.generations) == [2, 3]
 
-    # a bad block id is an INVALID_ARGUMENT error; the shard serves the next Step
+    # a bad block id is the step's error answer; the shard serves the next step
     bad = shard_pb2.NewRequest(
         id=9, token_ids=[1, 2], prompt_len=2, num_compute=2, block_table=[warm.num_blocks + 5]
     )
-    with pytest.raises(grpc.RpcError) as err:
-        client.step(shard_pb2.StepRequest(joined=[bad]))
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert f"block {warm.num_blocks + 5}" in err.value.details()
+    with pytest.raises(StepFailed, match=f"rejected: .*block {warm.num_blocks + 5}"):
+        router.step(joined=[bad])
     resp = router.step(continuing=[router.cont(2), router.cont(3)])
     assert sorted(g.id for g in resp.generations) == [2, 3]
 
@@ -100,7 +109,7 @@ def test_shard_serves_info_warmup_steps_errors_and_stops_cleanly(shard, tmp_path
     assert latencies, f"the big step took only {done['step']:.3f}s"
     assert max(latencies) < done["step"]
 
-    client.clear_cache()
+    stream.close()
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=20) == 0
     assert not (tmp_path / "shard-0.sock").exists()

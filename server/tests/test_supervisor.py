@@ -123,29 +123,6 @@ def test_child_dies_when_the_launcher_is_killed(tmp_path: Path) -> None:
         time.sleep(0.05)
 
 
-class FakeShardClient:
-    """Stands in for cadence.shard.client.ShardClient."""
-
-    calls: list[dict] = []
-
-    def __init__(self, uds_path: str) -> None:
-        self.uds_path = uds_path
-
-    def health(self, timeout: float | None = None) -> SimpleNamespace:
-        return SimpleNamespace(ready=False)
-
-    def warmup(self, **kwargs: object) -> SimpleNamespace:
-        FakeShardClient.calls.append(kwargs)
-        return SimpleNamespace(
-            num_blocks=100,
-            block_size=16,
-            bytes_per_block=16 * 2 * 30 * 192 * 2,
-            weight_bytes=270 * 2**20,
-            activation_bytes=50 * 2**20,
-            kv_cache_bytes=100 * 16 * 2 * 30 * 192 * 2,
-        )
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -154,7 +131,8 @@ def _free_port() -> int:
 
 @pytest.fixture
 def fake_stack(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> SimpleNamespace:
-    """Shard: a sleeper that creates its socket file. Router: http.server serving /health."""
+    """Shard: a sleeper that creates its socket file. Router: http.server serving /health
+    (the real router would warm the shards up before answering)."""
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
     (tmp_path / "www").mkdir()
@@ -169,23 +147,26 @@ def fake_stack(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> SimpleNamespa
         "time.sleep(float(sys.argv[3]))\n"
         "print('shard crashed', file=sys.stderr); sys.exit(7)\n"
     )
-    stack = SimpleNamespace(shard_lifetime=60.0, model=str(tmp_path / "model"), pids=pids)
+    stack = SimpleNamespace(
+        shard_lifetime=60.0, model=str(tmp_path / "model"), pids=pids, router_argv=None
+    )
+    real_router_argv = launcher.router_argv
 
     def shard_argv(cfg: LaunchConfig, model_dir: str, uds_path: str, rank: int) -> list[str]:
         return [PY, "-c", shard_script, uds_path, str(pids), str(stack.shard_lifetime)]
 
-    def router_argv(cfg: LaunchConfig, model_dir: str, uds: list[str], blocks: int) -> list[str]:
+    def router_argv(cfg: LaunchConfig, model_dir: str, uds: list[str]) -> list[str]:
+        assert all(os.path.exists(path) for path in uds)  # started once the shards listen
+        stack.router_argv = real_router_argv(cfg, model_dir, uds)
         www = str(tmp_path / "www")
         return [PY, "-m", "http.server", str(cfg.port), "--bind", "127.0.0.1", "-d", www]
 
     monkeypatch.setattr(launcher, "shard_argv", shard_argv)
     monkeypatch.setattr(launcher, "router_argv", router_argv)
-    monkeypatch.setattr(launcher, "shard_client", FakeShardClient)
-    FakeShardClient.calls = []
     return stack
 
 
-def test_launch_starts_warms_up_serves_and_stops_cleanly_on_sigterm(
+def test_launch_starts_shards_then_router_serves_and_stops_cleanly_on_sigterm(
     fake_stack: SimpleNamespace, tmp_path: Path
 ) -> None:
     port = _free_port()
@@ -208,9 +189,9 @@ def test_launch_starts_warms_up_serves_and_stops_cleanly_on_sigterm(
 
     threading.Thread(target=stop_when_ready, daemon=True).start()
     assert launch(cfg) == 0
-    assert FakeShardClient.calls == [
-        dict(max_batch_tokens=1024, max_batch_size=64, kv_cache_bytes=2**20, memory_fraction=0.1)
-    ]
+    # the router warms the shards up with what the launcher was given
+    router = fake_stack.router_argv
+    assert router[router.index("--kv-cache-bytes") + 1] == str(2**20)
     assert not launcher._http_ok(f"http://127.0.0.1:{port}/health")  # noqa: SLF001
     assert all(_gone(int(p.name)) for p in fake_stack.pids.iterdir())
     assert list(uds_dir.iterdir()) == []  # sockets removed (the folder was given, so it stays)

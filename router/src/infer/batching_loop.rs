@@ -52,19 +52,12 @@ pub(super) struct Loop<B> {
     /// Siblings waiting to fork from their first sample, keyed by its id.
     pub(super) siblings: HashMap<RequestId, Vec<Sibling>>,
     pub(super) next_id: RequestId,
-    /// The shards may hold stale state (a step failed, or this is the first step) and
-    /// are cleared before the next step.
-    needs_clear: bool,
     pub(super) metrics: Arc<Metrics>,
     /// Nothing can run before then (a dynamic batch waiting to fill).
     wake_at: Option<Instant>,
     async_scheduling: bool,
     /// The oldest step sent and not yet applied.
     pub(super) in_flight: Option<InFlight>,
-    /// The shards have run a step since they were last cleared, so they know which
-    /// step id comes next and run a step sent ahead after the one before it. (Cleared
-    /// at the first step, so a shard left with another router's ids starts over.)
-    in_order: bool,
 }
 
 /// Runs the loop until every handle (`Infer`) is dropped.
@@ -90,8 +83,6 @@ pub(super) async fn run<B: Backend>(
         wake_at: None,
         async_scheduling: config.async_scheduling,
         in_flight: None,
-        needs_clear: true,
-        in_order: false,
     };
     loop {
         // New requests; sleep on the channel only when there is nothing to run (or
@@ -168,14 +159,13 @@ impl<B: Backend> Loop<B> {
         // Siblings fork from their first sample's state as of its first token: no step
         // may be scheduled past that before it is applied.
         let mut next = None;
-        if self.async_scheduling && self.siblings.is_empty() && self.in_order {
+        if self.async_scheduling && self.siblings.is_empty() {
             let schedule = self.scheduler.schedule_ahead();
             next = self.send(schedule).await;
             self.wake_at = None; // decided again once the step in flight is applied
         }
         let step = self.in_flight.take().expect("a step is in flight");
         let ok = self.apply_step(step).await;
-        self.in_order = ok;
         match next {
             Some(next) if ok => self.in_flight = Some(next),
             Some(next) => next.answer.abort(), // sent over state the failure discarded
@@ -205,13 +195,6 @@ impl<B: Backend> Loop<B> {
             self.wake_at = schedule.wake_at;
             return None;
         };
-        if self.needs_clear {
-            if let Err(e) = self.backend.clear_cache().await {
-                tracing::warn!(error = %e, "clearing the shards failed");
-            }
-            self.needs_clear = false;
-            self.in_order = false;
-        }
         let sent = Instant::now();
         for joined in &step.joined {
             if let Some(entry) = self.entries.get_mut(&joined.id) {
@@ -220,13 +203,14 @@ impl<B: Backend> Loop<B> {
         }
         self.scheduler.expect_samples(&schedule.samples);
         let step_id = step.step_id;
-        let backend = self.backend.clone();
+        // Handed to the shards now, in step_id order (the spawned task only waits).
+        let answer = self.backend.step(step);
         Some(InFlight {
             step_id,
             num_tokens: schedule.num_tokens,
             samples: schedule.samples,
             sent,
-            answer: tokio::spawn(async move { backend.step(step).await }),
+            answer: tokio::spawn(answer),
         })
     }
 
@@ -300,7 +284,7 @@ impl<B: Backend> Loop<B> {
                         .events
                         .send(Err(InferError::Generation(message.clone())));
                 }
-                self.needs_clear = true;
+                self.backend.end_session();
                 false
             }
         }

@@ -1,13 +1,31 @@
-"""The Llama family's step on CPU as one flat loop (see `cadence.models.llama_cpu_step`)."""
+"""The Llama family's step on CPU as one flat loop over the layers: the model runner the
+engine picks for a Llama model under the `cpu` attention backend.
+
+A decode row's work per layer is small (one token), so the model's own forward spends as
+much time in Python -- eleven module calls, the rotary, cache write and attention as
+separate operators, a new tensor for every intermediate -- as in the layer's own
+arithmetic. `forward_step` does per layer four matrix products and a few C++ operators
+(`torch.ops.cadence`) -- RMSNorm with the residual add; the rotary, cache write and
+attention (for a decode-only step all in one call; otherwise rotary + cache write for
+every token in one, the decode rows' paged attention, and the prefill rows through the
+torch backend's `prefill_attention`); RMSNorm; SwiGLU -- with the norms and the attention
+writing into buffers reused by every layer. Every operation rounds as the model's forward
+does, so both give the same bits (`server/tests/test_llama_cpu_flat.py`); tensor
+parallelism all-reduces after the two row-parallel products as the layers do.
+"""
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
+import cadence.kernels.cpu  # noqa: F401  (registers the torch.ops.cadence operators)
 from cadence.attention_backends import StepLayout
-from cadence.attention_backends.cpu_paged import CpuAttention
-from cadence.models import llama_cpu_step
-from cadence.models.llama import LlamaForCausalLM
+from cadence.attention_backends.cpu_paged import CpuAttention, CpuMetadata
+from cadence.attention_backends.torch_sdpa import prefill_attention
+from cadence.layers.linear import LinearBase
+from cadence.layers.packed import linear
+from cadence.models.llama import LlamaForCausalLM, LlamaModel
 from cadence.runners.generic import ModelRunner
 
 
@@ -23,4 +41,83 @@ class LlamaCpuFlatRunner(ModelRunner):
         self, layout: StepLayout, input_ids: torch.Tensor, positions: torch.Tensor
     ) -> torch.Tensor:
         meta = self.cpu_attention.metadata(layout)
-        return llama_cpu_step.forward_step(self.llama, input_ids, positions, meta)
+        return forward_step(self.llama, input_ids, positions, meta)
+
+
+def _linear(layer: LinearBase, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
+    """The layer's product without its module call (prepacked weight when it has one)."""
+    return linear(x, layer.weight, layer.bias if with_bias else None, layer.packed_weight)
+
+
+def _row_parallel(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+    """RowParallelLinear.forward without the module call: bias once, then all-reduce."""
+    y = _linear(layer, x, with_bias=layer.tp_rank == 0)
+    if layer.tp_size > 1:
+        dist.all_reduce(y)
+    return y
+
+
+def forward_step(
+    model: LlamaModel, input_ids: torch.Tensor, positions: torch.Tensor, ctx: CpuMetadata
+) -> torch.Tensor:
+    """The hidden states after the final norm [T, hidden], as `LlamaModel.forward`
+    computes them; rows ordered as the context's (decode rows first)."""
+    ops = torch.ops.cadence  # the C++ kernels, registered by cadence.kernels.cpu
+    x = model.embed_tokens(input_ids)
+    tokens = x.shape[0]
+    dtype = x.dtype
+    cos, sin = model.rotary.cos_sin(positions, dtype)  # [T, 1, head_dim], contiguous
+    first = model.layers[0].self_attn
+    heads, kv_heads, head_dim = first.num_heads, first.num_kv_heads, first.head_dim
+    d = ctx.num_decode
+    tables, lens, slots = ctx.decode_tables, ctx.decode_lens, ctx.slot_mapping
+    normed = torch.empty_like(x)
+    residual = x  # the embedding's own tensor, updated in place from here on
+    q_rotated = torch.empty(tokens, heads * head_dim, dtype=dtype)
+    attended = torch.empty(tokens, heads * head_dim, dtype=dtype)
+    q_heads = q_rotated.view(tokens, heads, head_dim)  # both as the kernels write them
+    attended_heads = attended.view(tokens, heads, head_dim)
+    act = None
+    eps = model.norm.eps
+
+    def norm(weight: torch.Tensor, src: torch.Tensor, add_residual: bool, out: torch.Tensor):
+        if add_residual:  # residual += src in place, out = its norm
+            ops.add_rms_norm_(residual, src, weight, eps, out)
+        else:
+            ops.rms_norm.out(src, weight, eps, out)
+
+    for i, layer in enumerate(model.layers):
+        attn = layer.self_attn
+        norm(layer.input_layernorm.weight, x, i > 0, normed)
+        qkv = _linear(attn.qkv_proj, normed)
+        cache = attn.attn
+        k_cache, v_cache = cache.k_cache, cache.v_cache
+        window = cache.sliding_window
+        if d == tokens:  # decode rows only: rotary, cache write and attention in one call
+            ops.decode_layer_attention.out(
+                qkv, heads, kv_heads, cos, sin, k_cache, v_cache, slots, tables, lens,
+                cache.scale, window, q_heads, attended_heads,
+            )  # fmt: skip
+        else:
+            ops.rotary_write_kv.out(
+                qkv, heads, kv_heads, cos, sin, k_cache, v_cache, slots, q_heads
+            )
+            if d > 0:
+                ops.paged_decode_attention.out(
+                    q_heads[:d], k_cache, v_cache, tables, lens, cache.scale, window,
+                    attended_heads[:d],
+                )  # fmt: skip
+            q = q_rotated[d:].view(-1, heads, head_dim)
+            assert ctx.prefill is not None
+            out = prefill_attention(q, k_cache, v_cache, ctx.prefill, cache.scale, window)
+            attended[d:].view(-1, heads, head_dim).copy_(out)
+        x = _row_parallel(attn.o_proj, attended)
+        norm(layer.post_attention_layernorm.weight, x, True, normed)
+        gate_up = _linear(layer.mlp.gate_up_proj, normed)
+        if act is None:
+            act = torch.empty(tokens, gate_up.shape[1] // 2, dtype=dtype)
+        ops.silu_mul.out(gate_up, act)
+        x = _row_parallel(layer.mlp.down_proj, act)
+    out = torch.empty_like(x)
+    norm(model.norm.weight, x, True, out)
+    return out

@@ -15,13 +15,12 @@ from cadence.attention_backends import AttentionBackend
 from cadence.attention_backends.base import Workspace
 from cadence.attention_backends.cpu_paged import CpuAttention
 from cadence.attention_backends.torch_sdpa import TorchAttention
+from cadence.config import ATTENTION_BACKENDS
 from cadence.kernels import cpu as cpu_kernels
 from cadence.kernels import triton_available
 from cadence.layers.kernel_ops import TORCH_OPS, LayerOps, cpu_ops, triton_ops
 from cadence.models.llama import LlamaForCausalLM
 from cadence.runners import LlamaCpuFlatRunner, ModelRunner
-
-ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,9 @@
-"""A small synchronous client of one shard, for the launcher and the tests."""
+"""A small synchronous client of one shard, for the tests and tools (the router has its
+own, in Rust)."""
 
 from __future__ import annotations
 
+import queue
 import time
 
 import grpc
@@ -10,9 +12,52 @@ from cadence.pb import shard_pb2, shard_pb2_grpc
 from cadence.shard.server import GRPC_OPTIONS
 
 
+class StepFailed(RuntimeError):
+    """A step answered with an error."""
+
+    def __init__(self, step_id: int, error: str) -> None:
+        super().__init__(error)
+        self.step_id = step_id
+
+
+class StepStream:
+    """One Steps stream, a session: opening it drops every request's state on the shard.
+    Steps may be sent ahead of reading their answers, which come back in order."""
+
+    def __init__(self, stub: shard_pb2_grpc.ShardStub, timeout: float | None) -> None:
+        self._outbox: queue.SimpleQueue[shard_pb2.StepRequest | None] = queue.SimpleQueue()
+        self._answers = stub.Steps(iter(self._outbox.get, None), timeout=timeout)
+
+    def send(self, request: shard_pb2.StepRequest) -> None:
+        self._outbox.put(request)
+
+    def answer(self) -> shard_pb2.StepAnswer:
+        """The answer to the oldest step sent and not answered yet."""
+        return next(self._answers)
+
+    def step(self, request: shard_pb2.StepRequest) -> shard_pb2.StepResponse:
+        """Sends `request` and waits for its answer; an error answer raises StepFailed."""
+        self.send(request)
+        answer = self.answer()
+        if answer.WhichOneof("outcome") == "error":
+            raise StepFailed(answer.step_id, answer.error)
+        return answer.response
+
+    def close(self) -> None:
+        """Ends the stream once the steps sent are answered."""
+        self._outbox.put(None)
+
+    def __enter__(self) -> StepStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class ShardClient:
     def __init__(self, uds_path: str, timeout: float | None = None) -> None:
-        """`timeout`: deadline in seconds for every call (None: no deadline)."""
+        """`timeout`: deadline in seconds for every call, a whole Steps stream included
+        (None: no deadline)."""
         self.uds_path = uds_path
         self.timeout = timeout
         self.channel = grpc.insecure_channel(f"unix://{uds_path}", options=GRPC_OPTIONS)
@@ -24,16 +69,14 @@ class ShardClient:
     def health(self, timeout: float | None = None) -> shard_pb2.HealthResponse:
         return self.stub.Health(shard_pb2.HealthRequest(), timeout=timeout or self.timeout)
 
-    def wait_ready(self, timeout: float = 120.0, warmed: bool = False) -> None:
-        """Blocks until the shard answers Health (and, with `warmed`, has its KV cache);
-        raises TimeoutError after `timeout` seconds."""
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        """Blocks until the shard answers Health; raises TimeoutError after `timeout`
+        seconds."""
         deadline = time.monotonic() + timeout
         while True:
             try:
-                if self.health(timeout=max(0.1, min(5.0, deadline - time.monotonic()))).ready or (
-                    not warmed
-                ):
-                    return
+                self.health(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
+                return
             except grpc.RpcError:
                 pass
             if time.monotonic() >= deadline:
@@ -57,11 +100,9 @@ class ShardClient:
             timeout=self.timeout,
         )
 
-    def step(self, req: shard_pb2.StepRequest) -> shard_pb2.StepResponse:
-        return self.stub.Step(req, timeout=self.timeout)
-
-    def clear_cache(self) -> None:
-        self.stub.ClearCache(shard_pb2.ClearCacheRequest(), timeout=self.timeout)
+    def steps(self) -> StepStream:
+        """Opens a Steps stream: a new session."""
+        return StepStream(self.stub, self.timeout)
 
     def close(self) -> None:
         self.channel.close()

@@ -1,10 +1,10 @@
 """The shard's gRPC server (grpc.aio) on a unix socket.
 
 The forward runs off the event loop in a single-thread executor, so `Health` answers
-while a long Step runs and Steps, Warmup and ClearCache stay strictly ordered. Steps
-reach that thread in `step_id` order: with asynchronous scheduling the router sends step
-N + 1 while N runs, and two calls are not guaranteed to be handled in the order they were
-sent. A bad Step becomes a gRPC error with a clear message; the shard keeps serving.
+while a long step runs, and Warmup and the steps stay strictly ordered. Steps come on one
+bidirectional stream, a session (`steps.StepSession`): opening it drops every request's
+state, and its steps reach the forward thread in the order they were sent. A bad step is
+answered with a clear error; the shard keeps serving.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
@@ -23,8 +23,8 @@ from loguru import logger
 
 from cadence.config import ShardConfig
 from cadence.pb import shard_pb2, shard_pb2_grpc
-from cadence.shard.engine import Engine, NotReadyError, init_distributed
-from cadence.shard.state import StepError
+from cadence.shard.engine import Engine, init_distributed
+from cadence.shard.steps import StepSession
 
 MAX_MESSAGE_BYTES = 1 << 30
 GRPC_OPTIONS = [
@@ -34,74 +34,25 @@ GRPC_OPTIONS = [
 
 T = TypeVar("T")
 
-# How long a step waits for the one before it before running anyway (that one was
-# cancelled by the router after a failure, or never sent).
-STEP_ORDER_TIMEOUT_S = 2.0
-
-
-class StepOrder:
-    """Hands steps to the forward thread in `step_id` order: a step whose predecessor has
-    not been handed over yet waits for it (up to STEP_ORDER_TIMEOUT_S)."""
-
-    def __init__(self) -> None:
-        self.last: int | None = None
-        self.waiters: dict[int, asyncio.Future[None]] = {}
-
-    async def wait_turn(self, step_id: int) -> None:
-        if self.last is None or step_id <= self.last + 1:
-            return
-        turn = asyncio.get_running_loop().create_future()
-        self.waiters[step_id] = turn
-        try:
-            await asyncio.wait_for(turn, STEP_ORDER_TIMEOUT_S)
-        except TimeoutError:
-            logger.warning(f"step {step_id}: step {step_id - 1} never came; running it anyway")
-        finally:
-            self.waiters.pop(step_id, None)
-
-    def handed_over(self, step_id: int) -> None:
-        self.last = step_id
-        turn = self.waiters.pop(step_id + 1, None)
-        if turn is not None and not turn.done():
-            turn.set_result(None)
-
-    def reset(self) -> None:
-        """After ClearCache the router starts over: no step waits for an earlier one."""
-        self.last = None
-        for turn in self.waiters.values():
-            if not turn.done():
-                turn.set_result(None)
-        self.waiters.clear()
-
 
 class ShardServicer(shard_pb2_grpc.ShardServicer):
     def __init__(self, engine: Engine, executor: ThreadPoolExecutor) -> None:
         self.engine = engine
         self.executor = executor
-        self.order = StepOrder()
+        self.session: StepSession | None = None
 
     async def _run(self, context: grpc.aio.ServicerContext, what: str, fn: Callable[[], T]) -> T:
         """Runs `fn` on the forward thread; failures become gRPC errors."""
-        return await self._result(context, what, self._submit(fn))
-
-    def _submit(self, fn: Callable[[], T]) -> asyncio.Future[T]:
-        """Queues `fn` on the forward thread now (in call order)."""
-        return asyncio.get_running_loop().run_in_executor(self.executor, fn)
-
-    async def _result(
-        self, context: grpc.aio.ServicerContext, what: str, future: asyncio.Future[T]
-    ) -> T:
         try:
-            return await future
-        except StepError as e:
-            logger.warning(f"{what} rejected: {e}")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{what} rejected: {e}")
-        except NotReadyError as e:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            return await self._submit(fn)
         except Exception as e:  # the shard must stay up
             logger.exception(f"{what} failed")
             await context.abort(grpc.StatusCode.INTERNAL, f"{what} failed: {type(e).__name__}: {e}")
         raise AssertionError("unreachable")  # abort() raises
+
+    def _submit(self, fn: Callable[[], T]) -> asyncio.Future[T]:
+        """Queues `fn` on the forward thread now (in call order)."""
+        return asyncio.get_running_loop().run_in_executor(self.executor, fn)
 
     async def Info(
         self, request: shard_pb2.InfoRequest, context: grpc.aio.ServicerContext
@@ -130,20 +81,18 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
             ),
         )
 
-    async def Step(
-        self, request: shard_pb2.StepRequest, context: grpc.aio.ServicerContext
-    ) -> shard_pb2.StepResponse:
-        await self.order.wait_turn(request.step_id)
-        running = self._submit(lambda: self.engine.step(request))
-        self.order.handed_over(request.step_id)
-        return await self._result(context, f"step {request.step_id}", running)
-
-    async def ClearCache(
-        self, request: shard_pb2.ClearCacheRequest, context: grpc.aio.ServicerContext
-    ) -> shard_pb2.ClearCacheResponse:
-        self.order.reset()
-        await self._run(context, "clear_cache", self.engine.clear_cache)
-        return shard_pb2.ClearCacheResponse()
+    async def Steps(
+        self,
+        requests: AsyncIterator[shard_pb2.StepRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[shard_pb2.StepAnswer]:
+        if self.session is not None:
+            self.session.replaced = True
+        session = self.session = StepSession(self.engine, self.executor)
+        # Queued behind the replaced session's steps still to run, ahead of this one's.
+        await self._submit(self.engine.clear_cache)
+        async for answer in session.answer(requests):
+            yield answer
 
 
 def _remove_socket(path: str) -> None:

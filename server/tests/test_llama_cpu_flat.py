@@ -1,4 +1,4 @@
-"""The flat CPU forward step of the Llama family (`cadence.models.llama_cpu_step`, run by
+"""The flat CPU forward step of the Llama family (`cadence.runners.llama_cpu_flat`, run by
 `LlamaCpuFlatRunner`, the engine's runner on CPU) gives
 the generic forward's bits: same hidden states and same KV cache contents, step after
 step -- whole prompts, a prompt in two chunks (the second over its cached prefix), mixed
@@ -14,9 +14,8 @@ import random
 
 import pytest
 import torch
-from cadence.models import llama_cpu_step
 from cadence.pb import shard_pb2
-from cadence.runners import LlamaCpuFlatRunner, ModelRunner
+from cadence.runners import LlamaCpuFlatRunner, ModelRunner, llama_cpu_flat
 from shard_helpers import MiniRouter
 
 pytestmark = pytest.mark.usefixtures("cpu_isa")  # every instruction set the CPU runs
@@ -47,13 +46,13 @@ def test_flat_step_gives_the_generic_forwards_bits(
     assert isinstance(engine.runner, LlamaCpuFlatRunner)
     generic_runner = ModelRunner(engine.model, engine.attention_backend)
     taken: list[int] = []
-    flat_step = llama_cpu_step.forward_step
+    flat_step = llama_cpu_flat.forward_step
 
     def counted(model, input_ids, positions, ctx):
         taken.append(input_ids.shape[0])
         return flat_step(model, input_ids, positions, ctx)
 
-    monkeypatch.setattr(llama_cpu_step, "forward_step", counted)
+    monkeypatch.setattr(llama_cpu_flat, "forward_step", counted)
     router = MiniRouter(engine, seed=1)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 250) for _ in range(n)] for n in (5, 16, 30, 17)]

@@ -1,0 +1,113 @@
+"""A shard killed in the middle of a step, behind a router that talks to two
+tensor-parallel shards directly (the launcher would stop everything once a child died):
+the step fails with an error that names the dead rank, the request in flight ends with
+it instead of hanging, and the requests after it fail the same way."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conftest import free_port
+
+
+@dataclass
+class Stack:
+    url: str
+    shards: list[subprocess.Popen]
+    router: subprocess.Popen
+    log: Path
+
+
+def _start(argv: list[str], log: Path) -> subprocess.Popen:
+    with log.open("a") as out:
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+
+
+@pytest.fixture
+def stack(tmp_path: Path, smollm_dir: str) -> Iterator[Stack]:
+    log, master = tmp_path / "stack.log", str(free_port())
+    sockets = [str(tmp_path / f"shard-{rank}.sock") for rank in (0, 1)]
+    serve = [sys.executable, "-m", "cadence", "serve", "--model-id", smollm_dir]
+    shards = [
+        _start(
+            [
+                *serve,
+                "--uds-path",
+                path,
+                "--rank",
+                str(rank),
+                "--world-size",
+                "2",
+                "--master-port",
+                master,
+            ],
+            log,
+        )  # fmt: skip
+        for rank, path in enumerate(sockets)
+    ]
+    port = free_port()
+    router_argv = [sys.executable, "-m", "cadence.router", "--port", str(port)]
+    router_argv += ["--shard-uds-path", sockets[0], "--shard-uds-path", sockets[1]]
+    router_argv += ["--tokenizer", smollm_dir, "--model-id", "smollm"]
+    router = _start([*router_argv, "--kv-cache-bytes", str(64 << 20)], log)
+    running = Stack(f"http://127.0.0.1:{port}", shards, router, log)
+    try:
+        deadline = time.monotonic() + 300
+        while not _healthy(running.url):
+            assert router.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.5)
+        yield running
+    finally:
+        for proc in (router, *shards):
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGCONT)  # a stopped process does not act on SIGKILL
+                proc.kill()
+            proc.wait()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_a_shard_killed_mid_step_fails_that_step_naming_its_rank(stack: Stack) -> None:
+    body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 400}}
+    body["parameters"]["ignore_eos"] = True
+    events = []
+    with httpx.stream("POST", f"{stack.url}/generate_stream", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data:"):
+                continue
+            events.append(json.loads(line[5:]))
+            if len(events) == 3:
+                # Rank 0 stops answering, so the next step holds rank 1 in its all-reduce
+                # (the pause lets that step reach it; were it still on its way, it would
+                # fail the same). Then rank 1 dies: only its stream breaks.
+                os.kill(stack.shards[0].pid, signal.SIGSTOP)
+                time.sleep(1.0)
+                stack.shards[1].kill()
+    *tokens, last = events
+    assert all("token" in e for e in tokens) and len(tokens) < 400
+    assert last["error_type"] == "generation", last
+    assert last["error"].startswith("generation failed: shard 1: "), last
+
+    # The router keeps answering: later requests fail at once with the dead rank's name.
+    later = httpx.post(f"{stack.url}/generate", json=body, timeout=120)
+    assert later.status_code == 424 and "shard 1: " in later.json()["error"], later.text
+    health = httpx.get(f"{stack.url}/health", timeout=30)
+    assert health.status_code == 503 and "shard 1: " in health.json()["error"], health.text
+    assert stack.router.poll() is None
