@@ -36,8 +36,9 @@ proto:
 router:
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 
-# The shard's C++ CPU kernels, compiled for this machine into ~/.cache/cadence/kernels
-# (without a compiler the shard falls back to its torch attention backend).
+# The shard's C++ CPU kernels (one library per instruction set) and the torch operator
+# shim over them, compiled for this machine into ~/.cache/cadence/kernels (without a
+# compiler or torch's C++ headers the shard falls back to its torch attention backend).
 cpu-kernels:
 	PYTHONPATH=server $(PY) -m cadence.kernels.cpu
 

@@ -32,6 +32,7 @@ def main() -> None:
         help="every sequence and layer reads the same blocks (they stay in L2): compute alone",
     )  # fmt: skip
     a = p.parse_args()
+    cpu.select()  # $CADENCE_CPU_ISA, else the best this CPU runs: defines the operators
     torch.manual_seed(0)
     dtype = getattr(torch, a.dtype)
     kv_dtype = getattr(torch, a.kv_dtype or a.dtype)

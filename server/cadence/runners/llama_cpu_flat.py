@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-import cadence.kernels.cpu  # noqa: F401  (registers the torch.ops.cadence operators)
 from cadence.attention_backends import StepLayout
 from cadence.attention_backends.cpu_paged import CpuAttention, CpuMetadata
 from cadence.attention_backends.torch_sdpa import prefill_attention
@@ -62,7 +61,7 @@ def forward_step(
 ) -> torch.Tensor:
     """The hidden states after the final norm [T, hidden], as `LlamaModel.forward`
     computes them; rows ordered as the context's (decode rows first)."""
-    ops = torch.ops.cadence  # the C++ kernels, registered by cadence.kernels.cpu
+    ops = torch.ops.cadence  # the C++ kernels (loaded when the engine selected them)
     x = model.embed_tokens(input_ids)
     tokens = x.shape[0]
     dtype = x.dtype

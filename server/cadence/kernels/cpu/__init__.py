@@ -1,40 +1,41 @@
 """C++ kernels for the shard's CPU path (`cpu_kernels.cpp` beside this file), registered
-as torch operators in the `cadence` namespace (`torch.ops.cadence.*`, `ops.py`), with a
-plain torch reference beside each (`reference.py`), which is what the tests compare
-against.
+as torch operators in the `cadence` namespace (`torch.ops.cadence.*`) by a C++ shim
+(`cpu_ops.cpp`), with a plain torch reference beside each (`reference.py`), which is what
+the tests compare against.
 
-The source is compiled once per instruction set (`isa.ISAS`: AVX-512 with BF16, AVX-512,
-AVX2 + FMA + F16C, portable scalar), each with its own explicit `-march`, by the
-machine's C++ compiler (`builds.py`). `make install` builds every one ahead of time
-(`python -m cadence.kernels.cpu`); a missing one is built on first use. Which one the
-operators call is decided once, at start, from what the CPU reports (`selection.py`:
-`select`, `--cpu-isa`, `$CADENCE_CPU_ISA`), so a build made on one machine runs on
-another. One library per instruction set rather than one binary holding all of them: the
-inline and template functions that each copy instantiates (the standard library's among
-them) would otherwise be merged across copies by the linker, and an AVX-512 instance
-could end up called on an AVX2 CPU.
+The kernels are compiled once per instruction set (`isa.ISAS`: AVX-512 with BF16,
+AVX-512, AVX2 + FMA + F16C, portable scalar), each with its own explicit `-march`, by the
+machine's C++ compiler (`builds.py`), into plain-C libraries that know nothing of torch.
+One library per instruction set rather than one binary holding all of them: the inline
+and template functions that each copy instantiates (the standard library's among them)
+would otherwise be merged across copies by the linker, and an AVX-512 instance could end
+up called on an AVX2 CPU. The shim, which has no vector code, is compiled once against
+torch's headers. `make install` builds all of them ahead of time (`python -m
+cadence.kernels.cpu`); a missing one is built on first use. Which library the operators
+call is decided once, at start, from what the CPU reports (`selection.py`: `select`,
+`--cpu-isa`, `$CADENCE_CPU_ISA`), so a build made on one machine runs on another. The
+first selection loads the shim, which registers the operators (`torch.ops.cadence` has
+none before it), and each selection hands it the library's path (`ops.py`): it `dlopen`s
+the library and calls its entry points through function pointers.
 
-Every call goes through an operator: its arguments' shapes, dtypes, device and layout are
-checked in one place (`checks.py`, shared with the fake implementation that torch.compile
-and `torch.library.opcheck` trace with), and a kernel's non-zero status is a KernelError
-naming it. ctypes, which calls the library and releases the GIL, is used by `ops.py`
-alone. OpenMP is torch's own runtime (its libgomp is loaded before the library).
+Every call goes through an operator, and from the dispatcher on stays in C++: its
+arguments' shapes, dtypes, device and layout are checked in one place
+(`cpu_ops_checks.h`, shared with the Meta implementation that FakeTensor tracing,
+torch.compile and `torch.library.opcheck` run); a failed check is a ValueError naming the
+argument, and a kernel's non-zero status a RuntimeError naming it. OpenMP is torch's own
+runtime (its libgomp is loaded before the libraries).
 
 The functions below keep the callers' signatures (optional residual, optional out) over
-the operators. Without a compiler `available()` is False and the shard keeps the torch
-backend.
+the operators. Without a compiler, or without torch's C++ headers, `available()` is False
+and the shard keeps the torch backend.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
 from cadence.kernels.cpu import isa, ops
 from cadence.kernels.cpu.builds import KernelBuildError, build
-from cadence.kernels.cpu.checks import DTYPES
-from cadence.kernels.cpu.ops import KernelError
 from cadence.kernels.cpu.reference import (
     greedy_logprobs_ref,
     paged_decode_attention_ref,
@@ -52,10 +53,8 @@ from cadence.kernels.cpu.selection import (
 __all__ = [
     "DTYPES",
     "KernelBuildError",
-    "KernelError",
     "available",
     "build",
-    "enabled_for",
     "greedy_logprobs",
     "greedy_logprobs_ref",
     "isa",
@@ -74,18 +73,10 @@ __all__ = [
     "unavailable_reason",
 ]
 
-_cadence = torch.ops.cadence  # registered by importing `ops` above
+# The dtypes the kernels are compiled for.
+DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
 
-
-def enabled_for(t: torch.Tensor) -> bool:
-    """Whether the shard's layers take the C++ path for this tensor: a CPU tensor of a
-    supported dtype, the kernels built, and `CADENCE_CPU_KERNELS` not 0."""
-    return (
-        t.device.type == "cpu"
-        and t.dtype in DTYPES
-        and os.environ.get("CADENCE_CPU_KERNELS", "1") != "0"
-        and available()
-    )
+_cadence = torch.ops.cadence  # its operators exist once the kernels are selected
 
 
 def paged_decode_attention(

@@ -1,7 +1,13 @@
-"""The builds of `cpu_kernels.cpp`, one shared library per instruction set (`isa.ISAS`),
-compiled by the machine's C++ compiler (`$CXX`, default g++) with OpenMP into
-`~/.cache/cadence/kernels/` (or `$CADENCE_KERNEL_CACHE`), keyed by a hash of the source,
-the flags and the compiler, so an edited source or another compiler builds anew."""
+"""The builds of the C++ kernels, by the machine's C++ compiler (`$CXX`, default g++), into
+`~/.cache/cadence/kernels/` (or `$CADENCE_KERNEL_CACHE`), each keyed by a hash of its
+sources, its flags and the compiler (and torch's version for the shim), so an edited
+source, another compiler or another torch builds anew:
+
+- `build(isa)`: `cpu_kernels.cpp`, one plain-C shared library per instruction set
+  (`isa.ISAS`), with OpenMP and no torch;
+- `build_operators()`: `cpu_ops.cpp`, the operator shim, once, with the machine's baseline
+  flags (it has no vector code) against torch's headers and libraries.
+"""
 
 from __future__ import annotations
 
@@ -11,15 +17,26 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
+
+import torch
 
 from cadence.kernels.cpu import isa as isas
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+_HERE = Path(__file__).parent
+SOURCE = _HERE / "cpu_kernels.cpp"
+OPS_SOURCE = _HERE / "cpu_ops.cpp"
+# Every file each build includes (the entry points' header is shared by both).
+KERNEL_FILES = (SOURCE, _HERE / "cpu_kernels.h")
+OPS_FILES = (OPS_SOURCE, _HERE / "cpu_ops_checks.h", _HERE / "cpu_kernels.h")
 # -fno-trapping-math: loops with a select or a min/max around fast_exp (greedy's sum, the
 # generic SwiGLU) vectorize without AVX-512's masked stores (avx2 greedy: 1.5 -> 0.43 ms at
 # 32 x 49152); no FP exception flag is ever read here.
 BASE_FLAGS = ("-O3", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+# torch's headers need C++20 (this torch); -O2: the shim only checks and forwards.
+OPS_FLAGS = ("-O2", "-shared", "-fPIC", "-std=c++20", "-Wall")
+OPS_LIBS = ("-lc10", "-ltorch_cpu")  # after the source: linkers drop unneeded libraries
 
 
 class KernelBuildError(RuntimeError):
@@ -43,21 +60,53 @@ def flags(isa: str) -> tuple[str, ...]:
     return (*BASE_FLAGS, *isas.compile_flags(isa))
 
 
-def library_path(isa: str) -> Path:
-    """Where the build of this source for `isa`, by this compiler, lives."""
+def _torch_dir(name: str) -> Path:
+    path = Path(torch.__file__).parent / name
+    if not path.is_dir():
+        raise KernelBuildError(f"torch's C++ headers and libraries are not installed (no {path})")
+    return path
+
+
+def ops_flags() -> tuple[str, ...]:
+    """The shim's compile and link flags: torch's headers, its ABI, its libraries (found at
+    run time where they are now; they are loaded already whenever the shim is)."""
+    include, lib = _torch_dir("include"), _torch_dir("lib")
+    return (
+        *OPS_FLAGS,
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+        f"-I{include}",
+        f"-L{lib}",
+        f"-Wl,-rpath,{lib}",
+    )
+
+
+def _key(files: Sequence[Path], flags: Sequence[str], *extra: str) -> str:
     cxx = _compiler()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(flags(isa)).encode(), version.encode()):
+    for part in (*(f.read_bytes() for f in files), " ".join(flags).encode(), version.encode()):
         key.update(part)
-    key.update(platform.machine().encode())
-    return cache_dir() / f"cpu_kernels-{isa}-{key.hexdigest()[:16]}.so"
+    for part in (platform.machine(), *extra):
+        key.update(part.encode())
+    return key.hexdigest()[:16]
 
 
-def build(isa: str) -> Path:
-    """Compiles the kernels for `isa` unless this exact build exists; atomic (a temp file
-    renamed into place), so concurrent shards never load a half-written library."""
-    target = library_path(isa)
+def library_path(isa: str) -> Path:
+    """Where the build of the kernels for `isa`, by this compiler, lives."""
+    return cache_dir() / f"cpu_kernels-{isa}-{_key(KERNEL_FILES, flags(isa))}.so"
+
+
+def ops_path() -> Path:
+    """Where the build of the shim, by this compiler against this torch, lives."""
+    version = f"{torch.__version__} {torch.version.git_version}"
+    return cache_dir() / f"cpu_ops-{_key(OPS_FILES, ops_flags(), version)}.so"
+
+
+def _compile(
+    what: str, target: Path, flags: Sequence[str], source: Path, libs: Sequence[str] = ()
+) -> Path:
+    """Compiles `source` into `target` unless it exists; atomic (a temp file renamed into
+    place), so concurrent shards never load a half-written library."""
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -65,14 +114,22 @@ def build(isa: str) -> Path:
     os.close(fd)
     try:
         done = subprocess.run(
-            [_compiler(), *flags(isa), "-o", tmp, str(SOURCE)], capture_output=True, text=True
+            [_compiler(), *flags, "-o", tmp, str(source), *libs], capture_output=True, text=True
         )
         if done.returncode != 0:
-            raise KernelBuildError(
-                f"compiling {SOURCE.name} for {isa} failed:\n{done.stderr[-2000:]}"
-            )
+            raise KernelBuildError(f"compiling {what} failed:\n{done.stderr[-2000:]}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def build(isa: str) -> Path:
+    """The kernels for `isa`, compiled unless this exact build exists."""
+    return _compile(f"{SOURCE.name} for {isa}", library_path(isa), flags(isa), SOURCE)
+
+
+def build_operators() -> Path:
+    """The operator shim, compiled unless this exact build exists."""
+    return _compile(OPS_SOURCE.name, ops_path(), ops_flags(), OPS_SOURCE, OPS_LIBS)

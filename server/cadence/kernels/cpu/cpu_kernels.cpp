@@ -2,9 +2,10 @@
 // g++ -O3 -fopenmp once per instruction set (cadence/kernels/cpu/builds.py, isa.py); the
 // vector paths below are chosen at compile time by what that build's -march enables:
 // CADENCE_AVX512_BF16, CADENCE_AVX2, else portable. Python calls them only through the
-// torch operators of cadence/kernels/cpu/ops.py (torch.ops.cadence.*), which check every
-// shape, dtype, device and layout (checks.py): each entry point below takes raw pointers
-// and trusts them.
+// torch operators of the shim cpu_ops.cpp (torch.ops.cadence.*), which checks every
+// shape, dtype, device and layout (cpu_ops_checks.h) and calls the selected library's
+// entry points (declared in cpu_kernels.h) through function pointers: each entry point
+// below takes raw pointers and trusts them.
 //
 // Everything here is memory-bound work that torch on CPU does in several passes. The
 // entry points (extern "C", each returning a Status):
@@ -21,6 +22,8 @@
 //   - cadence_decode_layer_attention: the two before, for a decode-only step, in one call;
 // the elementwise ones each rounding where torch's layer rounds.
 // OpenMP is the same runtime torch uses (its bundled libgomp.so.1 is loaded first).
+
+#include "cpu_kernels.h"
 
 #include <cmath>
 #include <cstdint>
@@ -40,10 +43,7 @@
 
 namespace {
 
-enum DType : int { F32 = 0, BF16 = 1, F16 = 2 };
-
-// What an entry point returns (ops.py names each in its error).
-enum Status : int { OK = 0, BAD_HEADS = 1, BAD_DTYPE = 2 };
+using namespace cadence_kernels;  // DType, Status
 
 // IEEE half precision: C++ compilers spell it _Float16 on x86-64 and __fp16 on aarch64
 // (both convert to and from float with round to nearest even).

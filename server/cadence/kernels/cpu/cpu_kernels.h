@@ -1,0 +1,72 @@
+// The C entry points of cpu_kernels.cpp, declared once for both sides of the call: the
+// kernels' definitions (a definition that differs from its declaration here is a compile
+// error, both being extern "C") and the operator shim cpu_ops.cpp, which takes its
+// function-pointer types from them. Plain C ABI, no torch: one library per instruction
+// set, each dlopen'ed by the shim.
+
+#pragma once
+
+#include <cstdint>
+
+namespace cadence_kernels {
+
+// The element types an entry point takes, by code.
+enum DType : int { F32 = 0, BF16 = 1, F16 = 2 };
+
+// What an entry point returns (the shim names each in its error).
+enum Status : int { OK = 0, BAD_HEADS = 1, BAD_DTYPE = 2 };
+
+}  // namespace cadence_kernels
+
+extern "C" {
+
+// q, out: [num_seqs, num_heads, head_dim] of q_dtype; caches of kv_dtype: [num_blocks,
+// block_size, num_kv_heads, head_dim]; block_tables: [num_seqs, table_stride] int64;
+// context_lens: [num_seqs] int64 (keys visible to each query, itself included).
+// window <= 0: no sliding window.
+int cadence_paged_decode_attention(const void* q, void* out, const void* k_cache,
+                                   const void* v_cache, const int64_t* block_tables,
+                                   int64_t table_stride, const int64_t* context_lens,
+                                   int64_t num_seqs, int num_heads, int num_kv_heads,
+                                   int head_dim, int block_size, float scale, int64_t window,
+                                   int q_dtype, int kv_dtype, int num_threads);
+
+// logits: [rows, vocab] of dtype (float32 or bfloat16) -> the argmax of each row and its
+// log-probability.
+int cadence_greedy_logprobs(const void* logits, int64_t rows, int64_t vocab, int64_t* ids,
+                            float* logprobs, int dtype, int num_threads);
+
+// out = RMSNorm(x + residual) and residual_out = x + residual when residual is given,
+// else out = RMSNorm(x); all [rows, hidden] of dtype, weight [hidden].
+int cadence_rms_norm(const void* x, const void* residual, const void* weight, void* out,
+                     void* residual_out, int64_t rows, int64_t hidden, float eps, int dtype,
+                     int num_threads);
+
+// x: [rows, 2 * inter] (gate | up) -> out: [rows, inter], both of dtype.
+int cadence_silu_mul(const void* x, void* out, int64_t rows, int64_t inter, int dtype,
+                     int num_threads);
+
+// x: [tokens, heads, head_dim] of dtype, rows x_stride apart, rotated in place;
+// cos/sin: [tokens, head_dim] of dtype.
+int cadence_rotary(void* x, int64_t tokens, int heads, int head_dim, int64_t x_stride,
+                   const void* cos, const void* sin, int dtype, int num_threads);
+
+// qkv: [tokens, x_stride] of dtype (q heads | k heads | v heads per row); cos/sin:
+// [tokens, head_dim] of dtype; q_out: [tokens, heads, head_dim] of dtype; caches of
+// kv_dtype [slots, kv_heads, head_dim]; slots: [tokens] int64.
+int cadence_rotary_write_kv(const void* qkv, int64_t tokens, int64_t x_stride, int heads,
+                            int kv_heads, int head_dim, const void* cos, const void* sin,
+                            void* q_out, void* k_cache, void* v_cache, const int64_t* slots,
+                            int dtype, int kv_dtype, int num_threads);
+
+// cadence_rotary_write_kv for num_seqs new tokens (one per sequence, q_out their rotated
+// queries), then cadence_paged_decode_attention of q_out into out.
+int cadence_decode_layer_attention(const void* qkv, int64_t x_stride, const void* cos,
+                                   const void* sin, void* q_out, void* out, void* k_cache,
+                                   void* v_cache, const int64_t* slots,
+                                   const int64_t* block_tables, int64_t table_stride,
+                                   const int64_t* context_lens, int64_t num_seqs, int num_heads,
+                                   int num_kv_heads, int head_dim, int block_size, float scale,
+                                   int64_t window, int dtype, int kv_dtype, int num_threads);
+
+}  // extern "C"

@@ -1,0 +1,501 @@
+// The C++ kernels as torch operators, torch.ops.cadence.*: this shim is built once against
+// torch's headers (cadence/kernels/cpu/builds.py; no vector code, so no per-instruction-
+// set copies) and loaded with torch.ops.load_library. Each operator has a schema (what it
+// writes is marked (a!)); a CPU implementation that checks its arguments
+// (cpu_ops_checks.h), packs the tensors it only reads, and calls the entry point of the
+// selected instruction set's library through a function pointer; and a Meta one (the same
+// checks, then empty outputs) that FakeTensor tracing runs: torch.compile, export and
+// torch.library.opcheck. A kernel's non-zero status is a RuntimeError naming it.
+//
+// Registered here in C++ rather than in Python because the flat decode step calls four of
+// these a layer: the dispatcher reaches a C++ kernel without entering Python, and the
+// checks read a tensor's metadata without a Python object per size.
+//
+//     paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
+//                            sliding_window=None) -> out
+//     paged_decode_attention.out(..., sliding_window, out!)
+//     greedy_logprobs(logits) -> (ids, logprobs)
+//     rms_norm(x, weight, eps) -> out
+//     rms_norm.out(x, weight, eps, out!)
+//     add_rms_norm(residual, x, weight, eps) -> (out, residual + x)
+//     add_rms_norm_(residual!, x, weight, eps, out!)     residual += x, then out = its norm
+//     silu_mul(x) -> out
+//     silu_mul.out(x, out!)
+//     rotary_(x!, cos, sin)
+//     rotary_write_kv(qkv, heads, kv_heads, cos, sin, k_cache!, v_cache!, slot_mapping) -> q
+//     rotary_write_kv.out(..., slot_mapping, q_out!)
+//     decode_layer_attention.out(qkv, heads, kv_heads, cos, sin, k_cache!, v_cache!,
+//                                slot_mapping, block_tables, context_lens, scale,
+//                                sliding_window, q_out!, out!)
+//
+// The out= and in-place variants return nothing (the flat decode step writes its reused
+// buffers with them); the functional ones return new tensors. The outputs are positional
+// arguments, not keyword-only as in ATen's out= overloads: a keyword costs the Python
+// side of the dispatcher ~0.6 us a call (callers may still name them).
+//
+// Which library the operators call is set by _select_kernels(isa, path) (selection.py, at
+// start and when the tests switch instruction sets), read back by _selected_kernels().
+
+#include "cpu_kernels.h"
+#include "cpu_ops_checks.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#include <dlfcn.h>
+
+#include <atomic>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <tuple>
+
+namespace cadence_ops {
+namespace {
+
+using checks::AttentionSizes;
+using checks::on_cpu;
+using checks::RowSizes;
+using checks::WriteKvSizes;
+using at::Tensor;
+using c10::ScalarType;
+using c10::SymInt;
+
+// ---- the selected library's entry points -------------------------------------------------
+
+struct Kernels {
+    std::string isa;
+    decltype(&cadence_paged_decode_attention) paged_decode_attention;
+    decltype(&cadence_greedy_logprobs) greedy_logprobs;
+    decltype(&cadence_rms_norm) rms_norm;
+    decltype(&cadence_silu_mul) silu_mul;
+    decltype(&cadence_rotary) rotary;
+    decltype(&cadence_rotary_write_kv) rotary_write_kv;
+    decltype(&cadence_decode_layer_attention) decode_layer_attention;
+};
+
+// Every call reads the table through one atomic pointer; a selection swaps it. Tables are
+// never freed (nor their libraries closed): a call in flight on another thread may still
+// hold the previous one, and there are at most one per instruction set.
+std::atomic<const Kernels*> selected{nullptr};
+std::mutex loading;
+std::map<std::string, std::unique_ptr<const Kernels>> loaded;  // by library path
+
+template <typename Entry>
+void resolve(void* library, const std::string& path, const char* name, Entry& entry) {
+    entry = reinterpret_cast<Entry>(dlsym(library, name));
+    TORCH_CHECK(entry, "the CPU kernels ", path, " lack ", name);
+}
+
+// Loads the library at `path` (built for `isa`) unless it is already, and makes it the one
+// every operator calls. RTLD_LOCAL: the libraries of every instruction set export the same
+// names, so none may resolve another's.
+void select_kernels(c10::string_view isa, c10::string_view path_view) {
+    const std::string path(path_view);
+    std::lock_guard<std::mutex> guard(loading);
+    auto& table = loaded[path];
+    if (!table) {
+        void* library = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+        TORCH_CHECK(library, "loading the ", isa, " kernels failed: ", dlerror());
+        auto fresh = std::make_unique<Kernels>();
+        fresh->isa = std::string(isa);
+        resolve(library, path, "cadence_paged_decode_attention", fresh->paged_decode_attention);
+        resolve(library, path, "cadence_greedy_logprobs", fresh->greedy_logprobs);
+        resolve(library, path, "cadence_rms_norm", fresh->rms_norm);
+        resolve(library, path, "cadence_silu_mul", fresh->silu_mul);
+        resolve(library, path, "cadence_rotary", fresh->rotary);
+        resolve(library, path, "cadence_rotary_write_kv", fresh->rotary_write_kv);
+        resolve(library, path, "cadence_decode_layer_attention", fresh->decode_layer_attention);
+        table = std::move(fresh);
+    }
+    selected.store(table.get(), std::memory_order_release);
+}
+
+// The file the selected entry points live in, as the dynamic linker names it ("" before
+// any selection): what the tests compare with the library they selected.
+std::string selected_kernels() {
+    const Kernels* table = selected.load(std::memory_order_acquire);
+    Dl_info info;
+    if (!table || !dladdr(reinterpret_cast<void*>(table->paged_decode_attention), &info)) {
+        return "";
+    }
+    return info.dli_fname;
+}
+
+const Kernels& kernels() {
+    const Kernels* table = selected.load(std::memory_order_acquire);
+    TORCH_CHECK(table, "no CPU kernels are selected (cadence.kernels.cpu.select)");
+    return *table;
+}
+
+// Raises the error naming the entry point of `table` that returned a non-zero status.
+void check_status(const Kernels& table, int status, const char* entry_point) {
+    if (status == cadence_kernels::OK) return;
+    const char* why = status == cadence_kernels::BAD_HEADS
+                          ? "the query heads are not a multiple of the KV heads"
+                      : status == cadence_kernels::BAD_DTYPE ? "no kernel for the dtypes"
+                                                             : "an unknown status";
+    TORCH_CHECK(false, entry_point, " (", table.isa, " kernels) failed with status ", status,
+                ": ", why);
+}
+
+// ---- helpers ------------------------------------------------------------------------------
+
+int code(ScalarType t) {
+    switch (t) {
+        case ScalarType::BFloat16: return cadence_kernels::BF16;
+        case ScalarType::Half: return cadence_kernels::F16;
+        default: return cadence_kernels::F32;  // the checks admit no other
+    }
+}
+
+int threads() { return at::get_num_threads(); }
+
+int64_t as_int(const SymInt& size) { return size.expect_int(); }
+
+// A 2-D index tensor with each row packed (a block table may be a view of a wider one).
+c10::MaybeOwned<Tensor> packed_rows(const Tensor& t) {
+    return t.stride(1) == 1 ? c10::MaybeOwned<Tensor>::borrowed(t)
+                            : c10::MaybeOwned<Tensor>::owned(t.contiguous());
+}
+
+// Which implementation a template below is: the CPU one calls the kernel, the Meta one
+// (FakeTensor tracing) only checks and makes the outputs.
+enum class Impl { CPU, Meta };
+
+// ---- paged decode attention --------------------------------------------------------------
+
+void attend(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+            const Tensor& block_tables, const Tensor& context_lens, double scale,
+            std::optional<int64_t> window, const Tensor& out, const AttentionSizes& sizes) {
+    const int64_t seqs = as_int(sizes.seqs);
+    if (seqs == 0) return;
+    const auto q_packed = q.expect_contiguous();
+    const auto lens = context_lens.expect_contiguous();
+    const auto tables = packed_rows(block_tables);
+    const Kernels& k = kernels();
+    const int status = k.paged_decode_attention(
+        q_packed->const_data_ptr(), out.mutable_data_ptr(), k_cache.const_data_ptr(),
+        v_cache.const_data_ptr(), tables->const_data_ptr<int64_t>(), tables->stride(0),
+        lens->const_data_ptr<int64_t>(), seqs, as_int(sizes.heads), as_int(sizes.kv_heads),
+        as_int(sizes.head_dim), as_int(sizes.block_size), static_cast<float>(scale),
+        window.value_or(0), code(q.scalar_type()), code(k_cache.scalar_type()), threads());
+    check_status(k, status, "cadence_paged_decode_attention");
+}
+
+template <Impl I>
+Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                              const Tensor& block_tables, const Tensor& context_lens,
+                              double scale, std::optional<int64_t> window) {
+    constexpr const char* op = "paged_decode_attention";
+    if constexpr (I == Impl::Meta) {
+        on_cpu(op, {{"q", &q}, {"k_cache", &k_cache}, {"v_cache", &v_cache},
+                    {"block_tables", &block_tables}, {"context_lens", &context_lens}});
+    }
+    const auto sizes =
+        checks::paged_decode_attention(op, q, k_cache, v_cache, block_tables, context_lens,
+                                            nullptr);
+    Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
+    if constexpr (I == Impl::CPU) {
+        attend(q, k_cache, v_cache, block_tables, context_lens, scale, window, out, sizes);
+    }
+    return out;
+}
+
+template <Impl I>
+void paged_decode_attention_out(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                                const Tensor& block_tables, const Tensor& context_lens,
+                                double scale, std::optional<int64_t> window, const Tensor& out) {
+    constexpr const char* op = "paged_decode_attention.out";
+    if constexpr (I == Impl::Meta) {
+        on_cpu(op, {{"q", &q}, {"k_cache", &k_cache}, {"v_cache", &v_cache},
+                    {"block_tables", &block_tables}, {"context_lens", &context_lens},
+                    {"out", &out}});
+    }
+    const auto sizes =
+        checks::paged_decode_attention(op, q, k_cache, v_cache, block_tables, context_lens,
+                                            &out);
+    if constexpr (I == Impl::CPU) {
+        attend(q, k_cache, v_cache, block_tables, context_lens, scale, window, out, sizes);
+    }
+}
+
+// ---- greedy sampling ---------------------------------------------------------------------
+
+template <Impl I>
+std::tuple<Tensor, Tensor> greedy_logprobs(const Tensor& logits) {
+    constexpr const char* op = "greedy_logprobs";
+    if constexpr (I == Impl::Meta) on_cpu(op, {{"logits", &logits}});
+    const auto [rows, vocab] = checks::greedy_logprobs(op, logits);
+    Tensor ids = at::empty_symint({rows}, logits.options().dtype(at::kLong));
+    Tensor logprobs = at::empty_symint({rows}, logits.options().dtype(at::kFloat));
+    if constexpr (I == Impl::CPU) {
+        if (as_int(rows) != 0) {
+            const auto packed = logits.expect_contiguous();
+            const Kernels& k = kernels();
+            const int status = k.greedy_logprobs(
+                packed->const_data_ptr(), as_int(rows), as_int(vocab),
+                ids.mutable_data_ptr<int64_t>(), logprobs.mutable_data_ptr<float>(),
+                code(logits.scalar_type()), threads());
+            check_status(k, status, "cadence_greedy_logprobs");
+        }
+    }
+    return {ids, logprobs};
+}
+
+// ---- RMSNorm, with or without the residual add --------------------------------------------
+
+// out = RMSNorm(x (+ residual)), residual_out = x + residual; x, residual and weight packed.
+void normalize(const Tensor& x, const Tensor* residual, const Tensor& weight, const Tensor& out,
+               const Tensor* residual_out, const RowSizes& sizes, double eps) {
+    const auto x_packed = x.expect_contiguous();
+    const auto weight_packed = weight.expect_contiguous();
+    c10::MaybeOwned<Tensor> residual_packed;
+    if (residual) residual_packed = residual->expect_contiguous();
+    const Kernels& k = kernels();
+    const int status = k.rms_norm(
+        x_packed->const_data_ptr(), residual ? residual_packed->const_data_ptr() : nullptr,
+        weight_packed->const_data_ptr(), out.mutable_data_ptr(),
+        residual_out ? residual_out->mutable_data_ptr() : nullptr, as_int(sizes.rows),
+        as_int(sizes.columns), static_cast<float>(eps), code(x.scalar_type()), threads());
+    check_status(k, status, "cadence_rms_norm");
+}
+
+template <Impl I>
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+    constexpr const char* op = "rms_norm";
+    if constexpr (I == Impl::Meta) on_cpu(op, {{"x", &x}, {"weight", &weight}});
+    const auto sizes = checks::rms_norm(op, x, weight, nullptr, nullptr);
+    Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+    if constexpr (I == Impl::CPU) normalize(x, nullptr, weight, out, nullptr, sizes, eps);
+    return out;
+}
+
+template <Impl I>
+void rms_norm_out(const Tensor& x, const Tensor& weight, double eps, const Tensor& out) {
+    constexpr const char* op = "rms_norm.out";
+    if constexpr (I == Impl::Meta) on_cpu(op, {{"x", &x}, {"weight", &weight}, {"out", &out}});
+    const auto sizes = checks::rms_norm(op, x, weight, nullptr, &out);
+    if constexpr (I == Impl::CPU) normalize(x, nullptr, weight, out, nullptr, sizes, eps);
+}
+
+template <Impl I>
+std::tuple<Tensor, Tensor> add_rms_norm(const Tensor& residual, const Tensor& x,
+                                        const Tensor& weight, double eps) {
+    constexpr const char* op = "add_rms_norm";
+    if constexpr (I == Impl::Meta) {
+        on_cpu(op, {{"residual", &residual}, {"x", &x}, {"weight", &weight}});
+    }
+    const auto sizes = checks::rms_norm(op, x, weight, &residual, nullptr);
+    Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+    Tensor residual_out = at::empty_like(x, at::MemoryFormat::Contiguous);
+    if constexpr (I == Impl::CPU) normalize(x, &residual, weight, out, &residual_out, sizes, eps);
+    return {out, residual_out};
+}
+
+template <Impl I>
+void add_rms_norm_(const Tensor& residual, const Tensor& x, const Tensor& weight, double eps,
+                   const Tensor& out) {
+    constexpr const char* op = "add_rms_norm_";
+    if constexpr (I == Impl::Meta) {
+        on_cpu(op, {{"residual", &residual}, {"x", &x}, {"weight", &weight}, {"out", &out}});
+    }
+    const auto sizes = checks::rms_norm(op, x, weight, &residual, &out, true);
+    if constexpr (I == Impl::CPU) normalize(x, &residual, weight, out, &residual, sizes, eps);
+}
+
+// ---- SwiGLU ------------------------------------------------------------------------------
+
+void swiglu(const Tensor& x, const Tensor& out, const RowSizes& sizes) {
+    const auto packed = x.expect_contiguous();
+    const Kernels& k = kernels();
+    const int status = k.silu_mul(
+        packed->const_data_ptr(), out.mutable_data_ptr(), as_int(sizes.rows),
+        as_int(sizes.columns), code(x.scalar_type()), threads());
+    check_status(k, status, "cadence_silu_mul");
+}
+
+template <Impl I>
+Tensor silu_mul(const Tensor& x) {
+    constexpr const char* op = "silu_mul";
+    if constexpr (I == Impl::Meta) on_cpu(op, {{"x", &x}});
+    const auto sizes = checks::silu_mul(op, x, nullptr);
+    Tensor out = at::empty_symint({sizes.rows, sizes.columns}, x.options());
+    if constexpr (I == Impl::CPU) swiglu(x, out, sizes);
+    return out;
+}
+
+template <Impl I>
+void silu_mul_out(const Tensor& x, const Tensor& out) {
+    constexpr const char* op = "silu_mul.out";
+    if constexpr (I == Impl::Meta) on_cpu(op, {{"x", &x}, {"out", &out}});
+    const auto sizes = checks::silu_mul(op, x, &out);
+    if constexpr (I == Impl::CPU) swiglu(x, out, sizes);
+}
+
+// ---- rotary embedding, alone or with the KV-cache write (and the decode attention) --------
+
+template <Impl I>
+void rotary_(const Tensor& x, const Tensor& cos, const Tensor& sin) {
+    constexpr const char* op = "rotary_";
+    if constexpr (I == Impl::Meta) on_cpu(op, {{"x", &x}, {"cos", &cos}, {"sin", &sin}});
+    const auto sizes = checks::rotary_(op, x, cos, sin);
+    if constexpr (I == Impl::CPU) {
+        const auto cos_packed = cos.expect_contiguous();
+        const auto sin_packed = sin.expect_contiguous();
+        const Kernels& k = kernels();
+        const int status = k.rotary(
+            x.mutable_data_ptr(), as_int(sizes.tokens), as_int(sizes.heads),
+            as_int(sizes.head_dim), x.stride(0), cos_packed->const_data_ptr(),
+            sin_packed->const_data_ptr(), code(x.scalar_type()), threads());
+        check_status(k, status, "cadence_rotary");
+    }
+}
+
+void write_kv(const Tensor& qkv, int64_t heads, int64_t kv_heads, const Tensor& cos,
+              const Tensor& sin, const Tensor& k_cache, const Tensor& v_cache,
+              const Tensor& slot_mapping, const Tensor& q_out, const WriteKvSizes& sizes) {
+    const auto cos_packed = cos.expect_contiguous();
+    const auto sin_packed = sin.expect_contiguous();
+    const auto slots = slot_mapping.expect_contiguous();
+    const Kernels& k = kernels();
+    const int status = k.rotary_write_kv(
+        qkv.const_data_ptr(), as_int(sizes.tokens), qkv.stride(0), heads, kv_heads,
+        as_int(sizes.head_dim), cos_packed->const_data_ptr(), sin_packed->const_data_ptr(),
+        q_out.mutable_data_ptr(), k_cache.mutable_data_ptr(), v_cache.mutable_data_ptr(),
+        slots->const_data_ptr<int64_t>(), code(qkv.scalar_type()), code(k_cache.scalar_type()),
+        threads());
+    check_status(k, status, "cadence_rotary_write_kv");
+}
+
+template <Impl I>
+Tensor rotary_write_kv(const Tensor& qkv, int64_t heads, int64_t kv_heads, const Tensor& cos,
+                       const Tensor& sin, const Tensor& k_cache, const Tensor& v_cache,
+                       const Tensor& slot_mapping) {
+    constexpr const char* op = "rotary_write_kv";
+    if constexpr (I == Impl::Meta) {
+        on_cpu(op, {{"qkv", &qkv}, {"cos", &cos}, {"sin", &sin}, {"k_cache", &k_cache},
+                    {"v_cache", &v_cache}, {"slot_mapping", &slot_mapping}});
+    }
+    const auto sizes = checks::rotary_write_kv(op, qkv, heads, kv_heads, cos, sin, k_cache,
+                                                    v_cache, slot_mapping, nullptr);
+    Tensor q_out = at::empty_symint({sizes.tokens, heads, sizes.head_dim}, qkv.options());
+    if constexpr (I == Impl::CPU) {
+        write_kv(qkv, heads, kv_heads, cos, sin, k_cache, v_cache, slot_mapping, q_out, sizes);
+    }
+    return q_out;
+}
+
+template <Impl I>
+void rotary_write_kv_out(const Tensor& qkv, int64_t heads, int64_t kv_heads, const Tensor& cos,
+                         const Tensor& sin, const Tensor& k_cache, const Tensor& v_cache,
+                         const Tensor& slot_mapping, const Tensor& q_out) {
+    constexpr const char* op = "rotary_write_kv.out";
+    if constexpr (I == Impl::Meta) {
+        on_cpu(op, {{"qkv", &qkv}, {"cos", &cos}, {"sin", &sin}, {"k_cache", &k_cache},
+                    {"v_cache", &v_cache}, {"slot_mapping", &slot_mapping}, {"q_out", &q_out}});
+    }
+    const auto sizes = checks::rotary_write_kv(op, qkv, heads, kv_heads, cos, sin, k_cache,
+                                                    v_cache, slot_mapping, &q_out);
+    if constexpr (I == Impl::CPU) {
+        write_kv(qkv, heads, kv_heads, cos, sin, k_cache, v_cache, slot_mapping, q_out, sizes);
+    }
+}
+
+template <Impl I>
+void decode_layer_attention_out(const Tensor& qkv, int64_t heads, int64_t kv_heads,
+                                const Tensor& cos, const Tensor& sin, const Tensor& k_cache,
+                                const Tensor& v_cache, const Tensor& slot_mapping,
+                                const Tensor& block_tables, const Tensor& context_lens,
+                                double scale, std::optional<int64_t> window,
+                                const Tensor& q_out, const Tensor& out) {
+    constexpr const char* op = "decode_layer_attention.out";
+    if constexpr (I == Impl::Meta) {
+        on_cpu(op, {{"qkv", &qkv}, {"cos", &cos}, {"sin", &sin}, {"k_cache", &k_cache},
+                    {"v_cache", &v_cache}, {"slot_mapping", &slot_mapping},
+                    {"block_tables", &block_tables}, {"context_lens", &context_lens},
+                    {"q_out", &q_out}, {"out", &out}});
+    }
+    const auto sizes = checks::decode_layer_attention(op, qkv, heads, kv_heads, cos, sin,
+                                                           k_cache, v_cache, slot_mapping,
+                                                           block_tables, context_lens, q_out, out);
+    if constexpr (I == Impl::CPU) {
+        const int64_t seqs = as_int(sizes.tokens);
+        if (seqs == 0) return;
+        const auto cos_packed = cos.expect_contiguous();
+        const auto sin_packed = sin.expect_contiguous();
+        const auto slots = slot_mapping.expect_contiguous();
+        const auto lens = context_lens.expect_contiguous();
+        const auto tables = packed_rows(block_tables);
+        const Kernels& k = kernels();
+        const int status = k.decode_layer_attention(
+            qkv.const_data_ptr(), qkv.stride(0), cos_packed->const_data_ptr(),
+            sin_packed->const_data_ptr(), q_out.mutable_data_ptr(), out.mutable_data_ptr(),
+            k_cache.mutable_data_ptr(), v_cache.mutable_data_ptr(),
+            slots->const_data_ptr<int64_t>(), tables->const_data_ptr<int64_t>(),
+            tables->stride(0), lens->const_data_ptr<int64_t>(), seqs, heads, kv_heads,
+            as_int(sizes.head_dim), as_int(sizes.block_size), static_cast<float>(scale),
+            window.value_or(0), code(qkv.scalar_type()), code(k_cache.scalar_type()), threads());
+        check_status(k, status, "cadence_decode_layer_attention");
+    }
+}
+
+}  // namespace
+}  // namespace cadence_ops
+
+// ---- registration ------------------------------------------------------------------------
+
+// A fragment: other libraries may add operators to the `cadence` namespace too.
+// The arguments several schemas share.
+#define CADENCE_ATTENTION                                                                  \
+    "Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, " \
+    "float scale, int? sliding_window"
+#define CADENCE_WRITE_KV                                                                   \
+    "Tensor qkv, int heads, int kv_heads, Tensor cos, Tensor sin, Tensor(a!) k_cache, "    \
+    "Tensor(b!) v_cache, Tensor slot_mapping"
+
+// A fragment: other libraries may add operators to the `cadence` namespace too.
+TORCH_LIBRARY_FRAGMENT(cadence, m) {
+    m.def("paged_decode_attention(" CADENCE_ATTENTION "=None) -> Tensor");
+    m.def("paged_decode_attention.out(" CADENCE_ATTENTION ", Tensor(a!) out) -> ()");
+    m.def("greedy_logprobs(Tensor logits) -> (Tensor, Tensor)");
+    m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+    m.def("rms_norm.out(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");
+    m.def("add_rms_norm(Tensor residual, Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)");
+    m.def(
+        "add_rms_norm_(Tensor(a!) residual, Tensor x, Tensor weight, float eps, "
+        "Tensor(b!) out) -> ()");
+    m.def("silu_mul(Tensor x) -> Tensor");
+    m.def("silu_mul.out(Tensor x, Tensor(a!) out) -> ()");
+    m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
+    m.def("rotary_write_kv(" CADENCE_WRITE_KV ") -> Tensor");
+    m.def("rotary_write_kv.out(" CADENCE_WRITE_KV ", Tensor(c!) q_out) -> ()");
+    m.def("decode_layer_attention.out(" CADENCE_WRITE_KV
+          ", Tensor block_tables, Tensor context_lens, float scale, int? sliding_window, "
+          "Tensor(c!) q_out, Tensor(d!) out) -> ()");
+    // No tensors: these run whatever the dispatch keys (a catch-all kernel).
+    m.def("_select_kernels(str isa, str path) -> ()", TORCH_FN(cadence_ops::select_kernels));
+    m.def("_selected_kernels() -> str", TORCH_FN(cadence_ops::selected_kernels));
+}
+
+#define CADENCE_IMPLS(m, I)                                                                  \
+    m.impl("paged_decode_attention", TORCH_FN(cadence_ops::paged_decode_attention<I>));       \
+    m.impl("paged_decode_attention.out", TORCH_FN(cadence_ops::paged_decode_attention_out<I>)); \
+    m.impl("greedy_logprobs", TORCH_FN(cadence_ops::greedy_logprobs<I>));                     \
+    m.impl("rms_norm", TORCH_FN(cadence_ops::rms_norm<I>));                                   \
+    m.impl("rms_norm.out", TORCH_FN(cadence_ops::rms_norm_out<I>));                           \
+    m.impl("add_rms_norm", TORCH_FN(cadence_ops::add_rms_norm<I>));                           \
+    m.impl("add_rms_norm_", TORCH_FN(cadence_ops::add_rms_norm_<I>));                         \
+    m.impl("silu_mul", TORCH_FN(cadence_ops::silu_mul<I>));                                   \
+    m.impl("silu_mul.out", TORCH_FN(cadence_ops::silu_mul_out<I>));                           \
+    m.impl("rotary_", TORCH_FN(cadence_ops::rotary_<I>));                                     \
+    m.impl("rotary_write_kv", TORCH_FN(cadence_ops::rotary_write_kv<I>));                     \
+    m.impl("rotary_write_kv.out", TORCH_FN(cadence_ops::rotary_write_kv_out<I>));             \
+    m.impl("decode_layer_attention.out", TORCH_FN(cadence_ops::decode_layer_attention_out<I>));
+
+TORCH_LIBRARY_IMPL(cadence, CPU, m) { CADENCE_IMPLS(m, cadence_ops::Impl::CPU) }
+TORCH_LIBRARY_IMPL(cadence, Meta, m) { CADENCE_IMPLS(m, cadence_ops::Impl::Meta) }
