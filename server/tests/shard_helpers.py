@@ -3,9 +3,13 @@ known tokens, and writes StepRequest diffs the way the real scheduler does."""
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -134,3 +138,18 @@ class MiniRouter:
 def hf_logits(hf: PreTrainedModel, tokens: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return hf(torch.tensor([tokens])).logits[0].float()
+
+
+SERVER = Path(__file__).resolve().parents[1]
+
+
+def spawn_shard(model_dir: Path, uds: Path) -> subprocess.Popen[bytes]:
+    """A real shard process (`cadence.shard.server.serve`, float32) on `uds`, running this
+    checkout's code."""
+    code = (
+        "from cadence.config import ShardConfig; from cadence.shard.server import serve; "
+        f"serve(ShardConfig(model_dir={str(model_dir)!r}, uds_path={str(uds)!r}, "
+        "dtype='float32'))"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{SERVER}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return subprocess.Popen([sys.executable, "-c", code], env=env)

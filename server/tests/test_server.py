@@ -4,21 +4,16 @@ by `ShardClient`, as the launcher and the router drive it."""
 from __future__ import annotations
 
 import itertools
-import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 from cadence.pb import shard_pb2
 from cadence.shard.client import ShardClient, StepFailed, StepStream
-from shard_helpers import MiniRouter
-
-SERVER = Path(__file__).resolve().parents[1]
+from shard_helpers import MiniRouter, spawn_shard
 
 
 def numbered(stream: StepStream) -> Callable[[shard_pb2.StepRequest], shard_pb2.StepResponse]:
@@ -36,13 +31,7 @@ def numbered(stream: StepStream) -> Callable[[shard_pb2.StepRequest], shard_pb2.
 def shard(model_dirs, tmp_path) -> Iterator[tuple[ShardClient, subprocess.Popen]]:  # noqa: ANN001
     uds = tmp_path / "shard-0.sock"
     uds.write_text("stale")  # left behind by a crashed process: must be replaced
-    code = (
-        "from cadence.config import ShardConfig; from cadence.shard.server import serve; "
-        f"serve(ShardConfig(model_dir={str(model_dirs('llama_gqa'))!r}, uds_path={str(uds)!r}, "
-        "dtype='float32'))"
-    )
-    env = {**os.environ, "PYTHONPATH": f"{SERVER}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.Popen([sys.executable, "-c", code], env=env)
+    proc = spawn_shard(model_dirs("llama_gqa"), uds)
     client = ShardClient(str(uds), timeout=60)
     try:
         client.wait_ready(timeout=60)

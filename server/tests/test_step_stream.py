@@ -5,30 +5,19 @@ session, with no request of the previous one."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from cadence.pb import shard_pb2
 from cadence.shard.client import ShardClient, StepFailed
-
-SERVER = Path(__file__).resolve().parents[1]
+from shard_helpers import spawn_shard
 
 
 @pytest.fixture(scope="module")
 def shard(model_dirs, tmp_path_factory) -> Iterator[tuple[ShardClient, int]]:  # noqa: ANN001
     """A warmed shard and its number of KV blocks."""
     uds = tmp_path_factory.mktemp("stream") / "shard-0.sock"
-    code = (
-        "from cadence.config import ShardConfig; from cadence.shard.server import serve; "
-        f"serve(ShardConfig(model_dir={str(model_dirs('llama_gqa'))!r}, uds_path={str(uds)!r}, "
-        "dtype='float32'))"
-    )
-    env = {**os.environ, "PYTHONPATH": f"{SERVER}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.Popen([sys.executable, "-c", code], env=env)
+    proc = spawn_shard(model_dirs("llama_gqa"), uds)
     client = ShardClient(str(uds), timeout=60)
     try:
         client.wait_ready(timeout=60)
