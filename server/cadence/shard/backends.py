@@ -4,7 +4,6 @@ layers' per-op kernels and the model runner. The one place that maps names (the
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +15,7 @@ from cadence.attention_backends.base import Workspace
 from cadence.attention_backends.cpu_paged import CpuAttention
 from cadence.attention_backends.torch_sdpa import TorchAttention
 from cadence.config import ATTENTION_BACKENDS
+from cadence.kernels import INTERPRETED as triton_interpreted
 from cadence.kernels import cpu as cpu_kernels
 from cadence.kernels import triton_available
 from cadence.layers.kernel_ops import TORCH_OPS, LayerOps, cpu_ops, triton_ops
@@ -54,7 +54,7 @@ def attention_backend(
             raise ValueError(f"the cpu attention backend is unavailable: {cpu.reason}")
         return CpuAttention(workspace)
     if requested == "triton":
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        if device.type != "cuda" and not triton_interpreted:
             raise ValueError("the triton attention backend on CPU needs TRITON_INTERPRET=1")
         from cadence.attention_backends.triton_paged import TritonAttention  # imports triton
 
