@@ -9,12 +9,11 @@
 //! `end_session`; the next step opens a new one, on every rank. Steps already written
 //! still get their answers.
 //!
-//! Steps are written in step_id order. The batching loop hands each step over from a task
-//! of its own, so a step sent ahead may be handed over before the one it follows; it is
-//! held until that one is written (`Order`). The first step of a session is written as it
-//! comes: nothing tells which id a session starts from.
+//! A step is written when it is handed over (`Steps::submit`), so the caller's order is
+//! the order on the streams: the batching loop hands steps over in step_id order. A step
+//! out of that order is answered by the shard with an error and not run.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use futures::future::try_join_all;
@@ -43,18 +42,16 @@ struct Session {
     epoch: u64,
     /// One per rank, rank 0 first; empty until the session's first step is written.
     streams: Vec<RankStream>,
-    order: Order<(pb::StepRequest, AnswerSenders)>,
 }
 
 /// A step handed over: where its answers arrive. Dropped before its answers came (the
-/// loop abandoned it), a step still held is never written, and a step written ends its
-/// session: what it did on the shards is unknown.
+/// loop abandoned it), it ends its session: what it did on the shards is unknown.
 pub(super) struct Submitted {
     steps: Arc<Steps>,
     pub(super) epoch: u64,
     step_id: u64,
     answers: Vec<oneshot::Receiver<Answer>>,
-    /// Answered already (its answers came, or it was refused without being written).
+    /// Its answers came.
     settled: bool,
 }
 
@@ -71,39 +68,24 @@ impl Steps {
         }
     }
 
-    /// Hands a step over: written now on every rank's stream, followed by the held steps
-    /// it unblocks, or held until the step before it is written. A step whose id is not
-    /// after the last one written is answered with an error.
+    /// Hands a step over: written now on every rank's stream (opened first when this is
+    /// the session's first step).
     pub(super) fn submit(self: &Arc<Self>, request: pb::StepRequest) -> Submitted {
         let step_id = request.step_id;
         let (senders, answers): (AnswerSenders, Vec<_>) =
             self.ranks.iter().map(|_| oneshot::channel()).unzip();
         let mut session = lock(&self.session);
-        let settled = match session.order.hand_over(step_id, (request, senders)) {
-            Ok(ready) => {
-                for (request, senders) in ready {
-                    session.write(&self.ranks, request, senders);
-                }
-                false
-            }
-            Err((last, (_, senders))) => {
-                let message =
-                    format!("step {step_id} was handed over after step {last} had been sent");
-                fail(senders, &message);
-                true
-            }
-        };
+        session.write(&self.ranks, request, senders);
         Submitted {
             steps: self.clone(),
             epoch: session.epoch,
             step_id,
             answers,
-            settled,
+            settled: false,
         }
     }
 
     /// Ends the session `epoch` (any session with None): the next step opens a new one.
-    /// Its held steps fail with `why`.
     pub(super) fn end_session(&self, epoch: Option<u64>, why: &str) {
         let mut session = lock(&self.session);
         if epoch.is_none_or(|e| e == session.epoch) {
@@ -112,28 +94,15 @@ impl Steps {
     }
 }
 
-fn fail(senders: AnswerSenders, message: &str) {
-    for (rank, sender) in senders.into_iter().enumerate() {
-        let _ = sender.send(Err(ShardError {
-            rank,
-            message: message.to_string(),
-        }));
-    }
-}
-
 impl Session {
-    /// Makes way for a new session, opened by the next step; the held steps fail with
-    /// `why`. Dropping the streams ends them once the steps written are answered.
+    /// Makes way for a new session, opened by the next step. Dropping the streams ends
+    /// them once the steps written are answered.
     fn end(&mut self, why: &str) {
-        let next = Session {
+        tracing::debug!(epoch = self.epoch, why, "step session ended");
+        *self = Session {
             epoch: self.epoch + 1,
             ..Session::default()
         };
-        let ended = std::mem::replace(self, next);
-        for (request, senders) in ended.order.held.into_values() {
-            let message = format!("step {}: its session ended: {why}", request.step_id);
-            fail(senders, &message);
-        }
     }
 
     fn write(&mut self, ranks: &[Grpc<Channel>], request: pb::StepRequest, senders: AnswerSenders) {
@@ -182,7 +151,7 @@ impl Drop for Submitted {
             return;
         }
         let mut session = lock(&self.steps.session);
-        if session.epoch == self.epoch && !session.order.forget(self.step_id) {
+        if session.epoch == self.epoch {
             let why = format!("step {} was abandoned before its answer", self.step_id);
             session.end(&why);
         }
@@ -272,93 +241,4 @@ async fn read_answers(
         }
     };
     lock(&waiting).end(why);
-}
-
-/// Puts steps in step_id order: each is written right after the one before it.
-struct Order<T> {
-    last_written: Option<u64>,
-    /// Steps handed over before the step they follow was written.
-    held: BTreeMap<u64, T>,
-}
-
-impl<T> Default for Order<T> {
-    fn default() -> Self {
-        Self {
-            last_written: None,
-            held: BTreeMap::new(),
-        }
-    }
-}
-
-impl<T> Order<T> {
-    /// Takes the step `step_id`; returns the steps to write now, in order: it and the held
-    /// steps it unblocks, or none while the step before it has not come. A step not
-    /// after the last one written comes back with that one's id.
-    fn hand_over(&mut self, step_id: u64, step: T) -> Result<Vec<T>, (u64, T)> {
-        let next = match self.last_written {
-            Some(last) if step_id <= last => return Err((last, step)),
-            Some(last) => last + 1,
-            None => step_id, // the session's first step
-        };
-        if step_id != next {
-            self.held.insert(step_id, step);
-            return Ok(Vec::new());
-        }
-        let mut ready = vec![step];
-        let mut last = step_id;
-        while let Some(held) = self.held.remove(&(last + 1)) {
-            ready.push(held);
-            last += 1;
-        }
-        self.last_written = Some(last);
-        Ok(ready)
-    }
-
-    /// Drops a held step (its answer is no longer awaited); false when it is not held.
-    fn forget(&mut self, step_id: u64) -> bool {
-        self.held.remove(&step_id).is_some()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::Order;
-
-    #[test]
-    fn the_first_step_opens_the_order_and_each_next_one_is_written_at_once() {
-        let mut order = Order::default();
-        assert_eq!(order.hand_over(17, "a"), Ok(vec!["a"]));
-        assert_eq!(order.hand_over(18, "b"), Ok(vec!["b"]));
-        assert_eq!(order.hand_over(19, "c"), Ok(vec!["c"]));
-    }
-
-    #[test]
-    fn a_step_handed_over_before_the_one_it_follows_is_written_right_after_it() {
-        let mut order = Order::default();
-        assert_eq!(order.hand_over(4, "4"), Ok(vec!["4"]));
-        assert_eq!(order.hand_over(6, "6"), Ok(vec![]));
-        assert_eq!(order.hand_over(7, "7"), Ok(vec![]));
-        assert_eq!(order.hand_over(5, "5"), Ok(vec!["5", "6", "7"]));
-        assert_eq!(order.hand_over(8, "8"), Ok(vec!["8"]));
-    }
-
-    #[test]
-    fn a_step_not_after_the_last_written_comes_back() {
-        let mut order = Order::default();
-        assert_eq!(order.hand_over(4, "4"), Ok(vec!["4"]));
-        assert_eq!(order.hand_over(4, "again"), Err((4, "again")));
-        assert_eq!(order.hand_over(2, "old"), Err((4, "old")));
-        assert_eq!(order.hand_over(5, "5"), Ok(vec!["5"]));
-    }
-
-    #[test]
-    fn a_forgotten_held_step_is_never_written() {
-        let mut order = Order::default();
-        assert_eq!(order.hand_over(4, "4"), Ok(vec!["4"]));
-        assert_eq!(order.hand_over(6, "6"), Ok(vec![]));
-        assert!(order.forget(6));
-        assert!(!order.forget(4)); // written, not held
-        assert_eq!(order.hand_over(5, "5"), Ok(vec!["5"]));
-        assert!(order.held.is_empty());
-    }
 }

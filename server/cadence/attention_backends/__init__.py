@@ -21,7 +21,6 @@ Backends (`cadence.shard.backends` picks one when the engine is built):
 from cadence.attention_backends.base import (
     AttentionBackend,
     StepLayout,
-    current_context,
     forward_context,
     get_context,
 )
@@ -29,7 +28,6 @@ from cadence.attention_backends.base import (
 __all__ = [
     "AttentionBackend",
     "StepLayout",
-    "current_context",
     "forward_context",
     "get_context",
 ]

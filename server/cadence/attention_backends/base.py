@@ -8,7 +8,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import torch
 
@@ -34,12 +34,8 @@ class StepLayout:
     prefill_from_start: bool = False  # no prefill row has a cached prefix: plain causal
 
     @property
-    def num_sequences(self) -> int:
-        return int(self.context_lens.shape[0])
-
-    @property
     def num_prefill(self) -> int:
-        return self.num_sequences - self.num_decode
+        return int(self.context_lens.shape[0]) - self.num_decode
 
 
 class Workspace:
@@ -61,7 +57,11 @@ class Workspace:
         return buf[:n].view(shape)
 
 
-M = TypeVar("M")
+class StepMetadata(Protocol):
+    num_decode: int  # the first num_decode rows are decode rows, one query each
+
+
+M = TypeVar("M", bound=StepMetadata)
 
 
 class AttentionBackend(ABC, Generic[M]):
@@ -87,17 +87,13 @@ class AttentionBackend(ABC, Generic[M]):
     def prefill(self, layer: Attention, q: torch.Tensor, meta: M, out: torch.Tensor) -> None:
         """q: [Tp, heads, head_dim], the prefill tokens packed -> out (same shape)."""
 
-    @staticmethod
-    @abstractmethod
-    def num_decode(meta: M) -> int: ...
-
     def forward(
         self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: M
     ) -> torch.Tensor:
         """q: [T, heads, head_dim], k/v: [T, kv_heads, head_dim] -> [T, heads, head_dim]."""
         self.write_kv(layer, k, v, meta)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        d = self.num_decode(meta)
+        d = meta.num_decode
         if d > 0:
             self.decode(layer, q[:d], meta, out[:d])
         if d < q.shape[0]:
@@ -125,11 +121,6 @@ def forward_context(backend: AttentionBackend[Any], metadata: Any) -> Iterator[N
         yield
     finally:
         _CONTEXT = previous
-
-
-def current_context() -> StepAttention | None:
-    """The step's attention, or None outside `forward_context`."""
-    return _CONTEXT
 
 
 def get_context() -> StepAttention:

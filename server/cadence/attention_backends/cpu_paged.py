@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from cadence.attention_backends.base import AttentionBackend, StepLayout, Workspace
-from cadence.attention_backends.torch_sdpa import PaddedPrefill, prefill_attention, write_kv
+from cadence.attention_backends.torch_sdpa import PaddedPrefill, attend_prefill, write_kv
 from cadence.kernels import cpu as cpu_kernels
 
 if TYPE_CHECKING:
@@ -47,10 +47,6 @@ class CpuAttention(AttentionBackend[CpuMetadata]):
             prefill=PaddedPrefill.build(layout, self.workspace),
         )
 
-    @staticmethod
-    def num_decode(meta: CpuMetadata) -> int:
-        return meta.num_decode
-
     def write_kv(
         self, layer: Attention, k: torch.Tensor, v: torch.Tensor, meta: CpuMetadata
     ) -> None:
@@ -67,9 +63,4 @@ class CpuAttention(AttentionBackend[CpuMetadata]):
     def prefill(
         self, layer: Attention, q: torch.Tensor, meta: CpuMetadata, out: torch.Tensor
     ) -> None:
-        assert meta.prefill is not None
-        out.copy_(
-            prefill_attention(
-                q, layer.k_cache, layer.v_cache, meta.prefill, layer.scale, layer.sliding_window
-            )
-        )
+        attend_prefill(layer, q, meta.prefill, out)

@@ -209,6 +209,17 @@ def prefill_attention(
     return out.transpose(1, 2)[p.seq, p.col]
 
 
+def attend_prefill(
+    layer: Attention, q: torch.Tensor, p: PaddedPrefill | None, out: torch.Tensor
+) -> None:
+    """The prefill rows of `layer` through padded SDPA, into `out` (the torch and cpu
+    backends' prefill)."""
+    assert p is not None
+    out.copy_(
+        prefill_attention(q, layer.k_cache, layer.v_cache, p, layer.scale, layer.sliding_window)
+    )
+
+
 class TorchAttention(AttentionBackend[TorchMetadata]):
     name = "torch"
     description = "torch gather + SDPA"
@@ -223,10 +234,6 @@ class TorchAttention(AttentionBackend[TorchMetadata]):
             decode=PaddedDecode.build(layout, self.workspace),
             prefill=PaddedPrefill.build(layout, self.workspace),
         )
-
-    @staticmethod
-    def num_decode(meta: TorchMetadata) -> int:
-        return meta.num_decode
 
     def write_kv(
         self, layer: Attention, k: torch.Tensor, v: torch.Tensor, meta: TorchMetadata
@@ -248,9 +255,4 @@ class TorchAttention(AttentionBackend[TorchMetadata]):
     def prefill(
         self, layer: Attention, q: torch.Tensor, meta: TorchMetadata, out: torch.Tensor
     ) -> None:
-        assert meta.prefill is not None
-        out.copy_(
-            prefill_attention(
-                q, layer.k_cache, layer.v_cache, meta.prefill, layer.scale, layer.sliding_window
-            )
-        )
+        attend_prefill(layer, q, meta.prefill, out)

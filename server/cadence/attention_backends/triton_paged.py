@@ -43,10 +43,6 @@ class TritonAttention(AttentionBackend[TritonMetadata]):
             max_query_len=layout.max_query_len,
         )
 
-    @staticmethod
-    def num_decode(meta: TritonMetadata) -> int:
-        return meta.num_decode
-
     def write_kv(
         self, layer: Attention, k: torch.Tensor, v: torch.Tensor, meta: TritonMetadata
     ) -> None:

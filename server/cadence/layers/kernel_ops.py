@@ -99,9 +99,7 @@ def cpu_ops(isa: str) -> LayerOps:
     def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if logits.dim() == 2 and logits.dtype in (torch.float32, torch.bfloat16):
             return cpu.greedy_logprobs(logits)
-        logits = logits.float()
-        ids = logits.argmax(dim=-1)
-        return ids, logits.log_softmax(dim=-1).gather(1, ids.unsqueeze(1)).squeeze(1)
+        return cpu.greedy_logprobs_ref(logits)
 
     return LayerOps(
         rms_norm=rms_norm,

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cadence.layers.kernel_ops import RotaryFn, UsesLayerOps, rotary_torch
+from cadence.layers.kernel_ops import RotaryFn, UsesLayerOps
 
 
 def rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
@@ -74,8 +74,3 @@ class RotaryEmbedding(UsesLayerOps, nn.Module):
     def angles(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         cos, sin = self.cos_sin(positions, dtype)
         return Rope(cos, sin, self.ops.rotary)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim] -> a new tensor, rotated with plain torch."""
-    return rotary_torch(x, cos, sin)

@@ -8,7 +8,7 @@ arithmetic. `forward_step` does per layer four matrix products and a few C++ ope
 (`torch.ops.cadence`) -- RMSNorm with the residual add; the rotary, cache write and
 attention (for a decode-only step all in one call; otherwise rotary + cache write for
 every token in one, the decode rows' paged attention, and the prefill rows through the
-torch backend's `prefill_attention`); RMSNorm; SwiGLU -- with the norms and the attention
+torch backend's `attend_prefill`); RMSNorm; SwiGLU -- with the norms and the attention
 writing into buffers reused by every layer. Every operation rounds as the model's forward
 does, so both give the same bits (`server/tests/test_llama_cpu_flat.py`); tensor
 parallelism all-reduces after the two row-parallel products as the layers do.
@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from cadence.attention_backends import StepLayout
 from cadence.attention_backends.cpu_paged import CpuAttention, CpuMetadata
-from cadence.attention_backends.torch_sdpa import prefill_attention
+from cadence.attention_backends.torch_sdpa import attend_prefill
 from cadence.layers.linear import LinearBase
 from cadence.layers.packed import linear
 from cadence.models.llama import LlamaForCausalLM, LlamaModel
@@ -106,10 +106,7 @@ def forward_step(
                     q_heads[:d], k_cache, v_cache, tables, lens, cache.scale, window,
                     attended_heads[:d],
                 )  # fmt: skip
-            q = q_rotated[d:].view(-1, heads, head_dim)
-            assert ctx.prefill is not None
-            out = prefill_attention(q, k_cache, v_cache, ctx.prefill, cache.scale, window)
-            attended[d:].view(-1, heads, head_dim).copy_(out)
+            attend_prefill(cache, q_heads[d:], ctx.prefill, attended_heads[d:])
         x = _row_parallel(attn.o_proj, attended)
         norm(layer.post_attention_layernorm.weight, x, True, normed)
         gate_up = _linear(layer.mlp.gate_up_proj, normed)

@@ -961,28 +961,27 @@ inline void silu_mul_row_f32(const float* gate, const float* up, float* out, int
 }
 #endif
 
+// Runs a vector row kernel `row(gate, up, out, inter)` over every row of [gate | up].
+template <typename T, typename Row>
+void silu_mul_rows(const void* x, void* out, int64_t rows, int64_t inter, int num_threads,
+                   Row row) {
+    const auto* xs = static_cast<const T*>(x);
+    auto* os = static_cast<T*>(out);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t r = 0; r < rows; ++r)
+        row(xs + r * 2 * inter, xs + r * 2 * inter + inter, os + r * inter, inter);
+}
+
 // SwiGLU over a fused projection x = [gate | up]: out = round(round(silu(gate)) * up).
 template <int DT>
 void silu_mul_all(const void* x, void* out, int64_t rows, int64_t inter, int num_threads) {
 #ifdef CADENCE_AVX512_BF16
-    if (DT == BF16 && inter % 16 == 0) {
-        const auto* xs = static_cast<const uint16_t*>(x);
-        auto* os = static_cast<uint16_t*>(out);
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-        for (int64_t r = 0; r < rows; ++r)
-            silu_mul_row_bf16(xs + r * 2 * inter, xs + r * 2 * inter + inter, os + r * inter, inter);
-        return;
-    }
+    if (DT == BF16 && inter % 16 == 0)
+        return silu_mul_rows<uint16_t>(x, out, rows, inter, num_threads, silu_mul_row_bf16);
 #endif
 #ifdef CADENCE_AVX2
-    if (DT == F32 && inter % 8 == 0) {
-        const auto* xs = static_cast<const float*>(x);
-        auto* os = static_cast<float*>(out);
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-        for (int64_t r = 0; r < rows; ++r)
-            silu_mul_row_f32(xs + r * 2 * inter, xs + r * 2 * inter + inter, os + r * inter, inter);
-        return;
-    }
+    if (DT == F32 && inter % 8 == 0)
+        return silu_mul_rows<float>(x, out, rows, inter, num_threads, silu_mul_row_f32);
 #endif
 #pragma omp parallel num_threads(num_threads)
     {
