@@ -12,6 +12,7 @@ pub mod args;
 pub mod blocks;
 pub mod chat;
 pub mod client;
+pub mod constraints;
 pub mod detokenize;
 pub mod error;
 pub mod infer;

@@ -88,6 +88,9 @@ pub struct Sequence {
     pub pending: usize,
     /// It generates at most this many tokens: never scheduled past them.
     pub max_new_tokens: usize,
+    /// Trailing tokens of `token_ids` the router appended without the shards sampling
+    /// them (forced by a grammar); sent with its next continuing step.
+    pub forced_unsent: usize,
     /// Member of the batch being formed or run (dynamic and static batching).
     in_batch: bool,
 }
@@ -111,6 +114,7 @@ impl Sequence {
             started: false,
             pending: 0,
             max_new_tokens: usize::MAX,
+            forced_unsent: 0,
             in_batch: false,
         }
     }
@@ -342,6 +346,21 @@ impl Scheduler {
                 true
             }
             None => false,
+        }
+    }
+
+    /// Appends tokens a grammar forced after the request's last sampled token: known
+    /// without sampling, computed by its next step as a short chunk (the shards learn
+    /// them with it). Needs nothing pending: a step scheduled ahead would not carry them.
+    pub fn append_forced(&mut self, id: RequestId, tokens: &[u32]) -> bool {
+        match self.running_index(id) {
+            Some(i) if self.running[i].pending == 0 => {
+                let seq = &mut self.running[i];
+                seq.token_ids.extend_from_slice(tokens);
+                seq.forced_unsent += tokens.len();
+                true
+            }
+            _ => false,
         }
     }
 
@@ -707,10 +726,12 @@ impl Scheduler {
             let table = self.blocks.table(id);
             let seq = &mut self.running[i];
             if seq.on_shard {
+                let forced_from = seq.token_ids.len() - seq.forced_unsent;
                 step.continuing.push(pb::ContinuingRequest {
                     id,
                     num_compute: n as u32,
                     new_blocks: table[seq.blocks_sent..].to_vec(),
+                    forced_tokens: seq.token_ids[forced_from..].to_vec(),
                 });
             } else {
                 step.joined.push(pb::NewRequest {
@@ -728,6 +749,7 @@ impl Scheduler {
                 });
                 seq.on_shard = true;
             }
+            seq.forced_unsent = 0;
             seq.blocks_sent = table.len();
             seq.num_computed += n;
             out.num_tokens += n;

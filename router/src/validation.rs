@@ -8,6 +8,7 @@ use serde::Deserialize;
 use utoipa::ToSchema;
 
 use crate::args::Limits;
+use crate::constraints::Constraint;
 use crate::detokenize::TokenizerInfo;
 use crate::error::InferError;
 use crate::pb;
@@ -36,6 +37,9 @@ pub struct Extra {
     /// The answer is streamed: every sample is sent as it is generated, so none can be
     /// left out (`best_of` must equal `n`).
     pub stream: bool,
+    /// What the output must match (OpenAI's `response_format`, vLLM's `guided_*`,
+    /// tool calls); TGI's `parameters.grammar` is read by validation itself.
+    pub constraint: Option<Constraint>,
 }
 
 /// `POST /generate`, `/generate_stream` and `/`.
