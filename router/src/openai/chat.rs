@@ -1,6 +1,6 @@
 //! `POST /v1/chat/completions`: the messages rendered by the model's chat template
-//! (`crate::chat`), `n` choices, logprobs in the chat shape. Tools and JSON response
-//! formats are refused until they are supported.
+//! (`crate::chat`), `n` choices, logprobs in the chat shape, structured outputs
+//! (`guided`). Tools are refused until they are supported.
 
 use std::collections::HashMap;
 
@@ -13,6 +13,7 @@ use utoipa::ToSchema;
 
 use super::error::{ApiError, OpenAiError, OpenAiJson, ParamNames};
 use super::generate;
+use super::guided::GuidedFields;
 use super::logprobs::ChatLogprobs;
 use super::sampling::{Sampling, StopInput};
 use super::stream::{self, ChunkUsage, Chunks, StreamOptions};
@@ -69,9 +70,9 @@ pub struct ChatRequest {
     /// Alternatives per token with logprobs (needs logprobs: true).
     pub top_logprobs: Option<u32>,
     pub seed: Option<u64>,
-    /// `{"type": "text"}`; JSON modes are not supported yet.
-    #[schema(value_type = Option<Object>)]
-    pub response_format: Option<Value>,
+    /// Structured output: `response_format` and vLLM's `guided_*` / `structured_outputs`.
+    #[serde(flatten)]
+    pub guided: GuidedFields,
     /// Not supported yet (must be absent, null or empty).
     #[schema(value_type = Option<Vec<Object>>)]
     pub tools: Option<Vec<Value>>,
@@ -216,6 +217,7 @@ pub async fn chat_completions(
     let stream = r.stream.unwrap_or(false);
     let (parameters, mut extra) = sampling.into_parameters()?;
     extra.stream = stream;
+    extra.constraint = r.guided.constraint()?;
     let n = extra.n.max(1) as usize;
     // The template writes the special tokens itself.
     let prompt = Prompt::Text {
@@ -274,18 +276,6 @@ pub async fn chat_completions(
 
 /// Refuses what the request asks that cadence cannot do yet (rather than ignoring it).
 fn refuse_unsupported(r: &ChatRequest) -> Result<(), ApiError> {
-    if let Some(format) = r.response_format.as_ref().filter(|f| !f.is_null()) {
-        let kind = format.get("type").and_then(Value::as_str).unwrap_or("");
-        if kind != "text" {
-            return Err(ApiError::invalid(
-                "response_format",
-                format!(
-                    "type {kind:?} is not supported yet (no grammar-constrained decoding); \
-                     only \"text\" is"
-                ),
-            ));
-        }
-    }
     if r.tools.as_ref().is_some_and(|t| !t.is_empty()) {
         return Err(ApiError::invalid(
             "tools",

@@ -11,6 +11,7 @@ use utoipa::ToSchema;
 
 use super::error::{ApiError, OpenAiError, OpenAiJson, ParamNames};
 use super::generate::{self, Answered};
+use super::guided::GuidedFields;
 use super::logprobs::CompletionLogprobs;
 use super::sampling::{Sampling, StopInput};
 use super::stream::{self, ChunkUsage, Chunks, StreamOptions};
@@ -64,6 +65,9 @@ pub struct CompletionRequest {
     pub repetition_penalty: Option<f32>,
     /// vLLM's extension: generate past the end-of-sequence token up to the token limit.
     pub ignore_eos: Option<bool>,
+    /// Structured output: `response_format` and vLLM's `guided_*` / `structured_outputs`.
+    #[serde(flatten)]
+    pub guided: GuidedFields,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -167,6 +171,7 @@ pub async fn completions(
     };
     let (parameters, mut extra) = sampling.into_parameters()?;
     extra.stream = stream;
+    extra.constraint = r.guided.constraint()?;
     let n = extra.n.max(1) as usize;
     let submitted = generate::submit_all(&state, prompts, parameters, extra, NAMES).await?;
     let tokenizer = state.infer.validation.tokenizer.clone();

@@ -30,6 +30,7 @@ pub struct OpenAiError {
 pub(super) type ParamNames = &'static [(&'static str, &'static str)];
 
 /// An error answered in OpenAI's shape.
+#[derive(Debug)]
 pub struct ApiError {
     status: StatusCode,
     /// Also sent alone as an SSE event when a stream fails after it started.

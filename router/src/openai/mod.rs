@@ -13,6 +13,7 @@ mod chat;
 mod completions;
 mod error;
 mod generate;
+mod guided;
 mod logprobs;
 mod models;
 mod sampling;
@@ -35,6 +36,7 @@ pub use chat::{
 pub use completions::{
     __path_completions, completions, Completion, CompletionChoice, CompletionRequest, PromptInput,
 };
+pub use guided::GuidedFields;
 pub use error::{ApiError, OpenAiError, OpenAiErrorDetail, OpenAiJson};
 pub use logprobs::{ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob};
 pub use models::{__path_models, models, Model, ModelList};
