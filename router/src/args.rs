@@ -103,6 +103,21 @@ pub struct Args {
     #[arg(long, env = "CADENCE_NO_ASYNC_SCHEDULING")]
     pub no_async_scheduling: bool,
 
+    /// Longest a request's grammar (JSON schema, regex, choice, Lark grammar, tools) may
+    /// take to compile; past it that request fails with an error naming the field, and
+    /// others are not held up. Compiled grammars are cached.
+    #[arg(
+        long,
+        default_value_t = 5000,
+        env = "CADENCE_GRAMMAR_COMPILE_TIMEOUT_MS"
+    )]
+    pub grammar_compile_timeout_ms: u64,
+
+    /// Do not append the tokens a grammar forces (a JSON key, a closing brace) without
+    /// sampling: sample every token under its mask instead.
+    #[arg(long, env = "CADENCE_NO_GRAMMAR_FAST_FORWARD")]
+    pub no_grammar_fast_forward: bool,
+
     /// When waiting requests join: continuous (every step), dynamic (a batch forms when
     /// --max-batch-size requests wait or --batch-timeout-ms passes), static (a batch forms
     /// from what waits and runs until its longest member ends), none (one at a time).

@@ -43,11 +43,12 @@ use crate::access::Access;
 use crate::args::{Args, LogFormat};
 use crate::chat::ChatTemplate;
 use crate::client::ShardClient;
+use crate::constraints::{Compiler, MaskShape};
 use crate::detokenize::TokenizerInfo;
 use crate::error::RouterError;
 use crate::infer::{Infer, LoopConfig};
 use crate::server::{AppState, Info};
-use crate::validation::Validation;
+use crate::validation::{Constraints, Validation};
 
 /// How long to wait for the shards' sockets at start.
 const CONNECT_WAIT: Duration = Duration::from_secs(60);
@@ -158,10 +159,12 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
         version: env!("CARGO_PKG_VERSION"),
         router: "cadence",
     };
+    let constraints = structured_outputs(&args, &tokenizer, info);
     let validation = Validation {
         tokenizer,
         limits,
         model_id: args.model_id.clone(),
+        constraints,
     };
     let config = LoopConfig {
         scheduler: args.scheduler_config(cache),
@@ -169,6 +172,11 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
         max_waiting_requests: args.max_waiting_requests,
         model_id: args.model_id.clone(),
         async_scheduling: !args.no_async_scheduling,
+        mask_shape: MaskShape {
+            logits_width: logits_width(&validation.tokenizer, info),
+            eos: info.eos_token_ids.clone().into(),
+        },
+        grammar_fast_forward: !args.no_grammar_fast_forward,
     };
     let infer = Infer::spawn(
         shards.clone(),
@@ -200,6 +208,32 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
         .await?;
     tracing::info!("shut down");
     Ok(())
+}
+
+/// Rows of the model's logits (the tokenizer's size when the shard does not say).
+fn logits_width(tokenizer: &TokenizerInfo, info: &pb::InfoResponse) -> usize {
+    match info.vocab_size {
+        0 => tokenizer.vocab_size(),
+        n => n as usize,
+    }
+}
+
+/// The grammar compiler for the model's vocabulary (its logits' width, its EOS ids), or
+/// why structured outputs cannot be offered (constrained requests then get that reason).
+fn structured_outputs(
+    args: &Args,
+    tokenizer: &TokenizerInfo,
+    info: &pb::InfoResponse,
+) -> Constraints {
+    let width = logits_width(tokenizer, info);
+    let bound = std::time::Duration::from_millis(args.grammar_compile_timeout_ms);
+    let compiler = constraints::tok_env(tokenizer.tokenizer.clone(), width, &info.eos_token_ids)
+        .and_then(|env| Compiler::new(&env, bound))
+        .map(std::sync::Arc::new);
+    if let Err(why) = &compiler {
+        tracing::warn!(%why, "structured outputs are unavailable");
+    }
+    compiler
 }
 
 async fn shutdown_signal() {

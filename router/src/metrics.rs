@@ -11,6 +11,11 @@ use std::sync::Mutex;
 const SECONDS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
 ];
+/// Grammar work in seconds, 10 µs to 10 s (per-step masks are usually well under 1 ms).
+const GRAMMAR_SECONDS: &[f64] = &[
+    0.00001, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+    0.5, 1.0, 2.5, 5.0, 10.0,
+];
 const BATCH_SIZES: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0];
 const BATCH_TOKENS: &[f64] = &[
     1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0,
@@ -111,12 +116,17 @@ pub struct Metrics {
     pub requests_rejected: Counter,
     pub requests_succeeded: Counter,
     pub requests_failed: Counter,
+    pub constrained_requests: Counter,
+    pub grammar_cache_hits: Counter,
+    pub fast_forward_tokens: Counter,
     pub batch_size: Histogram,
     pub batch_tokens: Histogram,
     pub queue_time: Histogram,
     pub ttft: Histogram,
     pub itl: Histogram,
     pub e2e: Histogram,
+    pub grammar_compile: Histogram,
+    pub grammar_mask: Histogram,
 }
 
 impl Metrics {
@@ -140,12 +150,17 @@ impl Metrics {
             requests_rejected: Counter::default(),
             requests_succeeded: Counter::default(),
             requests_failed: Counter::default(),
+            constrained_requests: Counter::default(),
+            grammar_cache_hits: Counter::default(),
+            fast_forward_tokens: Counter::default(),
             batch_size: Histogram::new(BATCH_SIZES),
             batch_tokens: Histogram::new(BATCH_TOKENS),
             queue_time: Histogram::new(SECONDS),
             ttft: Histogram::new(SECONDS),
             itl: Histogram::new(SECONDS),
             e2e: Histogram::new(SECONDS),
+            grammar_compile: Histogram::new(GRAMMAR_SECONDS),
+            grammar_mask: Histogram::new(GRAMMAR_SECONDS),
         }
     }
 
@@ -198,7 +213,7 @@ impl Metrics {
                 g.get()
             );
         }
-        let counters: [(&str, &str, &Counter); 8] = [
+        let counters: [(&str, &str, &Counter); 11] = [
             (
                 "cadence_prefix_cache_queries_total",
                 "Prompt tokens looked up in the prefix cache.",
@@ -239,6 +254,21 @@ impl Metrics {
                 "Requests that ended with an error.",
                 &self.requests_failed,
             ),
+            (
+                "cadence_constrained_requests_total",
+                "Requests admitted with a grammar (structured output or tool calls).",
+                &self.constrained_requests,
+            ),
+            (
+                "cadence_grammar_cache_hits_total",
+                "Constrained requests whose grammar was already compiled.",
+                &self.grammar_cache_hits,
+            ),
+            (
+                "cadence_grammar_fast_forward_tokens_total",
+                "Tokens a grammar forced, appended without sampling (computed as a prefill chunk).",
+                &self.fast_forward_tokens,
+            ),
         ];
         for (name, help, c) in counters {
             let _ = writeln!(
@@ -265,7 +295,7 @@ impl Metrics {
             let name = "cadence_shard_prompt_tokens_computed_total";
             let _ = writeln!(out, "# HELP {name} Prompt tokens the shard's forward passes computed (prefill), counted by the shard.\n# TYPE {name} counter\n{name}{{{l}}} {prompt}");
         }
-        let histograms: [(&str, &str, &Histogram); 6] = [
+        let histograms: [(&str, &str, &Histogram); 8] = [
             ("cadence_batch_size", "Requests per step.", &self.batch_size),
             (
                 "cadence_batch_tokens",
@@ -291,6 +321,16 @@ impl Metrics {
                 "cadence_e2e_request_latency_seconds",
                 "Arrival to last token.",
                 &self.e2e,
+            ),
+            (
+                "cadence_grammar_compile_seconds",
+                "Compiling a request's grammar (cache misses only).",
+                &self.grammar_compile,
+            ),
+            (
+                "cadence_grammar_mask_seconds",
+                "Computing the allowed-token masks of one step's constrained requests.",
+                &self.grammar_mask,
             ),
         ];
         for (name, help, h) in histograms {

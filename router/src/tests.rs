@@ -17,13 +17,25 @@ use tower::ServiceExt;
 use crate::args::Limits;
 use crate::chat::ChatTemplate;
 use crate::client::Backend;
+use crate::constraints::{tok_env, Compiler, MaskShape};
 use crate::detokenize::testing;
 use crate::error::ShardError;
 use crate::infer::{Infer, LoopConfig};
 use crate::pb;
 use crate::scheduler::SchedulerConfig;
 use crate::server::{router, AppState, Info};
-use crate::validation::Validation;
+use crate::validation::{Constraints, Validation};
+
+/// The grammar compiler over the test tokenizer.
+fn testing_constraints() -> Constraints {
+    let tokenizer = testing::tokenizer();
+    let env = tok_env(
+        tokenizer.tokenizer.clone(),
+        tokenizer.vocab_size(),
+        &[testing::eos_id()],
+    )?;
+    Ok(Arc::new(Compiler::new(&env, Duration::from_secs(5))?))
+}
 
 const BLOCK_SIZE: usize = 4;
 const MAX_BATCH_TOKENS: usize = 32;
@@ -77,6 +89,8 @@ struct FakeState {
     /// Step calls received and not yet answered, and the most at once.
     outstanding: usize,
     max_outstanding: usize,
+    /// Tokens received as forced (fast-forwarded) by continuing requests.
+    forced: usize,
 }
 
 #[derive(Clone)]
@@ -119,7 +133,28 @@ impl FakeShard {
         }
     }
 
+    /// `token` if the mask allows it, else the next allowed id above it (wrapping).
+    fn masked(token: u32, mask: Option<&pb::AllowedTokens>) -> u32 {
+        let Some(mask) = mask else {
+            return token;
+        };
+        let width = mask.words.len() as u32 * 32;
+        let ok = |t: u32| mask.words[t as usize / 32] >> (t % 32) & 1 == 1;
+        (0..width)
+            .map(|i| (token + i) % width)
+            .find(|&t| ok(t))
+            .expect("the router never sends an empty mask")
+    }
+
     fn apply(&self, s: &mut FakeState, req: pb::StepRequest) -> pb::StepResponse {
+        for a in &req.allowed {
+            if !req.joined.iter().any(|j| j.id == a.id)
+                && !req.continuing.iter().any(|c| c.id == a.id)
+            {
+                s.violations
+                    .push(format!("a mask for request {} not in the step", a.id));
+            }
+        }
         let mut v = Vec::new();
         for id in &req.removed {
             if s.requests.remove(id).is_none() {
@@ -150,7 +185,11 @@ impl FakeShard {
             .collect();
         for c in &req.continuing {
             match s.requests.get_mut(&c.id) {
-                Some(r) => r.blocks.extend(&c.new_blocks),
+                Some(r) => {
+                    r.blocks.extend(&c.new_blocks);
+                    r.tokens.extend(&c.forced_tokens);
+                    s.forced += c.forced_tokens.len();
+                }
                 None => v.push(format!("continuing unknown request {}", c.id)),
             }
             scheduled.push((c.id, c.num_compute as usize));
@@ -197,7 +236,8 @@ impl FakeShard {
             computed_tokens += n;
             s.prompt_computed += r.prompt_len.saturating_sub(r.computed).min(n);
             let done = r.computed + n == r.tokens.len();
-            let token = done.then(|| self.next_token(r));
+            let mask = req.allowed.iter().find(|a| a.id == id);
+            let token = done.then(|| Self::masked(self.next_token(r), mask));
             let r = s.requests.get_mut(&id).unwrap();
             r.computed += n;
             if let Some(token) = token {
@@ -397,6 +437,7 @@ impl Setup {
             tokenizer: testing::tokenizer(),
             limits,
             model_id: "test-model".into(),
+            constraints: testing_constraints(),
         };
         let config = LoopConfig {
             scheduler: SchedulerConfig::new(
@@ -409,6 +450,11 @@ impl Setup {
             max_waiting_requests: max_waiting,
             model_id: "test-model".into(),
             async_scheduling,
+            mask_shape: MaskShape {
+                logits_width: testing::tokenizer().vocab_size(),
+                eos: vec![testing::eos_id()].into(),
+            },
+            grammar_fast_forward: true,
         };
         let infer = Infer::spawn(shard.clone(), validation, max_concurrent, config);
         let app = router(AppState {
@@ -577,8 +623,20 @@ async fn each_invalid_parameter_is_a_422_naming_the_field_on_both_routes() {
         (p(json!({"top_n_tokens": 6})), "max_top_n_tokens"),
         (p(json!({"watermark": true})), "watermark"),
         (
-            p(json!({"grammar": {"type": "json", "value": {}}})),
-            "grammar",
+            p(json!({"grammar": {"type": "yaml", "value": {}}})),
+            "parameters.grammar.type",
+        ),
+        (
+            p(json!({"grammar": {"type": "json"}})),
+            "parameters.grammar.value",
+        ),
+        (
+            p(json!({"grammar": {"type": "json", "value": {"type": "nope"}}})),
+            "parameters.grammar",
+        ),
+        (
+            p(json!({"grammar": {"type": "regex", "value": "(unclosed"}})),
+            "parameters.grammar",
         ),
         (p(json!({"adapter_id": "lora-x"})), "adapter_id"),
         (p(json!({"top_n_tokens": 50})), "top_n_tokens"),
@@ -1571,5 +1629,105 @@ async fn streaming_refuses_best_of_on_the_tgi_routes_and_frees_the_slot() {
     let (status, v) = h.post("/generate", body).await;
     assert_eq!(status, StatusCode::OK, "{v}");
     assert_eq!(rejected(&h).await, 0);
+    h.assert_protocol_ok();
+}
+
+/// Whether `text` matches `regex` as a whole (checked with llguidance's own regex
+/// compiler, independent of the masks under test: a one-grammar matcher fed the bytes).
+fn full_match(regex: &str, text: &str) -> bool {
+    use llguidance::api::TopLevelGrammar;
+    let env = toktrie::ApproximateTokEnv::single_byte_env();
+    let factory = llguidance::ParserFactory::new_simple(&env).unwrap();
+    let parser = factory.create_parser(TopLevelGrammar::from_regex(regex));
+    let mut m = llguidance::Matcher::new(parser);
+    let tokens: Vec<u32> = text.bytes().map(u32::from).collect();
+    m.consume_tokens(&tokens).is_ok() && m.is_accepting().unwrap_or(false)
+}
+
+#[tokio::test]
+async fn tgi_grammar_constrains_the_output_and_ends_it_with_eos() {
+    for setup in [setup(Script::Hash), setup(Script::Hash).synchronous()] {
+        let h = setup.build();
+        let regex = "[0-9]{3}-[a-z]{2}";
+        let body = json!({"inputs": "hello", "parameters": {
+            "max_new_tokens": 20, "details": true,
+            "grammar": {"type": "regex", "value": regex}}});
+        let (status, v) = h.post("/generate", body).await;
+        assert_eq!(status, StatusCode::OK, "{v}");
+        let text = v["generated_text"].as_str().unwrap();
+        assert!(full_match(regex, text), "{text:?}");
+        assert_eq!(v["details"]["finish_reason"], "eos_token", "{v}");
+        h.assert_protocol_ok();
+        let (_, _, metrics) = h.get("/metrics").await;
+        assert!(metrics.contains("cadence_constrained_requests_total{model=\"test-model\"} 1\n"));
+    }
+}
+
+#[tokio::test]
+async fn a_json_schema_output_parses_and_forced_keys_are_fast_forwarded() {
+    let h = harness(Script::Hash);
+    let schema = json!({"type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 5},
+                       "tag": {"enum": ["red", "green"]}},
+        "required": ["name", "tag"], "additionalProperties": false});
+    let body = json!({"prompt": "hello", "max_tokens": 40, "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}});
+    let (status, v) = h.post("/v1/completions", body).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let text = v["choices"][0]["text"].as_str().unwrap();
+    let parsed: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+    assert!(
+        parsed["name"].as_str().unwrap().chars().count() <= 5,
+        "{parsed}"
+    );
+    assert!(
+        ["red", "green"].contains(&parsed["tag"].as_str().unwrap()),
+        "{parsed}"
+    );
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    h.assert_protocol_ok();
+    let forced = h.shard_state().forced;
+    assert!(forced > 0, "the keys are forced");
+    let (_, _, metrics) = h.get("/metrics").await;
+    let line =
+        format!("cadence_grammar_fast_forward_tokens_total{{model=\"test-model\"}} {forced}\n");
+    assert!(metrics.contains(&line), "{metrics}");
+    // Usage counts forced tokens as generated.
+    assert_eq!(
+        v["usage"]["completion_tokens"].as_u64().unwrap() as usize,
+        ids(text).len() + 1,
+        "the text's tokens and the EOS"
+    );
+}
+
+#[tokio::test]
+async fn choices_with_n_samples_each_match_and_bad_grammars_are_400s_naming_the_field() {
+    let h = harness(Script::Seeded);
+    let body = json!({"prompt": "hello", "max_tokens": 10, "n": 3, "seed": 7,
+        "guided_choice": ["yes", "no", "maybe"]});
+    let (status, v) = h.post("/v1/completions", body).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    for choice in v["choices"].as_array().unwrap() {
+        let text = choice["text"].as_str().unwrap();
+        assert!(["yes", "no", "maybe"].contains(&text), "{text:?}");
+    }
+    let cases = [
+        (json!({"guided_regex": "(a"}), "guided_regex"),
+        (
+            json!({"guided_grammar": "start: nothing_here"}),
+            "guided_grammar",
+        ),
+        (
+            json!({"response_format": {"type": "json_schema",
+                 "json_schema": {"schema": {"type": "object", "minProperties": "x"}}}}),
+            "response_format",
+        ),
+    ];
+    for (mut body, field) in cases {
+        body["prompt"] = json!("hello");
+        let (status, v) = h.post("/v1/completions", body.clone()).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{body}: {v}");
+        assert_eq!(v["error"]["param"], field, "{v}");
+    }
     h.assert_protocol_ok();
 }

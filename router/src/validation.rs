@@ -8,7 +8,7 @@ use serde::Deserialize;
 use utoipa::ToSchema;
 
 use crate::args::Limits;
-use crate::constraints::Constraint;
+use crate::constraints::{Compiled, Compiler, Constraint, Grammar};
 use crate::detokenize::TokenizerInfo;
 use crate::error::InferError;
 use crate::pb;
@@ -104,7 +104,8 @@ pub struct GenerateParameters {
     pub ignore_eos: Option<bool>,
     /// Return this many most likely alternatives per token (at most --max-top-n-tokens).
     pub top_n_tokens: Option<u32>,
-    /// Not yet supported (must be null).
+    /// Constrains the output: `{"type": "json", "value": <JSON schema>}` or
+    /// `{"type": "regex", "value": "<regular expression>"}`.
     #[schema(value_type = Option<Object>)]
     pub grammar: Option<serde_json::Value>,
     /// The base model's id or null (no adapters are loaded).
@@ -132,7 +133,15 @@ pub struct ValidRequest {
     pub prefix: Option<String>,
     pub top_n_tokens: u32,
     pub adapter_id: String,
+    /// The grammar its output must match, compiled.
+    pub grammar: Option<Compiled>,
+    /// How long compiling it took (`None`: unconstrained, or found in the cache).
+    pub grammar_compile_time: Option<std::time::Duration>,
 }
+
+/// Structured outputs' compiler, or why there is none (the tokenizer's vocabulary could
+/// not be read as bytes).
+pub type Constraints = Result<std::sync::Arc<Compiler>, String>;
 
 /// Checks requests against the limits and tokenizes them.
 #[derive(Clone)]
@@ -140,6 +149,7 @@ pub struct Validation {
     pub tokenizer: TokenizerInfo,
     pub limits: Limits,
     pub model_id: String,
+    pub constraints: Constraints,
 }
 
 fn invalid(message: impl Into<String>) -> InferError {
@@ -270,9 +280,10 @@ impl Validation {
         if p.watermark == Some(true) {
             return Err(invalid("parameters.watermark: true is not supported"));
         }
-        if p.grammar.as_ref().is_some_and(|g| !g.is_null()) {
-            return Err(invalid("parameters.grammar is not yet supported"));
-        }
+        let constraint = match p.grammar.as_ref().filter(|g| !g.is_null()) {
+            Some(grammar) => Some(tgi_grammar(grammar)?),
+            None => extra.constraint.clone(),
+        };
         let adapter_id = match p.adapter_id.as_deref() {
             None | Some("") => String::new(),
             Some(id) if id == self.model_id => String::new(),
@@ -314,7 +325,7 @@ impl Validation {
                 )));
             }
         }
-        let (sampling, seed) = sampling(&p, extra.logit_bias)?;
+        let (sampling, seed) = sampling(&p, extra.logit_bias.clone())?;
         // Choosing among samples needs them to differ; n greedy copies are allowed.
         if best_of > n && !sampling.do_sample {
             return Err(invalid(format!(
@@ -395,6 +406,22 @@ impl Validation {
                 "parameters.best_of > {n} is not supported when streaming"
             )));
         }
+        let (grammar, grammar_compile_time) = match &constraint {
+            None => (None, None),
+            Some(constraint) => {
+                let compiler = self.constraints.as_ref().map_err(|why| {
+                    invalid(format!(
+                        "{}: structured outputs are unavailable for this model: {why}",
+                        constraint.field
+                    ))
+                })?;
+                let (compiled, took) = compiler
+                    .compile(constraint)
+                    .await
+                    .map_err(|e| invalid(e.0))?;
+                (Some(compiled), took)
+            }
+        };
         Ok(ValidRequest {
             input_ids,
             n,
@@ -409,6 +436,48 @@ impl Validation {
             prefix: p.return_full_text.unwrap_or(false).then_some(inputs),
             top_n_tokens,
             adapter_id,
+            grammar,
+            grammar_compile_time,
         })
     }
+}
+
+/// TGI's `parameters.grammar`: `{"type": "json", "value": <schema, or a string holding
+/// one>}` or `{"type": "regex", "value": "<regex>"}`.
+fn tgi_grammar(grammar: &serde_json::Value) -> Result<Constraint, InferError> {
+    let field = "parameters.grammar";
+    let kind = grammar.get("type").and_then(|t| t.as_str()).unwrap_or("");
+    let value = grammar
+        .get("value")
+        .filter(|v| !v.is_null())
+        .ok_or_else(|| invalid(format!("{field}.value is required")))?;
+    let grammar = match kind {
+        "json" | "json_schema" => {
+            let schema = match value {
+                serde_json::Value::String(text) => serde_json::from_str(text)
+                    .map_err(|e| invalid(format!("{field}.value is not a JSON schema: {e}")))?,
+                other => other.clone(),
+            };
+            if !schema.is_object() {
+                return Err(invalid(format!(
+                    "{field}.value must be a JSON schema object, got {schema}"
+                )));
+            }
+            Grammar::JsonSchema(schema)
+        }
+        "regex" => match value.as_str() {
+            Some(regex) if !regex.is_empty() => Grammar::Regex(regex.to_string()),
+            _ => {
+                return Err(invalid(format!(
+                    "{field}.value must be a non-empty regular expression"
+                )))
+            }
+        },
+        other => {
+            return Err(invalid(format!(
+                "{field}.type must be \"json\" or \"regex\", got {other:?}"
+            )))
+        }
+    };
+    Ok(Constraint::new(field, grammar))
 }

@@ -102,5 +102,7 @@ class LaunchConfig:
     batching: str | None = _router()
     batch_timeout_ms: int | None = _router()
     max_waiting_requests: int | None = _router()
+    grammar_compile_timeout_ms: int | None = _router()
+    no_grammar_fast_forward: bool = _router(False)
     no_prefix_caching: bool = _router(False)
     check_rank_agreement: bool = _router(False)  # the router compares every rank's step answer

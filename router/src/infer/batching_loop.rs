@@ -15,6 +15,7 @@ use super::output::Entry;
 use super::siblings::Sibling;
 use crate::blocks::RequestId;
 use crate::client::Backend;
+use crate::constraints::MaskShape;
 use crate::detokenize::TokenizerInfo;
 use crate::error::{InferError, ShardError};
 use crate::metrics::Metrics;
@@ -31,6 +32,10 @@ pub struct LoopConfig {
     pub model_id: String,
     /// Schedule step N + 1 while step N runs (see the module documentation of `infer`).
     pub async_scheduling: bool,
+    /// The logits' width and EOS ids, for constrained requests' masks.
+    pub mask_shape: MaskShape,
+    /// Append the tokens a grammar forces without sampling them.
+    pub grammar_fast_forward: bool,
 }
 
 /// A step sent to the shards whose answer has not been applied yet.
@@ -56,6 +61,8 @@ pub(super) struct Loop<B> {
     /// Nothing can run before then (a dynamic batch waiting to fill).
     wake_at: Option<Instant>,
     async_scheduling: bool,
+    pub(super) mask_shape: MaskShape,
+    pub(super) fast_forward: bool,
     /// The oldest step sent and not yet applied.
     pub(super) in_flight: Option<InFlight>,
 }
@@ -82,6 +89,8 @@ pub(super) async fn run<B: Backend>(
         metrics,
         wake_at: None,
         async_scheduling: config.async_scheduling,
+        mask_shape: config.mask_shape,
+        fast_forward: config.grammar_fast_forward,
         in_flight: None,
     };
     loop {
@@ -134,7 +143,7 @@ impl<B: Backend> Loop<B> {
         self.entries.remove(&id)
     }
 
-    fn fail(&mut self, id: RequestId, error: InferError) {
+    pub(super) fn fail(&mut self, id: RequestId, error: InferError) {
         if let Some(entry) = self.retire(id) {
             self.metrics.requests_failed.add(1);
             let _ = entry.events.send(Err(error));
@@ -157,9 +166,10 @@ impl<B: Backend> Loop<B> {
             }
         }
         // Siblings fork from their first sample's state as of its first token: no step
-        // may be scheduled past that before it is applied.
+        // may be scheduled past that before it is applied. A constrained request's mask
+        // needs its previous token, so none is scheduled ahead while one is in the loop.
         let mut next = None;
-        if self.async_scheduling && self.siblings.is_empty() {
+        if self.async_scheduling && self.siblings.is_empty() && !self.any_constrained() {
             let schedule = self.scheduler.schedule_ahead();
             next = self.send(schedule).await;
             self.wake_at = None; // decided again once the step in flight is applied
@@ -191,10 +201,11 @@ impl<B: Backend> Loop<B> {
                 "KV cache full: preempted"
             );
         }
-        let Some(step) = schedule.step else {
+        let Some(mut step) = schedule.step else {
             self.wake_at = schedule.wake_at;
             return None;
         };
+        step.allowed = self.masks(&schedule.samples);
         let sent = Instant::now();
         for joined in &step.joined {
             if let Some(entry) = self.entries.get_mut(&joined.id) {
@@ -212,6 +223,42 @@ impl<B: Backend> Loop<B> {
             sent,
             answer: tokio::spawn(answer),
         })
+    }
+
+    /// Whether a request with a grammar is queued or running.
+    fn any_constrained(&self) -> bool {
+        self.entries.values().any(|e| e.grammar.is_some())
+    }
+
+    /// The allowed-token masks of the constrained requests among `samples`. A request
+    /// whose grammar fails here gets an EOS-only mask and fails (its token is dropped).
+    fn masks(&mut self, samples: &[RequestId]) -> Vec<pb::AllowedTokens> {
+        let started = Instant::now();
+        let mut masks = Vec::new();
+        let mut failed = Vec::new();
+        for &id in samples {
+            let Some(grammar) = self.entries.get_mut(&id).and_then(|e| e.grammar.as_mut()) else {
+                continue;
+            };
+            let words = grammar.allowed(&self.mask_shape).unwrap_or_else(|e| {
+                failed.push((id, e));
+                let mut words = vec![0u32; self.mask_shape.logits_width.div_ceil(32)];
+                for &eos in self.mask_shape.eos.iter() {
+                    words[eos as usize / 32] |= 1 << (eos % 32);
+                }
+                words
+            });
+            masks.push(pb::AllowedTokens { id, words });
+        }
+        if !masks.is_empty() {
+            self.metrics
+                .grammar_mask
+                .observe(started.elapsed().as_secs_f64());
+        }
+        for (id, message) in failed {
+            self.fail(id, InferError::Generation(message));
+        }
+        masks
     }
 
     /// Waits for a step's answer and applies it; false when the step failed (every

@@ -11,8 +11,11 @@ use tokio::sync::{mpsc, OwnedSemaphorePermit};
 use super::batching_loop::Loop;
 use super::events::{End, EventResult, FinishReason, Token, TokenEvent};
 use super::handle::QueueSlot;
+use crate::blocks::RequestId;
 use crate::client::Backend;
+use crate::constraints::GrammarState;
 use crate::detokenize::{Detokenizer, TokenizerInfo};
+use crate::error::InferError;
 use crate::pb;
 use crate::scheduler::Sequence;
 use crate::stop::StopMatcher;
@@ -25,6 +28,11 @@ pub(super) struct Entry {
     stop: StopMatcher,
     max_new_tokens: usize,
     ignore_eos: bool,
+    /// Where the request is in its grammar (structured outputs, tool calls).
+    pub(super) grammar: Option<GrammarState>,
+    /// Alternatives asked per token: forced tokens have none to give, so a request that
+    /// asks for them samples every token.
+    top_n_tokens: u32,
     input_length: usize,
     generated: usize,
     text: String,
@@ -62,6 +70,7 @@ impl<B: Backend> Loop<B> {
         };
         let mut accepted = Vec::with_capacity(generation.token_ids.len());
         let mut finished = false;
+        let mut grammar_error = None;
         let tokenizer = &self.tokenizer;
         let to_tokens = |top: &pb::TopTokens| -> Vec<Token> {
             top.ids
@@ -139,11 +148,72 @@ impl<B: Backend> Loop<B> {
             if finished {
                 break;
             }
+            if let Err(message) = entry.advance_grammar(token_id, &self.eos) {
+                grammar_error = Some(message);
+                break;
+            }
+        }
+        if let Some(message) = grammar_error {
+            self.fail(id, InferError::Generation(message));
+            return;
+        }
+        if finished {
+            self.retire(id);
+            return;
+        }
+        self.scheduler.append_tokens(id, &accepted);
+        self.fast_forward(id);
+    }
+
+    /// Appends the tokens `id`'s grammar forces next, as generated tokens the next step
+    /// computes (a short chunk) instead of sampling them one step each.
+    fn fast_forward(&mut self, id: RequestId) {
+        let no_pending = self.scheduler.get(id).is_some_and(|s| s.pending == 0);
+        let Some(entry) = self.entries.get_mut(&id) else {
+            return;
+        };
+        if !self.fast_forward || !no_pending || entry.top_n_tokens > 0 {
+            return;
+        }
+        let Some(grammar) = entry.grammar.as_mut() else {
+            return;
+        };
+        // The last allowed token is sampled, so that length ends a request as it would
+        // without fast-forward.
+        let room = entry.max_new_tokens.saturating_sub(entry.generated + 1);
+        let forced = grammar.fast_forward(room);
+        if forced.is_empty() {
+            return;
+        }
+        let mut appended = Vec::with_capacity(forced.len());
+        let mut finished = false;
+        for &token_id in &forced {
+            self.metrics.generation_tokens.add(1);
+            self.metrics.fast_forward_tokens.add(1);
+            let event = entry.on_token(&self.tokenizer, &self.eos, token_id, None, Vec::new());
+            appended.push(token_id);
+            finished = event.end.is_some();
+            if let Some(end) = &event.end {
+                self.metrics
+                    .e2e
+                    .observe(entry.queued_at.elapsed().as_secs_f64());
+                self.metrics.requests_succeeded.add(1);
+                tracing::info!(
+                    id,
+                    generated_tokens = end.generated_tokens,
+                    finish_reason = ?end.finish_reason,
+                    "finished"
+                );
+            }
+            let _ = entry.events.send(Ok(event));
+            if finished {
+                break;
+            }
         }
         if finished {
             self.retire(id);
         } else {
-            self.scheduler.append_tokens(id, &accepted);
+            self.scheduler.append_forced(id, &appended);
         }
     }
 }
@@ -163,6 +233,8 @@ impl Entry {
             stop: StopMatcher::new(request.stop.clone()),
             max_new_tokens: request.max_new_tokens,
             ignore_eos: request.ignore_eos,
+            grammar: request.grammar.as_ref().map(GrammarState::new),
+            top_n_tokens: request.top_n_tokens,
             input_length: seq.prompt_len,
             generated: 0,
             text: String::new(),
@@ -176,6 +248,15 @@ impl Entry {
             last_token_at: None,
             slot: Some(shared.slot.clone()),
             _permit: shared.permit.clone(),
+        }
+    }
+
+    /// Moves the request's grammar past a token it took; EOS is not fed (it ends the
+    /// request, or with `ignore_eos` the grammar has already ended).
+    fn advance_grammar(&mut self, token: u32, eos: &HashSet<u32>) -> Result<(), String> {
+        match self.grammar.as_mut() {
+            Some(grammar) if !eos.contains(&token) => grammar.commit(token),
+            _ => Ok(()),
         }
     }
 

@@ -47,6 +47,13 @@ impl<B: Backend> Loop<B> {
             slot: Arc::new(slot),
             permit: Arc::new(permit),
         };
+        if request.grammar.is_some() {
+            self.metrics.constrained_requests.add(1);
+            match request.grammar_compile_time {
+                Some(took) => self.metrics.grammar_compile.observe(took.as_secs_f64()),
+                None => self.metrics.grammar_cache_hits.add(1),
+            }
+        }
         let first = self.next_id;
         for (index, events) in samples.into_iter().enumerate() {
             // Siblings get their id when they start (a fork's id must be the newest).

@@ -34,9 +34,8 @@ pub struct GuidedFields {
 
 fn schema_of(field: &str, value: Value) -> Result<Value, ApiError> {
     let schema = match value {
-        Value::String(text) => serde_json::from_str(&text).map_err(|e| {
-            ApiError::invalid(field, format!("is not a JSON schema: {e}"))
-        })?,
+        Value::String(text) => serde_json::from_str(&text)
+            .map_err(|e| ApiError::invalid(field, format!("is not a JSON schema: {e}")))?,
         other => other,
     };
     match schema {
@@ -196,7 +195,10 @@ mod tests {
                 json!({"guided_json": schema.to_string()}),
                 Some(Grammar::JsonSchema(schema.clone())),
             ),
-            (json!({"guided_regex": "a+"}), Some(Grammar::Regex("a+".into()))),
+            (
+                json!({"guided_regex": "a+"}),
+                Some(Grammar::Regex("a+".into())),
+            ),
             (
                 json!({"guided_choice": ["x", "y"]}),
                 Some(Grammar::Choice(vec!["x".into(), "y".into()])),
@@ -211,7 +213,10 @@ mod tests {
             ),
         ];
         for (body, want) in cases {
-            let got = fields(body.clone()).constraint().unwrap().map(|c| c.grammar);
+            let got = fields(body.clone())
+                .constraint()
+                .unwrap()
+                .map(|c| c.grammar);
             assert_eq!(got, want, "{body}");
         }
     }
@@ -219,14 +224,20 @@ mod tests {
     #[test]
     fn errors_name_the_field() {
         let cases = [
-            (json!({"response_format": {"type": "yaml"}}), "response_format.type"),
+            (
+                json!({"response_format": {"type": "yaml"}}),
+                "response_format.type",
+            ),
             (
                 json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}),
                 "response_format.json_schema.schema",
             ),
             (json!({"guided_json": "{not json"}), "guided_json"),
             (json!({"guided_choice": []}), "guided_choice"),
-            (json!({"structured_outputs": {"regex": "a", "choice": ["b"]}}), "structured_outputs"),
+            (
+                json!({"structured_outputs": {"regex": "a", "choice": ["b"]}}),
+                "structured_outputs",
+            ),
             (
                 json!({"guided_regex": "a", "response_format": {"type": "json_object"}}),
                 "guided_regex",
@@ -234,7 +245,11 @@ mod tests {
         ];
         for (body, field) in cases {
             let err = fields(body.clone()).constraint().unwrap_err();
-            assert_eq!(err.body.error.param.as_deref(), Some(field), "{body}: {err:?}");
+            assert_eq!(
+                err.body.error.param.as_deref(),
+                Some(field),
+                "{body}: {err:?}"
+            );
         }
     }
 }

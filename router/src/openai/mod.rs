@@ -36,8 +36,8 @@ pub use chat::{
 pub use completions::{
     __path_completions, completions, Completion, CompletionChoice, CompletionRequest, PromptInput,
 };
-pub use guided::GuidedFields;
 pub use error::{ApiError, OpenAiError, OpenAiErrorDetail, OpenAiJson};
+pub use guided::GuidedFields;
 pub use logprobs::{ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob};
 pub use models::{__path_models, models, Model, ModelList};
 pub use sampling::StopInput;
