@@ -144,6 +144,17 @@ def _launch_parser(sub: Any) -> None:
     add("--api-key-file", help="file of accepted API keys, one per line")
     add("--cors-allow-origin", help="CORS origins allowed (comma-separated, or *)")
     _add_scheduler_flags(p, add)
+    add(
+        "--grammar-compile-timeout-ms",
+        type=_positive_int,
+        help="longest a request's grammar (JSON schema, regex, choice, tools) may take to "
+        "compile; past it that request fails alone",
+    )
+    add_switch(
+        p,
+        "--no-grammar-fast-forward",
+        help="sample every constrained token instead of appending the tokens a grammar forces",
+    )
     _add_log_format(add)
     add("--uds-dir", help="folder for the shards' unix sockets (default: a fresh temp folder)")
     add(

@@ -46,14 +46,20 @@ async def _events(response: aiohttp.ClientResponse) -> AsyncIterator[dict[str, A
             yield event
 
 
-def _tgi_body(req: BenchRequest, ignore_eos: bool) -> dict[str, Any]:
+def _tgi_body(
+    req: BenchRequest, ignore_eos: bool, json_schema: dict[str, Any] | None
+) -> dict[str, Any]:
     parameters: dict[str, Any] = {"max_new_tokens": req.output_len, "details": True}
     if ignore_eos:
         parameters["ignore_eos"] = True
+    if json_schema is not None:
+        parameters["grammar"] = {"type": "json", "value": json_schema}
     return {"inputs": req.prompt, "parameters": parameters}
 
 
-def _openai_body(req: BenchRequest, ignore_eos: bool, model: str) -> dict[str, Any]:
+def _openai_body(
+    req: BenchRequest, ignore_eos: bool, model: str, json_schema: dict[str, Any] | None
+) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": model,
         "prompt": req.prompt,
@@ -64,6 +70,11 @@ def _openai_body(req: BenchRequest, ignore_eos: bool, model: str) -> dict[str, A
     }
     if ignore_eos:
         body["ignore_eos"] = True
+    if json_schema is not None:
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "bench", "schema": json_schema},
+        }
     return body
 
 
@@ -100,13 +111,15 @@ async def send(
     req: BenchRequest,
     ignore_eos: bool,
     model: str = "",
+    json_schema: dict[str, Any] | None = None,
 ) -> RequestOutput:
-    """Never raises: a failure becomes an unsuccessful RequestOutput with the error."""
+    """Never raises: a failure becomes an unsuccessful RequestOutput with the error.
+    `json_schema`: the output is constrained to it (structured outputs)."""
     out = RequestOutput(success=False, prompt_len=req.prompt_len)
     if backend == "tgi":
-        path, body = "/generate_stream", _tgi_body(req, ignore_eos)
+        path, body = "/generate_stream", _tgi_body(req, ignore_eos, json_schema)
     else:
-        path, body = "/v1/completions", _openai_body(req, ignore_eos, model)
+        path, body = "/v1/completions", _openai_body(req, ignore_eos, model, json_schema)
     start = time.perf_counter()
     times: list[float] = []
     reported: int | None = None

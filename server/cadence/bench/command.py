@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import shlex
 from typing import TYPE_CHECKING, Any
 
@@ -139,6 +140,12 @@ def add_workload_flags(p: argparse.ArgumentParser) -> None:
     )
     _flag(t, "--max-concurrency", type=int, help="most requests in flight")
     _switch(t, "--ignore-eos", "always generate output-len")
+    _flag(
+        t,
+        "--json-schema",
+        help="JSON schema file: every request's output is constrained to it "
+        "(TGI's parameters.grammar, OpenAI's response_format)",
+    )
     o = p.add_argument_group("output")
     _flag(o, "--result-file", help="write the metrics here as JSON")
     _switch(o, "--no-progress", "no progress bar")
@@ -200,6 +207,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         model=args.model,
         seed=args.seed,
         progress=not args.no_progress,
+        json_schema=_read_json(args.json_schema) if args.json_schema else None,
     )
     if args.base_url:
         result = measure(cfg, requests)
@@ -212,6 +220,11 @@ def run_bench_command(args: argparse.Namespace) -> int:
     if args.result_file:
         save_json(result, args.result_file)
     return 0 if result["failed"] == 0 else 1
+
+
+def _read_json(path: str) -> Any:
+    with open(path) as f:
+        return json.load(f)
 
 
 def _plain(value: Any) -> Any:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from tqdm import tqdm
 
@@ -26,6 +27,8 @@ class RunConfig:
     model: str | None = None
     seed: int = 0
     progress: bool = True
+    # every request's output constrained to this JSON schema (structured outputs)
+    json_schema: dict[str, Any] | None = None
 
 
 async def run_benchmark(
@@ -43,7 +46,7 @@ async def run_benchmark(
 
         async def one(req: BenchRequest) -> RequestOutput:
             async with cap:
-                out = await send(client, cfg.backend, req, cfg.ignore_eos, model)
+                out = await send(client, cfg.backend, req, cfg.ignore_eos, model, cfg.json_schema)
             bar.update(1)
             return out
 
@@ -61,5 +64,7 @@ async def run_benchmark(
 
 def warm_up(cfg: RunConfig, request: BenchRequest) -> None:
     """One short request first, so the first measured one doesn't pay for lazy setup."""
-    quiet = RunConfig(cfg.url, cfg.backend, model=cfg.model, progress=False)
+    quiet = RunConfig(
+        cfg.url, cfg.backend, model=cfg.model, progress=False, json_schema=cfg.json_schema
+    )
     asyncio.run(run_benchmark(quiet, [request]))
