@@ -1,10 +1,12 @@
 """Vectorized sampling for a whole batch: one pass of tensor ops over the rows that
 sample this step, no per-request Python.
 
-Order: logit bias (OpenAI's, added to the raw logits), repetition penalty (over prompt +
-generated ids, as in transformers), frequency and presence penalties (over generated
-ids, as in vLLM / OpenAI), then for sampling rows temperature, top-k, top-p, typical-p,
-min-p, and a draw. Greedy rows take the argmax of the penalized logits.
+Order: the allowed-token mask of a constrained row (structured outputs: a disallowed
+token's logit becomes -inf, so nothing after can bring it back), logit bias (OpenAI's,
+added to the raw logits), repetition penalty (over prompt + generated ids, as in
+transformers), frequency and presence penalties (over generated ids, as in vLLM /
+OpenAI), then for sampling rows temperature, top-k, top-p, typical-p, min-p, and a draw.
+Greedy rows take the argmax of the penalized logits.
 
 Each row's draw is a pure function of (seed, position of the sampled token): one
 uniform number from an integer hash of the two, turned into a token by inverse-CDF
@@ -94,6 +96,10 @@ class SamplingBatch:
     bias_rows: torch.Tensor | None = None
     bias_ids: torch.Tensor | None = None
     bias_values: torch.Tensor | None = None
+    # allowed-token masks of the constrained rows, None when no row has one: the rows
+    # [M] and their packed bits [M, ceil(vocab / 32)] int32 (`unpack_allowed`)
+    allowed_rows: torch.Tensor | None = None
+    allowed_words: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -124,6 +130,29 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     lo = _mix32(h ^ 0x85EBCA6B)
     bits = ((h >> 11) << 32) | lo  # 53 random bits
     return bits.double() / float(1 << 53)
+
+
+def unpack_allowed(words: torch.Tensor, width: int) -> torch.Tensor:
+    """Packed masks [M, W] (int32 holding each uint32 word's bits; bit t % 32 of word
+    t // 32 is token t, least significant first) -> bool [M, width], W * 32 >= width.
+    Unpacked a byte at a time, so the widest intermediate is one uint8 per token."""
+    m, device = words.shape[0], words.device
+    byte_shifts = torch.arange(0, 32, 8, dtype=words.dtype, device=device)
+    # [M, W, 4]: each word's bytes, least significant first (arithmetic shifts of the
+    # int32 keep the low bits right)
+    octets = words.unsqueeze(-1).bitwise_right_shift(byte_shifts).bitwise_and_(0xFF)
+    octets = octets.to(torch.uint8)
+    bit_shifts = torch.arange(8, dtype=torch.uint8, device=device)
+    bits = octets.unsqueeze(-1).bitwise_right_shift(bit_shifts).bitwise_and_(1)
+    return bits.view(m, -1)[:, :width].bool()
+
+
+def mask_disallowed(logits: torch.Tensor, rows: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    """A copy of `logits` (any float dtype) whose rows `rows` have the tokens their masks
+    `words` disallow at -inf."""
+    disallowed = unpack_allowed(words, logits.shape[1]).logical_not_()
+    masked = logits[rows].masked_fill_(disallowed, float("-inf"))
+    return logits.index_put((rows,), masked)
 
 
 def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
@@ -185,7 +214,11 @@ def sample(
     logits: torch.Tensor, b: SamplingBatch, greedy_kernel: GreedyFn | None = None
 ) -> SampleOutput:
     """logits: [R, vocab] of the rows that sample this step. `greedy_kernel` (the shard's
-    bound `LayerOps.greedy`) serves all-greedy batches without top-n alternatives."""
+    bound `LayerOps.greedy`) serves all-greedy batches without top-n alternatives; it
+    reads masked rows' -inf entries as probability 0."""
+    if b.allowed_rows is not None:
+        assert b.allowed_words is not None
+        logits = mask_disallowed(logits, b.allowed_rows, b.allowed_words)
     greedy = not b.any_sample and b.max_top_n == 0
     unchanged = b.bias_rows is None and PENALTY not in b.features
     if greedy and unchanged and greedy_kernel is not None:

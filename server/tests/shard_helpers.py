@@ -7,7 +7,7 @@ import os
 import random
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -84,13 +84,19 @@ class MiniRouter:
             top_n_tokens=top_n,
         )
 
-    def cont(self, rid: int, num_compute: int | None = None) -> shard_pb2.ContinuingRequest:
-        """Next chunk of a prefill (`num_compute`), or the decode of the last token."""
+    def cont(
+        self, rid: int, num_compute: int | None = None, forced: Sequence[int] = ()
+    ) -> shard_pb2.ContinuingRequest:
+        """Next chunk of a prefill (`num_compute`), or the decode of the last token; with
+        `forced` tokens appended first (a grammar's fast-forward), every known token."""
         r = self.reqs[rid]
+        r.tokens += forced
         n = len(r.tokens) - r.computed if num_compute is None else num_compute
         new = self._blocks_for(r, r.computed + n)
         r.computed += n
-        return shard_pb2.ContinuingRequest(id=rid, num_compute=n, new_blocks=new)
+        return shard_pb2.ContinuingRequest(
+            id=rid, num_compute=n, new_blocks=new, forced_tokens=forced
+        )
 
     def remove(self, rid: int) -> int:
         r = self.reqs.pop(rid)
@@ -102,8 +108,11 @@ class MiniRouter:
         joined: Sequence[shard_pb2.NewRequest] = (),
         continuing: Sequence[shard_pb2.ContinuingRequest] = (),
         removed: Sequence[int] = (),
+        allowed: Sequence[shard_pb2.AllowedTokens] = (),
     ) -> shard_pb2.StepResponse:
-        req = shard_pb2.StepRequest(joined=joined, continuing=continuing, removed=removed)
+        req = shard_pb2.StepRequest(
+            joined=joined, continuing=continuing, removed=removed, allowed=allowed
+        )
         resp = self.step_fn(req)
         for g in resp.generations:
             self.reqs[g.id].tokens += list(g.token_ids)
@@ -133,6 +142,17 @@ class MiniRouter:
         for i in batch.sample_rows.tolist():
             self.reqs[batch.ids[i]].tokens.append(forced[batch.ids[i]])
         return out
+
+
+def allowed_tokens(
+    rid: int, tokens: Iterable[int], vocab: int, words: int | None = None
+) -> shard_pb2.AllowedTokens:
+    """The mask allowing `tokens` of a `vocab`-token vocabulary, packed the contract's way
+    (bit t % 32 of word t // 32), in ceil(vocab / 32) words or `words`."""
+    packed = [0] * (-(-vocab // 32) if words is None else words)
+    for t in tokens:
+        packed[t // 32] |= 1 << (t % 32)
+    return shard_pb2.AllowedTokens(id=rid, words=packed)
 
 
 def hf_logits(hf: PreTrainedModel, tokens: list[int]) -> torch.Tensor:

@@ -1,6 +1,8 @@
 """One tensor-parallel rank of the shard tests, run in its own process (spawned): joins
 a gloo group, loads each model's slice into an Engine, and records the logits of a
-scripted run (a prefill, decodes, a second request joining mid-way) to a file.
+scripted run (a prefill, decodes, a second request joining mid-way) to a file -- or,
+with the "constrained" script, the generations of steps under allowed-token masks and
+forced tokens.
 
 Kept free of transformers imports so a spawned rank starts fast."""
 
@@ -58,8 +60,40 @@ def scripted_logits(engine: object) -> dict[int, torch.Tensor]:
     return {rid: torch.cat(parts) for rid, parts in got.items()}
 
 
+def constrained_generations(engine: object) -> list[tuple[int, int, float]]:
+    """(request, token, logprob) of every generation of a scripted run under masks:
+    request 1 (greedy) samples under a mask, then continues with two forced tokens under
+    another mask while request 2 (seeded sampling) joins under a third."""
+    from cadence.pb import shard_pb2
+    from shard_helpers import MiniRouter, allowed_tokens
+
+    router = MiniRouter(engine, seed=3)  # type: ignore[arg-type]
+    vocab = engine.model.config.vocab_size  # type: ignore[attr-defined]
+    p1, f1, p2, _ = script_tokens()
+    masks = [[t for t in range(vocab) if t % k == 1] for k in (3, 5, 7)]
+    seeded = shard_pb2.SamplingParams(do_sample=True, temperature=1.2, seed=11)
+    steps = [
+        router.step(joined=[router.join(1, p1)], allowed=[allowed_tokens(1, masks[0], vocab)]),
+        router.step(
+            joined=[router.join(2, p2, sampling=seeded)],
+            continuing=[router.cont(1, forced=f1[:2])],
+            allowed=[allowed_tokens(1, masks[1], vocab), allowed_tokens(2, masks[2], vocab)],
+        ),
+    ]
+    return [(g.id, g.token_ids[0], g.logprobs[0]) for s in steps for g in s.generations]
+
+
+SCRIPTS = {"logits": scripted_logits, "constrained": constrained_generations}
+
+
 def run_rank(
-    rank: int, world_size: int, port: int, model_dirs: list[str], out_dir: str, dtype: str
+    rank: int,
+    world_size: int,
+    port: int,
+    model_dirs: list[str],
+    out_dir: str,
+    dtype: str,
+    script: str = "logits",
 ) -> None:
     from cadence.config import ShardConfig
     from cadence.shard.engine import Engine, init_distributed
@@ -76,7 +110,7 @@ def run_rank(
             engine = Engine(cfg)
             engine.warmup(max_batch_tokens=64, max_batch_size=8, kv_cache_bytes=1 << 20)
             results[Path(model_dir).name] = {
-                "logits": scripted_logits(engine),
+                script: SCRIPTS[script](engine),
                 "weight_bytes": engine.weight_bytes - engine.packed_bytes,  # the slices alone
                 "checkpoint_bytes_read": engine.checkpoint_bytes_read,
                 "kv_heads": engine.attention[0].num_kv_heads,
@@ -87,14 +121,17 @@ def run_rank(
             dist.destroy_process_group()
 
 
-def run_group(world_size: int, model_dirs: list[str], out_dir: Path, dtype: str) -> list[dict]:
-    """Runs every rank in its own spawned process; returns each rank's results."""
+def run_group(
+    world_size: int, model_dirs: list[str], out_dir: Path, dtype: str, script: str = "logits"
+) -> list[dict]:
+    """Runs every rank in its own spawned process; returns each rank's results (under the
+    name of the script run: "logits" or "constrained")."""
     import torch.multiprocessing as mp
 
     port = free_port()
     mp.start_processes(
         _entry,
-        args=(world_size, port, model_dirs, str(out_dir), dtype),
+        args=(world_size, port, model_dirs, str(out_dir), dtype, script),
         nprocs=world_size,
         start_method="spawn",
     )

@@ -1,7 +1,7 @@
 """The shard's engine: loads the model, chooses once what computes its steps (attention
 backend, per-op kernels, model runner: `cadence.shard.backends`), sizes and allocates the
 KV cache (Warmup), and runs one Step: apply the diff, one forward over every scheduled
-token, sample."""
+token, sample (under a constrained request's allowed-token mask, when the step has one)."""
 
 from __future__ import annotations
 
@@ -225,7 +225,7 @@ class Engine:
         generations: list[shard_pb2.Generation] = []
         if batch.sample_rows.numel():
             logits = self.model.compute_logits(hidden[batch.sample_tokens.to(self.device)])
-            sb = self._on_device(state.sampling_batch(batch))
+            sb = self._on_device(state.sampling_batch(batch, plan))
             out = sample(logits, sb, self.ops.greedy)
             ids = out.ids.cpu()
             state.commit(batch, ids)
@@ -243,7 +243,8 @@ class Engine:
     @staticmethod
     def apply(req: shard_pb2.StepRequest, state: BatchState, kv: KVCache) -> StepPlan:
         """Validates the diff, then applies it in the contract's order: drop `removed`,
-        swap-out, swap-in, block copies, add `joined`, extend `continuing` tables."""
+        swap-out, swap-in, block copies, add `joined`, extend `continuing` tables and append
+        their forced tokens. The plan keeps the step's allowed-token masks for sampling."""
         plan = state.validate(req, host_blocks_limit=4 * kv.num_blocks)
         state.remove(plan.removed)
         # Swap-out first: the router may hand the blocks it frees to this very step.
@@ -252,6 +253,7 @@ class Engine:
         kv.copy_blocks([c.src for c in req.copies], [c.dst for c in req.copies])
         state.join(plan.joined)
         state.extend_blocks(list(req.continuing))
+        state.append_forced(list(req.continuing))
         return plan
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -274,7 +276,8 @@ class Engine:
     def _on_device(self, b: SamplingBatch) -> SamplingBatch:
         if self.device.type == "cpu":
             return b
-        for name in ("params", "seeds", "positions", "history", "seq_lens", "prompt_lens"):
+        names = ("params", "seeds", "positions", "history", "seq_lens", "prompt_lens")
+        for name in (*names, "allowed_rows", "allowed_words"):
             t = getattr(b, name)
             if t is not None:
                 setattr(b, name, t.to(self.device, non_blocking=True))
@@ -371,8 +374,9 @@ class Engine:
 
     def _profile(self, max_batch_tokens: int, max_batch_size: int) -> int:
         """Runs the largest step the router may send (one long prefill next to
-        max_batch_size - 1 single-token rows, every row sampling with filters on) on a
-        scratch cache, and returns its peak activation memory in bytes."""
+        max_batch_size - 1 single-token rows, every row sampling with filters on under an
+        allowed-token mask) on a scratch cache, and returns its peak activation memory in
+        bytes."""
         bs = self.block_size
         long = max_batch_tokens - (max_batch_size - 1)
         # no sequence is longer than the model's position table (OPT's is a lookup)
@@ -405,12 +409,15 @@ class Engine:
                     top_n_tokens=5,
                 )
             )
+        everything = [0xFFFFFFFF] * -(-self.model.config.vocab_size // 32)
+        allowed = [shard_pb2.AllowedTokens(id=r.id, words=everything) for r in joined]
         self._allocate(scratch_blocks, max_batch_size)
         assert self.kv is not None and self.state is not None
         scratch = self.kv.nbytes
         try:
             with PeakMeter(self.device) as meter, torch.inference_mode():
-                self._step(shard_pb2.StepRequest(joined=joined), self.state, self.kv)
+                step = shard_pb2.StepRequest(joined=joined, allowed=allowed)
+                self._step(step, self.state, self.kv)
             peak = meter.peak()
         finally:
             self.kv, self.state = None, None
@@ -422,5 +429,6 @@ class Engine:
             vocab = m.vocab_size
             item = self.dtype.itemsize
             peak = max_batch_tokens * (6 * hidden + 3 * inter) * item
-            peak += heads * long * long * 4 + 8 * max_batch_size * vocab * 4
+            # the sampler's float copies of the logits, and the masks' unpacked bits
+            peak += heads * long * long * 4 + 9 * max_batch_size * vocab * 4
         return max(0, peak - scratch)

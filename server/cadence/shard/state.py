@@ -8,13 +8,22 @@ knows is computed, and the sampled token is appended to its ids, to be computed 
 next step (`num_compute = 1`). Chunked prefill, prefix hits, recompute after
 preemption and decode are all the same mechanism.
 
+Structured outputs add two things to a step. A continuing request's `forced_tokens`
+(tokens a grammar forced, appended by the router without sampling) are appended to its
+ids before the forward, as generated tokens: past its prompt length, so the penalties
+count them as output, and computed like any known token (by this step's `num_compute` or
+a later one's). An `allowed` mask per constrained request that samples this step is
+checked here (`StepPlan.allowed_*`) and applied by the sampler before anything else.
+
 `StepPlan` is the validated diff; `BatchState.prepare` turns it into flat forward inputs
 with vectorized tensor ops (a handful of Python operations per request, none per token).
 """
 
 from __future__ import annotations
 
+import array
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -77,6 +86,10 @@ class StepPlan:
     removed: list[int] = field(default_factory=list)
     joined: list[shard_pb2.NewRequest] = field(default_factory=list)
     rows: list[tuple[int, int]] = field(default_factory=list)  # (request id, num_compute)
+    # this step's allowed-token masks: the constrained requests' ids and their words
+    # [M, ceil(vocab / 32)] int32, zero-padded (the tail is disallowed); None without any
+    allowed_ids: list[int] = field(default_factory=list)
+    allowed_words: torch.Tensor | None = None
 
 
 def _grown(t: torch.Tensor, rows: int, cols: int = 0) -> torch.Tensor:
@@ -173,11 +186,19 @@ class BatchState:
         plan.joined = list(req.joined)
         cont: list[shard_pb2.ContinuingRequest] = []
         joined_ids = {r.id for r in req.joined}
+        continuing_ids: set[int] = set()
         for c in req.continuing:
             if c.id not in held or c.id in joined_ids:
                 raise StepError(f"continuing request {c.id} is not held")
+            if c.id in continuing_ids:
+                raise StepError(f"continuing request {c.id} is listed twice")
+            continuing_ids.add(c.id)
             if c.new_blocks and max(c.new_blocks) >= nb:
                 raise StepError(f"request {c.id}: new block {max(c.new_blocks)} >= {nb}")
+            if c.forced_tokens and max(c.forced_tokens) >= self.vocab_size:
+                raise StepError(
+                    f"request {c.id}: forced_tokens token id {max(c.forced_tokens)} >= vocab"
+                )
             if c.num_compute > 0:
                 plan.rows.append((c.id, c.num_compute))
                 cont.append(c)
@@ -187,15 +208,61 @@ class BatchState:
             slots = torch.tensor([self.slot_of[c.id] for c in cont])
             n = torch.tensor([c.num_compute for c in cont])
             blocks = torch.tensor([len(c.new_blocks) for c in cont])
+            known = self.seq_lens[slots]
+            if any(c.forced_tokens for c in cont):
+                known = known + torch.tensor([len(c.forced_tokens) for c in cont])
             end = self.computed[slots] + n
-            bad = (end > self.seq_lens[slots]) | (end > (self.num_block_ids[slots] + blocks) * bs)
+            bad = (end > known) | (end > (self.num_block_ids[slots] + blocks) * bs)
             if bool(bad.any()):
                 c = cont[int(bad.nonzero()[0, 0])]
                 raise StepError(
                     f"request {c.id}: num_compute {c.num_compute} exceeds its known tokens "
-                    "or its blocks"
+                    "(with its forced_tokens) or its blocks"
                 )
+        if req.allowed:  # the requests that sample this step may have a mask
+            sampling = {
+                r.id for r in req.joined if 0 < r.num_compute == len(r.token_ids) - r.num_cached
+            }
+            if cont:
+                samples = (end == known).tolist()
+                sampling.update(c.id for c, s in zip(cont, samples, strict=True) if s)
+            plan.allowed_ids, plan.allowed_words = self._allowed(req.allowed, held, sampling)
         return plan
+
+    def _allowed(
+        self, allowed: Sequence[shard_pb2.AllowedTokens], held: set[int], sampling: set[int]
+    ) -> tuple[list[int], torch.Tensor]:
+        """The step's masks checked -- one per request that samples this step, at most
+        ceil(vocab / 32) words, at least one token allowed -- and packed into one
+        zero-padded int32 tensor (each word's bits as they are)."""
+        vocab = self.vocab_size
+        width = -(-vocab // 32)
+        ids: list[int] = []
+        seen: set[int] = set()
+        words = torch.zeros(len(allowed), width, dtype=torch.int32)
+        for i, a in enumerate(allowed):
+            if a.id not in held:
+                raise StepError(f"allowed: request {a.id} is not held")
+            if a.id not in sampling:
+                raise StepError(f"allowed: request {a.id} does not sample this step")
+            if a.id in seen:
+                raise StepError(f"allowed: request {a.id} has two masks")
+            if len(a.words) > width:
+                raise StepError(
+                    f"allowed: request {a.id} has {len(a.words)} words, more than the "
+                    f"{width} of its {vocab}-token logits"
+                )
+            if a.words:
+                packed = array.array("I", a.words)
+                words[i, : len(a.words)] = torch.frombuffer(packed, dtype=torch.int32)
+            ids.append(a.id)
+            seen.add(a.id)
+        # the bits past the vocabulary in the last word do not count as allowed tokens
+        live = words[:, -1] & ((1 << (vocab % 32)) - 1) if vocab % 32 else words[:, -1]
+        empty = ~((words[:, :-1] != 0).any(dim=1) | (live != 0))
+        if bool(empty.any()):
+            raise StepError(f"allowed: request {ids[int(empty.nonzero()[0, 0])]} allows no token")
+        return ids, words
 
     # -- applying the diff ----------------------------------------------------------
 
@@ -257,6 +324,20 @@ class BatchState:
                 self.block_tables = _grown(self.block_tables, self.block_tables.shape[0], end)
                 self.block_tables[slot, n:end] = torch.tensor(c.new_blocks)
                 self.num_block_ids[slot] = end
+
+    def append_forced(self, continuing: list[shard_pb2.ContinuingRequest]) -> None:
+        """Appends each continuing request's forced tokens to its known tokens (after its
+        prompt: generated tokens), to be computed by this step or a later one."""
+        forced = [c for c in continuing if c.forced_tokens]
+        if not forced:
+            return
+        slots = [self.slot_of[c.id] for c in forced]
+        lens = self.seq_lens[slots].tolist()
+        ends = [n + len(c.forced_tokens) for n, c in zip(lens, forced, strict=True)]
+        self.tokens = _grown(self.tokens, self.tokens.shape[0], max(ends) + 1)
+        for slot, c, start, end in zip(slots, forced, lens, ends, strict=True):
+            self.tokens[slot, start:end] = torch.tensor(c.forced_tokens)
+        self.seq_lens[slots] = torch.tensor(ends)
 
     def _reserve(self, n: int) -> None:
         have = self.tokens.shape[0]
@@ -321,7 +402,9 @@ class BatchState:
             num_prompt_tokens=int((positions < self.prompt_lens[token_slot]).sum()),
         )
 
-    def sampling_batch(self, batch: ForwardBatch) -> SamplingBatch:
+    def sampling_batch(self, batch: ForwardBatch, plan: StepPlan | None = None) -> SamplingBatch:
+        """The sampling inputs of the batch's sampling rows; with the allowed-token masks
+        of `plan` (the validated step the batch was prepared from) when it has some."""
         slots = batch.slots[batch.sample_rows]
         params = self.params[slots]
         features = frozenset(f for f, c in self.features.items() if c > 0)
@@ -339,6 +422,10 @@ class BatchState:
                 bias_rows = torch.cat([torch.full_like(b[0], i) for i, b in biased])
                 bias_ids = torch.cat([b[0] for _, b in biased])
                 bias_values = torch.cat([b[1] for _, b in biased])
+        allowed_rows = None
+        if plan is not None and plan.allowed_words is not None:
+            row_of = {batch.ids[r]: i for i, r in enumerate(batch.sample_rows.tolist())}
+            allowed_rows = torch.tensor([row_of[i] for i in plan.allowed_ids])
         return SamplingBatch(
             params=params,
             seeds=self.seeds[slots],
@@ -352,6 +439,8 @@ class BatchState:
             bias_rows=bias_rows,
             bias_ids=bias_ids,
             bias_values=bias_values,
+            allowed_rows=allowed_rows,
+            allowed_words=plan.allowed_words if allowed_rows is not None else None,
         )
 
     def commit(self, batch: ForwardBatch, sampled: torch.Tensor) -> None:
