@@ -131,3 +131,23 @@ async fn a_compile_past_the_bound_fails_its_request_with_a_clear_error() {
         err.0
     );
 }
+
+#[tokio::test]
+async fn the_deepest_schema_a_request_body_can_hold_compiles_or_fails_cleanly() {
+    // serde_json refuses bodies nested deeper than 128; each level here nests 2.
+    let mut schema = json!({"type": "string"});
+    for _ in 0..62 {
+        schema = json!({"type": "object", "properties": {"a": schema}, "required": ["a"]});
+    }
+    let text = schema.to_string();
+    let parsed: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let c = compiler(Duration::from_secs(5));
+    match c.compile(&Constraint::new("guided_json", Grammar::JsonSchema(parsed))).await {
+        Ok((compiled, _)) => {
+            let mut s = GrammarState::new(&compiled);
+            let words = s.allowed(&shape()).unwrap();
+            assert!(allowed(&words, b'{' as u32));
+        }
+        Err(e) => assert!(e.0.starts_with("guided_json: "), "{}", e.0),
+    }
+}
