@@ -45,6 +45,33 @@ def test_two_shards_generate_the_same_greedy_tokens_as_one(
     assert "rank 1/2" in log and "disagrees" not in log
 
 
+def test_two_shards_give_the_same_constrained_greedy_tokens_as_one(
+    two_shards: LaunchedServer, client: httpx.Client
+) -> None:
+    """The router computes each mask once and every rank applies the same one."""
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "string", "maxLength": 30}, "sure": {"type": "boolean"}},
+        "required": ["answer", "sure"],
+    }
+    grammars = [
+        {"type": "json", "value": schema},
+        {"type": "regex", "value": "[A-Z][a-z]+ [0-9]{2}"},
+    ]
+    with httpx.Client(base_url=two_shards.url, timeout=300) as tp:
+        for prompt in CHAT_PROMPTS[:3]:
+            for grammar in grammars:
+                body = {
+                    "inputs": prompt,
+                    "parameters": {"max_new_tokens": 48, "details": True, "grammar": grammar},
+                }
+                one, two = client.post("/generate", json=body), tp.post("/generate", json=body)
+                assert one.status_code == two.status_code == 200, (one.text, two.text)
+                ids = [[t["id"] for t in r.json()["details"]["tokens"]] for r in (one, two)]
+                assert ids[0] == ids[1], (prompt, grammar)
+    assert "disagrees" not in two_shards.log()
+
+
 def _tiny_opt(path: Path, tokenizer_dir: str) -> tuple[Path, int]:
     """A random OPT with SmolLM2's tokenizer (its vocabulary size), saved as safetensors."""
     import torch

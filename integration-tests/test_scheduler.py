@@ -31,8 +31,23 @@ def metrics(url: str) -> dict[str, float]:
     return out
 
 
-def generate(url: str, prompt: str, max_new_tokens: int = MAX_NEW) -> str:
-    body = {"inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens}}
+# What the constrained load writes: keys the grammar forces (fast-forwarded) and values the
+# model picks, so masks, forced chunks and preemption all meet.
+NOTE_SCHEMA = {
+    "type": "object",
+    "properties": {"note": {"type": "string", "maxLength": 40}, "n": {"type": "integer"}},
+    "required": ["note", "n"],
+    "additionalProperties": False,
+}
+
+
+def generate(
+    url: str, prompt: str, max_new_tokens: int = MAX_NEW, schema: dict | None = None
+) -> str:
+    parameters: dict = {"max_new_tokens": max_new_tokens}
+    if schema is not None:
+        parameters["grammar"] = {"type": "json", "value": schema}
+    body = {"inputs": prompt, "parameters": parameters}
     r = httpx.post(f"{url}/generate", json=body, timeout=600)
     assert r.status_code == 200, r.text
     return r.json()["generated_text"]
@@ -111,9 +126,15 @@ def unloaded(reference: LaunchedServer) -> list[str]:
     return [generate(reference.url, p) for p in load_prompts()]
 
 
-def run_load(url: str) -> list[str]:
+@pytest.fixture(scope="module")
+def unloaded_constrained(reference: LaunchedServer) -> list[str]:
+    """Greedy outputs of the load prompts under NOTE_SCHEMA, one request at a time."""
+    return [generate(reference.url, p, schema=NOTE_SCHEMA) for p in load_prompts()]
+
+
+def run_load(url: str, schema: dict | None = None) -> list[str]:
     with ThreadPoolExecutor(64) as pool:
-        return list(pool.map(lambda p: generate(url, p), load_prompts()))
+        return list(pool.map(lambda p: generate(url, p, schema=schema), load_prompts()))
 
 
 def assert_load_survives(
@@ -142,6 +163,25 @@ def test_64_requests_at_3x_kv_capacity_all_complete_with_unloaded_outputs(
     tight: LaunchedServer, unloaded: list[str], smollm_dir: str
 ) -> None:
     assert_load_survives(tight, unloaded, "recompute", smollm_dir)
+
+
+def test_constrained_outputs_survive_preemption_and_prefix_caching(
+    tight: LaunchedServer, cached: LaunchedServer, unloaded_constrained: list[str]
+) -> None:
+    """Greedy JSON-constrained outputs one at a time without prefix caching (the
+    reference) equal those of 64 at once at 3x KV capacity (preempting, prefix caching
+    on) and those of 64 at once with room for all."""
+    before = metrics(tight.url)
+    assert run_load(tight.url, NOTE_SCHEMA) == unloaded_constrained
+    after = metrics(tight.url)
+    assert after['cadence_preemptions_total{kind="recompute"}'] > before.get(
+        'cadence_preemptions_total{kind="recompute"}', 0
+    )
+    assert after["cadence_grammar_fast_forward_tokens_total"] > before.get(
+        "cadence_grammar_fast_forward_tokens_total", 0
+    )
+    assert run_load(cached.url, NOTE_SCHEMA) == unloaded_constrained
+    assert all(text.startswith('{"note": "') for text in unloaded_constrained)
 
 
 def test_async_scheduling_under_3x_kv_capacity_gives_the_same_outputs(
