@@ -1731,3 +1731,45 @@ async fn choices_with_n_samples_each_match_and_bad_grammars_are_400s_naming_the_
     }
     h.assert_protocol_ok();
 }
+
+#[tokio::test]
+async fn forced_tokens_respect_max_new_tokens_and_stop_strings() {
+    let h = harness(Script::Hash);
+    let grammar = |choice: &str| json!({"type": "regex", "value": regex_escape(choice)});
+    let (status, v) = h
+        .post(
+            "/generate",
+            json!({"inputs": "hi", "parameters": {"max_new_tokens": 3, "details": true,
+                "grammar": grammar("abcdefgh")}}),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(v["generated_text"], "abc");
+    assert_eq!(v["details"]["finish_reason"], "length");
+    assert_eq!(v["details"]["generated_tokens"], 3);
+    let (status, v) = h
+        .post(
+            "/generate",
+            json!({"inputs": "hi", "parameters": {"max_new_tokens": 20, "details": true,
+                "stop": ["lo w"], "grammar": grammar("hello world")}}),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(v["generated_text"], "hel");
+    assert_eq!(v["details"]["finish_reason"], "stop_sequence");
+    assert!(h.shard_state().forced > 0);
+    h.assert_protocol_ok();
+}
+
+/// `text` as a regex matching exactly it (letters and spaces only here).
+fn regex_escape(text: &str) -> String {
+    text.chars()
+        .map(|c| {
+            if c == ' ' {
+                "\\x20".to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
+}

@@ -142,7 +142,10 @@ async fn the_deepest_schema_a_request_body_can_hold_compiles_or_fails_cleanly() 
     let text = schema.to_string();
     let parsed: serde_json::Value = serde_json::from_str(&text).unwrap();
     let c = compiler(Duration::from_secs(5));
-    match c.compile(&Constraint::new("guided_json", Grammar::JsonSchema(parsed))).await {
+    match c
+        .compile(&Constraint::new("guided_json", Grammar::JsonSchema(parsed)))
+        .await
+    {
         Ok((compiled, _)) => {
             let mut s = GrammarState::new(&compiled);
             let words = s.allowed(&shape()).unwrap();
