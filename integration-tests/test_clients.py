@@ -203,14 +203,14 @@ def test_openai_errors_are_400_naming_the_parameter_and_the_server_keeps_serving
         {"n": 0},
         {"max_tokens": 0},
         {"logit_bias": {"x": 1}},
-        {"response_format": {"type": "json_object"}},
+        {"response_format": {"type": "yaml"}},
         {"top_logprobs": 3},
         {"presence_penalty": 9},
     ]
     for extra in bad:
         with pytest.raises(openai.BadRequestError) as e:
             oai.chat.completions.create(model="m", messages=msgs, **extra)
-        assert e.value.body["param"] == next(iter(extra)), e.value.body
+        assert e.value.body["param"].startswith(next(iter(extra))), e.value.body
     ok = oai.chat.completions.create(model="m", messages=msgs, max_tokens=2)
     assert ok.choices[0].message.content is not None
     models = oai.models.list()
