@@ -7,7 +7,7 @@
 //! through `Infer::submit`, as the TGI routes' requests do (`generate`). The two
 //! generating routes differ only in their request and response shapes
 //! (`completions`, `chat`); they share the streaming (`stream`), the logprobs (`logprobs`)
-//! and the errors (`error`).
+//! and the errors (`error`). Chat adds tool calling (`tools`).
 
 mod chat;
 mod completions;
@@ -18,6 +18,7 @@ mod logprobs;
 mod models;
 mod sampling;
 mod stream;
+mod tools;
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -36,12 +37,13 @@ pub use chat::{
 pub use completions::{
     __path_completions, completions, Completion, CompletionChoice, CompletionRequest, PromptInput,
 };
-pub use guided::GuidedFields;
 pub use error::{ApiError, OpenAiError, OpenAiErrorDetail, OpenAiJson};
+pub use guided::GuidedFields;
 pub use logprobs::{ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob};
 pub use models::{__path_models, models, Model, ModelList};
 pub use sampling::StopInput;
 pub use stream::StreamOptions;
+pub use tools::{FunctionCall, FunctionDefinition, FunctionDelta, Tool, ToolCall, ToolCallDelta};
 
 use crate::infer::FinishReason;
 use crate::server::AppState;
