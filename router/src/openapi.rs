@@ -33,7 +33,8 @@ use crate::validation::{GenerateParameters, GenerateRequest};
         CompletionChoice, CompletionLogprobs, ChatRequest, ChatCompletion, ChatChoice,
         ChatCompletionChunk, ChatChunkChoice, Delta, ChatLogprobs, ChatTokenLogprob,
         TopLogprob, AssistantMessage, Usage, ModelList, Model, ChatMessage,
-        MessageContent, ContentPart, PromptInput, StopInput, StreamOptions,
+        MessageContent, ContentPart, PromptInput, StopInput, StreamOptions, Tool,
+        FunctionDefinition, ToolCall, FunctionCall, ToolCallDelta, FunctionDelta,
     )),
     modifiers(&BearerAuth),
 )]

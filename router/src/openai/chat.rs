@@ -1,6 +1,6 @@
 //! `POST /v1/chat/completions`: the messages rendered by the model's chat template
 //! (`crate::chat`), `n` choices, logprobs in the chat shape, structured outputs
-//! (`guided`). Tools are refused until they are supported.
+//! (`guided`), tool calling (`tools`).
 
 use std::collections::HashMap;
 
@@ -17,6 +17,9 @@ use super::guided::GuidedFields;
 use super::logprobs::ChatLogprobs;
 use super::sampling::{Sampling, StopInput};
 use super::stream::{self, ChunkUsage, Chunks, StreamOptions};
+use super::tools::{
+    self, DeltaPart, Reading, StreamedAnswer, Tool, ToolCall, ToolCallDelta, Tools,
+};
 use super::{finish_reason, Envelope, Usage, FINGERPRINT};
 use crate::chat::TemplateMessage;
 use crate::detokenize::TokenizerInfo;
@@ -43,8 +46,9 @@ pub struct ChatMessage {
     pub role: String,
     pub content: Option<MessageContent>,
     pub name: Option<String>,
-    #[schema(value_type = Option<Object>)]
-    pub tool_calls: Option<Value>,
+    /// An assistant's calls (`function.arguments` a JSON string).
+    pub tool_calls: Option<Vec<ToolCall>>,
+    /// A `tool` message's answer to this call (required there).
     pub tool_call_id: Option<String>,
 }
 
@@ -73,12 +77,20 @@ pub struct ChatRequest {
     /// Structured output: `response_format` and vLLM's `guided_*` / `structured_outputs`.
     #[serde(flatten)]
     pub guided: GuidedFields,
-    /// Not supported yet (must be absent, null or empty).
-    #[schema(value_type = Option<Vec<Object>>)]
-    pub tools: Option<Vec<Value>>,
+    /// Functions the model may call.
+    pub tools: Option<Vec<Tool>>,
+    /// "none", "auto" (the default with tools), "required", or
+    /// `{"type": "function", "function": {"name": ...}}`.
     #[schema(value_type = Option<Object>)]
     pub tool_choice: Option<Value>,
+    /// Several calls in one answer [default: true].
     pub parallel_tool_calls: Option<bool>,
+    /// OpenAI's deprecated function calling: refused (use `tools`).
+    #[schema(value_type = Option<Vec<Object>>)]
+    pub functions: Option<Value>,
+    /// As `functions`.
+    #[schema(value_type = Option<Object>)]
+    pub function_call: Option<Value>,
     pub user: Option<String>,
     pub top_k: Option<i64>,
     pub min_p: Option<f32>,
@@ -91,7 +103,10 @@ pub struct ChatRequest {
 #[derive(Debug, Serialize, ToSchema)]
 pub struct AssistantMessage {
     role: &'static str,
-    content: String,
+    /// Null when the answer is only tool calls.
+    content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_calls: Option<Vec<ToolCall>>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -113,12 +128,36 @@ pub struct ChatCompletion {
     usage: Usage,
 }
 
-#[derive(Debug, Serialize, ToSchema)]
+#[derive(Debug, Default, Serialize, ToSchema)]
 pub struct Delta {
     #[serde(skip_serializing_if = "Option::is_none")]
     role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     content: Option<String>,
+    /// A piece of one call: its opening (`id`, `type`, name) or arguments.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_calls: Option<Vec<ToolCallDelta>>,
+}
+
+impl Delta {
+    fn content(text: String) -> Self {
+        Self {
+            content: Some(text),
+            ..Self::default()
+        }
+    }
+}
+
+impl From<DeltaPart> for Delta {
+    fn from(part: DeltaPart) -> Self {
+        match part {
+            DeltaPart::Content(text) => Self::content(text),
+            DeltaPart::Call(call) => Self {
+                tool_calls: Some(vec![call]),
+                ..Self::default()
+            },
+        }
+    }
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -189,8 +228,11 @@ pub async fn chat_completions(
             "the model has no chat template (use /v1/completions)",
         ));
     };
+    let tools = Tools::from_request(r.tools, r.tool_choice, r.parallel_tool_calls)?;
     let messages = template_messages(r.messages)?;
-    let text = tokio::task::spawn_blocking(move || template.render(&messages))
+    let (messages, listed) =
+        tools::template_input(messages, tools.as_ref(), template.supports_tools());
+    let text = tokio::task::spawn_blocking(move || template.render(&messages, listed.as_deref()))
         .await
         .map_err(|e| ApiError::invalid("messages", e.to_string()))?
         .map_err(|e| ApiError::invalid("messages", e))?;
@@ -217,7 +259,10 @@ pub async fn chat_completions(
     let stream = r.stream.unwrap_or(false);
     let (parameters, mut extra) = sampling.into_parameters()?;
     extra.stream = stream;
-    extra.constraint = r.guided.constraint()?;
+    let tokenizer = state.infer.validation.tokenizer.clone();
+    let special_tags = tools::tags_are_special(&tokenizer);
+    extra.constraint = tools::constraint(tools.as_ref(), r.guided.constraint()?, special_tags)?;
+    let reading = Reading::of(tools.as_ref());
     let n = extra.n.max(1) as usize;
     // The template writes the special tokens itself.
     let prompt = Prompt::Text {
@@ -230,19 +275,19 @@ pub async fn chat_completions(
         NAMES
     };
     let submitted = generate::submit_all(&state, vec![prompt], parameters, extra, names).await?;
-    let tokenizer = state.infer.validation.tokenizer.clone();
     if stream {
         let envelope = Envelope::new("chatcmpl", &state);
         let include_usage = stream::include_usage(r.stream_options);
-        return Ok(chat_stream(
-            submitted,
+        let chat = ChatStream {
             n,
             envelope,
             tokenizer,
             with_logprobs,
             include_usage,
             names,
-        ));
+            reading,
+        };
+        return Ok(chat.respond(submitted));
     }
     let answered = generate::collect_all(submitted, names).await?;
     let usage = generate::usage(&answered);
@@ -251,14 +296,25 @@ pub async fn chat_completions(
         .into_iter()
         .flat_map(|a| a.samples)
         .enumerate()
-        .map(|(index, s)| ChatChoice {
-            index,
-            logprobs: with_logprobs.then(|| ChatLogprobs::of(&tokenizer, &s.tokens, &s.top_tokens)),
-            message: AssistantMessage {
-                role: "assistant",
-                content: s.end.generated_text,
-            },
-            finish_reason: finish_reason(s.end.finish_reason),
+        .map(|(index, s)| {
+            let usual = finish_reason(s.end.finish_reason);
+            let (message, finish_reason) = match &reading {
+                None => (AssistantMessage::text(s.end.generated_text), usual),
+                Some(reading) => {
+                    let answer = reading.answer(&s.end.generated_text, usual);
+                    (
+                        AssistantMessage::calling(answer.content, answer.calls),
+                        answer.finish_reason,
+                    )
+                }
+            };
+            ChatChoice {
+                index,
+                logprobs: with_logprobs
+                    .then(|| ChatLogprobs::of(&tokenizer, &s.tokens, &s.top_tokens)),
+                message,
+                finish_reason,
+            }
         })
         .collect();
     let envelope = Envelope::new("chatcmpl", &state);
@@ -274,18 +330,41 @@ pub async fn chat_completions(
     Ok((headers, Json(body)).into_response())
 }
 
-/// Refuses what the request asks that cadence cannot do yet (rather than ignoring it).
+impl AssistantMessage {
+    fn text(content: String) -> Self {
+        Self {
+            role: "assistant",
+            content: Some(content),
+            tool_calls: None,
+        }
+    }
+
+    fn calling(content: Option<String>, calls: Vec<ToolCall>) -> Self {
+        Self {
+            role: "assistant",
+            content,
+            tool_calls: (!calls.is_empty()).then_some(calls),
+        }
+    }
+}
+
+/// Refuses what the request asks that cadence cannot do (rather than ignoring it).
 fn refuse_unsupported(r: &ChatRequest) -> Result<(), ApiError> {
-    if r.tools.as_ref().is_some_and(|t| !t.is_empty()) {
-        return Err(ApiError::invalid(
-            "tools",
-            "tool calling is not supported yet",
-        ));
+    for (field, value) in [
+        ("functions", &r.functions),
+        ("function_call", &r.function_call),
+    ] {
+        if value.as_ref().is_some_and(|v| !v.is_null()) {
+            return Err(ApiError::invalid(
+                field,
+                "the deprecated function calling is not supported; use tools and tool_choice",
+            ));
+        }
     }
     Ok(())
 }
 
-/// The template's messages: text contents only.
+/// The template's messages: text contents, and tool calls and results.
 fn template_messages(messages: Vec<ChatMessage>) -> Result<Vec<TemplateMessage>, ApiError> {
     if messages.is_empty() {
         return Err(ApiError::invalid("messages", "must not be empty"));
@@ -295,8 +374,8 @@ fn template_messages(messages: Vec<ChatMessage>) -> Result<Vec<TemplateMessage>,
         .enumerate()
         .map(|(i, m)| {
             let content = match m.content {
-                None => String::new(),
-                Some(MessageContent::Text(t)) => t,
+                None => None,
+                Some(MessageContent::Text(t)) => Some(t),
                 Some(MessageContent::Parts(parts)) => {
                     let mut text = String::new();
                     for (j, part) in parts.into_iter().enumerate() {
@@ -310,62 +389,126 @@ fn template_messages(messages: Vec<ChatMessage>) -> Result<Vec<TemplateMessage>,
                             }
                         }
                     }
-                    text
+                    Some(text)
                 }
             };
-            if m.tool_calls.as_ref().is_some_and(|t| !t.is_null()) {
-                return Err(ApiError::invalid(
-                    &format!("messages[{i}].tool_calls"),
-                    "tool calls are not supported yet",
-                ));
-            }
+            let (tool_calls, tool_call_id) =
+                tools::tool_fields(i, &m.role, m.tool_calls, m.tool_call_id)?;
+            // As transformers passes it: null for an assistant message that only calls.
+            let content = match (content, &tool_calls) {
+                (None, Some(_)) => None,
+                (content, _) => Some(content.unwrap_or_default()),
+            };
             Ok(TemplateMessage {
                 role: m.role,
                 content,
                 name: m.name,
+                tool_calls,
+                tool_call_id,
             })
         })
         .collect()
 }
 
-fn chat_stream(
-    submitted: Vec<Submitted>,
+/// How a chat answer streams.
+struct ChatStream {
     n: usize,
     envelope: Envelope,
     tokenizer: TokenizerInfo,
     with_logprobs: bool,
     include_usage: bool,
     names: ParamNames,
-) -> Response {
-    let choice = |index, role, content, logprobs, finish_reason| ChatChunkChoice {
-        index,
-        delta: Delta { role, content },
-        logprobs,
-        finish_reason,
-    };
-    // Each choice opens with the assistant's role.
-    let opening = (0..n)
-        .map(|index| {
-            let role = choice(index, Some("assistant"), Some(String::new()), None, None);
-            ChatCompletionChunk::new(&envelope, vec![role], stream::no_usage_yet(include_usage))
-        })
-        .collect();
-    let last = envelope.clone();
-    let chunks = Chunks {
-        opening,
-        token: move |index, event: TokenEvent| {
-            let logprobs = with_logprobs.then(|| {
-                ChatLogprobs::of(
-                    &tokenizer,
-                    std::slice::from_ref(&event.token),
-                    std::slice::from_ref(&event.top_tokens),
+    /// Set when the model may call tools: each choice's text is read for calls.
+    reading: Option<Reading>,
+}
+
+impl ChatStream {
+    fn respond(self, submitted: Vec<Submitted>) -> Response {
+        let Self {
+            n,
+            envelope,
+            tokenizer,
+            with_logprobs,
+            include_usage,
+            names,
+            reading,
+        } = self;
+        // Each choice opens with the assistant's role.
+        let opening = (0..n)
+            .map(|index| {
+                let delta = Delta {
+                    role: Some("assistant"),
+                    ..Delta::content(String::new())
+                };
+                let choice = ChatChunkChoice {
+                    index,
+                    delta,
+                    logprobs: None,
+                    finish_reason: None,
+                };
+                ChatCompletionChunk::new(
+                    &envelope,
+                    vec![choice],
+                    stream::no_usage_yet(include_usage),
                 )
-            });
-            let reason = event.end.as_ref().map(|e| finish_reason(e.finish_reason));
-            let token = choice(index, None, Some(event.token.text), logprobs, reason);
-            ChatCompletionChunk::new(&envelope, vec![token], stream::no_usage_yet(include_usage))
-        },
-        usage: move |usage| ChatCompletionChunk::new(&last, Vec::new(), Some(Some(usage))),
-    };
-    stream::respond(submitted, n, names, include_usage, chunks)
+            })
+            .collect();
+        let mut answers: Option<Vec<StreamedAnswer>> =
+            reading.map(|r| (0..n).map(|_| r.stream()).collect());
+        let last = envelope.clone();
+        let chunks = Chunks {
+            opening,
+            token: move |index: usize, event: TokenEvent| {
+                let logprobs = with_logprobs.then(|| {
+                    ChatLogprobs::of(
+                        &tokenizer,
+                        std::slice::from_ref(&event.token),
+                        std::slice::from_ref(&event.top_tokens),
+                    )
+                });
+                let usual = event.end.as_ref().map(|e| finish_reason(e.finish_reason));
+                let (deltas, reason) = match answers.as_mut() {
+                    None => (vec![Delta::content(event.token.text)], usual),
+                    Some(answers) => {
+                        let (parts, reason) = answers[index].next(&event.token.text, usual);
+                        (parts.into_iter().map(Delta::from).collect(), reason)
+                    }
+                };
+                token_chunks(index, deltas, logprobs, reason)
+                    .into_iter()
+                    .map(|choice| {
+                        let usage = stream::no_usage_yet(include_usage);
+                        ChatCompletionChunk::new(&envelope, vec![choice], usage)
+                    })
+                    .collect()
+            },
+            usage: move |usage| ChatCompletionChunk::new(&last, Vec::new(), Some(Some(usage))),
+        };
+        stream::respond(submitted, n, names, include_usage, chunks)
+    }
+}
+
+/// One token's chunks of choice `index`: a chunk per delta (a token may close a call,
+/// or send nothing while one is written), the token's logprobs on the first and the
+/// finish reason on the last, an empty delta carrying them when there is none.
+fn token_chunks(
+    index: usize,
+    mut deltas: Vec<Delta>,
+    mut logprobs: Option<ChatLogprobs>,
+    finish_reason: Option<&'static str>,
+) -> Vec<ChatChunkChoice> {
+    if deltas.is_empty() && (logprobs.is_some() || finish_reason.is_some()) {
+        deltas.push(Delta::default());
+    }
+    let count = deltas.len();
+    deltas
+        .into_iter()
+        .enumerate()
+        .map(|(i, delta)| ChatChunkChoice {
+            index,
+            delta,
+            logprobs: logprobs.take(),
+            finish_reason: if i + 1 == count { finish_reason } else { None },
+        })
+        .collect()
 }

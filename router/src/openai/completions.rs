@@ -308,7 +308,11 @@ fn completion_stream(
                 logprobs,
                 finish_reason: reason,
             };
-            Completion::new(&envelope, vec![token], stream::no_usage_yet(include_usage))
+            vec![Completion::new(
+                &envelope,
+                vec![token],
+                stream::no_usage_yet(include_usage),
+            )]
         },
         usage: move |usage| Completion::new(&last, Vec::new(), Some(Some(usage))),
     };

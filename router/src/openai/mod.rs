@@ -7,7 +7,7 @@
 //! through `Infer::submit`, as the TGI routes' requests do (`generate`). The two
 //! generating routes differ only in their request and response shapes
 //! (`completions`, `chat`); they share the streaming (`stream`), the logprobs (`logprobs`)
-//! and the errors (`error`).
+//! and the errors (`error`). Chat adds tool calling (`tools`).
 
 mod chat;
 mod completions;
@@ -18,6 +18,7 @@ mod logprobs;
 mod models;
 mod sampling;
 mod stream;
+mod tools;
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -42,6 +43,7 @@ pub use logprobs::{ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogpro
 pub use models::{__path_models, models, Model, ModelList};
 pub use sampling::StopInput;
 pub use stream::StreamOptions;
+pub use tools::{FunctionCall, FunctionDefinition, FunctionDelta, Tool, ToolCall, ToolCallDelta};
 
 use crate::infer::FinishReason;
 use crate::server::AppState;

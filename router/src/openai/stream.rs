@@ -43,7 +43,7 @@ pub(super) fn include_usage(options: Option<StreamOptions>) -> bool {
 pub(super) struct Chunks<C, T, U> {
     /// Sent before any token (chat: each choice's role).
     pub opening: Vec<C>,
-    /// The chunk for one token of choice `index`.
+    /// The chunks for one token of choice `index` (none, one or several).
     pub token: T,
     /// The last chunk, with the counts.
     pub usage: U,
@@ -60,7 +60,7 @@ pub(super) fn respond<C, T, U>(
 ) -> Response
 where
     C: Serialize + Send + 'static,
-    T: FnMut(usize, TokenEvent) -> C + Send + 'static,
+    T: FnMut(usize, TokenEvent) -> Vec<C> + Send + 'static,
     U: FnOnce(Usage) -> C + Send + 'static,
 {
     let Chunks {
@@ -72,14 +72,17 @@ where
     // Counted as the stream goes, read once it has ended.
     let completion_tokens = Arc::new(AtomicUsize::new(0));
     let counter = completion_tokens.clone();
-    let body = events.map(move |(index, event)| match event {
-        Ok(event) => {
-            if let Some(end) = &event.end {
-                counter.fetch_add(end.generated_tokens, Ordering::Relaxed);
+    let body = events.flat_map(move |(index, event)| {
+        let sent: Vec<_> = match event {
+            Ok(event) => {
+                if let Some(end) = &event.end {
+                    counter.fetch_add(end.generated_tokens, Ordering::Relaxed);
+                }
+                token_chunk(index, event).iter().map(sse_json).collect()
             }
-            sse_json(&token_chunk(index, event))
-        }
-        Err(e) => sse_json(&ApiError::from_infer(e, names).body),
+            Err(e) => vec![sse_json(&ApiError::from_infer(e, names).body)],
+        };
+        stream::iter(sent)
     });
     let tail = stream::once(async move {
         let completion_tokens = completion_tokens.load(Ordering::Relaxed);
