@@ -127,3 +127,27 @@ def test_triton_norms_and_rotary_serve_beside_the_triton_backend(model_dirs, hf_
     test_model.test_prefill_and_ten_decode_steps_match_transformers(
         "llama_gqa", model_dirs, hf_model, make
     )
+
+
+@pytest.mark.parametrize("variant", ["llama_gqa", "llama_9_heads_3_kv", "mistral_window"])
+def test_short_chunks_on_the_decode_kernel_match_transformers(
+    variant, model_dirs, hf_model, engine_for
+):
+    """Chunks of at most SHORT_CHUNK tokens after a cached prefix (what a grammar's forced
+    tokens make) run every token as a decode query on the cpu backend."""
+    from cadence.attention_backends.cpu_paged import SHORT_CHUNK
+    from shard_helpers import MiniRouter
+    from test_model import TOL, hf_logits
+
+    path = model_dirs(variant)
+    hf, engine = hf_model(path), engine_for(path)
+    assert engine.attention_backend.name == "cpu"
+    router = MiniRouter(engine)
+    prompt = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    ref = hf_logits(hf, prompt)
+    chunks = [SHORT_CHUNK, 2, 5, SHORT_CHUNK - 1, 40 - 2 * SHORT_CHUNK - 6]
+    got = [router.logits_step(joined=[router.join(1, prompt, num_compute=chunks[0])], forced={})]
+    for i, n in enumerate(chunks[1:], start=2):
+        forced = {1: 7} if i == len(chunks) else {}  # the last chunk samples
+        got.append(router.logits_step(continuing=[router.cont(1, n)], forced=forced))
+    torch.testing.assert_close(torch.cat([g[1] for g in got]), ref[:40], atol=TOL, rtol=0)

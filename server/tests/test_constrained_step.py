@@ -22,7 +22,7 @@ import torch
 from cadence import sampling
 from cadence.pb import shard_pb2
 from cadence.runners import LlamaCpuFlatRunner, ModelRunner
-from cadence.sampling import unpack_allowed
+from cadence.sampling import mask_disallowed
 from cadence.shard.engine import Engine
 from cadence.shard.state import StepError
 from cadence.shard.steps import StepSession
@@ -93,7 +93,8 @@ def _masked_logprobs(ref: torch.Tensor, allowed: list[int]) -> dict[int, float]:
 # -- masks -----------------------------------------------------------------------------
 
 
-def test_unpacking_reads_bit_t_of_word_t_over_32_least_significant_first():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_masking_reads_bit_t_of_word_t_over_32_least_significant_first(dtype):
     vocab = 100  # 4 words, the last one partly past the vocabulary
     g = torch.Generator().manual_seed(0)
     sets = [
@@ -104,9 +105,13 @@ def test_unpacking_reads_bit_t_of_word_t_over_32_least_significant_first():
     ]
     masks = [allowed_tokens(0, s, vocab) for s in sets]
     words = torch.tensor([list(m.words) for m in masks], dtype=torch.int64).to(torch.int32)
-    got = unpack_allowed(words, vocab)
-    for row, s in zip(got, sets, strict=True):
-        assert row.nonzero().squeeze(1).tolist() == sorted(s)
+    logits = torch.randn(len(sets) + 1, vocab, generator=g).to(dtype)
+    rows = torch.arange(1, len(sets) + 1)  # row 0 has no mask and stays as it was
+    got = mask_disallowed(logits, rows, words)
+    assert torch.equal(got[0], logits[0])
+    for i, s in enumerate(sets, start=1):
+        assert torch.isfinite(got[i]).nonzero().squeeze(1).tolist() == sorted(s)
+        assert torch.equal(got[i, sorted(s)], logits[i, sorted(s)])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
