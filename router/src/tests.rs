@@ -138,8 +138,13 @@ impl FakeShard {
         let Some(mask) = mask else {
             return token;
         };
-        let width = mask.words.len() as u32 * 32;
-        let ok = |t: u32| mask.words[t as usize / 32] >> (t % 32) & 1 == 1;
+        let words: Vec<u32> = mask
+            .words
+            .chunks_exact(4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        let width = words.len() as u32 * 32;
+        let ok = |t: u32| words[t as usize / 32] >> (t % 32) & 1 == 1;
         (0..width)
             .map(|i| (token + i) % width)
             .find(|&t| ok(t))

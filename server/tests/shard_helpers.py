@@ -3,6 +3,7 @@ known tokens, and writes StepRequest diffs the way the real scheduler does."""
 
 from __future__ import annotations
 
+import array
 import os
 import random
 import subprocess
@@ -152,7 +153,16 @@ def allowed_tokens(
     packed = [0] * (-(-vocab // 32) if words is None else words)
     for t in tokens:
         packed[t // 32] |= 1 << (t % 32)
-    return shard_pb2.AllowedTokens(id=rid, words=packed)
+    return mask_of_words(rid, packed)
+
+
+def mask_of_words(rid: int, words: Sequence[int]) -> shard_pb2.AllowedTokens:
+    """The AllowedTokens message holding these 32-bit words (little-endian bytes)."""
+    return shard_pb2.AllowedTokens(id=rid, words=array.array("I", words).tobytes())
+
+
+def words_of(mask: shard_pb2.AllowedTokens) -> list[int]:
+    return list(array.array("I", mask.words))
 
 
 def hf_logits(hf: PreTrainedModel, tokens: list[int]) -> torch.Tensor:

@@ -26,7 +26,7 @@ from cadence.sampling import mask_disallowed
 from cadence.shard.engine import Engine
 from cadence.shard.state import StepError
 from cadence.shard.steps import StepSession
-from shard_helpers import MiniRouter, allowed_tokens, hf_logits
+from shard_helpers import MiniRouter, allowed_tokens, hf_logits, mask_of_words, words_of
 from tp_worker import constrained_generations, run_group
 
 # the flat C++ step (+ C++ greedy), the generic forward with the same kernels, torch alone
@@ -104,7 +104,7 @@ def test_masking_reads_bit_t_of_word_t_over_32_least_significant_first(dtype):
         list(range(vocab)),
     ]
     masks = [allowed_tokens(0, s, vocab) for s in sets]
-    words = torch.tensor([list(m.words) for m in masks], dtype=torch.int64).to(torch.int32)
+    words = torch.tensor([words_of(m) for m in masks], dtype=torch.int64).to(torch.int32)
     logits = torch.randn(len(sets) + 1, vocab, generator=g).to(dtype)
     rows = torch.arange(1, len(sets) + 1)  # row 0 has no mask and stays as it was
     got = mask_disallowed(logits, rows, words)
@@ -276,7 +276,7 @@ def test_a_mask_shorter_than_the_logits_disallows_the_tail(model_dirs, engine_fo
     assert words > 0
     head = list(range(32 * words))
     mask = allowed_tokens(0, head, vocab, words=words)
-    assert list(mask.words) == [0xFFFFFFFF] * words
+    assert words_of(mask) == [0xFFFFFFFF] * words
     (g,) = router.step(joined=[router.join(0, prompt)], allowed=[mask]).generations
     assert g.token_ids[0] == max(head, key=lambda t: ref[t])
     assert g.logprobs[0] == pytest.approx(_masked_logprobs(ref, head)[g.token_ids[0]], abs=TOL)
@@ -296,10 +296,10 @@ def test_bits_past_an_odd_vocabulary_allow_nothing(model_dirs, engine_for):
     last_word_only = [0] * 8
     (g,) = router.step(
         joined=[router.join(0, prompt)],
-        allowed=[shard_pb2.AllowedTokens(id=0, words=[*last_word_only, 0xFFFFFFFF])],
+        allowed=[mask_of_words(0, [*last_word_only, 0xFFFFFFFF])],
     ).generations
     assert g.token_ids[0] == 256 and g.logprobs[0] == pytest.approx(0.0, abs=1e-6)
-    past_only = shard_pb2.AllowedTokens(id=1, words=[*last_word_only, 0xFFFFFFFE])
+    past_only = mask_of_words(1, [*last_word_only, 0xFFFFFFFE])
     with pytest.raises(StepError, match="allowed: request 1 allows no token"):
         engine.step(shard_pb2.StepRequest(joined=[router.join(1, prompt)], allowed=[past_only]))
 
@@ -322,10 +322,14 @@ def test_a_bad_mask_or_forced_tokens_reject_the_step_and_the_next_step_runs(mode
     bad = [  # (step, what the error names); each would append a forced token to request 0
         (dict(allowed=[allowed_tokens(42, [5], vocab)]), "allowed: request 42 is not held"),
         (
-            dict(allowed=[shard_pb2.AllowedTokens(id=0, words=[0xFFFFFFFF] * 9)]),
+            dict(allowed=[mask_of_words(0, [0xFFFFFFFF] * 9)]),
             "allowed: request 0 has 9 words, more than the 8 of its 256-token logits",
         ),
-        (dict(allowed=[shard_pb2.AllowedTokens(id=0, words=[0] * 8)]), "request 0 allows no"),
+        (dict(allowed=[mask_of_words(0, [0] * 8)]), "request 0 allows no"),
+        (
+            dict(allowed=[shard_pb2.AllowedTokens(id=0, words=b"\xff" * 5)]),
+            "allowed: request 0's words are 5 bytes, not a multiple of 4",
+        ),
         (dict(allowed=[ones, ones]), "allowed: request 0 has two masks"),
         (
             dict(joined=[mid_prefill], allowed=[ones, allowed_tokens(1, [5], vocab)]),

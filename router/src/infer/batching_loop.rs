@@ -248,6 +248,7 @@ impl<B: Backend> Loop<B> {
                 }
                 words
             });
+            let words = words.iter().flat_map(|w| w.to_le_bytes()).collect();
             masks.push(pb::AllowedTokens { id, words });
         }
         if !masks.is_empty() {

@@ -409,7 +409,7 @@ class Engine:
                     top_n_tokens=5,
                 )
             )
-        everything = [0xFFFFFFFF] * -(-self.model.config.vocab_size // 32)
+        everything = b"\xff" * 4 * -(-self.model.config.vocab_size // 32)
         allowed = [shard_pb2.AllowedTokens(id=r.id, words=everything) for r in joined]
         self._allocate(scratch_blocks, max_batch_size)
         assert self.kv is not None and self.state is not None

@@ -21,7 +21,6 @@ with vectorized tensor ops (a handful of Python operations per request, none per
 
 from __future__ import annotations
 
-import array
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -247,14 +246,18 @@ class BatchState:
                 raise StepError(f"allowed: request {a.id} does not sample this step")
             if a.id in seen:
                 raise StepError(f"allowed: request {a.id} has two masks")
-            if len(a.words) > width:
+            if len(a.words) % 4:
                 raise StepError(
-                    f"allowed: request {a.id} has {len(a.words)} words, more than the "
+                    f"allowed: request {a.id}'s words are {len(a.words)} bytes, not a multiple of 4"
+                )
+            if len(a.words) // 4 > width:
+                raise StepError(
+                    f"allowed: request {a.id} has {len(a.words) // 4} words, more than the "
                     f"{width} of its {vocab}-token logits"
                 )
-            if a.words:
-                packed = array.array("I", a.words)
-                words[i, : len(a.words)] = torch.frombuffer(packed, dtype=torch.int32)
+            if a.words:  # little-endian words, as this (x86 / arm64) host reads them
+                packed = torch.frombuffer(bytearray(a.words), dtype=torch.int32)
+                words[i, : packed.shape[0]] = packed
             ids.append(a.id)
             seen.add(a.id)
         # the bits past the vocabulary in the last word do not count as allowed tokens
