@@ -41,7 +41,7 @@ def launch(
     tmp_dir: Path, *args: str, timeout: float = 300.0, env: dict[str, str] | None = None
 ) -> LaunchedServer:
     """Starts `cadence launch` (in `env`, default this process's environment) and waits
-    until its router answers /health."""
+    until its router answers /ready."""
     port = free_port()
     log_path = tmp_dir / f"launch-{port}.log"
     log_file = log_path.open("w")
@@ -58,7 +58,7 @@ def launch(
         if process.poll() is not None:
             raise RuntimeError(f"cadence launch exited with {process.returncode}:\n{server.log()}")
         try:
-            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
+            if httpx.get(f"{server.url}/ready", timeout=2).status_code == 200:
                 return server
         except httpx.HTTPError:
             pass

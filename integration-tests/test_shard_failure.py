@@ -108,6 +108,8 @@ def test_a_shard_killed_mid_step_fails_that_step_naming_its_rank(stack: Stack) -
     # The router keeps answering: later requests fail at once with the dead rank's name.
     later = httpx.post(f"{stack.url}/generate", json=body, timeout=120)
     assert later.status_code == 424 and "shard 1: " in later.json()["error"], later.text
-    health = httpx.get(f"{stack.url}/health", timeout=30)
-    assert health.status_code == 503 and "shard 1: " in health.json()["error"], health.text
+    # Alive, not ready: readiness names the dead rank.
+    assert httpx.get(f"{stack.url}/health", timeout=30).status_code == 200
+    ready = httpx.get(f"{stack.url}/ready", timeout=30)
+    assert ready.status_code == 503 and "shard 1: " in ready.json()["error"], ready.text
     assert stack.router.poll() is None

@@ -18,6 +18,7 @@ use crate::openai::ApiError;
 /// Routes anyone may call: probes, metrics and the API's description.
 const OPEN_PATHS: &[&str] = &[
     "/health",
+    "/ready",
     "/metrics",
     "/docs",
     "/openapi.json",

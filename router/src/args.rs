@@ -59,6 +59,11 @@ pub struct Args {
     #[arg(long, env = "CADENCE_MODEL_ID")]
     pub model_id: String,
 
+    /// The name clients know the model by: listed by /v1/models, the `model` of OpenAI
+    /// answers, the `model` and `model_name` labels of /metrics [default: --model-id].
+    #[arg(long, env = "CADENCE_SERVED_MODEL_NAME")]
+    pub served_model_name: Option<String>,
+
     /// Most tokens computed in one step (prefill chunks and decodes together); the shards
     /// profile their memory with a step this large at warm-up.
     #[arg(long, env = "CADENCE_MAX_BATCH_TOKENS", default_value_t = 1024)]
@@ -185,6 +190,16 @@ pub struct Args {
     #[arg(long, env = "CADENCE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
 
+    /// /ready turns red when a step has been awaited this long and the shards do not
+    /// answer their Health call within 1 s (a shard that answers is busy, not stuck).
+    #[arg(long, env = "CADENCE_READY_STALL_TIMEOUT_MS", default_value_t = 5000)]
+    pub ready_stall_timeout_ms: u64,
+
+    /// Seconds the requests in flight get to finish after SIGTERM or SIGINT (new ones get
+    /// 503); those still running then end with an error, and the router exits.
+    #[arg(long, env = "CADENCE_SHUTDOWN_TIMEOUT", default_value_t = 30)]
+    pub shutdown_timeout: u64,
+
     /// Debug: compare every rank's Step answer with rank 0's and fail the step when they
     /// differ (tensor-parallel ranks must compute the same tokens).
     #[arg(long, env = "CADENCE_CHECK_RANK_AGREEMENT")]
@@ -213,6 +228,13 @@ pub struct Limits {
 }
 
 impl Args {
+    /// `--served-model-name`, or the model id.
+    pub fn served_model_name(&self) -> String {
+        self.served_model_name
+            .clone()
+            .unwrap_or_else(|| self.model_id.clone())
+    }
+
     /// What every rank gets at warm-up.
     pub fn warmup_request(&self) -> pb::WarmupRequest {
         pb::WarmupRequest {
@@ -428,5 +450,16 @@ mod tests {
         assert_eq!(defaults["--preemption"], "recompute");
         assert!(!defaults.contains_key("--max-input-tokens")); // derived from the model
         assert!(!defaults.contains_key("--kv-cache-bytes"));
+        assert_eq!(defaults["--ready-stall-timeout-ms"], "5000");
+        assert_eq!(defaults["--shutdown-timeout"], "30");
+        assert!(!defaults.contains_key("--served-model-name")); // the model id
+    }
+
+    #[test]
+    fn the_served_model_name_defaults_to_the_model_id() {
+        let args = parse(&["--shard-uds-path", "/s"]).unwrap();
+        assert_eq!(args.served_model_name(), "m");
+        let args = parse(&["--shard-uds-path", "/s", "--served-model-name", "chat"]).unwrap();
+        assert_eq!(args.served_model_name(), "chat");
     }
 }

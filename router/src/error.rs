@@ -21,6 +21,9 @@ pub enum InferError {
     /// The shards do not answer: 503.
     #[error("{0}")]
     Unhealthy(String),
+    /// The router is draining (SIGTERM): 503, try another replica.
+    #[error("{0}")]
+    ShuttingDown(String),
 }
 
 /// The JSON body of every error on the TGI routes.
@@ -37,6 +40,7 @@ impl InferError {
             InferError::Overloaded(_) => "overloaded",
             InferError::Generation(_) => "generation",
             InferError::Unhealthy(_) => "unhealthy",
+            InferError::ShuttingDown(_) => "shutting_down",
         }
     }
 
@@ -45,7 +49,9 @@ impl InferError {
             InferError::Validation(_) => StatusCode::UNPROCESSABLE_ENTITY,
             InferError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
             InferError::Generation(_) => StatusCode::FAILED_DEPENDENCY,
-            InferError::Unhealthy(_) => StatusCode::SERVICE_UNAVAILABLE,
+            InferError::Unhealthy(_) | InferError::ShuttingDown(_) => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
         }
     }
 
@@ -63,14 +69,14 @@ impl IntoResponse for InferError {
     }
 }
 
-/// Seconds a client told 429 waits before trying again.
+/// Seconds a client told 429 or 503 waits before trying again.
 pub const RETRY_AFTER_SECONDS: u32 = 1;
 
-/// An error answer in any route's shape; a 429 says when to try again (`Retry-After`,
-/// which OpenAI's clients honour).
+/// An error answer in any route's shape; a 429 or a 503 says when to try again
+/// (`Retry-After`, which OpenAI's clients honour).
 pub fn error_response(status: StatusCode, body: impl Serialize) -> Response {
     let mut response = (status, Json(body)).into_response();
-    if status == StatusCode::TOO_MANY_REQUESTS {
+    if status == StatusCode::TOO_MANY_REQUESTS || status == StatusCode::SERVICE_UNAVAILABLE {
         response
             .headers_mut()
             .insert(header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER_SECONDS));

@@ -6,6 +6,9 @@
 //! KV cache. The per-token path: `server` (HTTP) → `validation` → `infer` (the batching
 //! loop) → `scheduler` (+ `queue`, `blocks`) → `client` (each step on every shard's step
 //! stream) → `infer` again (`detokenize`, `stop`) → the client's stream.
+//!
+//! For orchestrators: `/health` is liveness, `/ready` readiness (`readiness`), and
+//! SIGTERM drains before the router exits (`drain`).
 
 pub mod access;
 pub mod args;
@@ -14,6 +17,7 @@ pub mod chat;
 pub mod client;
 pub mod constraints;
 pub mod detokenize;
+pub mod drain;
 pub mod error;
 pub mod infer;
 pub mod metrics;
@@ -22,6 +26,7 @@ pub mod openapi;
 #[cfg(feature = "python")]
 mod python;
 pub mod queue;
+pub mod readiness;
 pub mod scheduler;
 pub mod server;
 pub mod stop;
@@ -35,9 +40,13 @@ pub mod pb {
     tonic::include_proto!("cadence.shard.v1");
 }
 
+use std::sync::Arc;
 use std::time::Duration;
 
+use axum::Router;
 use clap::Parser;
+use tokio::net::TcpListener;
+use tokio::task::JoinError;
 
 use crate::access::Access;
 use crate::args::{Args, LogFormat};
@@ -47,11 +56,15 @@ use crate::constraints::{Compiler, MaskShape};
 use crate::detokenize::TokenizerInfo;
 use crate::error::RouterError;
 use crate::infer::{Infer, LoopConfig};
+use crate::readiness::Readiness;
 use crate::server::{AppState, Info};
 use crate::validation::{Constraints, Validation};
 
 /// How long to wait for the shards' sockets at start.
 const CONNECT_WAIT: Duration = Duration::from_secs(60);
+/// After a drain, how long connections get to write what they still hold (the last
+/// events of a stream, or the error events of a cut) when the shutdown timeout is near.
+const FLUSH_GRACE: Duration = Duration::from_secs(2);
 
 /// Parses `argv` (program name first), runs the router until SIGINT/SIGTERM on a new
 /// multi-threaded runtime. `--help` and `--version` print and return Ok.
@@ -88,7 +101,7 @@ pub fn init_logging(format: LogFormat) {
 }
 
 /// Connects to the shards, checks them against the flags, warms them up, serves HTTP until
-/// a signal.
+/// a signal, then drains.
 pub async fn serve(args: Args) -> Result<(), RouterError> {
     let tokenizer =
         TokenizerInfo::from_dir(&args.tokenizer).map_err(|message| RouterError::Tokenizer {
@@ -139,8 +152,10 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
         kernels = ?info.kernels,
         "shards ready"
     );
+    let served_model_name = args.served_model_name();
     let app_info = Info {
         model_id: args.model_id.clone(),
+        served_model_name: served_model_name.clone(),
         model_dtype: info.dtype.clone(),
         model_device_type: info.device.split(':').next().unwrap_or("").to_string(),
         model_pipeline_tag: "text-generation",
@@ -170,7 +185,7 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
         scheduler: args.scheduler_config(cache),
         eos_token_ids: info.eos_token_ids.clone(),
         max_waiting_requests: args.max_waiting_requests,
-        model_id: args.model_id.clone(),
+        served_model_name,
         async_scheduling: !args.no_async_scheduling,
         mask_shape: MaskShape {
             logits_width: logits_width(&validation.tokenizer, info),
@@ -189,11 +204,16 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
         api_keys = api_keys.len(),
         "HTTP surface"
     );
+    let readiness = Readiness::new(
+        Arc::new(shards.clone()),
+        Duration::from_millis(args.ready_stall_timeout_ms),
+    );
     let app = server::router(AppState {
-        infer,
+        infer: infer.clone(),
         info: app_info,
         shards: Some(shards),
-        chat: chat.map(std::sync::Arc::new),
+        chat: chat.map(Arc::new),
+        readiness,
     });
     let access = Access {
         api_keys,
@@ -201,12 +221,52 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
         payload_limit: args.payload_limit,
     };
     let app = access::layers(app, access);
-    let listener = tokio::net::TcpListener::bind((args.hostname.as_str(), args.port)).await?;
+    let listener = TcpListener::bind((args.hostname.as_str(), args.port)).await?;
     tracing::info!(address = %listener.local_addr()?, "listening");
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown_signal())
-        .await?;
+    let shutdown_timeout = Duration::from_secs(args.shutdown_timeout);
+    serve_until_drained(listener, app, &infer, shutdown_timeout).await?;
     tracing::info!("shut down");
+    Ok(())
+}
+
+/// Serves HTTP until SIGTERM or SIGINT, then drains (`drain`): the listener keeps
+/// accepting, so late requests get their 503, until the requests in flight have ended or
+/// `shutdown_timeout` is up; then the connections close once their responses are written
+/// (bounded by the same timeout, or `FLUSH_GRACE` after a cut).
+async fn serve_until_drained(
+    listener: TcpListener,
+    app: Router,
+    infer: &Infer,
+    shutdown_timeout: Duration,
+) -> Result<(), RouterError> {
+    let (close, closing) = tokio::sync::oneshot::channel::<()>();
+    let mut http = tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async {
+                let _ = closing.await;
+            })
+            .await
+    });
+    tokio::select! {
+        joined = &mut http => return http_result(joined), // failed before any signal
+        () = shutdown_signal() => {}
+    }
+    let deadline = tokio::time::Instant::now() + shutdown_timeout;
+    let outcome = drain::drain(infer, shutdown_timeout).await;
+    tracing::info!(?outcome, "drain over; closing the connections");
+    let _ = close.send(());
+    let until = deadline.max(tokio::time::Instant::now() + FLUSH_GRACE);
+    match tokio::time::timeout_at(until, &mut http).await {
+        Ok(joined) => http_result(joined),
+        Err(_) => {
+            tracing::warn!("connections still open after the shutdown timeout: dropped");
+            Ok(())
+        }
+    }
+}
+
+fn http_result(joined: Result<std::io::Result<()>, JoinError>) -> Result<(), RouterError> {
+    joined.map_err(std::io::Error::other)??;
     Ok(())
 }
 
@@ -252,5 +312,5 @@ async fn shutdown_signal() {
         _ = ctrl_c => {},
         _ = terminate => {},
     }
-    tracing::info!("signal received, shutting down");
+    tracing::info!("signal received: draining (new requests get 503)");
 }

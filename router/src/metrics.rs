@@ -1,7 +1,10 @@
 //! Prometheus metrics, rendered as text for `GET /metrics`. Hand-written (counters,
 //! gauges and fixed-bucket histograms over atomics and one small lock per histogram): the
 //! batching loop updates them once per step and once per token event, the HTTP side
-//! reads them at scrape time. Every series carries the `model` label.
+//! reads them at scrape time. Every series carries the `model` label. `gateway` adds the
+//! gauges gateways' endpoint pickers read, under vLLM's names.
+
+mod gateway;
 
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -103,6 +106,8 @@ pub struct Metrics {
     pub running: Gauge,
     pub swapped: Gauge,
     pub kv_blocks_total: Gauge,
+    /// Tokens per KV block (set once, at start).
+    pub kv_block_size: Gauge,
     pub kv_blocks_used: Gauge,
     pub kv_blocks_cached: Gauge,
     pub kv_utilization: Gauge,
@@ -137,6 +142,7 @@ impl Metrics {
             running: Gauge::default(),
             swapped: Gauge::default(),
             kv_blocks_total: Gauge::default(),
+            kv_block_size: Gauge::default(),
             kv_blocks_used: Gauge::default(),
             kv_blocks_cached: Gauge::default(),
             kv_utilization: Gauge::default(),
@@ -169,48 +175,55 @@ impl Metrics {
     pub fn render(&self, shard_computed: Option<(u64, u64)>) -> String {
         let l = format!("model=\"{}\"", self.model);
         let mut out = String::with_capacity(8192);
-        let gauges: [(&str, &str, &Gauge); 7] = [
+        // Read once: the gateways' gauges show the same values (`gateway`).
+        let load = gateway::Load {
+            waiting: self.waiting.get(),
+            running: self.running.get(),
+            kv_blocks_used: self.kv_blocks_used.get(),
+            kv_blocks_total: self.kv_blocks_total.get(),
+            kv_block_size: self.kv_block_size.get(),
+        };
+        let gauges: [(&str, &str, f64); 7] = [
             (
                 "cadence_queue_waiting_requests",
                 "Requests waiting for a step (queued or preempted).",
-                &self.waiting,
+                load.waiting,
             ),
             (
                 "cadence_running_requests",
                 "Requests holding KV blocks in the running batch.",
-                &self.running,
+                load.running,
             ),
             (
                 "cadence_swapped_requests",
                 "Preempted requests whose KV is in the host pool.",
-                &self.swapped,
+                self.swapped.get(),
             ),
             (
                 "cadence_kv_blocks_total",
                 "KV cache blocks.",
-                &self.kv_blocks_total,
+                load.kv_blocks_total,
             ),
             (
                 "cadence_kv_blocks_used",
                 "KV blocks referenced by a request.",
-                &self.kv_blocks_used,
+                load.kv_blocks_used,
             ),
             (
                 "cadence_kv_blocks_cached",
                 "Unreferenced KV blocks kept for prefix hits (evictable).",
-                &self.kv_blocks_cached,
+                self.kv_blocks_cached.get(),
             ),
             (
                 "cadence_kv_utilization",
                 "Tokens stored in the running requests' blocks / the slots of those blocks.",
-                &self.kv_utilization,
+                self.kv_utilization.get(),
             ),
         ];
-        for (name, help, g) in gauges {
+        for (name, help, value) in gauges {
             let _ = writeln!(
                 out,
-                "# HELP {name} {help}\n# TYPE {name} gauge\n{name}{{{l}}} {}",
-                g.get()
+                "# HELP {name} {help}\n# TYPE {name} gauge\n{name}{{{l}}} {value}"
             );
         }
         let counters: [(&str, &str, &Counter); 11] = [
@@ -336,6 +349,7 @@ impl Metrics {
         for (name, help, h) in histograms {
             h.render(&mut out, name, help, &l);
         }
+        gateway::render(&mut out, &self.model, load);
         out
     }
 }

@@ -9,6 +9,7 @@ use utoipa::OpenApi;
 use crate::error::ErrorBody;
 use crate::infer::{FinishReason, Token};
 use crate::openai::{self, *};
+use crate::readiness::NotReadyBody;
 use crate::server::{self, *};
 use crate::validation::{GenerateParameters, GenerateRequest};
 
@@ -21,6 +22,7 @@ use crate::validation::{GenerateParameters, GenerateRequest};
         server::generate_stream,
         server::tokenize,
         server::health,
+        server::ready,
         server::info,
         openai::completions,
         openai::chat_completions,
@@ -34,7 +36,7 @@ use crate::validation::{GenerateParameters, GenerateRequest};
         ChatCompletionChunk, ChatChunkChoice, Delta, ChatLogprobs, ChatTokenLogprob,
         TopLogprob, AssistantMessage, Usage, ModelList, Model, ChatMessage,
         MessageContent, ContentPart, PromptInput, StopInput, StreamOptions, Tool,
-        FunctionDefinition, ToolCall, FunctionCall, ToolCallDelta, FunctionDelta,
+        FunctionDefinition, ToolCall, FunctionCall, ToolCallDelta, FunctionDelta, NotReadyBody,
     )),
     modifiers(&BearerAuth),
 )]

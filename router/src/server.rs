@@ -1,6 +1,7 @@
 //! HTTP routes (TGI's shapes): /generate, /generate_stream, / (TGI's compat route that
-//! streams when `stream` is true), /tokenize, /health, /info; the OpenAI routes live in
-//! `openai`, the OpenAPI document in `openapi`, access control in `access`.
+//! streams when `stream` is true), /tokenize, /health (liveness), /ready (readiness, the
+//! rule in `readiness`), /info; the OpenAI routes live in `openai`, the OpenAPI document
+//! in `openapi`, access control in `access`.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -20,14 +21,17 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use crate::chat::ChatTemplate;
 use crate::client::ShardClient;
-use crate::error::{ErrorBody, InferError};
+use crate::error::{error_response, ErrorBody, InferError};
 use crate::infer::{best_first, collect, End, EventResult, FinishReason, Infer, Token};
+use crate::readiness::{NotReadyBody, Readiness};
 use crate::validation::{Extra, GenerateRequest, Prompt, ValidRequest};
 
 /// `GET /info`.
 #[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct Info {
     pub model_id: String,
+    /// The name clients use: `/v1/models`, OpenAI answers' `model`, the metrics' labels.
+    pub served_model_name: String,
     pub model_dtype: String,
     pub model_device_type: String,
     pub model_pipeline_tag: &'static str,
@@ -53,8 +57,10 @@ pub struct Info {
 pub struct AppState {
     pub infer: Infer,
     pub info: Info,
-    /// `None` only in tests without shards: /health then answers 503.
+    /// `None` only in tests without shards: /metrics then has no shard-side counters.
     pub shards: Option<ShardClient>,
+    /// What `/ready` asks the shards and how long it waits.
+    pub readiness: Readiness,
     /// The model's chat template; `None` when it has none (chat completions answer 400).
     pub chat: Option<Arc<ChatTemplate>>,
 }
@@ -67,6 +73,7 @@ pub fn router(state: AppState) -> Router {
         .route("/generate_stream", post(generate_stream))
         .route("/tokenize", post(tokenize))
         .route("/health", get(health))
+        .route("/ready", get(ready))
         .route("/info", get(info))
         .merge(crate::openai::routes())
         .merge(crate::openapi::routes())
@@ -422,17 +429,34 @@ fn sse_events(
     })
 }
 
+/// Liveness: answered by the HTTP task alone (no shard call, nothing the batching loop
+/// holds), so load never delays it; it stays 200 while draining.
 #[utoipa::path(get, path = "/health", tag = "TGI",
-    responses((status = 200, description = "Every shard is ready"), (status = 503, body = ErrorBody)))]
-pub async fn health(State(state): State<AppState>) -> Response {
-    let Some(shards) = &state.shards else {
-        return InferError::Unhealthy("no shards".into()).into_response();
-    };
-    match tokio::time::timeout(Duration::from_secs(5), shards.health()).await {
-        Ok(Ok(true)) => StatusCode::OK.into_response(),
-        Ok(Ok(false)) => InferError::Unhealthy("shards are not ready".into()).into_response(),
-        Ok(Err(e)) => InferError::Unhealthy(e.to_string()).into_response(),
-        Err(_) => InferError::Unhealthy("shards did not answer in 5 s".into()).into_response(),
+    responses((status = 200, description = "The router process is alive: `{}`")))]
+pub async fn health() -> Json<serde_json::Value> {
+    Json(serde_json::json!({}))
+}
+
+/// Readiness: the rule is in `readiness`.
+#[utoipa::path(get, path = "/ready", tag = "TGI",
+    responses((status = 200, description = "Ready for traffic: `{\"status\": \"ready\"}`"),
+              (status = 503, description = "Not ready; `reason` says why", body = NotReadyBody)))]
+pub async fn ready(State(state): State<AppState>) -> Response {
+    let readiness = &state.readiness;
+    match readiness.check(&state.infer).await {
+        Ok(()) => Json(serde_json::json!({"status": "ready"})).into_response(),
+        Err(why) => {
+            let body = NotReadyBody {
+                error: format!(
+                    "not ready ({}): {}",
+                    why.reason(),
+                    why.message(readiness.probe_timeout)
+                ),
+                error_type: "not_ready",
+                reason: why.reason(),
+            };
+            error_response(StatusCode::SERVICE_UNAVAILABLE, body)
+        }
     }
 }
 

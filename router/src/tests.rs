@@ -22,9 +22,13 @@ use crate::detokenize::testing;
 use crate::error::ShardError;
 use crate::infer::{Infer, LoopConfig};
 use crate::pb;
+use crate::readiness::{HealthProbe, Readiness};
 use crate::scheduler::SchedulerConfig;
 use crate::server::{router, AppState, Info};
 use crate::validation::{Constraints, Validation};
+
+/// `/health`, `/ready`, the drain, and what gateways read.
+mod lifecycle;
 
 /// The grammar compiler over the test tokenizer.
 fn testing_constraints() -> Constraints {
@@ -93,6 +97,18 @@ struct FakeState {
     forced: usize,
 }
 
+/// What the fake answers to `Health`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum FakeHealth {
+    Ready,
+    /// Up, its KV cache not allocated yet.
+    NotReady,
+    /// The call fails (a shard that is gone).
+    Fails,
+    /// No answer ever (a frozen shard).
+    Silent,
+}
+
 #[derive(Clone)]
 struct FakeShard {
     state: Arc<Mutex<FakeState>>,
@@ -103,6 +119,8 @@ struct FakeShard {
     delay: Duration,
     /// While true, every step waits (its requests stay in flight until the test resumes).
     paused: Arc<tokio::sync::watch::Sender<bool>>,
+    /// Answered to `Health`, whatever the steps do (as the shards' event loop).
+    health: Arc<Mutex<FakeHealth>>,
 }
 
 impl FakeShard {
@@ -114,6 +132,7 @@ impl FakeShard {
             num_blocks,
             delay: Duration::ZERO,
             paused: Arc::new(tokio::sync::watch::channel(false).0),
+            health: Arc::new(Mutex::new(FakeHealth::Ready)),
         }
     }
 
@@ -329,9 +348,27 @@ impl Backend for FakeShard {
     }
 }
 
+impl HealthProbe for FakeShard {
+    fn probe(&self) -> std::pin::Pin<Box<dyn Future<Output = Result<bool, ShardError>> + Send>> {
+        let health = *self.health.lock().unwrap();
+        Box::pin(async move {
+            match health {
+                FakeHealth::Ready => Ok(true),
+                FakeHealth::NotReady => Ok(false),
+                FakeHealth::Fails => Err(ShardError {
+                    rank: 0,
+                    message: "Unavailable: connection refused".into(),
+                }),
+                FakeHealth::Silent => std::future::pending().await,
+            }
+        })
+    }
+}
+
 struct Harness {
     app: Router,
     shard: FakeShard,
+    infer: Infer,
 }
 
 /// A router in front of a `FakeShard`, configured by chaining: 64 KV blocks, 16
@@ -342,6 +379,9 @@ struct Setup {
     max_waiting: usize,
     async_scheduling: bool,
     chat: Option<Arc<ChatTemplate>>,
+    served_model_name: String,
+    /// `--ready-stall-timeout-ms`.
+    stall_timeout: Duration,
 }
 
 fn setup(script: Script) -> Setup {
@@ -351,6 +391,8 @@ fn setup(script: Script) -> Setup {
         max_waiting: 64,
         async_scheduling: true,
         chat: None,
+        served_model_name: "test-model".into(),
+        stall_timeout: Duration::from_secs(5),
     }
 }
 
@@ -399,6 +441,18 @@ impl Setup {
         self
     }
 
+    /// The name clients know the model by (`--served-model-name`).
+    fn served_model_name(mut self, name: &str) -> Self {
+        self.served_model_name = name.into();
+        self
+    }
+
+    /// How long a step may be awaited before `/ready` asks whether it is stalled.
+    fn stall_timeout(mut self, timeout: Duration) -> Self {
+        self.stall_timeout = timeout;
+        self
+    }
+
     /// How long each step takes (so requests stay in flight a while).
     fn step_delay(mut self, delay: Duration) -> Self {
         self.shard.delay = delay;
@@ -412,6 +466,8 @@ impl Setup {
             max_waiting,
             async_scheduling,
             chat,
+            served_model_name,
+            stall_timeout,
         } = self;
         let limits = Limits {
             max_input_tokens: 48,
@@ -424,6 +480,7 @@ impl Setup {
         };
         let info = Info {
             model_id: "test-model".into(),
+            served_model_name: served_model_name.clone(),
             model_dtype: "float32".into(),
             model_device_type: "cpu".into(),
             model_pipeline_tag: "text-generation",
@@ -457,7 +514,7 @@ impl Setup {
             ),
             eos_token_ids: vec![testing::eos_id()],
             max_waiting_requests: max_waiting,
-            model_id: "test-model".into(),
+            served_model_name,
             async_scheduling,
             mask_shape: MaskShape {
                 logits_width: testing::tokenizer().vocab_size(),
@@ -466,13 +523,17 @@ impl Setup {
             grammar_fast_forward: true,
         };
         let infer = Infer::spawn(shard.clone(), validation, max_concurrent, config);
+        let mut readiness = Readiness::new(Arc::new(shard.clone()), stall_timeout);
+        // A silent fake never answers: no need to wait the production second for it.
+        readiness.probe_timeout = Duration::from_millis(20);
         let app = router(AppState {
-            infer,
+            infer: infer.clone(),
             info,
             shards: None,
             chat,
+            readiness,
         });
-        Harness { app, shard }
+        Harness { app, shard, infer }
     }
 }
 
@@ -532,6 +593,19 @@ impl Harness {
     /// Lets the paused shard run its steps.
     fn resume(&self) {
         self.shard.paused.send_replace(false);
+    }
+
+    /// What the fake answers to `Health` from now on.
+    fn set_health(&self, health: FakeHealth) {
+        *self.shard.health.lock().unwrap() = health;
+    }
+
+    /// `/ready`'s status and its `reason` (empty when ready).
+    async fn ready(&self) -> (StatusCode, String) {
+        let (status, _, text) = self.get("/ready").await;
+        let v: Value = serde_json::from_str(&text).unwrap_or_else(|_| panic!("{text}"));
+        let reason = v["reason"].as_str().unwrap_or_default().to_string();
+        (status, reason)
     }
 
     /// Waits until the paused shard holds `n` steps.
@@ -989,8 +1063,14 @@ async fn info_and_health_answer() {
     let v: Value = serde_json::from_str(&text).unwrap();
     assert_eq!(v["router"], "cadence");
     assert_eq!(v["max_total_tokens"], 64);
-    let (status, _, _) = h.get("/health").await;
-    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(v["served_model_name"], "test-model");
+    let (status, _, text) = h.get("/health").await;
+    assert_eq!((status, text.as_str()), (StatusCode::OK, "{}"));
+    let (status, _, text) = h.get("/ready").await;
+    assert_eq!(
+        (status, text.as_str()),
+        (StatusCode::OK, r#"{"status":"ready"}"#)
+    );
 }
 
 #[tokio::test]
@@ -1105,12 +1185,10 @@ async fn api_keys_guard_every_route_but_the_open_ones_and_payload_limit_is_a_422
     assert!(text.contains("invalid_api_key"), "{text}");
     let (status, _, _) = send(&app, post_json("/generate", &body, Some("sekret"))).await;
     assert_eq!(status, StatusCode::OK);
-    let (status, _, _) = send(&app, get("/health")).await;
-    assert_eq!(
-        status,
-        StatusCode::SERVICE_UNAVAILABLE,
-        "open, unhealthy without shards"
-    );
+    for probe in ["/health", "/ready"] {
+        let (status, _, _) = send(&app, get(probe)).await;
+        assert_eq!(status, StatusCode::OK, "{probe} is open");
+    }
     let (status, _, _) = send(&app, get("/openapi.json")).await;
     assert_eq!(status, StatusCode::OK);
     let (status, _, _) = send(&app, get("/v1/models")).await;
@@ -1164,6 +1242,7 @@ async fn tokenize_returns_ids_with_character_offsets_and_the_openapi_document_li
         "/tokenize",
         "/info",
         "/health",
+        "/ready",
         "/v1/completions",
         "/v1/chat/completions",
         "/v1/models",
@@ -1189,6 +1268,12 @@ async fn metrics_count_tokens_requests_and_blocks() {
     assert!(text.contains("cadence_requests_succeeded_total{model=\"test-model\"} 1\n"));
     assert!(text.contains("cadence_kv_blocks_used{model=\"test-model\"} 0\n"));
     assert!(text.contains("cadence_e2e_request_latency_seconds_count{model=\"test-model\"} 1\n"));
+    // The gateways' gauges, under vLLM's names, with the cache's shape.
+    assert!(text.contains("vllm:num_requests_running{model_name=\"test-model\"} 0\n"));
+    assert!(text.contains("vllm:kv_cache_usage_perc{model_name=\"test-model\"} 0\n"));
+    assert!(text.contains(
+        "vllm:cache_config_info{model_name=\"test-model\",block_size=\"4\",num_gpu_blocks=\"64\"} 1\n"
+    ));
     h.assert_protocol_ok();
 }
 
@@ -1484,10 +1569,37 @@ async fn streaming_best_of_must_equal_n_either_way() {
     }
 }
 
+/// How every generating route must refuse a request: the status, then the error's type
+/// in TGI's shape and in OpenAI's.
+struct Refusal {
+    status: StatusCode,
+    tgi_type: &'static str,
+    openai_type: &'static str,
+}
+
+const OVERLOADED: Refusal = Refusal {
+    status: StatusCode::TOO_MANY_REQUESTS,
+    tgi_type: "overloaded",
+    openai_type: "rate_limit_exceeded",
+};
+
+const SHUTTING_DOWN: Refusal = Refusal {
+    status: StatusCode::SERVICE_UNAVAILABLE,
+    tgi_type: "shutting_down",
+    openai_type: "server_error",
+};
+
 /// Asks every generating route, streaming and not, `best_of` / `n` included, to generate
 /// while the router is overloaded: each must answer 429 in its own error shape, saying
 /// `why`, with `Retry-After`. Returns how many were asked.
 async fn assert_every_route_overloaded(h: &Harness, why: &str) -> u64 {
+    assert_every_route_refuses(h, OVERLOADED, why).await
+}
+
+/// Asks every generating route, streaming and not, `best_of` / `n` included, to
+/// generate: each must refuse as `refusal` says in its own error shape, saying `why`,
+/// with `Retry-After`. Returns how many were asked.
+async fn assert_every_route_refuses(h: &Harness, refusal: Refusal, why: &str) -> u64 {
     let chat = |extra: Value| {
         let mut body = json!({"messages": [{"role": "user", "content": "hi"}]});
         body.as_object_mut()
@@ -1518,18 +1630,14 @@ async fn assert_every_route_overloaded(h: &Harness, why: &str) -> u64 {
     ];
     for (path, body) in &requests {
         let (status, headers, text) = h.send(post_json(path, body, None)).await;
-        assert_eq!(
-            status,
-            StatusCode::TOO_MANY_REQUESTS,
-            "{path} {body}: {text}"
-        );
+        assert_eq!(status, refusal.status, "{path} {body}: {text}");
         assert_eq!(headers["retry-after"], "1", "{path} {body}");
         let v: Value = serde_json::from_str(&text).unwrap();
         let message = if path.starts_with("/v1/") {
-            assert_eq!(v["error"]["type"], "rate_limit_exceeded", "{path}: {v}");
+            assert_eq!(v["error"]["type"], refusal.openai_type, "{path}: {v}");
             &v["error"]["message"]
         } else {
-            assert_eq!(v["error_type"], "overloaded", "{path}: {v}");
+            assert_eq!(v["error_type"], refusal.tgi_type, "{path}: {v}");
             &v["error"]
         };
         assert!(message.as_str().unwrap().contains(why), "{path}: {v}");

@@ -155,6 +155,7 @@ def _launch_parser(sub: Any) -> None:
         "--no-grammar-fast-forward",
         help="sample every constrained token instead of appending the tokens a grammar forces",
     )
+    _add_deploy_flags(add)
     _add_log_format(add)
     add("--uds-dir", help="folder for the shards' unix sockets (default: a fresh temp folder)")
     add(
@@ -163,6 +164,27 @@ def _launch_parser(sub: Any) -> None:
         help="seconds for each start step (the shards loading, the router warming them up)",
     )
     p.set_defaults(run=_run_launch)
+
+
+def _add_deploy_flags(add: Add) -> None:
+    """What orchestrators and gateways see (see docs/deploy.md)."""
+    add(
+        "--served-model-name",
+        help="the model's name in /v1/models, OpenAI answers and the metrics' labels "
+        "(default: the model id)",
+    )
+    add(
+        "--ready-stall-timeout-ms",
+        type=_positive_int,
+        help="/ready turns red when a step has been awaited this long and the shards do not "
+        "answer their health check within 1 s",
+    )
+    add(
+        "--shutdown-timeout",
+        type=_non_negative_int,
+        help="seconds the requests in flight get to finish after SIGTERM (new ones get 503); "
+        "then they end with an error and the router, then the shards, stop",
+    )
 
 
 def _add_scheduler_flags(p: argparse.ArgumentParser, add: Add) -> None:

@@ -69,10 +69,11 @@ class LaunchConfig:
     async_scheduling: str = "auto"  # auto: on with a GPU, off on CPU (docs/scheduler.md)
     uds_dir: str | None = None  # None: a fresh temp folder, removed at exit
     startup_timeout: float = 300.0  # seconds for each start step, the router's warm-up included
-    # The router's too: the launcher waits for the router there. test_cli checks that they
-    # are the router's own defaults.
+    # The router's too: the launcher waits for the router there, and for its drain on
+    # SIGTERM (seconds). test_launch_config checks that they are the router's own defaults.
     hostname: str = "127.0.0.1"
     port: int = 8080
+    shutdown_timeout: int = 30
     # Every shard's (and every process's log format).
     dtype: str = _shard("dtype")  # auto: resolve_cpu_choices picks by device and CPU
     kv_cache_dtype: str | None = _shard("kv_cache_dtype")  # None: isa.default_kv_cache_dtype
@@ -103,6 +104,8 @@ class LaunchConfig:
     batch_timeout_ms: int | None = _router()
     max_waiting_requests: int | None = _router()
     grammar_compile_timeout_ms: int | None = _router()
+    served_model_name: str | None = _router()  # None: the model id
+    ready_stall_timeout_ms: int | None = _router()
     no_grammar_fast_forward: bool = _router(False)
     no_prefix_caching: bool = _router(False)
     check_rank_agreement: bool = _router(False)  # the router compares every rank's step answer

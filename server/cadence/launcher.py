@@ -1,7 +1,12 @@
 """`cadence launch`: converts or resolves the model, starts the shards, then the router,
 which warms the shards up before it serves, then supervises them all until a signal or a
 child's death. It speaks no gRPC: a shard is up once its socket exists, the stack once the
-router answers /health.
+router answers /ready.
+
+On SIGTERM or SIGINT the router is stopped first and alone: it drains (its requests in
+flight finish, new ones get 503) for up to --shutdown-timeout seconds and exits; only
+then are the shards stopped, and the launcher exits 0. When any child dies on its own,
+the launcher stops the others and exits 1, so an orchestrator restarts the whole stack.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from cadence.supervisor import ChildExited, Stopped, Supervisor
 
 EMBEDDED_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # both stop the stack cleanly, exit 0
+# Beyond --shutdown-timeout: the router's last writes after a drain, and its exit.
+_ROUTER_EXIT_MARGIN = 10.0
 
 
 class LaunchError(RuntimeError):
@@ -51,7 +58,7 @@ def router_argv(cfg: LaunchConfig, model_dir: str, uds_paths: list[str]) -> list
     """The router's command line: what it cannot know, and the router flags that were set
     (the others keep the router's own defaults)."""
     argv = [sys.executable, "-m", "cadence.router", "--hostname", cfg.hostname]
-    argv += ["--port", str(cfg.port)]
+    argv += ["--port", str(cfg.port), "--shutdown-timeout", str(cfg.shutdown_timeout)]
     for path in uds_paths:
         argv += ["--shard-uds-path", path]
     argv += ["--tokenizer", model_dir, "--model-id", cfg.model_id or EMBEDDED_MODEL_NAME]
@@ -141,6 +148,8 @@ def launch(cfg: LaunchConfig) -> int:
         logger.error(str(err))
         return 1
     finally:
+        # The router first and alone: it drains while the shards still compute.
+        supervisor.stop_child("router", cfg.shutdown_timeout + _ROUTER_EXIT_MARGIN)
         supervisor.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -163,9 +172,9 @@ def _run(cfg: LaunchConfig, supervisor: Supervisor, model_dir: str, uds_paths: l
     supervisor.start("router", router_argv(cfg, model_dir, uds_paths), router_env(cfg, env))
     url = f"http://{_connect_host(cfg.hostname)}:{cfg.port}"
     supervisor.wait_until(
-        lambda: _http_ok(f"{url}/health"),
+        lambda: _http_ok(f"{url}/ready"),
         cfg.startup_timeout,
-        "the router warming the shards up and answering /health",
+        "the router warming the shards up and answering /ready",
     )
     logger.info("cadence ready on http://{}:{}", cfg.hostname, cfg.port)
     supervisor.watch()

@@ -25,6 +25,8 @@ def main() -> int:
     except RuntimeError as err:  # why it could not start or stopped: no traceback
         print(f"cadence-router: {err}", file=sys.stderr, flush=True)
         return 1
+    except KeyboardInterrupt:  # Python saw the SIGINT too, once the router had drained
+        return 0
     return 0
 
 

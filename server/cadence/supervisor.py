@@ -149,24 +149,35 @@ class Supervisor:
         """Signal-handler friendly: only sets a flag."""
         self.stopping.set()
 
+    def stop_child(self, name: str, timeout: float) -> None:
+        """Stops the running child `name` alone (SIGTERM, then SIGKILL after `timeout`),
+        before the others: a router drains its requests while the shards still serve them.
+        Nothing happens if no such child runs."""
+        _terminate([c for c in self.children if c.name == name], timeout)
+
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM to every running child (last started first), then SIGKILL after `timeout`."""
-        running = [c for c in reversed(self.children) if c.proc.poll() is None]
-        for child in running:
-            logger.info("stopping {} (pid {})", child.name, child.proc.pid)
-            _signal_group(child.proc, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for child in running:
-            try:
-                child.proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                logger.warning("{} did not stop within {:.0f} s; killing it", child.name, timeout)
-                _signal_group(child.proc, signal.SIGKILL)
-                child.proc.wait()
+        _terminate(list(reversed(self.children)), timeout)
         for child in self.children:
             _signal_group(child.proc, signal.SIGKILL)  # leftovers of its process group
             child.proc.wait()
             child.drain()
+
+
+def _terminate(children: list[Child], timeout: float) -> None:
+    """SIGTERM to those of `children` that run, then SIGKILL to those left after `timeout`."""
+    running = [c for c in children if c.proc.poll() is None]
+    for child in running:
+        logger.info("stopping {} (pid {})", child.name, child.proc.pid)
+        _signal_group(child.proc, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for child in running:
+        try:
+            child.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            logger.warning("{} did not stop within {:.0f} s; killing it", child.name, timeout)
+            _signal_group(child.proc, signal.SIGKILL)
+            child.proc.wait()
 
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:

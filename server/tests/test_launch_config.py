@@ -32,8 +32,8 @@ def test_router_flags_left_unset_keep_the_routers_defaults() -> None:
     argv = _router_argv(LaunchConfig())
     flags = [a for a in argv[3:] if a.startswith("--")]
     assert flags == [
-        *("--hostname", "--port", "--shard-uds-path", "--tokenizer", "--model-id"),
-        *("--log-format", "--no-async-scheduling"),
+        *("--hostname", "--port", "--shutdown-timeout", "--shard-uds-path", "--tokenizer"),
+        *("--model-id", "--log-format", "--no-async-scheduling"),
     ]
 
 
@@ -75,7 +75,8 @@ def test_every_router_flag_the_launcher_can_pass_is_one_the_router_parses(
 
 
 def test_the_launchers_router_address_defaults_are_the_routers() -> None:
-    """The launcher must know where the router listens, so it keeps these two."""
+    """The launcher must know where the router listens and how long it drains, so it
+    keeps these three."""
     from cadence.router import flag_defaults
 
     defaults = flag_defaults()
@@ -83,6 +84,18 @@ def test_the_launchers_router_address_defaults_are_the_routers() -> None:
         pytest.skip("the router is not built")
     cfg = LaunchConfig()
     assert (cfg.hostname, str(cfg.port)) == (defaults["--hostname"], defaults["--port"])
+    assert str(cfg.shutdown_timeout) == defaults["--shutdown-timeout"]
+
+
+def test_the_deploy_flags_reach_the_router() -> None:
+    args = build_parser().parse_args(
+        ["launch", "--served-model-name", "chat", "--ready-stall-timeout-ms", "2000"]
+        + ["--shutdown-timeout", "5"]
+    )
+    argv = _router_argv(config_from(args, LaunchConfig))
+    assert argv[argv.index("--served-model-name") + 1] == "chat"
+    assert argv[argv.index("--ready-stall-timeout-ms") + 1] == "2000"
+    assert argv[argv.index("--shutdown-timeout") + 1] == "5"
 
 
 def test_shard_settings_reach_every_shards_config() -> None:

@@ -76,6 +76,18 @@ def test_stop_terminates_then_kills_stubborn_children() -> None:
     assert stubborn.proc.returncode == -signal.SIGKILL
 
 
+def test_stop_child_stops_that_child_alone() -> None:
+    supervisor = Supervisor()
+    first = supervisor.start("first", [PY, "-c", "import time; time.sleep(60)"])
+    second = supervisor.start("second", [PY, "-c", "import time; time.sleep(60)"])
+    supervisor.stop_child("second", timeout=10.0)
+    assert second.proc.returncode == -signal.SIGTERM
+    assert first.proc.poll() is None
+    supervisor.stop_child("no-such-child", timeout=10.0)  # nothing to do
+    supervisor.stop()
+    assert first.proc.returncode == -signal.SIGTERM
+
+
 def test_wait_until_fails_fast_when_a_child_exits() -> None:
     supervisor = Supervisor()
     supervisor.start("quitter", [PY, "-c", "print('bye')"])
@@ -129,37 +141,61 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# The fake router: 200 on every GET (the real one would warm the shards up before
+# answering /ready); on SIGTERM it "drains" for a second, then leaves a mark and exits.
+_FAKE_ROUTER = (
+    "import http.server, os, signal, sys, time\n"
+    "class Handler(http.server.BaseHTTPRequestHandler):\n"
+    "    def do_GET(self):\n"
+    "        self.send_response(200); self.end_headers(); self.wfile.write(b'{}')\n"
+    "def drain(*_):\n"
+    "    time.sleep(1.0)\n"
+    "    open(sys.argv[2], 'w').close()\n"
+    "    os._exit(0)\n"
+    "signal.signal(signal.SIGTERM, drain)\n"
+    "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), Handler).serve_forever()\n"
+)
+# The fake shard: creates its socket file, dies after a while; on SIGTERM it notes
+# whether the router had drained by then (argv[4] + ".shard": "True" or "False").
+_FAKE_SHARD = (
+    "import os, signal, sys, time\n"
+    "def stop(*_):\n"
+    "    open(sys.argv[4] + '.shard', 'w').write(str(os.path.exists(sys.argv[4])))\n"
+    "    sys.exit(0)\n"
+    "signal.signal(signal.SIGTERM, stop)\n"
+    "open(sys.argv[1], 'w').close()\n"
+    "open(os.path.join(sys.argv[2], str(os.getpid())), 'w').close()\n"
+    "print('shard listening', flush=True)\n"
+    "time.sleep(float(sys.argv[3]))\n"
+    "print('shard crashed', file=sys.stderr); sys.exit(7)\n"
+)
+
+
 @pytest.fixture
 def fake_stack(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> SimpleNamespace:
-    """Shard: a sleeper that creates its socket file. Router: http.server serving /health
-    (the real router would warm the shards up before answering)."""
+    """Shard: a sleeper that creates its socket file. Router: an HTTP server that answers
+    /health and /ready, and drains for a second on SIGTERM."""
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
-    (tmp_path / "www").mkdir()
-    (tmp_path / "www" / "health").write_text("ok")
     pids = tmp_path / "pids"
     pids.mkdir()
-    shard_script = (
-        "import os, sys, time\n"
-        "open(sys.argv[1], 'w').close()\n"
-        "open(os.path.join(sys.argv[2], str(os.getpid())), 'w').close()\n"
-        "print('shard listening', flush=True)\n"
-        "time.sleep(float(sys.argv[3]))\n"
-        "print('shard crashed', file=sys.stderr); sys.exit(7)\n"
-    )
     stack = SimpleNamespace(
-        shard_lifetime=60.0, model=str(tmp_path / "model"), pids=pids, router_argv=None
+        shard_lifetime=60.0,
+        model=str(tmp_path / "model"),
+        pids=pids,
+        router_argv=None,
+        drained=tmp_path / "router-drained",
     )
     real_router_argv = launcher.router_argv
 
     def shard_argv(cfg: LaunchConfig, model_dir: str, uds_path: str, rank: int) -> list[str]:
-        return [PY, "-c", shard_script, uds_path, str(pids), str(stack.shard_lifetime)]
+        lifetime, drained = str(stack.shard_lifetime), str(stack.drained)
+        return [PY, "-c", _FAKE_SHARD, uds_path, str(pids), lifetime, drained]
 
     def router_argv(cfg: LaunchConfig, model_dir: str, uds: list[str]) -> list[str]:
         assert all(os.path.exists(path) for path in uds)  # started once the shards listen
         stack.router_argv = real_router_argv(cfg, model_dir, uds)
-        www = str(tmp_path / "www")
-        return [PY, "-m", "http.server", str(cfg.port), "--bind", "127.0.0.1", "-d", www]
+        return [PY, "-c", _FAKE_ROUTER, str(cfg.port), str(stack.drained)]
 
     monkeypatch.setattr(launcher, "shard_argv", shard_argv)
     monkeypatch.setattr(launcher, "router_argv", router_argv)
@@ -181,7 +217,7 @@ def test_launch_starts_shards_then_router_serves_and_stops_cleanly_on_sigterm(
 
     def stop_when_ready() -> None:
         deadline = time.monotonic() + 30
-        while not launcher._http_ok(f"http://127.0.0.1:{port}/health"):  # noqa: SLF001
+        while not launcher._http_ok(f"http://127.0.0.1:{port}/ready"):  # noqa: SLF001
             if time.monotonic() > deadline:
                 return
             time.sleep(0.1)
@@ -192,6 +228,9 @@ def test_launch_starts_shards_then_router_serves_and_stops_cleanly_on_sigterm(
     # the router warms the shards up with what the launcher was given
     router = fake_stack.router_argv
     assert router[router.index("--kv-cache-bytes") + 1] == str(2**20)
+    assert router[router.index("--shutdown-timeout") + 1] == "30"
+    # The router drained and exited before the shard was asked to stop.
+    assert Path(f"{fake_stack.drained}.shard").read_text() == "True"
     assert not launcher._http_ok(f"http://127.0.0.1:{port}/health")  # noqa: SLF001
     assert all(_gone(int(p.name)) for p in fake_stack.pids.iterdir())
     assert list(uds_dir.iterdir()) == []  # sockets removed (the folder was given, so it stays)

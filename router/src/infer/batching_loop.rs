@@ -1,7 +1,8 @@
 //! The batching loop: the one task that owns the scheduler and every request's decoding
 //! state. It takes new requests, drops those whose client left, schedules, sends each
 //! step to the shards and applies their answer (`output`); a step that fails fails every
-//! request in flight.
+//! request in flight. It records when it waits for a step (`progress`, for `/ready`), and
+//! when a drain is cut it fails every request it still holds and stops.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -12,11 +13,13 @@ use tokio::task::JoinHandle;
 
 use super::handle::Admission;
 use super::output::Entry;
+use super::progress::StepClock;
 use super::siblings::Sibling;
 use crate::blocks::RequestId;
 use crate::client::Backend;
 use crate::constraints::MaskShape;
 use crate::detokenize::TokenizerInfo;
+use crate::drain::Drain;
 use crate::error::{InferError, ShardError};
 use crate::metrics::Metrics;
 use crate::pb;
@@ -28,14 +31,21 @@ pub struct LoopConfig {
     pub eos_token_ids: Vec<u32>,
     /// Requests waiting for their first step beyond which new ones get 429.
     pub max_waiting_requests: usize,
-    /// The `model` label of the metrics.
-    pub model_id: String,
+    /// The name clients know the model by: the metrics' `model` and `model_name` labels.
+    pub served_model_name: String,
     /// Schedule step N + 1 while step N runs (see the module documentation of `infer`).
     pub async_scheduling: bool,
     /// The logits' width and EOS ids, for constrained requests' masks.
     pub mask_shape: MaskShape,
     /// Append the tokens a grammar forces without sampling them.
     pub grammar_fast_forward: bool,
+}
+
+/// What the loop shares with the HTTP side.
+pub(super) struct Shared {
+    pub metrics: Arc<Metrics>,
+    pub progress: Arc<StepClock>,
+    pub drain: Arc<Drain>,
 }
 
 /// A step sent to the shards whose answer has not been applied yet.
@@ -58,6 +68,7 @@ pub(super) struct Loop<B> {
     pub(super) siblings: HashMap<RequestId, Vec<Sibling>>,
     pub(super) next_id: RequestId,
     pub(super) metrics: Arc<Metrics>,
+    progress: Arc<StepClock>,
     /// Nothing can run before then (a dynamic batch waiting to fill).
     wake_at: Option<Instant>,
     async_scheduling: bool,
@@ -67,17 +78,25 @@ pub(super) struct Loop<B> {
     pub(super) in_flight: Option<InFlight>,
 }
 
-/// Runs the loop until every handle (`Infer`) is dropped.
+/// Runs the loop until every handle (`Infer`) is dropped, or until a drain is cut.
 pub(super) async fn run<B: Backend>(
     backend: B,
     mut rx: mpsc::UnboundedReceiver<Admission>,
     tokenizer: TokenizerInfo,
     config: LoopConfig,
-    metrics: Arc<Metrics>,
+    shared: Shared,
 ) {
+    let Shared {
+        metrics,
+        progress,
+        drain,
+    } = shared;
     metrics
         .kv_blocks_total
         .set(config.scheduler.num_blocks as f64);
+    metrics
+        .kv_block_size
+        .set(config.scheduler.block_size as f64);
     let mut lp = Loop {
         backend: Arc::new(backend),
         tokenizer,
@@ -87,41 +106,84 @@ pub(super) async fn run<B: Backend>(
         siblings: HashMap::new(),
         next_id: 0,
         metrics,
+        progress,
         wake_at: None,
         async_scheduling: config.async_scheduling,
         mask_shape: config.mask_shape,
         fast_forward: config.grammar_fast_forward,
         in_flight: None,
     };
-    loop {
-        // New requests; sleep on the channel only when there is nothing to run (or
-        // nothing before `wake_at`).
-        if !lp.scheduler.has_work() && lp.in_flight.is_none() {
-            match rx.recv().await {
-                Some(admission) => lp.admit(admission),
-                None => return,
-            }
-        } else if let Some(at) = lp.wake_at.take() {
-            tokio::select! {
-                admission = rx.recv() => match admission {
-                    Some(admission) => lp.admit(admission),
-                    None => return,
-                },
-                _ = tokio::time::sleep_until(at.into()) => {}
-            }
-        }
-        while let Ok(admission) = rx.try_recv() {
-            lp.admit(admission);
-        }
-        lp.drop_cancelled();
-        if !lp.scheduler.has_work() && lp.in_flight.is_none() {
-            continue;
-        }
-        lp.iterate().await;
+    // The loop's future holds `lp` and `rx`: dropped here when the cut wins, so the
+    // requests left can be failed (a step it was waiting for is abandoned).
+    let cut = tokio::select! {
+        () = lp.serve(&mut rx) => false,
+        () = drain.cut_requested() => true,
+    };
+    if cut {
+        lp.cut(&mut rx);
     }
 }
 
 impl<B: Backend> Loop<B> {
+    /// Takes requests and runs steps until every handle is dropped.
+    async fn serve(&mut self, rx: &mut mpsc::UnboundedReceiver<Admission>) {
+        loop {
+            // New requests; sleep on the channel only when there is nothing to run (or
+            // nothing before `wake_at`).
+            if !self.scheduler.has_work() && self.in_flight.is_none() {
+                match rx.recv().await {
+                    Some(admission) => self.admit(admission),
+                    None => return,
+                }
+            } else if let Some(at) = self.wake_at.take() {
+                tokio::select! {
+                    admission = rx.recv() => match admission {
+                        Some(admission) => self.admit(admission),
+                        None => return,
+                    },
+                    _ = tokio::time::sleep_until(at.into()) => {}
+                }
+            }
+            while let Ok(admission) = rx.try_recv() {
+                self.admit(admission);
+            }
+            self.drop_cancelled();
+            if !self.scheduler.has_work() && self.in_flight.is_none() {
+                continue;
+            }
+            self.iterate().await;
+        }
+    }
+
+    /// The drain's timeout is up: fails every request held or still on its way in.
+    fn cut(&mut self, rx: &mut mpsc::UnboundedReceiver<Admission>) {
+        let message = "the server shut down before the request finished (--shutdown-timeout)";
+        let held = self.entries.len();
+        self.fail_all(InferError::ShuttingDown(message.into()));
+        rx.close();
+        while let Ok(admission) = rx.try_recv() {
+            for events in admission.samples {
+                let _ = events.send(Err(InferError::ShuttingDown(message.into())));
+            }
+        }
+        self.progress.idle();
+        tracing::warn!(
+            requests = held,
+            "shutdown timeout: cut the requests in flight"
+        );
+    }
+
+    /// Fails every request the loop holds (running, waiting, or waiting to fork) with
+    /// `error`, and forgets them and their blocks.
+    fn fail_all(&mut self, error: InferError) {
+        self.scheduler.reset();
+        let siblings = self.siblings.drain().flat_map(|(_, s)| s).map(|s| s.entry);
+        for entry in self.entries.drain().map(|(_, e)| e).chain(siblings) {
+            self.metrics.requests_failed.add(1);
+            let _ = entry.events.send(Err(error.clone()));
+        }
+    }
+
     /// Drops the requests whose client went away.
     fn drop_cancelled(&mut self) {
         let gone: Vec<RequestId> = self
@@ -156,7 +218,10 @@ impl<B: Backend> Loop<B> {
         if self.in_flight.is_none() {
             let schedule = self.scheduler.schedule();
             match self.send(schedule).await {
-                Some(step) => self.in_flight = Some(step),
+                Some(step) => {
+                    self.in_flight = Some(step);
+                    self.progress.waiting();
+                }
                 None => {
                     // Only preemptions happened, or a dynamic batch is filling.
                     self.record_state();
@@ -180,6 +245,12 @@ impl<B: Backend> Loop<B> {
             Some(next) if ok => self.in_flight = Some(next),
             Some(next) => next.answer.abort(), // sent over state the failure discarded
             None => {}
+        }
+        // An answer came: the wait for the next one, if it is already sent, starts now.
+        if self.in_flight.is_some() {
+            self.progress.waiting();
+        } else {
+            self.progress.idle();
         }
         self.record_state();
     }
@@ -317,21 +388,7 @@ impl<B: Backend> Loop<B> {
             }
             Err(e) => {
                 tracing::error!(step_id, error = %e, "step failed; failing every request in flight");
-                let message = format!("generation failed: {e}");
-                for id in self.scheduler.reset() {
-                    if let Some(entry) = self.entries.remove(&id) {
-                        self.metrics.requests_failed.add(1);
-                        let _ = entry
-                            .events
-                            .send(Err(InferError::Generation(message.clone())));
-                    }
-                }
-                for Sibling { entry, .. } in self.siblings.drain().flat_map(|(_, s)| s) {
-                    self.metrics.requests_failed.add(1);
-                    let _ = entry
-                        .events
-                        .send(Err(InferError::Generation(message.clone())));
-                }
+                self.fail_all(InferError::Generation(format!("generation failed: {e}")));
                 self.backend.end_session();
                 false
             }

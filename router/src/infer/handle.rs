@@ -1,19 +1,24 @@
 //! The HTTP side's handle on the batching loop, and the one way any route's request gets
-//! in: `Infer::submit` checks the admission limits, validates, and queues the request's
-//! samples for the loop.
+//! in: `Infer::submit` refuses requests while draining, checks the admission limits,
+//! validates, and queues the request's samples for the loop.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 
-use super::batching_loop::{self, LoopConfig};
+use super::batching_loop::{self, LoopConfig, Shared};
 use super::events::EventResult;
+use super::progress::StepClock;
 use crate::client::Backend;
+use crate::drain::Drain;
 use crate::error::InferError;
 use crate::metrics::Metrics;
 use crate::validation::{Extra, GenerateParameters, Prompt, ValidRequest, Validation};
+
+/// How often a drain checks whether the requests in flight have ended.
+const IDLE_POLL: Duration = Duration::from_millis(10);
 
 /// A validated request on its way to the loop.
 pub(super) struct Admission {
@@ -54,14 +59,17 @@ impl Drop for QueueSlot {
 }
 
 /// What the HTTP side holds: validation, the admission limits, the way to the loop, the
-/// metrics.
+/// metrics, the loop's progress and the drain.
 #[derive(Clone)]
 pub struct Infer {
     pub validation: Arc<Validation>,
     limiter: Arc<Semaphore>,
+    max_concurrent_requests: usize,
     queued: Arc<AtomicUsize>,
     max_waiting_requests: usize,
     metrics: Arc<Metrics>,
+    progress: Arc<StepClock>,
+    drain: Arc<Drain>,
     tx: mpsc::UnboundedSender<Admission>,
 }
 
@@ -75,27 +83,54 @@ impl Infer {
     ) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
         let tokenizer = validation.tokenizer.clone();
-        let metrics = Arc::new(Metrics::new(&config.model_id));
+        let metrics = Arc::new(Metrics::new(&config.served_model_name));
+        let progress = Arc::new(StepClock::default());
+        let drain = Arc::new(Drain::default());
         let max_waiting_requests = config.max_waiting_requests;
-        tokio::spawn(batching_loop::run(
-            backend,
-            rx,
-            tokenizer,
-            config,
-            metrics.clone(),
-        ));
+        let shared = Shared {
+            metrics: metrics.clone(),
+            progress: progress.clone(),
+            drain: drain.clone(),
+        };
+        tokio::spawn(batching_loop::run(backend, rx, tokenizer, config, shared));
         Self {
             validation: Arc::new(validation),
             limiter: Arc::new(Semaphore::new(max_concurrent_requests)),
+            max_concurrent_requests,
             queued: Arc::new(AtomicUsize::new(0)),
             max_waiting_requests,
             metrics,
+            progress,
+            drain,
             tx,
         }
     }
 
     pub fn metrics(&self) -> &Arc<Metrics> {
         &self.metrics
+    }
+
+    /// When the loop started waiting for the step in flight (`/ready` reads it).
+    pub fn progress(&self) -> &StepClock {
+        &self.progress
+    }
+
+    pub fn drain(&self) -> &Drain {
+        &self.drain
+    }
+
+    /// Requests admitted and not ended yet (queued, validating or generating).
+    pub fn in_flight(&self) -> usize {
+        self.max_concurrent_requests - self.limiter.available_permits()
+    }
+
+    /// Resolves once no request is in flight: every admitted request has ended (each
+    /// holds a permit from admission to its end). Polled: `acquire_many` would hold the
+    /// permits it gathers while it waits, and `in_flight` would read them as requests.
+    pub async fn until_idle(&self) {
+        while self.in_flight() > 0 {
+            tokio::time::sleep(IDLE_POLL).await;
+        }
     }
 
     /// Admits, validates and queues a request of any route as its `best_of` samples.
@@ -107,8 +142,16 @@ impl Infer {
         parameters: GenerateParameters,
         extra: Extra,
     ) -> Result<Submitted, InferError> {
-        // Before validation: an overloaded router spends nothing on tokenizing.
+        // Before validation: a draining or overloaded router spends nothing on tokenizing.
+        if self.drain.is_draining() {
+            return Err(Drain::refusal());
+        }
         let permit = self.try_permit()?;
+        // Again, holding the permit: a drain that began since waits for it, or this
+        // request sees the drain.
+        if self.drain.is_draining() {
+            return Err(Drain::refusal());
+        }
         let request = self
             .validation
             .validate_prompt(prompt, parameters, extra)

@@ -19,12 +19,14 @@
 //! - `siblings`: a request's `best_of` samples, forked from the first.
 //! - `output`: sampled tokens turned into text and events; ends of requests.
 //! - `step_metrics`: what the loop records per schedule and per step.
+//! - `progress`: when the loop started waiting for the step in flight (for `/ready`).
 //! - `events`: what a handler receives; `samples`: those events gathered, and ranked.
 
 mod batching_loop;
 mod events;
 mod handle;
 mod output;
+mod progress;
 mod samples;
 mod siblings;
 mod step_metrics;
@@ -32,4 +34,5 @@ mod step_metrics;
 pub use batching_loop::LoopConfig;
 pub use events::{End, EventResult, FinishReason, Token, TokenEvent};
 pub use handle::{Infer, Submitted};
+pub use progress::StepClock;
 pub use samples::{best_first, collect, Sample};

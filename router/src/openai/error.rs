@@ -79,7 +79,9 @@ impl ApiError {
             InferError::Validation(_) => (StatusCode::BAD_REQUEST, "invalid_request_error"),
             InferError::Overloaded(_) => (StatusCode::TOO_MANY_REQUESTS, "rate_limit_exceeded"),
             InferError::Generation(_) => (StatusCode::INTERNAL_SERVER_ERROR, "server_error"),
-            InferError::Unhealthy(_) => (StatusCode::SERVICE_UNAVAILABLE, "server_error"),
+            InferError::Unhealthy(_) | InferError::ShuttingDown(_) => {
+                (StatusCode::SERVICE_UNAVAILABLE, "server_error")
+            }
         };
         let mut message = e.to_string();
         let mut param = None;

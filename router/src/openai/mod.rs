@@ -91,7 +91,7 @@ impl Envelope {
             created: SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
-            model: state.info.model_id.clone(),
+            model: state.info.served_model_name.clone(),
         }
     }
 }

@@ -26,7 +26,7 @@ pub async fn models(State(state): State<AppState>) -> Json<ModelList> {
     Json(ModelList {
         object: "list",
         data: vec![Model {
-            id: state.info.model_id.clone(),
+            id: state.info.served_model_name.clone(),
             object: "model",
             created: 0,
             owned_by: "cadence",

@@ -1,0 +1,130 @@
+//! `GET /ready`: whether this replica should get traffic. Two signals, because neither
+//! alone tells a stuck engine from a busy one:
+//!
+//! - the batching loop's step clock (`infer::StepClock`): how long the loop has waited
+//!   for the answer of the step in flight;
+//! - the shards' `Health` RPC, which a shard answers on its gRPC event loop, off the
+//!   thread that runs the forward pass: a shard in a long prefill still answers, a frozen
+//!   or dead one does not.
+//!
+//! The rule, in order: draining is red; a shard that answers within the probe timeout
+//! (1 s) and is warmed up is green, however long the step in flight has run (a long
+//! forward is busy, not stuck); a shard that answers not warmed up, or fails the call,
+//! is red. A shard that does not answer in time is red when a step has been awaited
+//! longer than `--ready-stall-timeout-ms` (stalled) or when no step is in flight (nothing
+//! shows the engine alive), and green while the step in flight is younger than that
+//! (steps are still coming back, so the silence is a hiccup).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::client::ShardClient;
+use crate::error::ShardError;
+use crate::infer::Infer;
+
+/// How long `/ready` waits for the shards' `Health` answer.
+pub const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Asks every shard whether it is up and warmed up (the production one: `Health` on
+/// every rank; tests use a fake).
+pub trait HealthProbe: Send + Sync + 'static {
+    fn probe(&self) -> Pin<Box<dyn Future<Output = Result<bool, ShardError>> + Send>>;
+}
+
+impl HealthProbe for ShardClient {
+    fn probe(&self) -> Pin<Box<dyn Future<Output = Result<bool, ShardError>> + Send>> {
+        let shards = self.clone();
+        Box::pin(async move { shards.health().await })
+    }
+}
+
+/// Why `/ready` is red.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NotReady {
+    /// SIGTERM or SIGINT arrived: the requests in flight are finishing.
+    Draining,
+    /// A shard answered that it has no KV cache yet.
+    WarmingUp,
+    /// The `Health` call failed (a shard is gone).
+    ShardError(String),
+    /// No step in flight and no `Health` answer in time.
+    ShardSilent,
+    /// A step awaited this long and no `Health` answer in time.
+    Stalled(Duration),
+}
+
+impl NotReady {
+    /// A stable token for scripts and dashboards.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            NotReady::Draining => "draining",
+            NotReady::WarmingUp => "warming_up",
+            NotReady::ShardError(_) => "shard_error",
+            NotReady::ShardSilent => "shard_silent",
+            NotReady::Stalled(_) => "stalled",
+        }
+    }
+
+    pub fn message(&self, probe_timeout: Duration) -> String {
+        let silent = format!("the shards did not answer Health within {probe_timeout:?}");
+        match self {
+            NotReady::Draining => "the server is shutting down".into(),
+            NotReady::WarmingUp => "a shard has not allocated its KV cache yet".into(),
+            NotReady::ShardError(e) => format!("Health failed: {e}"),
+            NotReady::ShardSilent => silent,
+            NotReady::Stalled(waited) => {
+                format!("no step completed for {waited:.1?} with a step in flight, and {silent}")
+            }
+        }
+    }
+}
+
+/// The 503 body of `/ready`: TGI's error shape plus the reason's token.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct NotReadyBody {
+    pub error: String,
+    pub error_type: &'static str,
+    /// `draining`, `warming_up`, `shard_error`, `shard_silent` or `stalled`.
+    pub reason: &'static str,
+}
+
+/// What `/ready` checks against.
+#[derive(Clone)]
+pub struct Readiness {
+    probe: Arc<dyn HealthProbe>,
+    /// A step awaited longer than this is overdue (`--ready-stall-timeout-ms`).
+    pub stall_timeout: Duration,
+    pub probe_timeout: Duration,
+}
+
+impl Readiness {
+    pub fn new(probe: Arc<dyn HealthProbe>, stall_timeout: Duration) -> Self {
+        Self {
+            probe,
+            stall_timeout,
+            probe_timeout: PROBE_TIMEOUT,
+        }
+    }
+
+    /// Applies the rule of the module documentation.
+    pub async fn check(&self, infer: &Infer) -> Result<(), NotReady> {
+        if infer.drain().is_draining() {
+            return Err(NotReady::Draining);
+        }
+        match tokio::time::timeout(self.probe_timeout, self.probe.probe()).await {
+            Ok(Ok(true)) => Ok(()),
+            Ok(Ok(false)) => Err(NotReady::WarmingUp),
+            Ok(Err(e)) => Err(NotReady::ShardError(e.to_string())),
+            // Read after the wait: the step clock as of now.
+            Err(_) => match infer.progress().waited() {
+                Some(waited) if waited < self.stall_timeout => Ok(()),
+                Some(waited) => Err(NotReady::Stalled(waited)),
+                None => Err(NotReady::ShardSilent),
+            },
+        }
+    }
+}
