@@ -135,7 +135,7 @@ def test_short_chunks_on_the_decode_kernel_match_transformers(
 ):
     """Chunks of at most SHORT_CHUNK tokens after a cached prefix (what a grammar's forced
     tokens make) run every token as a decode query on the cpu backend."""
-    from cadence.attention_backends.cpu_paged import SHORT_CHUNK
+    from cadence.attention_backends.base import SHORT_CHUNK
     from shard_helpers import MiniRouter
     from test_model import TOL, hf_logits
 
@@ -151,3 +151,45 @@ def test_short_chunks_on_the_decode_kernel_match_transformers(
         forced = {1: 7} if i == len(chunks) else {}  # the last chunk samples
         got.append(router.logits_step(continuing=[router.cont(1, n)], forced=forced))
     torch.testing.assert_close(torch.cat([g[1] for g in got]), ref[:40], atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("variant", ["llama_gqa", "mistral_window"])
+def test_short_and_long_chunks_in_one_step_match_transformers(
+    variant, model_dirs, hf_model, engine_for
+):
+    """Decodes, short chunks (decode kernel) and long chunks (padded SDPA) in the same
+    steps, with and without a cached prefix."""
+    from shard_helpers import MiniRouter
+    from test_model import TOL, hf_logits
+
+    path = model_dirs(variant)
+    hf, engine = hf_model(path), engine_for(path)
+    router = MiniRouter(engine)
+    g = torch.Generator().manual_seed(5)
+    prompts = {
+        i: torch.randint(3, 256, (n,), generator=g).tolist() for i, n in [(1, 23), (2, 30), (3, 4)]
+    }
+    refs = {i: hf_logits(hf, p + [9]) for i, p in prompts.items()}
+    got: dict[int, list[torch.Tensor]] = {i: [] for i in prompts}
+    # step 1: 1 long from the start, 2 short from the start, 3 whole (short, samples)
+    out = router.logits_step(
+        joined=[
+            router.join(1, prompts[1], num_compute=20),
+            router.join(2, prompts[2], num_compute=5),
+            router.join(3, prompts[3]),
+        ],
+        forced={3: 9},
+    )
+    for i in prompts:
+        got[i].append(out[i])
+    # step 2: 1 short after its prefix (samples), 2 long after its prefix (samples),
+    # 3 decodes
+    out = router.logits_step(
+        continuing=[router.cont(1, 3), router.cont(2, 25), router.cont(3)],
+        forced={1: 9, 2: 9, 3: 9},
+    )
+    for i in prompts:
+        got[i].append(out[i])
+    for i, p in prompts.items():
+        n = len(p) + (1 if i == 3 else 0)
+        torch.testing.assert_close(torch.cat(got[i]), refs[i][:n], atol=TOL, rtol=0)

@@ -493,7 +493,7 @@ def test_two_ranks_sample_what_one_rank_samples_under_masks_and_forced_tokens(
     ranks = run_group(2, dirs, tmp_path, "float32", script="constrained")
     for name in TP_MODELS:
         alone = constrained_generations(engine_for(model_dirs(name)))
-        assert [rid for rid, _, _ in alone] == [1, 2, 1]  # (step 2: the prefill row first)
+        assert [rid for rid, _, _ in alone] == [1, 1, 2]  # (step 2: the short chunk first)
         for i, (rid, token, _) in enumerate(alone):  # the masks of tp_worker's script
             assert token % (3 if i == 0 else 5 if rid == 1 else 7) == 1
         for rank, results in enumerate(ranks):

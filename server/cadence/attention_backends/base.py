@@ -16,10 +16,17 @@ if TYPE_CHECKING:
     from cadence.layers.attention import Attention
 
 
+# Prompt chunks of at most this many tokens (what a grammar's forced tokens make) are
+# "short": the shard orders them right after the decodes, and a backend may attend them
+# token by token as decode queries rather than padding them to the longest chunk.
+SHORT_CHUNK = 16
+
+
 @dataclass(slots=True)
 class StepLayout:
     """Where one step's tokens sit, on the model's device. Rows are ordered so the
-    single-token (decode) sequences come first. The Python ints come from the caller, who
+    single-token (decode) sequences come first, then the short chunks (at most
+    SHORT_CHUNK tokens), then the longer ones. The Python ints come from the caller, who
     knows them without a device sync."""
 
     slot_mapping: torch.Tensor  # [T] int64: cache slot each new token's K/V goes to
@@ -32,6 +39,8 @@ class StepLayout:
     decode_blocks: int  # blocks spanned by the longest decode context
     prefill_blocks: int  # blocks spanned by the longest prefill context
     prefill_from_start: bool = False  # no prefill row has a cached prefix: plain causal
+    num_short: int = 0  # rows after the decodes with 2..SHORT_CHUNK queries
+    short_tokens: int = 0  # their tokens
 
     @property
     def num_prefill(self) -> int:

@@ -1,8 +1,8 @@
 """The cpu backend: decode rows read the cache through their block tables in place with
 the C++ kernels of `cadence.kernels.cpu` (no gather, no mask); prefill rows take the
-torch backend's padded SDPA, unless every prefill row is short (a few tokens a grammar
-forced, a small chunk): then each of their tokens is a decode query of its own over the
-context up to itself, and the whole step runs on the decode kernels."""
+torch backend's padded SDPA, except short chunks (at most SHORT_CHUNK tokens: the few
+tokens a grammar forced, a small chunk), each of whose tokens is a decode query of its own
+over the context up to itself."""
 
 from __future__ import annotations
 
@@ -19,25 +19,22 @@ if TYPE_CHECKING:
     from cadence.layers.attention import Attention
 
 
-# Prefill rows of at most this many tokens are attended token by token with the decode
-# kernel (each token reads its context once, as a decode row does) instead of gathering
-# every row's whole context for padded SDPA, which costs as much for 2 tokens as for 200.
-SHORT_CHUNK = 16
-
-
-def _short_rows_as_decodes(layout: StepLayout) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every token of the step as a decode query: its row's block table and the context
-    it sees (its row's cached tokens and the chunk's tokens up to itself)."""
-    starts = layout.query_start
+def _rows_as_decodes(
+    layout: StepLayout, rows: int, tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `tokens` tokens (those of the first `rows` rows) each as a decode query:
+    its row's block table and the context it sees (the row's cached tokens and its chunk's
+    tokens up to itself). Each reads its context once, as a decode row does, where padded
+    SDPA would gather every row's whole context and pad it to the longest chunk."""
+    starts = layout.query_start[: rows + 1]
     q_lens = starts[1:] - starts[:-1]
-    tokens = int(layout.slot_mapping.shape[0])
     row = torch.repeat_interleave(
-        torch.arange(q_lens.shape[0], device=q_lens.device), q_lens, output_size=tokens
+        torch.arange(rows, device=q_lens.device), q_lens, output_size=tokens
     )
     col = torch.arange(tokens, device=q_lens.device) - starts[row]
     lens = layout.context_lens[row] - q_lens[row] + col + 1
     blocks = max(layout.decode_blocks, layout.prefill_blocks)
-    tables = layout.block_tables[:, :blocks].index_select(0, row)
+    tables = layout.block_tables[:rows, :blocks].index_select(0, row)
     return tables, lens
 
 
@@ -59,14 +56,17 @@ class CpuAttention(AttentionBackend[CpuMetadata]):
         self.description = f"C++ {isa} paged decode, torch SDPA prefill"
 
     def metadata(self, layout: StepLayout) -> CpuMetadata:
-        if layout.num_prefill > 0 and layout.max_query_len <= SHORT_CHUNK:
-            tables, lens = _short_rows_as_decodes(layout)
+        if layout.num_short > 0:
+            # the decodes and the short chunks on the decode kernel, the rest padded
+            rows = layout.num_decode + layout.num_short
+            tokens = layout.num_decode + layout.short_tokens
+            tables, lens = _rows_as_decodes(layout, rows, tokens)
             return CpuMetadata(
                 slot_mapping=layout.slot_mapping.contiguous(),
-                num_decode=int(lens.shape[0]),
+                num_decode=tokens,
                 decode_tables=tables,
                 decode_lens=lens,
-                prefill=None,
+                prefill=PaddedPrefill.build(layout, self.workspace, rows, tokens),
             )
         d = layout.num_decode
         tables = layout.block_tables[:d, : layout.decode_blocks]

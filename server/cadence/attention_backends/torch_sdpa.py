@@ -34,15 +34,24 @@ class PaddedPrefill:
     windowed: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, layout: StepLayout, workspace: Workspace | None) -> PaddedPrefill | None:
-        d, n = layout.num_decode, layout.num_prefill
+    def build(
+        cls,
+        layout: StepLayout,
+        workspace: Workspace | None,
+        first_row: int | None = None,
+        first_token: int | None = None,
+    ) -> PaddedPrefill | None:
+        """The rows from `first_row` on (default: every prefill row), whose queries start
+        at token `first_token` (default: right after the decodes' one token each)."""
+        d = layout.num_decode if first_row is None else first_row
+        n = int(layout.context_lens.shape[0]) - d
         if n == 0:
             return None
         device = layout.context_lens.device
         keys = torch.arange(layout.prefill_blocks * layout.block_size, device=device)
         starts = layout.query_start[d:]
         q_lens = starts[1:] - starts[:-1]
-        num_tokens = layout.slot_mapping.shape[0] - d
+        num_tokens = layout.slot_mapping.shape[0] - (d if first_token is None else first_token)
         seq = torch.repeat_interleave(
             torch.arange(n, device=device), q_lens, output_size=num_tokens
         )

@@ -266,6 +266,8 @@ class Engine:
             block_tables=batch.block_tables.to(d, non_blocking=True),
             block_size=self.block_size,
             num_decode=batch.num_decode,
+            num_short=batch.num_short,
+            short_tokens=batch.short_tokens,
             max_query_len=batch.max_query_len,
             decode_blocks=batch.decode_blocks,
             prefill_blocks=batch.prefill_blocks,

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cadence.attention_backends.base import SHORT_CHUNK
 from cadence.pb import shard_pb2
 from cadence.sampling import (
     DO_SAMPLE,
@@ -56,6 +57,8 @@ class ForwardBatch:
     context_lens: torch.Tensor  # [B]
     block_tables: torch.Tensor  # [B, max_blocks]
     num_decode: int
+    num_short: int  # rows after the decodes with 2..SHORT_CHUNK tokens (StepLayout's)
+    short_tokens: int
     max_query_len: int
     decode_blocks: int  # blocks spanned by the longest decode context
     prefill_blocks: int  # blocks spanned by the longest prefill context
@@ -363,10 +366,12 @@ class BatchState:
 
     def prepare(self, rows: list[tuple[int, int]]) -> ForwardBatch:
         """Flat inputs for the scheduled (request id, num_compute) rows, decode first."""
-        rows = sorted(rows, key=lambda r: r[1] != 1)  # stable: single-token rows first
+        # stable: single-token rows first, then short chunks, then the longer ones
+        rows = sorted(rows, key=lambda r: (r[1] != 1, r[1] > SHORT_CHUNK))
         ids = [i for i, _ in rows]
         counts = [n for _, n in rows]
         num_decode = sum(1 for n in counts if n == 1)
+        short = [n for n in counts if 1 < n <= SHORT_CHUNK]
         slots = torch.tensor([self.slot_of[i] for i in ids])
         n = torch.tensor(counts)
         total = sum(counts)
@@ -396,6 +401,8 @@ class BatchState:
             context_lens=context_lens,
             block_tables=self.block_tables[slots, :max_blocks],
             num_decode=num_decode,
+            num_short=len(short),
+            short_tokens=sum(short),
             max_query_len=max(counts[num_decode:], default=1),
             decode_blocks=decode_blocks,
             prefill_blocks=prefill_blocks,
