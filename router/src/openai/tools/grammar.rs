@@ -57,7 +57,7 @@ pub fn constraint(tools: &Tools, special_tags: bool) -> Option<Constraint> {
          call_rest: WS? call_object WS? {close}\n\
          call_object: %json {schema}\n\
          TEXT: /(?s:.+)/ & ~/(?s:.*){CALL_OPEN}(?s:.*)/\n\
-         WS: /[ \\t\\r\\n]+/\n"
+         WS: /[ \\t\\r\\n]{{1,4}}/\n"
     );
     if tools.choice == ToolChoice::Auto && !special_tags {
         lark.push_str(&format!("TEXT_THEN_OPEN: TEXT? {open}\n"));
@@ -70,17 +70,21 @@ pub fn constraint(tools: &Tools, special_tags: bool) -> Option<Constraint> {
     Some(Constraint::new(field, Grammar::Lark(lark)))
 }
 
-/// `{"name": N, "arguments": A}` for one of `functions`.
+/// `{"name": N, "arguments": A}` for one of `functions`, compact or with a space or two
+/// between tokens: flexible whitespace without a bound lets small models pad without end.
 fn calls_schema(functions: &[&Function]) -> Value {
-    if let [function] = functions {
-        return call_schema(function, "/properties/arguments");
-    }
-    let options: Vec<Value> = functions
-        .iter()
-        .enumerate()
-        .map(|(i, f)| call_schema(f, &format!("/anyOf/{i}/properties/arguments")))
-        .collect();
-    json!({"anyOf": options})
+    let mut schema = if let [function] = functions {
+        call_schema(function, "/properties/arguments")
+    } else {
+        let options: Vec<Value> = functions
+            .iter()
+            .enumerate()
+            .map(|(i, f)| call_schema(f, &format!("/anyOf/{i}/properties/arguments")))
+            .collect();
+        json!({"anyOf": options})
+    };
+    schema["x-guidance"] = json!({"whitespace_pattern": "[\\x20\\x0A\\x0D\\x09]{1,2}"});
+    schema
 }
 
 /// One function's call; `at` is where its arguments schema sits in the whole document.
@@ -259,6 +263,18 @@ mod tests {
         for text in rejected {
             assert!(!accepts(lark, text), "should reject {text:?}\n{lark}");
         }
+    }
+
+    #[test]
+    fn whitespace_in_and_after_calls_is_bounded() {
+        // Small models pad with whitespace when the grammar lets them, without end.
+        let padded_json =
+            "<tool_call>{\"name\":     \"count\",\"arguments\":{\"n\":3}}</tool_call>";
+        let padded_after = format!("{COUNT}\n\n\n\n\n");
+        let accepted = [COUNT, PARIS, &format!("{COUNT}\n")];
+        let rejected = [padded_json, &padded_after];
+        let lark = lark(&weather_tools(ToolChoice::Required, true), false);
+        check(&lark, &accepted, &rejected, accepts);
     }
 
     #[test]
