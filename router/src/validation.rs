@@ -452,19 +452,8 @@ fn tgi_grammar(grammar: &serde_json::Value) -> Result<Constraint, InferError> {
         .filter(|v| !v.is_null())
         .ok_or_else(|| invalid(format!("{field}.value is required")))?;
     let grammar = match kind {
-        "json" | "json_schema" => {
-            let schema = match value {
-                serde_json::Value::String(text) => serde_json::from_str(text)
-                    .map_err(|e| invalid(format!("{field}.value is not a JSON schema: {e}")))?,
-                other => other.clone(),
-            };
-            if !schema.is_object() {
-                return Err(invalid(format!(
-                    "{field}.value must be a JSON schema object, got {schema}"
-                )));
-            }
-            Grammar::JsonSchema(schema)
-        }
+        "json" | "json_schema" => Grammar::json_schema(value.clone())
+            .map_err(|message| invalid(format!("{field}.value {message}")))?,
         "regex" => match value.as_str() {
             Some(regex) if !regex.is_empty() => Grammar::Regex(regex.to_string()),
             _ => {

@@ -25,6 +25,23 @@ pub struct Constraint {
     pub field: String,
 }
 
+impl Grammar {
+    /// A JSON schema as requests send it: an object (or `true`), or a string holding one.
+    /// The error completes a sentence that starts with the field's name.
+    pub fn json_schema(value: Value) -> Result<Self, String> {
+        let schema = match value {
+            Value::String(text) => {
+                serde_json::from_str(&text).map_err(|e| format!("is not a JSON schema: {e}"))?
+            }
+            other => other,
+        };
+        match schema {
+            Value::Object(_) | Value::Bool(true) => Ok(Self::JsonSchema(schema)),
+            other => Err(format!("must be a JSON schema object, got {other}")),
+        }
+    }
+}
+
 impl Constraint {
     pub fn new(field: impl Into<String>, grammar: Grammar) -> Self {
         Self {

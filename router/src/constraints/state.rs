@@ -18,6 +18,24 @@ pub struct MaskShape {
     pub eos: Arc<[u32]>,
 }
 
+impl MaskShape {
+    /// A mask allowing nothing, as words of 32 bits.
+    pub fn none(&self) -> Vec<u32> {
+        vec![0; self.logits_width.div_ceil(32)]
+    }
+
+    /// Allows every EOS id in `words`.
+    pub fn allow_eos(&self, words: &mut [u32]) {
+        for &eos in self
+            .eos
+            .iter()
+            .filter(|&&e| (e as usize) < self.logits_width)
+        {
+            words[eos as usize / 32] |= 1 << (eos % 32);
+        }
+    }
+}
+
 pub struct GrammarState {
     matcher: Matcher,
     pub field: Arc<str>,
@@ -39,7 +57,7 @@ impl GrammarState {
     /// of word t / 32). Every EOS id is allowed when the grammar may end there, and only
     /// EOS once it has ended.
     pub fn allowed(&mut self, shape: &MaskShape) -> Result<Vec<u32>, String> {
-        let mut words = vec![0u32; shape.logits_width.div_ceil(32)];
+        let mut words = shape.none();
         let ended = self.matcher.is_stopped();
         if !ended {
             let mask: SimpleVob = self
@@ -51,11 +69,7 @@ impl GrammarState {
             words[..n].copy_from_slice(&bits[..n]);
         }
         if ended || self.matcher.is_accepting().unwrap_or(false) {
-            for &eos in shape.eos.iter() {
-                if (eos as usize) < shape.logits_width {
-                    words[eos as usize / 32] |= 1 << (eos % 32);
-                }
-            }
+            shape.allow_eos(&mut words);
         }
         if words.iter().all(|&w| w == 0) {
             return Err(format!(

@@ -313,10 +313,8 @@ impl<B: Backend> Loop<B> {
             };
             let words = grammar.allowed(&self.mask_shape).unwrap_or_else(|e| {
                 failed.push((id, e));
-                let mut words = vec![0u32; self.mask_shape.logits_width.div_ceil(32)];
-                for &eos in self.mask_shape.eos.iter() {
-                    words[eos as usize / 32] |= 1 << (eos % 32);
-                }
+                let mut words = self.mask_shape.none();
+                self.mask_shape.allow_eos(&mut words);
                 words
             });
             let words = words.iter().flat_map(|w| w.to_le_bytes()).collect();

@@ -16,6 +16,7 @@ use crate::client::Backend;
 use crate::constraints::GrammarState;
 use crate::detokenize::{Detokenizer, TokenizerInfo};
 use crate::error::InferError;
+use crate::metrics::Metrics;
 use crate::pb;
 use crate::scheduler::Sequence;
 use crate::stop::StopMatcher;
@@ -30,9 +31,6 @@ pub(super) struct Entry {
     ignore_eos: bool,
     /// Where the request is in its grammar (structured outputs, tool calls).
     pub(super) grammar: Option<GrammarState>,
-    /// Alternatives asked per token: forced tokens have none to give, so a request that
-    /// asks for them samples every token.
-    top_n_tokens: u32,
     input_length: usize,
     generated: usize,
     text: String,
@@ -129,20 +127,7 @@ impl<B: Backend> Loop<B> {
             accepted.push(token_id);
             finished = event.end.is_some();
             if let Some(end) = &event.end {
-                let elapsed = entry.queued_at.elapsed();
-                self.metrics.e2e.observe(elapsed.as_secs_f64());
-                self.metrics.requests_succeeded.add(1);
-                let ttft = entry
-                    .first_token_at
-                    .map(|t| t.duration_since(entry.queued_at));
-                tracing::info!(
-                    id,
-                    generated_tokens = end.generated_tokens,
-                    finish_reason = ?end.finish_reason,
-                    total_ms = elapsed.as_millis() as u64,
-                    ttft_ms = ttft.map(|t| t.as_millis() as u64),
-                    "finished"
-                );
+                entry.record_end(&self.metrics, id, end);
             }
             let _ = entry.events.send(Ok(event));
             if finished {
@@ -168,13 +153,22 @@ impl<B: Backend> Loop<B> {
     /// Appends the tokens `id`'s grammar forces next, as generated tokens the next step
     /// computes (a short chunk) instead of sampling them one step each.
     fn fast_forward(&mut self, id: RequestId) {
-        let no_pending = self.scheduler.get(id).is_some_and(|s| s.pending == 0);
+        // Unconstrained requests stop at the first check (this runs for every token).
+        let constrained = self.entries.get(&id).is_some_and(|e| e.grammar.is_some());
+        // Forced tokens have no alternatives to report, and a pending token (a step
+        // scheduled ahead) would come before them.
+        if !self.fast_forward
+            || !constrained
+            || !self
+                .scheduler
+                .get(id)
+                .is_some_and(|s| s.pending == 0 && s.top_n_tokens == 0)
+        {
+            return;
+        }
         let Some(entry) = self.entries.get_mut(&id) else {
             return;
         };
-        if !self.fast_forward || !no_pending || entry.top_n_tokens > 0 {
-            return;
-        }
         let Some(grammar) = entry.grammar.as_mut() else {
             return;
         };
@@ -194,16 +188,7 @@ impl<B: Backend> Loop<B> {
             appended.push(token_id);
             finished = event.end.is_some();
             if let Some(end) = &event.end {
-                self.metrics
-                    .e2e
-                    .observe(entry.queued_at.elapsed().as_secs_f64());
-                self.metrics.requests_succeeded.add(1);
-                tracing::info!(
-                    id,
-                    generated_tokens = end.generated_tokens,
-                    finish_reason = ?end.finish_reason,
-                    "finished"
-                );
+                entry.record_end(&self.metrics, id, end);
             }
             let _ = entry.events.send(Ok(event));
             if finished {
@@ -234,7 +219,6 @@ impl Entry {
             max_new_tokens: request.max_new_tokens,
             ignore_eos: request.ignore_eos,
             grammar: request.grammar.as_ref().map(GrammarState::new),
-            top_n_tokens: request.top_n_tokens,
             input_length: seq.prompt_len,
             generated: 0,
             text: String::new(),
@@ -249,6 +233,24 @@ impl Entry {
             slot: Some(shared.slot.clone()),
             _permit: shared.permit.clone(),
         }
+    }
+
+    /// Counts and logs the request's end (a sampled or a forced token ended it).
+    fn record_end(&self, metrics: &Metrics, id: RequestId, end: &End) {
+        let elapsed = self.queued_at.elapsed();
+        metrics.e2e.observe(elapsed.as_secs_f64());
+        metrics.requests_succeeded.add(1);
+        let ttft = self
+            .first_token_at
+            .map(|t| t.duration_since(self.queued_at));
+        tracing::info!(
+            id,
+            generated_tokens = end.generated_tokens,
+            finish_reason = ?end.finish_reason,
+            total_ms = elapsed.as_millis() as u64,
+            ttft_ms = ttft.map(|t| t.as_millis() as u64),
+            "finished"
+        );
     }
 
     /// Moves the request's grammar past a token it took; EOS is not fed (it ends the

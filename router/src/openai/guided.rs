@@ -32,19 +32,8 @@ pub struct GuidedFields {
     pub structured_outputs: Option<Value>,
 }
 
-fn schema_of(field: &str, value: Value) -> Result<Value, ApiError> {
-    let schema = match value {
-        Value::String(text) => serde_json::from_str(&text)
-            .map_err(|e| ApiError::invalid(field, format!("is not a JSON schema: {e}")))?,
-        other => other,
-    };
-    match schema {
-        Value::Object(_) | Value::Bool(true) => Ok(schema),
-        other => Err(ApiError::invalid(
-            field,
-            format!("must be a JSON schema object, got {other}"),
-        )),
-    }
+fn schema_of(field: &str, value: Value) -> Result<Grammar, ApiError> {
+    Grammar::json_schema(value).map_err(|message| ApiError::invalid(field, message))
 }
 
 fn choice(field: &str, options: Vec<String>) -> Result<Grammar, ApiError> {
@@ -75,7 +64,7 @@ fn response_format(format: Value) -> Result<Option<Grammar>, ApiError> {
                 .and_then(|j| j.get("schema"))
                 .cloned()
                 .ok_or_else(|| ApiError::invalid(field, "is required for type \"json_schema\""))?;
-            Ok(Some(Grammar::JsonSchema(schema_of(field, schema)?)))
+            Ok(Some(schema_of(field, schema)?))
         }
         other => Err(ApiError::invalid(
             "response_format.type",
@@ -104,7 +93,7 @@ fn structured_outputs(value: Value) -> Result<Grammar, ApiError> {
         _ => Err(ApiError::invalid(&field, "must be a string")),
     };
     match key.as_str() {
-        "json" => Ok(Grammar::JsonSchema(schema_of(&field, value)?)),
+        "json" => schema_of(&field, value),
         "regex" => Ok(Grammar::Regex(text(value)?)),
         "grammar" => Ok(Grammar::Lark(text(value)?)),
         "choice" => {
@@ -132,7 +121,7 @@ impl GuidedFields {
             }
         }
         if let Some(schema) = self.guided_json.filter(|v| !v.is_null()) {
-            let grammar = Grammar::JsonSchema(schema_of("guided_json", schema)?);
+            let grammar = schema_of("guided_json", schema)?;
             found.push(Constraint::new("guided_json", grammar));
         }
         if let Some(regex) = self.guided_regex {

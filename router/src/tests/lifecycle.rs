@@ -34,6 +34,24 @@ async fn hold_chat_stream(h: &Harness) -> axum::response::Response {
     response
 }
 
+/// What a drain finds on a paused shard: a TGI stream, a chat stream and a whole
+/// `/generate`, all admitted.
+async fn three_in_flight(
+    h: &Harness,
+) -> (
+    axum::response::Response,
+    axum::response::Response,
+    tokio::task::JoinHandle<(StatusCode, HeaderMap, String)>,
+) {
+    let tgi_stream = hold_stream(h).await;
+    let chat_stream = hold_chat_stream(h).await;
+    let app = h.app.clone();
+    let body = json!({"inputs": "hi", "parameters": {"max_new_tokens": 3}});
+    let whole = tokio::spawn(async move { send(&app, post_json("/generate", &body, None)).await });
+    until_in_flight(h, 3).await;
+    (tgi_stream, chat_stream, whole)
+}
+
 #[tokio::test]
 async fn health_answers_whatever_the_shards_and_the_steps_do() {
     let h = setup(Script::Hash).paused().build();
@@ -120,12 +138,7 @@ async fn a_silent_shard_is_excused_while_the_step_in_flight_is_recent() {
 #[tokio::test]
 async fn draining_refuses_new_requests_everywhere_while_those_in_flight_finish() {
     let h = setup(Script::Hash).chat_template().paused().build();
-    let tgi_stream = hold_stream(&h).await;
-    let chat_stream = hold_chat_stream(&h).await;
-    let app = h.app.clone();
-    let body = json!({"inputs": "hi", "parameters": {"max_new_tokens": 3}});
-    let whole = tokio::spawn(async move { send(&app, post_json("/generate", &body, None)).await });
-    until_in_flight(&h, 3).await;
+    let (tgi_stream, chat_stream, whole) = three_in_flight(&h).await;
     let infer = h.infer.clone();
     let drained =
         tokio::spawn(async move { drain::drain(&infer, Duration::from_secs(3600)).await });
@@ -158,12 +171,7 @@ async fn draining_refuses_new_requests_everywhere_while_those_in_flight_finish()
 #[tokio::test]
 async fn a_drain_past_its_timeout_cuts_what_is_left_with_an_error() {
     let h = setup(Script::Hash).chat_template().paused().build();
-    let tgi_stream = hold_stream(&h).await;
-    let chat_stream = hold_chat_stream(&h).await;
-    let app = h.app.clone();
-    let body = json!({"inputs": "hi", "parameters": {"max_new_tokens": 3}});
-    let whole = tokio::spawn(async move { send(&app, post_json("/generate", &body, None)).await });
-    until_in_flight(&h, 3).await;
+    let (tgi_stream, chat_stream, whole) = three_in_flight(&h).await;
     // The paused shard never answers: the timeout comes first.
     let outcome = drain::drain(&h.infer, Duration::from_millis(10)).await;
     assert_eq!(outcome, Outcome::Cut);
