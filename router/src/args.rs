@@ -42,7 +42,8 @@ pub struct Args {
     pub port: u16,
 
     /// Unix socket of a shard's gRPC server; repeat once per tensor-parallel rank, rank 0
-    /// first (the environment variable takes a comma-separated list).
+    /// first, and with --replicas once per rank of every replica, replica 0's ranks first
+    /// (the environment variable takes a comma-separated list).
     #[arg(
         long = "shard-uds-path",
         env = "CADENCE_SHARD_UDS_PATH",
@@ -50,6 +51,12 @@ pub struct Args {
         value_delimiter = ','
     )]
     pub shard_uds_path: Vec<PathBuf>,
+
+    /// Independent shard groups (each a full copy of the model with its own KV cache)
+    /// behind this router, which sends each new request to one of them by load and prefix
+    /// affinity; the --shard-uds-path are split into this many groups of equal size.
+    #[arg(long, env = "CADENCE_REPLICAS", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    pub replicas: u32,
 
     /// Model folder holding tokenizer.json.
     #[arg(long, env = "CADENCE_TOKENIZER")]
@@ -235,6 +242,22 @@ impl Args {
             .unwrap_or_else(|| self.model_id.clone())
     }
 
+    /// The shards' sockets split into one group per replica, in replica order.
+    pub fn shard_groups(&self) -> Result<Vec<Vec<PathBuf>>, String> {
+        let replicas = self.replicas as usize;
+        let paths = &self.shard_uds_path;
+        if !paths.len().is_multiple_of(replicas) {
+            return Err(format!(
+                "{} --shard-uds-path cannot be split into --replicas {replicas} groups of equal size",
+                paths.len()
+            ));
+        }
+        Ok(paths
+            .chunks(paths.len() / replicas)
+            .map(<[PathBuf]>::to_vec)
+            .collect())
+    }
+
     /// What every rank gets at warm-up.
     pub fn warmup_request(&self) -> pb::WarmupRequest {
         pb::WarmupRequest {
@@ -407,6 +430,20 @@ mod tests {
         assert_eq!(limits.max_total_tokens, 2048);
         assert_eq!(limits.max_input_tokens, 2047);
         assert_eq!((limits.num_blocks, limits.block_size), (100, 16));
+    }
+
+    #[test]
+    fn replicas_split_the_sockets_into_equal_groups_in_order() {
+        let args = parse(&["--shard-uds-path", "/a,/b,/c,/d", "--replicas", "2"]).unwrap();
+        let groups = args.shard_groups().unwrap();
+        let names: Vec<Vec<&str>> = groups
+            .iter()
+            .map(|g| g.iter().map(|p| p.to_str().unwrap()).collect())
+            .collect();
+        assert_eq!(names, vec![vec!["/a", "/b"], vec!["/c", "/d"]]);
+        let uneven = parse(&["--shard-uds-path", "/a,/b,/c", "--replicas", "2"]).unwrap();
+        assert!(uneven.shard_groups().unwrap_err().contains("--replicas 2"));
+        assert!(parse(&["--shard-uds-path", "/a", "--replicas", "0"]).is_err());
     }
 
     #[test]

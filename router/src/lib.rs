@@ -56,7 +56,7 @@ use crate::constraints::{Compiler, MaskShape};
 use crate::detokenize::TokenizerInfo;
 use crate::error::RouterError;
 use crate::infer::{Infer, LoopConfig};
-use crate::readiness::Readiness;
+use crate::readiness::{HealthProbe, Readiness};
 use crate::server::{AppState, Info};
 use crate::validation::{Constraints, Validation};
 
@@ -114,28 +114,39 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
             message,
         })?;
     let api_keys = args.api_keys().map_err(RouterError::Args)?;
-    let shards = ShardClient::connect(&args.shard_uds_path, CONNECT_WAIT)
-        .await?
-        .with_agreement_check(args.check_rank_agreement);
-    let infos = shards.info().await?;
-    let info = &infos[0];
-    for (rank, i) in infos.iter().enumerate() {
-        if i.block_size != info.block_size {
+    let groups = args.shard_groups().map_err(RouterError::Args)?;
+    let mut replicas = Vec::with_capacity(groups.len());
+    for paths in &groups {
+        let shards = ShardClient::connect(paths, CONNECT_WAIT)
+            .await?
+            .with_agreement_check(args.check_rank_agreement);
+        let infos = shards.info().await?;
+        check_group(&shards, &infos)?;
+        replicas.push((
+            shards,
+            infos.into_iter().next().expect("one shard at least"),
+        ));
+    }
+    let info = &replicas[0].1;
+    for (i, (_, other)) in replicas.iter().enumerate().skip(1) {
+        if (&other.model_id, other.block_size, other.vocab_size)
+            != (&info.model_id, info.block_size, info.vocab_size)
+        {
             return Err(RouterError::Mismatch(format!(
-                "shard {rank} uses block_size {} but shard 0 uses {}",
-                i.block_size, info.block_size
-            )));
-        }
-        if i.world_size != 0 && i.world_size as usize != shards.world_size() {
-            return Err(RouterError::Mismatch(format!(
-                "shard {rank} has world_size {} but {} --shard-uds-path were given",
-                i.world_size,
-                shards.world_size()
+                "replica {i} serves {} (block_size {}) but replica 0 serves {} (block_size {})",
+                other.model_id, other.block_size, info.model_id, info.block_size
             )));
         }
     }
+    let world_size = replicas[0].0.world_size();
     args.check_warmup().map_err(RouterError::Args)?;
-    let cache = warmup::warm_up(&shards, args.warmup_request()).await?;
+    let groups: Vec<ShardClient> = replicas.iter().map(|(s, _)| s.clone()).collect();
+    let caches = warmup::warm_up_replicas(&groups, args.warmup_request()).await?;
+    // Requests must fit every replica: the limits come from the smallest cache.
+    let cache = *caches
+        .iter()
+        .min_by_key(|c| c.num_blocks)
+        .expect("one replica at least");
     let limits = args
         .limits(info.max_position_embeddings, cache)
         .map_err(RouterError::Args)?;
@@ -144,7 +155,8 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
         model_type = %info.model_type,
         dtype = %info.dtype,
         device = %info.device,
-        world_size = shards.world_size(),
+        world_size,
+        replicas = groups.len(),
         max_input_tokens = limits.max_input_tokens,
         max_total_tokens = limits.max_total_tokens,
         num_blocks = cache.num_blocks,
@@ -169,7 +181,8 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
         max_top_n_tokens: args.max_top_n_tokens,
         block_size: cache.block_size,
         num_blocks: cache.num_blocks,
-        world_size: shards.world_size(),
+        world_size,
+        replicas: groups.len(),
         kernels: info.kernels.clone().into_iter().collect(),
         version: env!("CARGO_PKG_VERSION"),
         router: "cadence",
@@ -181,37 +194,43 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
         model_id: args.model_id.clone(),
         constraints,
     };
-    let config = LoopConfig {
-        scheduler: args.scheduler_config(cache),
-        eos_token_ids: info.eos_token_ids.clone(),
-        max_waiting_requests: args.max_waiting_requests,
-        served_model_name,
-        async_scheduling: !args.no_async_scheduling,
-        mask_shape: MaskShape {
-            logits_width: logits_width(&validation.tokenizer, info),
-            eos: info.eos_token_ids.clone().into(),
-        },
-        grammar_fast_forward: !args.no_grammar_fast_forward,
+    let mask_shape = MaskShape {
+        logits_width: logits_width(&validation.tokenizer, info),
+        eos: info.eos_token_ids.clone().into(),
     };
-    let infer = Infer::spawn(
-        shards.clone(),
-        validation,
-        args.max_concurrent_requests,
-        config,
-    );
+    let loops = groups
+        .iter()
+        .zip(&caches)
+        .map(|(shards, &cache)| {
+            let config = LoopConfig {
+                scheduler: args.scheduler_config(cache),
+                eos_token_ids: info.eos_token_ids.clone(),
+                max_waiting_requests: args.max_waiting_requests,
+                served_model_name: served_model_name.clone(),
+                async_scheduling: !args.no_async_scheduling,
+                mask_shape: mask_shape.clone(),
+                grammar_fast_forward: !args.no_grammar_fast_forward,
+            };
+            (shards.clone(), config)
+        })
+        .collect();
+    let infer = Infer::spawn_replicas(loops, validation, args.max_concurrent_requests);
     tracing::info!(
         chat_template = chat.is_some(),
         api_keys = api_keys.len(),
         "HTTP surface"
     );
-    let readiness = Readiness::new(
-        Arc::new(shards.clone()),
-        Duration::from_millis(args.ready_stall_timeout_ms),
-    );
+    let probes = groups
+        .iter()
+        .map(|s| Arc::new(s.clone()) as Arc<dyn HealthProbe>)
+        .collect();
+    let readiness =
+        Readiness::for_replicas(probes, Duration::from_millis(args.ready_stall_timeout_ms));
+    readiness.clone().monitor(infer.clone());
     let app = server::router(AppState {
         infer: infer.clone(),
         info: app_info,
-        shards: Some(shards),
+        shards: groups,
         chat: chat.map(Arc::new),
         readiness,
     });
@@ -226,6 +245,27 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
     let shutdown_timeout = Duration::from_secs(args.shutdown_timeout);
     serve_until_drained(listener, app, &infer, shutdown_timeout).await?;
     tracing::info!("shut down");
+    Ok(())
+}
+
+/// Checks one shard group's `Info` answers against each other and its size.
+fn check_group(shards: &ShardClient, infos: &[pb::InfoResponse]) -> Result<(), RouterError> {
+    let info = &infos[0];
+    for (rank, i) in infos.iter().enumerate() {
+        if i.block_size != info.block_size {
+            return Err(RouterError::Mismatch(format!(
+                "shard {rank} uses block_size {} but shard 0 uses {}",
+                i.block_size, info.block_size
+            )));
+        }
+        if i.world_size != 0 && i.world_size as usize != shards.world_size() {
+            return Err(RouterError::Mismatch(format!(
+                "shard {rank} has world_size {} but its group has {} --shard-uds-path",
+                i.world_size,
+                shards.world_size()
+            )));
+        }
+    }
     Ok(())
 }
 

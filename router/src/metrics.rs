@@ -5,10 +5,13 @@
 //! gauges gateways' endpoint pickers read, under vLLM's names.
 
 mod gateway;
+mod load;
+
+pub use load::LoadGauges;
 
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 /// Latency buckets in seconds, 1 ms to 2 min.
 const SECONDS: &[f64] = &[
@@ -102,15 +105,8 @@ impl Counter {
 #[derive(Debug)]
 pub struct Metrics {
     model: String,
-    pub waiting: Gauge,
-    pub running: Gauge,
-    pub swapped: Gauge,
-    pub kv_blocks_total: Gauge,
-    /// Tokens per KV block (set once, at start).
-    pub kv_block_size: Gauge,
-    pub kv_blocks_used: Gauge,
-    pub kv_blocks_cached: Gauge,
-    pub kv_utilization: Gauge,
+    /// Each replica's queue and KV gauges, in replica order (one without --replicas).
+    replicas: Vec<Arc<LoadGauges>>,
     pub prefix_queries: Counter,
     pub prefix_hits: Counter,
     pub preemptions_recompute: Counter,
@@ -136,16 +132,16 @@ pub struct Metrics {
 
 impl Metrics {
     pub fn new(model: &str) -> Self {
+        Self::with_replicas(model, 1)
+    }
+
+    /// Metrics for a router in front of `replicas` shard groups.
+    pub fn with_replicas(model: &str, replicas: usize) -> Self {
         Self {
             model: model.replace('\\', "\\\\").replace('"', "\\\""),
-            waiting: Gauge::default(),
-            running: Gauge::default(),
-            swapped: Gauge::default(),
-            kv_blocks_total: Gauge::default(),
-            kv_block_size: Gauge::default(),
-            kv_blocks_used: Gauge::default(),
-            kv_blocks_cached: Gauge::default(),
-            kv_utilization: Gauge::default(),
+            replicas: (0..replicas.max(1))
+                .map(|_| Arc::new(LoadGauges::new()))
+                .collect(),
             prefix_queries: Counter::default(),
             prefix_hits: Counter::default(),
             preemptions_recompute: Counter::default(),
@@ -170,19 +166,19 @@ impl Metrics {
         }
     }
 
+    /// Replica `i`'s queue and KV gauges.
+    pub fn load(&self, i: usize) -> &Arc<LoadGauges> {
+        &self.replicas[i]
+    }
+
     /// The Prometheus text exposition; `shard_computed` are the shard-side cumulative
     /// (all tokens, prompt tokens) computed, when the shards answered.
     pub fn render(&self, shard_computed: Option<(u64, u64)>) -> String {
         let l = format!("model=\"{}\"", self.model);
         let mut out = String::with_capacity(8192);
         // Read once: the gateways' gauges show the same values (`gateway`).
-        let load = gateway::Load {
-            waiting: self.waiting.get(),
-            running: self.running.get(),
-            kv_blocks_used: self.kv_blocks_used.get(),
-            kv_blocks_total: self.kv_blocks_total.get(),
-            kv_block_size: self.kv_block_size.get(),
-        };
+        let totals = load::totals(&self.replicas);
+        let load = totals.load;
         let gauges: [(&str, &str, f64); 7] = [
             (
                 "cadence_queue_waiting_requests",
@@ -197,7 +193,7 @@ impl Metrics {
             (
                 "cadence_swapped_requests",
                 "Preempted requests whose KV is in the host pool.",
-                self.swapped.get(),
+                totals.swapped,
             ),
             (
                 "cadence_kv_blocks_total",
@@ -212,12 +208,12 @@ impl Metrics {
             (
                 "cadence_kv_blocks_cached",
                 "Unreferenced KV blocks kept for prefix hits (evictable).",
-                self.kv_blocks_cached.get(),
+                totals.kv_blocks_cached,
             ),
             (
                 "cadence_kv_utilization",
                 "Tokens stored in the running requests' blocks / the slots of those blocks.",
-                self.kv_utilization.get(),
+                totals.kv_utilization,
             ),
         ];
         for (name, help, value) in gauges {
@@ -349,6 +345,7 @@ impl Metrics {
         for (name, help, h) in histograms {
             h.render(&mut out, name, help, &l);
         }
+        load::render_replicas(&mut out, &l, &self.replicas);
         gateway::render(&mut out, &self.model, load);
         out
     }
@@ -361,7 +358,7 @@ mod tests {
     #[test]
     fn renders_prometheus_text_with_cumulative_buckets_and_the_model_label() {
         let m = Metrics::new("org/m\"x");
-        m.waiting.set(3.0);
+        m.load(0).waiting.set(3.0);
         m.prefix_hits.add(32);
         m.preemptions_swap.add(2);
         m.ttft.observe(0.004);

@@ -14,6 +14,10 @@
 //! longer than `--ready-stall-timeout-ms` (stalled) or when no step is in flight (nothing
 //! shows the engine alive), and green while the step in flight is younger than that
 //! (steps are still coming back, so the silence is a hiccup).
+//!
+//! With several replicas (`--replicas`) the rule is applied to each: `/ready` is green
+//! while any replica is, and a replica that is red gets no new requests (`monitor` keeps
+//! each replica's state fresh between probes of `/ready`).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -92,10 +96,14 @@ pub struct NotReadyBody {
     pub reason: &'static str,
 }
 
+/// How often `monitor` checks every replica.
+pub const MONITOR_INTERVAL: Duration = Duration::from_secs(1);
+
 /// What `/ready` checks against.
 #[derive(Clone)]
 pub struct Readiness {
-    probe: Arc<dyn HealthProbe>,
+    /// One per replica, in replica order.
+    probes: Vec<Arc<dyn HealthProbe>>,
     /// A step awaited longer than this is overdue (`--ready-stall-timeout-ms`).
     pub stall_timeout: Duration,
     pub probe_timeout: Duration,
@@ -103,24 +111,63 @@ pub struct Readiness {
 
 impl Readiness {
     pub fn new(probe: Arc<dyn HealthProbe>, stall_timeout: Duration) -> Self {
+        Self::for_replicas(vec![probe], stall_timeout)
+    }
+
+    /// One probe per replica, in replica order.
+    pub fn for_replicas(probes: Vec<Arc<dyn HealthProbe>>, stall_timeout: Duration) -> Self {
         Self {
-            probe,
+            probes,
             stall_timeout,
             probe_timeout: PROBE_TIMEOUT,
         }
     }
 
-    /// Applies the rule of the module documentation.
+    /// Applies the rule of the module documentation to every replica at once, records
+    /// each one's state (the balancer skips red replicas), and is green if any is.
     pub async fn check(&self, infer: &Infer) -> Result<(), NotReady> {
         if infer.drain().is_draining() {
             return Err(NotReady::Draining);
         }
-        match tokio::time::timeout(self.probe_timeout, self.probe.probe()).await {
+        let checks = (0..self.probes.len()).map(|i| self.check_replica(infer, i));
+        let outcomes = futures::future::join_all(checks).await;
+        for (i, outcome) in outcomes.iter().enumerate() {
+            infer.set_replica_ready(i, outcome.is_ok());
+        }
+        match outcomes.iter().find(|o| o.is_ok()) {
+            Some(_) => Ok(()),
+            None => outcomes.into_iter().next().unwrap_or(Ok(())),
+        }
+    }
+
+    /// Checks every replica each `MONITOR_INTERVAL` until the router stops, so a replica
+    /// that fails stops getting requests whether or not anyone probes `/ready`. Only
+    /// needed with several replicas (one replica gets every request regardless).
+    pub fn monitor(self, infer: Infer) {
+        if self.probes.len() < 2 {
+            return;
+        }
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(MONITOR_INTERVAL);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                if infer.drain().is_draining() {
+                    return;
+                }
+                let _ = self.check(&infer).await;
+            }
+        });
+    }
+
+    /// The rule for replica `i`.
+    async fn check_replica(&self, infer: &Infer, i: usize) -> Result<(), NotReady> {
+        match tokio::time::timeout(self.probe_timeout, self.probes[i].probe()).await {
             Ok(Ok(true)) => Ok(()),
             Ok(Ok(false)) => Err(NotReady::WarmingUp),
             Ok(Err(e)) => Err(NotReady::ShardError(e.to_string())),
             // Read after the wait: the step clock as of now.
-            Err(_) => match infer.progress().waited() {
+            Err(_) => match infer.progress(i).waited() {
                 Some(waited) if waited < self.stall_timeout => Ok(()),
                 Some(waited) => Err(NotReady::Stalled(waited)),
                 None => Err(NotReady::ShardSilent),

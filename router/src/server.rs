@@ -45,7 +45,10 @@ pub struct Info {
     pub max_top_n_tokens: usize,
     pub block_size: usize,
     pub num_blocks: usize,
+    /// Tensor-parallel ranks of each replica.
     pub world_size: usize,
+    /// Independent shard groups behind this router (`--replicas`).
+    pub replicas: usize,
     /// What serves each kernel family on the shards: `isa` (the C++ CPU kernels'
     /// instruction set), `attention`, `products`, `norms`, `sampling`.
     pub kernels: std::collections::BTreeMap<String, String>,
@@ -57,8 +60,9 @@ pub struct Info {
 pub struct AppState {
     pub infer: Infer,
     pub info: Info,
-    /// `None` only in tests without shards: /metrics then has no shard-side counters.
-    pub shards: Option<ShardClient>,
+    /// Each replica's shards; empty only in tests without shards (/metrics then has no
+    /// shard-side counters).
+    pub shards: Vec<ShardClient>,
     /// What `/ready` asks the shards and how long it waits.
     pub readiness: Readiness,
     /// The model's chat template; `None` when it has none (chat completions answer 400).
@@ -465,14 +469,24 @@ pub async fn info(State(state): State<AppState>) -> Json<Info> {
     Json(state.info)
 }
 
-/// `GET /metrics`: Prometheus text, with the shard-side token counters when rank 0 answers.
+/// `GET /metrics`: Prometheus text, with the shard-side token counters summed over the
+/// replicas when every replica's rank 0 answers (a sum missing a replica would make the
+/// counters go down, which Prometheus reads as a restart).
 async fn metrics(State(state): State<AppState>) -> Response {
-    let shard = match &state.shards {
-        Some(shards) => tokio::time::timeout(Duration::from_secs(2), shards.computed_tokens())
-            .await
-            .ok()
-            .and_then(Result::ok),
-        None => None,
+    let asked = state
+        .shards
+        .iter()
+        .map(|shards| tokio::time::timeout(Duration::from_secs(2), shards.computed_tokens()));
+    let answers = futures::future::join_all(asked).await;
+    let shard = if state.shards.is_empty() {
+        None
+    } else {
+        answers
+            .into_iter()
+            .map(|a| a.ok().and_then(Result::ok))
+            .try_fold((0, 0), |(all, prompt), a| {
+                a.map(|(x, y)| (all + x, prompt + y))
+            })
     };
     (
         [(

@@ -29,6 +29,8 @@ use crate::validation::{Constraints, Validation};
 
 /// `/health`, `/ready`, the drain, and what gateways read.
 mod lifecycle;
+/// Several shard groups behind one router.
+mod replicas;
 
 /// The grammar compiler over the test tokenizer.
 fn testing_constraints() -> Constraints {
@@ -367,7 +369,10 @@ impl HealthProbe for FakeShard {
 
 struct Harness {
     app: Router,
+    /// Replica 0's shard.
     shard: FakeShard,
+    /// Every replica's shard, in replica order (`shard` first).
+    replicas: Vec<FakeShard>,
     infer: Infer,
 }
 
@@ -382,6 +387,8 @@ struct Setup {
     served_model_name: String,
     /// `--ready-stall-timeout-ms`.
     stall_timeout: Duration,
+    /// Shard groups behind the router (`--replicas`), each a fake like `shard`.
+    replicas: usize,
 }
 
 fn setup(script: Script) -> Setup {
@@ -393,6 +400,7 @@ fn setup(script: Script) -> Setup {
         chat: None,
         served_model_name: "test-model".into(),
         stall_timeout: Duration::from_secs(5),
+        replicas: 1,
     }
 }
 
@@ -453,6 +461,12 @@ impl Setup {
         self
     }
 
+    /// `n` shard groups behind the router, each a fake with the same script and blocks.
+    fn replicas(mut self, n: usize) -> Self {
+        self.replicas = n;
+        self
+    }
+
     /// How long each step takes (so requests stay in flight a while).
     fn step_delay(mut self, delay: Duration) -> Self {
         self.shard.delay = delay;
@@ -468,6 +482,7 @@ impl Setup {
             chat,
             served_model_name,
             stall_timeout,
+            replicas,
         } = self;
         let limits = Limits {
             max_input_tokens: 48,
@@ -495,6 +510,7 @@ impl Setup {
             block_size: BLOCK_SIZE,
             num_blocks: shard.num_blocks,
             world_size: 1,
+            replicas,
             kernels: [("isa".to_string(), "scalar".to_string())].into(),
             version: "test",
             router: "cadence",
@@ -522,18 +538,35 @@ impl Setup {
             },
             grammar_fast_forward: true,
         };
-        let infer = Infer::spawn(shard.clone(), validation, max_concurrent, config);
-        let mut readiness = Readiness::new(Arc::new(shard.clone()), stall_timeout);
+        let fakes: Vec<FakeShard> = std::iter::once(shard.clone())
+            .chain((1..replicas).map(|_| {
+                let mut other = FakeShard::new(shard.script.clone(), shard.num_blocks);
+                other.delay = shard.delay;
+                other
+            }))
+            .collect();
+        let loops = fakes.iter().map(|f| (f.clone(), config.clone())).collect();
+        let infer = Infer::spawn_replicas(loops, validation, max_concurrent);
+        let probes = fakes
+            .iter()
+            .map(|f| Arc::new(f.clone()) as Arc<dyn HealthProbe>)
+            .collect();
+        let mut readiness = Readiness::for_replicas(probes, stall_timeout);
         // A silent fake never answers: no need to wait the production second for it.
         readiness.probe_timeout = Duration::from_millis(20);
         let app = router(AppState {
             infer: infer.clone(),
             info,
-            shards: None,
+            shards: Vec::new(),
             chat,
             readiness,
         });
-        Harness { app, shard, infer }
+        Harness {
+            app,
+            shard,
+            replicas: fakes,
+            infer,
+        }
     }
 }
 

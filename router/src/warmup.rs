@@ -1,5 +1,9 @@
 //! Warm-up, at start: every rank profiles the largest step it will get and allocates its
 //! KV cache; the router's block accounting uses the smallest cache of all ranks.
+//!
+//! Replicas (`--replicas`) share the machine: the first is warmed up with its share of
+//! `--memory-fraction` (the fraction over the number of replicas), the others are given
+//! the very KV cache size in bytes it got, so every replica holds as many blocks.
 
 use crate::args::KvCache;
 use crate::client::ShardClient;
@@ -14,6 +18,33 @@ pub async fn warm_up(
     shards: &ShardClient,
     request: pb::WarmupRequest,
 ) -> Result<KvCache, ShardError> {
+    Ok(warm_up_group(shards, request).await?.0)
+}
+
+/// Warms the replicas up one after the other (see the module documentation); returns
+/// each one's cache, in replica order.
+pub async fn warm_up_replicas(
+    replicas: &[ShardClient],
+    mut request: pb::WarmupRequest,
+) -> Result<Vec<KvCache>, ShardError> {
+    if request.kv_cache_bytes == 0 {
+        request.memory_fraction /= replicas.len().max(1) as f32;
+    }
+    let mut caches = Vec::with_capacity(replicas.len());
+    for (i, shards) in replicas.iter().enumerate() {
+        tracing::info!(replica = i, "warming up");
+        let (cache, kv_bytes) = warm_up_group(shards, request).await?;
+        request.kv_cache_bytes = kv_bytes;
+        caches.push(cache);
+    }
+    Ok(caches)
+}
+
+/// Warms one shard group up; returns its cache and the KV bytes its smallest rank holds.
+async fn warm_up_group(
+    shards: &ShardClient,
+    request: pb::WarmupRequest,
+) -> Result<(KvCache, u64), ShardError> {
     let warmups = shards.warmup(request).await?;
     let cache = smallest(&warmups);
     tracing::info!(
@@ -32,7 +63,12 @@ pub async fn warm_up(
             "shard memory"
         );
     }
-    Ok(cache)
+    let kv_bytes = warmups
+        .iter()
+        .map(|w| u64::from(w.num_blocks) * w.bytes_per_block)
+        .min()
+        .unwrap_or(0);
+    Ok((cache, kv_bytes))
 }
 
 /// The cache every rank can hold: the fewest blocks (rank 0's block size; `Info` checked

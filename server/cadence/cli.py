@@ -119,6 +119,14 @@ def _launch_parser(sub: Any) -> None:
         "(torch.distributed: gloo on CPU, NCCL on GPU)",
     )
     add("--master-port", type=int, help="torch.distributed rendezvous port (default: a free one)")
+    add(
+        "--replicas",
+        type=_positive_int,
+        help="independent copies of the model (each --num-shard processes with its own KV "
+        "cache) behind one router, which sends each request to the least loaded one or to "
+        "the one that caches its prompt prefix; on CPU each gets its own share of the cores "
+        "and the KV memory is split between them",
+    )
     add_switch(
         p,
         "--check-rank-agreement",
@@ -244,6 +252,8 @@ def _serve_parser(sub: Any) -> None:
     add("--world-size", type=_positive_int, help="number of shards")
     add("--master-addr", help="torch.distributed rendezvous address")
     add("--master-port", type=int, help="torch.distributed rendezvous port")
+    add("--cpu-threads", type=_non_negative_int, help="compute threads on CPU (0: every core)")
+    add("--cpu-cores", help="pin the shard to these cores, comma-separated (e.g. 0,1)")
     _add_log_format(add)
     p.set_defaults(run=_run_serve)
 
@@ -296,6 +306,9 @@ def _run_launch(args: argparse.Namespace) -> int:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    from cadence.cpu_placement import parse_cores, pin_this_process
+
+    pin_this_process(parse_cores(args.cpu_cores))  # before torch starts any thread
     from cadence.launcher import resolve_cpu_choices
     from cadence.model_source import resolve_model
     from cadence.shard.server import serve

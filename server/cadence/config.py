@@ -33,6 +33,8 @@ class ShardConfig:
     cpu_isa: str = "auto"  # the C++ kernels' instruction set: "auto" or one of isa.ISAS
     attention_backend: str = "auto"  # one of shard.backends.ATTENTION_BACKENDS
     cpu_kernels: bool = True  # the C++ CPU kernels serve what they cover (False: torch)
+    cpu_threads: int = 0  # compute threads on CPU; 0: torch's default (every core it may use)
+    cpu_cores: str = ""  # cores to pin the process to, comma-separated; "": no pinning
 
 
 def default_of(cls: type, name: str) -> Any:
@@ -64,6 +66,7 @@ class LaunchConfig:
     # The launcher's.
     model_id: str | None = None  # None: the embedded SmolLM2, converted on first use
     num_shard: int = 1  # tensor-parallel ranks, one shard process each
+    replicas: int = 1  # independent shard groups behind the one router
     master_port: int | None = None  # torch.distributed rendezvous; None: a free port
     kv_cache_memory: int | None = None  # bytes (the router's --kv-cache-bytes)
     async_scheduling: str = "auto"  # auto: on with a GPU, off on CPU (docs/scheduler.md)

@@ -3,10 +3,16 @@ which warms the shards up before it serves, then supervises them all until a sig
 child's death. It speaks no gRPC: a shard is up once its socket exists, the stack once the
 router answers /ready.
 
+With --replicas N it starts N independent shard groups (each --num-shard processes with
+their own torch.distributed rendezvous, and on CPU their own cores) behind the one router.
+
 On SIGTERM or SIGINT the router is stopped first and alone: it drains (its requests in
 flight finish, new ones get 503) for up to --shutdown-timeout seconds and exits; only
-then are the shards stopped, and the launcher exits 0. When any child dies on its own,
-the launcher stops the others and exits 1, so an orchestrator restarts the whole stack.
+then are the shards stopped, and the launcher exits 0. When the router or the last
+replica dies on its own, the launcher stops the others and exits 1, so an orchestrator
+restarts the whole stack. A shard of one replica among several that dies takes only its
+replica down (its other ranks are stopped; the router stops sending it requests) and the
+others keep serving.
 """
 
 from __future__ import annotations
@@ -19,13 +25,14 @@ import sys
 import tempfile
 import urllib.error
 import urllib.request
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
 
 from loguru import logger
 
 from cadence.config import LaunchConfig, router_fields
+from cadence.cpu_placement import Placement, available_cores, plan
 from cadence.supervisor import ChildExited, Stopped, Supervisor
 
 EMBEDDED_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -38,17 +45,54 @@ class LaunchError(RuntimeError):
     """A configuration the launcher cannot run."""
 
 
-def shard_argv(cfg: LaunchConfig, model_dir: str, uds_path: str, rank: int) -> list[str]:
+@dataclass(frozen=True)
+class ShardSlot:
+    """One shard process of one replica: its name, socket, rank and rendezvous."""
+
+    replica: int
+    rank: int
+    uds_path: str
+    master_port: int | None
+    placement: Placement | None  # None: torch's own threads, no pinning
+
+    @property
+    def name(self) -> str:
+        return f"replica-{self.replica}-shard-{self.rank}"
+
+
+def shard_slots(cfg: LaunchConfig, uds_dir: Path) -> list[ShardSlot]:
+    """Every shard process, replica by replica, rank 0 first. With one replica the
+    sockets keep their plain names; with several on a CPU each shard gets its cores."""
+    total = cfg.replicas * cfg.num_shard
+    placements: list[Placement | None] = [None] * total
+    if cfg.replicas > 1 and cfg.device == "cpu":
+        placements = list(plan(total, available_cores()))
+    slots = []
+    for replica in range(cfg.replicas):
+        port = cfg.master_port if replica == 0 else None
+        if cfg.num_shard > 1 and port is None:
+            port = _free_port()
+        for rank in range(cfg.num_shard):
+            stem = f"shard-{rank}" if cfg.replicas == 1 else f"replica-{replica}-shard-{rank}"
+            placement = placements[replica * cfg.num_shard + rank]
+            slots.append(ShardSlot(replica, rank, str(uds_dir / f"{stem}.sock"), port, placement))
+    return slots
+
+
+def shard_argv(cfg: LaunchConfig, model_dir: str, slot: ShardSlot) -> list[str]:
     """Every shard setting, explicitly: a shard reads the environment twins too, and a flag
     given to the launcher must win over them there as well."""
+    placed = slot.placement
     return [
         *(sys.executable, "-m", "cadence", "serve"),
-        *("--model-id", model_dir, "--uds-path", uds_path),
+        *("--model-id", model_dir, "--uds-path", slot.uds_path),
         *("--dtype", cfg.dtype, "--device", cfg.device, "--block-size", str(cfg.block_size)),
         *("--cpu-isa", cfg.cpu_isa, "--attention-backend", cfg.attention_backend),
         "--cpu-kernels" if cfg.cpu_kernels else "--no-cpu-kernels",
-        *("--rank", str(rank), "--world-size", str(cfg.num_shard)),
-        *(("--master-port", str(cfg.master_port)) if cfg.master_port else ()),
+        *("--rank", str(slot.rank), "--world-size", str(cfg.num_shard)),
+        *(("--master-port", str(slot.master_port)) if slot.master_port else ()),
+        *(("--cpu-threads", str(placed.threads)) if placed else ()),
+        *(("--cpu-cores", placed.cores_arg()) if placed else ()),
         *(("--kv-cache-dtype", cfg.kv_cache_dtype) if cfg.kv_cache_dtype else ()),
         *("--log-format", cfg.log_format),
     ]
@@ -63,6 +107,8 @@ def router_argv(cfg: LaunchConfig, model_dir: str, uds_paths: list[str]) -> list
         argv += ["--shard-uds-path", path]
     argv += ["--tokenizer", model_dir, "--model-id", cfg.model_id or EMBEDDED_MODEL_NAME]
     argv += ["--log-format", cfg.log_format]
+    if cfg.replicas > 1:
+        argv += ["--replicas", str(cfg.replicas)]
     if cfg.kv_cache_memory is not None:
         argv += ["--kv-cache-bytes", str(cfg.kv_cache_memory)]
     if not async_scheduling(cfg):
@@ -132,11 +178,12 @@ def launch(cfg: LaunchConfig) -> int:
     own_dir = cfg.uds_dir is None
     uds_dir = Path(cfg.uds_dir or tempfile.mkdtemp(prefix="cadence-"))
     uds_dir.mkdir(parents=True, exist_ok=True)
-    uds_paths = [str(uds_dir / f"shard-{rank}.sock") for rank in range(cfg.num_shard)]
+    slots = shard_slots(cfg, uds_dir)
+    uds_paths = [slot.uds_path for slot in slots]
     supervisor = Supervisor(prefix_lines=cfg.log_format == "text")
     previous = {sig: signal.signal(sig, supervisor.request_stop) for sig in _STOP_SIGNALS}
     try:
-        _run(cfg, supervisor, model_dir, uds_paths)
+        _run(cfg, supervisor, model_dir, slots)
         return 0
     except Stopped:
         logger.info("stop requested; shutting down")
@@ -160,15 +207,22 @@ def launch(cfg: LaunchConfig) -> int:
                 Path(path).unlink(missing_ok=True)
 
 
-def _run(cfg: LaunchConfig, supervisor: Supervisor, model_dir: str, uds_paths: list[str]) -> None:
+def _run(cfg: LaunchConfig, supervisor: Supervisor, model_dir: str, slots: list[ShardSlot]) -> None:
     env = os.environ | {"PYTHONUNBUFFERED": "1"}
-    for rank, path in enumerate(uds_paths):
-        Path(path).unlink(missing_ok=True)  # left by a killed run, it would pass for a shard
-        supervisor.start(f"shard-{rank}", shard_argv(cfg, model_dir, path, rank), env)
-    for rank, path in enumerate(uds_paths):
+    names = {}
+    for slot in slots:
+        Path(slot.uds_path).unlink(missing_ok=True)  # left by a killed run: a fake shard
+        name = f"shard-{slot.rank}" if cfg.replicas == 1 else slot.name
+        names[name] = slot
+        shard_env = env
+        if slot.placement:  # OpenMP reads it when its first team starts
+            shard_env = env | {"OMP_NUM_THREADS": str(slot.placement.threads)}
+        supervisor.start(name, shard_argv(cfg, model_dir, slot), shard_env)
+    for name, slot in names.items():
         supervisor.wait_until(
-            lambda p=path: os.path.exists(p), cfg.startup_timeout, f"shard-{rank} listening"
+            lambda p=slot.uds_path: os.path.exists(p), cfg.startup_timeout, f"{name} listening"
         )
+    uds_paths = [slot.uds_path for slot in slots]
     supervisor.start("router", router_argv(cfg, model_dir, uds_paths), router_env(cfg, env))
     url = f"http://{_connect_host(cfg.hostname)}:{cfg.port}"
     supervisor.wait_until(
@@ -177,8 +231,27 @@ def _run(cfg: LaunchConfig, supervisor: Supervisor, model_dir: str, uds_paths: l
         "the router warming the shards up and answering /ready",
     )
     logger.info("cadence ready on http://{}:{}", cfg.hostname, cfg.port)
-    supervisor.watch()
+    _watch(cfg, supervisor, names)
     raise Stopped()
+
+
+def _watch(cfg: LaunchConfig, supervisor: Supervisor, shards: dict[str, ShardSlot]) -> None:
+    """Returns when a stop is requested; raises ChildExited when the router or the last
+    live replica dies. A dead shard of one replica among several takes its replica down
+    alone: its other ranks would wait forever in their collectives."""
+    live = set(range(cfg.replicas))
+    while True:
+        try:
+            supervisor.watch()
+            return
+        except ChildExited as err:
+            slot = shards.get(err.child.name)
+            if slot is None or live == {slot.replica}:
+                raise
+            live.discard(slot.replica)
+            logger.error("{}; replica {} is down, {} left", err.report(), slot.replica, len(live))
+            group = [n for n, s in shards.items() if s.replica == slot.replica]
+            supervisor.retire(group, timeout=10.0)
 
 
 def _free_port() -> int:

@@ -76,6 +76,7 @@ class Supervisor:
 
     def __init__(self, tail_lines: int = 50, prefix_lines: bool = True) -> None:
         self.children: list[Child] = []
+        self.retired: list[Child] = []  # stopped on purpose, no longer watched
         self.stopping = threading.Event()
         self._tail_lines = tail_lines
         self._prefix_lines = prefix_lines
@@ -144,6 +145,16 @@ class Supervisor:
         while not self.stopping.wait(interval):
             if child := self.exited():
                 raise ChildExited(child)
+
+    def retire(self, names: list[str], timeout: float) -> None:
+        """Stops the children `names` (those still running) and stops watching them: a
+        part of the stack that may die alone. They are still reaped by `stop`."""
+        retiring = [c for c in self.children if c.name in names]
+        _terminate(retiring, timeout)
+        for child in retiring:
+            child.drain()
+            self.children.remove(child)
+            self.retired.append(child)
 
     def request_stop(self, *_: object) -> None:
         """Signal-handler friendly: only sets a flag."""

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+from itertools import combinations
+from pathlib import Path
 
 import pytest
 from cadence.cli import ConvertConfig, build_parser, config_from
 from cadence.config import ShardConfig
+from cadence.cpu_placement import Placement, available_cores, parse_cores, plan
 from cadence.flags import env_name, parse_size
-from cadence.launcher import LaunchConfig, router_argv, shard_argv
+from cadence.launcher import LaunchConfig, router_argv, shard_argv, shard_slots
 
 
 @pytest.fixture(autouse=True)
@@ -124,7 +127,8 @@ def test_convert_has_its_own_dtype_twin(monkeypatch: pytest.MonkeyPatch) -> None
 
 def test_shard_and_router_command_lines_use_their_exact_flags() -> None:
     cfg = LaunchConfig(port=9000, max_total_tokens=2048)
-    shard = shard_argv(cfg, "/m", "/u/shard-0.sock", 0)
+    (slot,) = shard_slots(cfg, Path("/u"))
+    shard = shard_argv(cfg, "/m", slot)
     assert shard[1:4] == ["-m", "cadence", "serve"]
     assert shard[shard.index("--uds-path") + 1] == "/u/shard-0.sock"
     router = router_argv(cfg, "/m", ["/u/shard-0.sock", "/u/shard-1.sock"])
@@ -139,14 +143,42 @@ def test_tensor_parallel_flags_reach_every_shard_and_the_router() -> None:
     cfg = LaunchConfig(
         num_shard=2, master_port=29555, kv_cache_dtype="float32", check_rank_agreement=True
     )
-    for rank in (0, 1):
-        shard = shard_argv(cfg, "/m", f"/u/shard-{rank}.sock", rank)
+    for rank, slot in enumerate(shard_slots(cfg, Path("/u"))):
+        shard = shard_argv(cfg, "/m", slot)
         args = build_parser().parse_args(shard[3:])
         assert (args.rank, args.world_size, args.master_port) == (rank, 2, 29555)
         assert args.kv_cache_dtype == "float32"
     router = router_argv(cfg, "/m", ["/u/shard-0.sock", "/u/shard-1.sock"])
     assert "--check-rank-agreement" in router
     assert "--check-rank-agreement" not in router_argv(LaunchConfig(), "/m", ["/u/s"])
+
+
+def test_replicas_get_their_own_sockets_rendezvous_and_cores() -> None:
+    cfg = LaunchConfig(num_shard=2, replicas=2, master_port=29555)
+    slots = shard_slots(cfg, Path("/u"))
+    assert [(s.replica, s.rank) for s in slots] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert len({s.uds_path for s in slots}) == 4
+    assert slots[0].master_port == slots[1].master_port == 29555
+    assert slots[2].master_port == slots[3].master_port != 29555
+    cores = [set(s.placement.cores) for s in slots if s.placement]
+    if len(available_cores()) >= 4:  # disjoint sets, one per shard
+        assert len(cores) == 4 and all(a.isdisjoint(b) for a, b in combinations(cores, 2))
+    for slot in slots:
+        args = build_parser().parse_args(shard_argv(cfg, "/m", slot)[3:])
+        assert args.cpu_threads == slot.placement.threads
+        assert parse_cores(args.cpu_cores) == list(slot.placement.cores)
+    router = router_argv(cfg, "/m", [s.uds_path for s in slots])
+    assert router[router.index("--replicas") + 1] == "2"
+    assert router.count("--shard-uds-path") == 4
+    alone = LaunchConfig()
+    (slot,) = shard_slots(alone, Path("/u"))
+    assert slot.placement is None and "--cpu-cores" not in shard_argv(alone, "/m", slot)
+    assert "--replicas" not in router_argv(alone, "/m", [slot.uds_path])
+
+
+def test_cores_are_split_evenly_and_shared_only_when_too_few() -> None:
+    assert plan(2, [0, 1, 2, 3, 4]) == [Placement((0, 1), 2), Placement((2, 3), 2)]
+    assert plan(3, [0, 1]) == [Placement((0, 1), 1)] * 3
 
 
 def test_check_rank_agreement_has_an_environment_twin(monkeypatch: pytest.MonkeyPatch) -> None:

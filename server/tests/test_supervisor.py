@@ -181,6 +181,7 @@ def fake_stack(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> SimpleNamespa
     pids.mkdir()
     stack = SimpleNamespace(
         shard_lifetime=60.0,
+        lifetimes={},  # by ShardSlot.name, overriding shard_lifetime
         model=str(tmp_path / "model"),
         pids=pids,
         router_argv=None,
@@ -188,9 +189,10 @@ def fake_stack(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> SimpleNamespa
     )
     real_router_argv = launcher.router_argv
 
-    def shard_argv(cfg: LaunchConfig, model_dir: str, uds_path: str, rank: int) -> list[str]:
-        lifetime, drained = str(stack.shard_lifetime), str(stack.drained)
-        return [PY, "-c", _FAKE_SHARD, uds_path, str(pids), lifetime, drained]
+    def shard_argv(cfg: LaunchConfig, model_dir: str, slot: launcher.ShardSlot) -> list[str]:
+        lifetime = str(stack.lifetimes.get(slot.name, stack.shard_lifetime))
+        drained = str(stack.drained)
+        return [PY, "-c", _FAKE_SHARD, slot.uds_path, str(pids), lifetime, drained]
 
     def router_argv(cfg: LaunchConfig, model_dir: str, uds: list[str]) -> list[str]:
         assert all(os.path.exists(path) for path in uds)  # started once the shards listen
@@ -249,4 +251,45 @@ def test_launch_exits_nonzero_naming_the_dead_child_and_its_lines(
     err = capfd.readouterr().err
     assert "shard-0 exited with code 7" in err
     assert "shard crashed" in err.split("shard-0 exited with code 7")[1]
+    assert all(_gone(int(p.name)) for p in fake_stack.pids.iterdir())
+
+
+def test_a_dead_replica_leaves_the_others_serving_and_the_last_one_stops_the_launcher(
+    fake_stack: SimpleNamespace, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    from cadence.logs import setup_logging
+
+    setup_logging()
+    port = _free_port()
+    cfg = LaunchConfig(model_id=fake_stack.model, port=port, replicas=2, startup_timeout=30)
+    fake_stack.lifetimes = {"replica-1-shard-0": 3.0}
+    seen: dict[str, object] = {}
+
+    def stop_once_replica_1_died() -> None:
+        deadline = time.monotonic() + 30
+        while "replica 1 is down" not in seen.setdefault("log", ""):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.2)
+        seen["router_up"] = launcher._http_ok(f"http://127.0.0.1:{port}/health")  # noqa: SLF001
+        seen["live_shards"] = sum(not _gone(int(p.name)) for p in fake_stack.pids.iterdir())
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def collect_log() -> None:
+        while "router_up" not in seen:
+            seen["log"] = str(seen.get("log", "")) + capfd.readouterr().err
+            time.sleep(0.1)
+
+    threading.Thread(target=stop_once_replica_1_died, daemon=True).start()
+    threading.Thread(target=collect_log, daemon=True).start()
+    assert launch(cfg) == 0, seen.get("log")
+    assert seen["router_up"] and seen["live_shards"] == 1  # replica 0's shard only
+    router = fake_stack.router_argv
+    assert router[router.index("--replicas") + 1] == "2"
+    assert router.count("--shard-uds-path") == 2
+
+    # Every replica dead: the launcher exits 1, like a single stack.
+    fake_stack.lifetimes = {"replica-0-shard-0": 2.0, "replica-1-shard-0": 3.0}
+    cfg = LaunchConfig(model_id=fake_stack.model, port=_free_port(), replicas=2, startup_timeout=30)
+    assert launch(cfg) == 1
     assert all(_gone(int(p.name)) for p in fake_stack.pids.iterdir())

@@ -21,11 +21,12 @@ use crate::constraints::MaskShape;
 use crate::detokenize::TokenizerInfo;
 use crate::drain::Drain;
 use crate::error::{InferError, ShardError};
-use crate::metrics::Metrics;
+use crate::metrics::{LoadGauges, Metrics};
 use crate::pb;
 use crate::scheduler::{Schedule, Scheduler, SchedulerConfig};
 
 /// The loop's fixed inputs.
+#[derive(Clone)]
 pub struct LoopConfig {
     pub scheduler: SchedulerConfig,
     pub eos_token_ids: Vec<u32>,
@@ -44,6 +45,8 @@ pub struct LoopConfig {
 /// What the loop shares with the HTTP side.
 pub(super) struct Shared {
     pub metrics: Arc<Metrics>,
+    /// This loop's replica's queue and KV gauges.
+    pub load: Arc<LoadGauges>,
     pub progress: Arc<StepClock>,
     pub drain: Arc<Drain>,
 }
@@ -68,6 +71,7 @@ pub(super) struct Loop<B> {
     pub(super) siblings: HashMap<RequestId, Vec<Sibling>>,
     pub(super) next_id: RequestId,
     pub(super) metrics: Arc<Metrics>,
+    pub(super) load: Arc<LoadGauges>,
     progress: Arc<StepClock>,
     /// Nothing can run before then (a dynamic batch waiting to fill).
     wake_at: Option<Instant>,
@@ -88,15 +92,12 @@ pub(super) async fn run<B: Backend>(
 ) {
     let Shared {
         metrics,
+        load,
         progress,
         drain,
     } = shared;
-    metrics
-        .kv_blocks_total
-        .set(config.scheduler.num_blocks as f64);
-    metrics
-        .kv_block_size
-        .set(config.scheduler.block_size as f64);
+    load.kv_blocks_total.set(config.scheduler.num_blocks as f64);
+    load.kv_block_size.set(config.scheduler.block_size as f64);
     let mut lp = Loop {
         backend: Arc::new(backend),
         tokenizer,
@@ -106,6 +107,7 @@ pub(super) async fn run<B: Backend>(
         siblings: HashMap::new(),
         next_id: 0,
         metrics,
+        load,
         progress,
         wake_at: None,
         async_scheduling: config.async_scheduling,

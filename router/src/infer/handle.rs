@@ -1,6 +1,7 @@
-//! The HTTP side's handle on the batching loop, and the one way any route's request gets
+//! The HTTP side's handle on the batching loops, and the one way any route's request gets
 //! in: `Infer::submit` refuses requests while draining, checks the admission limits,
-//! validates, and queues the request's samples for the loop.
+//! validates, picks a replica (`balance`; one batching loop per replica) and queues the
+//! request's samples for its loop.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -8,13 +9,14 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 
+use super::balance::{Balancer, ReplicaLoad};
 use super::batching_loop::{self, LoopConfig, Shared};
 use super::events::EventResult;
 use super::progress::StepClock;
 use crate::client::Backend;
 use crate::drain::Drain;
 use crate::error::InferError;
-use crate::metrics::Metrics;
+use crate::metrics::{LoadGauges, Metrics};
 use crate::validation::{Extra, GenerateParameters, Prompt, ValidRequest, Validation};
 
 /// How often a drain checks whether the requests in flight have ended.
@@ -25,7 +27,7 @@ pub(super) struct Admission {
     pub request: ValidRequest,
     /// One channel per sample (`best_of` of them), in sample order.
     pub samples: Vec<mpsc::UnboundedSender<EventResult>>,
-    pub permit: OwnedSemaphorePermit,
+    pub permit: Held,
     pub queued_at: Instant,
     /// One place in the bounded waiting queue for all the samples of the request.
     pub slot: QueueSlot,
@@ -58,8 +60,40 @@ impl Drop for QueueSlot {
     }
 }
 
-/// What the HTTP side holds: validation, the admission limits, the way to the loop, the
-/// metrics, the loop's progress and the drain.
+/// What a request holds from admission to its end: its place among the concurrent
+/// requests, and its count on the replica it went to (which the balancer reads).
+pub(super) struct Held {
+    _permit: OwnedSemaphorePermit,
+    _on_replica: Assigned,
+}
+
+/// One request counted on a replica while it lives.
+struct Assigned(Arc<AtomicUsize>);
+
+impl Assigned {
+    fn new(count: &Arc<AtomicUsize>) -> Self {
+        count.fetch_add(1, Ordering::AcqRel);
+        Self(count.clone())
+    }
+}
+
+impl Drop for Assigned {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// One shard group and its batching loop.
+struct Replica {
+    tx: mpsc::UnboundedSender<Admission>,
+    progress: Arc<StepClock>,
+    load: Arc<LoadGauges>,
+    /// Requests sent to this replica and not ended.
+    assigned: Arc<AtomicUsize>,
+}
+
+/// What the HTTP side holds: validation, the admission limits, the way to each replica's
+/// loop, the metrics, the loops' progress and the drain.
 #[derive(Clone)]
 pub struct Infer {
     pub validation: Arc<Validation>,
@@ -68,31 +102,61 @@ pub struct Infer {
     queued: Arc<AtomicUsize>,
     max_waiting_requests: usize,
     metrics: Arc<Metrics>,
-    progress: Arc<StepClock>,
     drain: Arc<Drain>,
-    tx: mpsc::UnboundedSender<Admission>,
+    replicas: Arc<[Replica]>,
+    balancer: Arc<Balancer>,
 }
 
 impl Infer {
-    /// Starts the batching loop on the current runtime.
+    /// Starts the batching loop of one shard group on the current runtime.
     pub fn spawn<B: Backend>(
         backend: B,
         validation: Validation,
         max_concurrent_requests: usize,
         config: LoopConfig,
     ) -> Self {
-        let (tx, rx) = mpsc::unbounded_channel();
-        let tokenizer = validation.tokenizer.clone();
-        let metrics = Arc::new(Metrics::new(&config.served_model_name));
-        let progress = Arc::new(StepClock::default());
+        Self::spawn_replicas(vec![(backend, config)], validation, max_concurrent_requests)
+    }
+
+    /// Starts one batching loop per replica (a shard group and its loop's configuration,
+    /// at least one). The queue bound (`max_waiting_requests`) is replica 0's; it bounds
+    /// the requests waiting on all of them together.
+    pub fn spawn_replicas<B: Backend>(
+        replicas: Vec<(B, LoopConfig)>,
+        validation: Validation,
+        max_concurrent_requests: usize,
+    ) -> Self {
+        let first = &replicas.first().expect("at least one replica").1;
+        let metrics = Arc::new(Metrics::with_replicas(
+            &first.served_model_name,
+            replicas.len(),
+        ));
+        let max_waiting_requests = first.max_waiting_requests;
+        let balancer = Arc::new(Balancer::new(first.scheduler.block_size));
         let drain = Arc::new(Drain::default());
-        let max_waiting_requests = config.max_waiting_requests;
-        let shared = Shared {
-            metrics: metrics.clone(),
-            progress: progress.clone(),
-            drain: drain.clone(),
-        };
-        tokio::spawn(batching_loop::run(backend, rx, tokenizer, config, shared));
+        let tokenizer = validation.tokenizer.clone();
+        let handles = replicas
+            .into_iter()
+            .enumerate()
+            .map(|(i, (backend, config))| {
+                let (tx, rx) = mpsc::unbounded_channel();
+                let replica = Replica {
+                    tx,
+                    progress: Arc::new(StepClock::default()),
+                    load: metrics.load(i).clone(),
+                    assigned: Arc::new(AtomicUsize::new(0)),
+                };
+                let shared = Shared {
+                    metrics: metrics.clone(),
+                    load: replica.load.clone(),
+                    progress: replica.progress.clone(),
+                    drain: drain.clone(),
+                };
+                let tokenizer = tokenizer.clone();
+                tokio::spawn(batching_loop::run(backend, rx, tokenizer, config, shared));
+                replica
+            })
+            .collect();
         Self {
             validation: Arc::new(validation),
             limiter: Arc::new(Semaphore::new(max_concurrent_requests)),
@@ -100,9 +164,9 @@ impl Infer {
             queued: Arc::new(AtomicUsize::new(0)),
             max_waiting_requests,
             metrics,
-            progress,
             drain,
-            tx,
+            replicas: handles,
+            balancer,
         }
     }
 
@@ -110,9 +174,23 @@ impl Infer {
         &self.metrics
     }
 
-    /// When the loop started waiting for the step in flight (`/ready` reads it).
-    pub fn progress(&self) -> &StepClock {
-        &self.progress
+    /// How many replicas (shard groups, each with its loop) serve requests.
+    pub fn num_replicas(&self) -> usize {
+        self.replicas.len()
+    }
+
+    /// When replica `i`'s loop started waiting for the step in flight (`/ready` reads it).
+    pub fn progress(&self, i: usize) -> &StepClock {
+        &self.replicas[i].progress
+    }
+
+    /// Whether replica `i` gets new requests (its readiness check, kept by `/ready` and
+    /// the replica monitor).
+    pub fn set_replica_ready(&self, i: usize, ready: bool) {
+        self.replicas[i]
+            .load
+            .ready
+            .set(if ready { 1.0 } else { 0.0 });
     }
 
     pub fn drain(&self) -> &Drain {
@@ -183,17 +261,37 @@ impl Infer {
         let (senders, samples): (Vec<_>, Vec<_>) = (0..request.best_of.max(1))
             .map(|_| mpsc::unbounded_channel())
             .unzip();
+        let replica = &self.replicas[self.pick_replica(&request)];
+        replica.load.routed.add(1);
         let admission = Admission {
             request: request.clone(),
             samples: senders,
-            permit,
+            permit: Held {
+                _permit: permit,
+                _on_replica: Assigned::new(&replica.assigned),
+            },
             queued_at: Instant::now(),
             slot,
         };
-        self.tx
+        replica
+            .tx
             .send(admission)
             .map_err(|_| InferError::Generation("the batching loop has stopped".into()))?;
         Ok(Submitted { request, samples })
+    }
+
+    /// The replica for a request, by load and prompt-prefix affinity (`balance`).
+    fn pick_replica(&self, request: &ValidRequest) -> usize {
+        let loads: Vec<ReplicaLoad> = self
+            .replicas
+            .iter()
+            .map(|r| ReplicaLoad {
+                assigned: r.assigned.load(Ordering::Acquire),
+                kv_usage: r.load.kv_usage(),
+                ready: r.load.ready.get() > 0.0,
+            })
+            .collect();
+        self.balancer.pick(&request.input_ids, &loads)
     }
 
     /// A 429, counted: the one place `cadence_requests_rejected_total` grows.

@@ -15,6 +15,7 @@
 //! by N + 1, which is dropped.
 //!
 //! - `handle`: `Infer`, what the HTTP side holds; `Infer::submit` is the one way in.
+//! - `balance`: which replica (shard group and its loop) a new request goes to.
 //! - `batching_loop`: the loop itself: sending steps, applying their answers, failures.
 //! - `siblings`: a request's `best_of` samples, forked from the first.
 //! - `output`: sampled tokens turned into text and events; ends of requests.
@@ -22,6 +23,7 @@
 //! - `progress`: when the loop started waiting for the step in flight (for `/ready`).
 //! - `events`: what a handler receives; `samples`: those events gathered, and ranked.
 
+pub mod balance;
 mod batching_loop;
 mod events;
 mod handle;

@@ -6,11 +6,11 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Instant;
 
-use tokio::sync::{mpsc, OwnedSemaphorePermit};
+use tokio::sync::mpsc;
 
 use super::batching_loop::Loop;
 use super::events::{End, EventResult, FinishReason, Token, TokenEvent};
-use super::handle::QueueSlot;
+use super::handle::{Held, QueueSlot};
 use crate::blocks::RequestId;
 use crate::client::Backend;
 use crate::constraints::GrammarState;
@@ -46,7 +46,7 @@ pub(super) struct Entry {
     /// Released at the request's first step; shared by its samples.
     pub(super) slot: Option<Arc<QueueSlot>>,
     /// Shared by the samples of one request: the slot frees when the last one ends.
-    _permit: Arc<OwnedSemaphorePermit>,
+    _permit: Arc<Held>,
 }
 
 /// What the samples of one request share: when it was queued, its place in the waiting
@@ -54,7 +54,7 @@ pub(super) struct Entry {
 pub(super) struct Shared {
     pub queued_at: Instant,
     pub slot: Arc<QueueSlot>,
-    pub permit: Arc<OwnedSemaphorePermit>,
+    pub permit: Arc<Held>,
 }
 
 impl<B: Backend> Loop<B> {

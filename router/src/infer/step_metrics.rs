@@ -30,7 +30,7 @@ impl<B> Loop<B> {
 
     /// Queue and KV gauges after a step.
     pub(super) fn record_state(&self) {
-        let m = &self.metrics;
+        let m = &self.load;
         let s = &self.scheduler;
         m.waiting.set(s.num_waiting() as f64);
         m.running.set(s.num_running() as f64);

@@ -6,7 +6,7 @@
 use std::fmt::Write;
 
 /// The gauges both namings show, read once per scrape.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Default)]
 pub(super) struct Load {
     pub waiting: f64,
     pub running: f64,
@@ -63,11 +63,12 @@ mod tests {
     #[test]
     fn gateway_gauges_follow_the_cadence_gauges_under_vllm_names() {
         let m = Metrics::new("org/m");
-        m.waiting.set(3.0);
-        m.running.set(2.0);
-        m.kv_blocks_total.set(200.0);
-        m.kv_block_size.set(16.0);
-        m.kv_blocks_used.set(50.0);
+        let r = m.load(0);
+        r.waiting.set(3.0);
+        r.running.set(2.0);
+        r.kv_blocks_total.set(200.0);
+        r.kv_block_size.set(16.0);
+        r.kv_blocks_used.set(50.0);
         let text = m.render(None);
         for line in [
             "vllm:num_requests_waiting{model_name=\"org/m\"} 3\n",

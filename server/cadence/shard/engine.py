@@ -71,6 +71,8 @@ class Engine:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", cfg.rank % torch.cuda.device_count())
         cpu = backends.CpuKernels(False, "not on a CPU device")
+        if self.device.type == "cpu" and cfg.cpu_threads > 0:
+            torch.set_num_threads(cfg.cpu_threads)  # on the thread every forward runs on
         if self.device.type == "cpu":
             # once, before the model is built: every CPU kernel call runs this choice
             try:

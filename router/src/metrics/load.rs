@@ -1,0 +1,121 @@
+//! The gauges each replica's batching loop sets after every step (its queue and its KV
+//! cache), and how /metrics shows them: summed over the replicas under the `cadence_*`
+//! and `vllm:` names (a gateway sees one endpoint), and per replica, with a `replica`
+//! label, when there are several.
+
+use std::fmt::Write;
+
+use super::{gateway, Counter, Gauge};
+
+/// One replica's queue and KV cache, as of its last step.
+#[derive(Debug, Default)]
+pub struct LoadGauges {
+    pub waiting: Gauge,
+    pub running: Gauge,
+    pub swapped: Gauge,
+    pub kv_blocks_total: Gauge,
+    /// Tokens per KV block (set once, at start).
+    pub kv_block_size: Gauge,
+    pub kv_blocks_used: Gauge,
+    pub kv_blocks_cached: Gauge,
+    pub kv_utilization: Gauge,
+    /// 1 while the replica takes new requests, 0 once it failed its readiness check.
+    pub ready: Gauge,
+    /// Requests the balancer sent to this replica.
+    pub routed: Counter,
+}
+
+impl LoadGauges {
+    /// A replica's gauges before its first step: ready until a check says otherwise.
+    pub fn new() -> Self {
+        let gauges = Self::default();
+        gauges.ready.set(1.0);
+        gauges
+    }
+
+    /// Fraction (0 to 1) of this replica's KV blocks referenced by a request.
+    pub fn kv_usage(&self) -> f64 {
+        let total = self.kv_blocks_total.get();
+        if total > 0.0 {
+            self.kv_blocks_used.get() / total
+        } else {
+            0.0
+        }
+    }
+}
+
+/// The replicas' gauges added up, read once per scrape.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Totals {
+    pub load: gateway::Load,
+    pub swapped: f64,
+    pub kv_blocks_cached: f64,
+    /// Over the replicas' running requests' blocks: each replica's utilization weighted
+    /// by the blocks it has in use.
+    pub kv_utilization: f64,
+}
+
+pub(super) fn totals(replicas: &[std::sync::Arc<LoadGauges>]) -> Totals {
+    let mut t = Totals::default();
+    let mut weighted = 0.0;
+    for r in replicas {
+        let used = r.kv_blocks_used.get();
+        t.load.waiting += r.waiting.get();
+        t.load.running += r.running.get();
+        t.load.kv_blocks_used += used;
+        t.load.kv_blocks_total += r.kv_blocks_total.get();
+        t.swapped += r.swapped.get();
+        t.kv_blocks_cached += r.kv_blocks_cached.get();
+        weighted += r.kv_utilization.get() * used;
+    }
+    t.load.kv_block_size = replicas.first().map_or(0.0, |r| r.kv_block_size.get());
+    if t.load.kv_blocks_used > 0.0 {
+        t.kv_utilization = weighted / t.load.kv_blocks_used;
+    }
+    t
+}
+
+/// Appends the per-replica series (only with more than one replica); `l` holds the
+/// model label.
+pub(super) fn render_replicas(out: &mut String, l: &str, replicas: &[std::sync::Arc<LoadGauges>]) {
+    if replicas.len() < 2 {
+        return;
+    }
+    type Read = fn(&LoadGauges) -> f64;
+    let series: [(&str, &str, Read); 4] = [
+        (
+            "cadence_replica_waiting_requests",
+            "Requests waiting for a step on this replica.",
+            |r| r.waiting.get(),
+        ),
+        (
+            "cadence_replica_running_requests",
+            "Requests in this replica's running batch.",
+            |r| r.running.get(),
+        ),
+        (
+            "cadence_replica_kv_cache_usage_perc",
+            "Fraction (0 to 1) of this replica's KV blocks referenced by a request.",
+            LoadGauges::kv_usage,
+        ),
+        (
+            "cadence_replica_ready",
+            "1 while the replica gets new requests, 0 once its readiness check failed.",
+            |r| r.ready.get(),
+        ),
+    ];
+    for (name, help, read) in series {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+        for (i, r) in replicas.iter().enumerate() {
+            let _ = writeln!(out, "{name}{{{l},replica=\"{i}\"}} {}", read(r));
+        }
+    }
+    let name = "cadence_replica_requests_total";
+    let _ = writeln!(
+        out,
+        "# HELP {name} Requests sent to this replica.\n# TYPE {name} counter"
+    );
+    for (i, r) in replicas.iter().enumerate() {
+        let _ = writeln!(out, "{name}{{{l},replica=\"{i}\"}} {}", r.routed.get());
+    }
+}
