@@ -111,7 +111,7 @@ class Load:
         assert not any(t.is_alive() for t in self._threads), "a client outlived its timeout"
         return self.answers
 
-    def answered_since(self, moment: float) -> list[Answer]:
+    def answers_sent_after(self, moment: float) -> list[Answer]:
         with self._lock:
             return [a for a in self.answers if a.sent > moment]
 
