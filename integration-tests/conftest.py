@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,11 +39,15 @@ FLOAT32 = ("--dtype", "float32", "--kv-cache-dtype", "float32")
 
 
 def launch(
-    tmp_dir: Path, *args: str, timeout: float = 300.0, env: dict[str, str] | None = None
+    tmp_dir: Path,
+    *args: str,
+    timeout: float = 300.0,
+    env: dict[str, str] | None = None,
+    port: int | None = None,
 ) -> LaunchedServer:
-    """Starts `cadence launch` (in `env`, default this process's environment) and waits
-    until its router answers /ready."""
-    port = free_port()
+    """Starts `cadence launch` (in `env`, default this process's environment; on `port`,
+    default a free one) and waits until its router answers /ready."""
+    port = port or free_port()
     log_path = tmp_dir / f"launch-{port}.log"
     log_file = log_path.open("w")
     process = subprocess.Popen(
@@ -77,6 +82,48 @@ def stop(server: LaunchedServer) -> int:
             os.killpg(server.process.pid, signal.SIGKILL)
             server.process.wait()
     return server.process.returncode
+
+
+def shard_pids(launcher: subprocess.Popen) -> list[int]:
+    """The processes the launcher started as `python -m cadence serve` (its shards)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue  # gone meanwhile
+        parent = int(stat.rsplit(")", 1)[1].split()[1])  # after the command's name
+        if parent == launcher.pid and argv[1:4] == [b"-m", b"cadence", b"serve"]:
+            pids.append(int(entry.name))
+    return pids
+
+
+def the_shard(server: LaunchedServer) -> int:
+    (pid,) = shard_pids(server.process)
+    return pid
+
+
+def prometheus_samples(text: str) -> dict[str, float]:
+    """`name{labels}` → value, for every sample line of a Prometheus text exposition."""
+    line = re.compile(r"^([a-zA-Z_:][\w:]*\{[^}]*\}) (\S+)$", re.MULTILINE)
+    return {key: float(value) for key, value in line.findall(text)}
+
+
+def metrics(url: str) -> dict[str, float]:
+    """The server's `/metrics` now, by `name{labels}`."""
+    return prometheus_samples(httpx.get(f"{url}/metrics", timeout=10).text)
+
+
+def wait_for(happened: Callable[[], bool], timeout: float, what: str) -> float:
+    """Polls `happened` until true; the seconds it took."""
+    started = time.monotonic()
+    while not happened():
+        assert time.monotonic() - started < timeout, f"{what}: not within {timeout} s"
+        time.sleep(0.1)
+    return time.monotonic() - started
 
 
 @pytest.fixture(scope="session")

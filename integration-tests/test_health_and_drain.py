@@ -10,60 +10,27 @@ from __future__ import annotations
 import functools
 import json
 import os
-import re
 import signal
-import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from conftest import LaunchedServer, launch, stop
+from conftest import LaunchedServer, launch, metrics, shard_pids, stop, the_shard, wait_for
 
 SERVED_NAME = "smollm-under-test"
 STALL_TIMEOUT_MS = 1000  # a 4000-token prefill on CPU takes longer: /ready must stay green
 LONG_PROMPT_TOKENS = 4000
 
 
-def shard_pids(launcher: subprocess.Popen) -> list[int]:
-    """The processes the launcher started as `python -m cadence serve` (its shards)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue  # gone meanwhile
-        parent = int(stat.rsplit(")", 1)[1].split()[1])  # after the command's name
-        if parent == launcher.pid and argv[1:4] == [b"-m", b"cadence", b"serve"]:
-            pids.append(int(entry.name))
-    return pids
-
-
-def the_shard(server: LaunchedServer) -> int:
-    (pid,) = shard_pids(server.process)
-    return pid
-
-
 def ready(url: str) -> tuple[int, str]:
     """`/ready`'s status and reason ("" when ready)."""
     response = httpx.get(f"{url}/ready", timeout=10)
     return response.status_code, response.json().get("reason", "")
-
-
-def wait_for(happened: Callable[[], bool], timeout: float, what: str) -> float:
-    """Polls `happened` until true; the seconds it took."""
-    started = time.monotonic()
-    while not happened():
-        assert time.monotonic() - started < timeout, f"{what}: not within {timeout} s"
-        time.sleep(0.1)
-    return time.monotonic() - started
 
 
 def alive(url: str) -> bool:
@@ -167,12 +134,6 @@ def test_a_long_prefill_on_a_busy_server_keeps_ready_green(server: LaunchedServe
     assert statuses and all(s == (200, "") for s in statuses), statuses
 
 
-def _samples(text: str) -> dict[str, float]:
-    """`name{labels}` → value, for every sample line of a Prometheus text exposition."""
-    line = re.compile(r"^([a-zA-Z_:][\w:]*\{[^}]*\}) (\S+)$", re.MULTILINE)
-    return {key: float(value) for key, value in line.findall(text)}
-
-
 def test_metrics_carry_the_gateway_gauges_and_the_served_name(server: LaunchedServer) -> None:
     models = httpx.get(f"{server.url}/v1/models", timeout=10).json()
     assert [m["id"] for m in models["data"]] == [SERVED_NAME]
@@ -182,7 +143,7 @@ def test_metrics_carry_the_gateway_gauges_and_the_served_name(server: LaunchedSe
     worker.start()
     scrapes = []
     while worker.is_alive() or not scrapes:
-        scrapes.append(_samples(httpx.get(f"{server.url}/metrics", timeout=10).text))
+        scrapes.append(metrics(server.url))
         time.sleep(0.1)
     worker.join()
     cadence = f'{{model="{SERVED_NAME}"}}'
@@ -238,9 +199,7 @@ def test_sigterm_drains_the_requests_in_flight_refuses_new_ones_and_exits_0(
         running = 'cadence_running_requests{model="HuggingFaceTB/SmolLM2-135M-Instruct"}'
         wait_for(
             lambda: (
-                _samples(httpx.get(f"{launched.url}/metrics", timeout=10).text)[running] == 3
-                and len(tgi_events) > 3
-                and len(chat_events) > 3
+                metrics(launched.url)[running] == 3 and len(tgi_events) > 3 and len(chat_events) > 3
             ),
             120,
             "three requests running",
