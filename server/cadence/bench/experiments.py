@@ -258,6 +258,8 @@ def e2(scale: Scale, out: Path, server_args: list[str], scale_name: str) -> None
 
 E3_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 E3_KV_BUDGET = "8MiB"  # a KV cache too small for 32 requests at full length
+E3_REPLICAS = (1, 2, 4)
+E3_REPLICA_REQUESTS = 64
 
 
 def _measure_sampled(url: str, requests: list[BenchRequest]) -> tuple[Row, MetricsSampler]:
@@ -267,8 +269,8 @@ def _measure_sampled(url: str, requests: list[BenchRequest]) -> tuple[Row, Metri
 
 
 def e3(scale: Scale, out: Path, server_args: list[str], scale_name: str) -> None:
-    """Throughput as --max-batch-size grows (the plateau), and the largest batch a small
-    KV budget holds. Replicas of a small model (data parallelism) are not built."""
+    """Throughput as --max-batch-size grows (the plateau), the largest batch a small KV
+    budget holds, and one instance against several replicas of the model."""
     maker = PromptMaker(load_tokenizer(None), np.random.default_rng(1))
     input_len, output_len = scale.tokens(256), scale.tokens(128)
     num = max(E3_BATCH_SIZES)
@@ -355,11 +357,74 @@ def e3(scale: Scale, out: Path, server_args: list[str], scale_name: str) -> None
             f"at once (a paged cache admits on the prompt's blocks and grows) and preempted "
             f"{r.config['preemptions']} times.\n"
         )
-    text += (
-        "\nNot done: one instance against several replicas of a small model. Replicas "
-        "(data parallelism) are not built yet, so that half of E3 has no numbers.\n"
-    )
+    text += _e3_replicas(maker, input_len, output_len, out, server_args)
     (out / "E3.md").write_text(text)
+
+
+def _e3_replicas(
+    maker: PromptMaker, input_len: int, output_len: int, out: Path, server_args: list[str]
+) -> str:
+    """E3's second half: the same machine serving one instance, then 2 and 4 replicas
+    (`--replicas`) behind one router; returns its section of E3.md."""
+    import os
+
+    requests = _requests(maker, input_len, [output_len] * E3_REPLICA_REQUESTS)
+    rows: list[Row] = []
+    for n in E3_REPLICAS:
+
+        def work(url: str, n: int = n) -> None:
+            row = _measure(url, requests, float("inf"))
+            routed = httpx.get(f"{url}/metrics", timeout=30).text
+            row.config = {"replicas": n, "requests per replica": _routed(routed)}
+            rows.append(row)
+
+        _serve(["--replicas", str(n), *server_args], f"E3-replicas-{n}", work)
+    base = rows[0].result["output_throughput"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    counts = [str(r.config["replicas"]) for r in rows]
+    axes[0].bar(counts, [r.result["output_throughput"] for r in rows])
+    axes[0].set_title("output tokens/s, all at once")
+    axes[1].bar(counts, [r.result["mean_tpot_ms"] for r in rows])
+    axes[1].set_title("mean time per output token (ms)")
+    for ax in axes:
+        ax.set_xlabel("--replicas")
+    fig.suptitle("E3: one instance against replicas")
+    fig.tight_layout()
+    fig.savefig(out / "E3-replicas.png", dpi=100)
+    plt.close(fig)
+    cores = len(os.sched_getaffinity(0))
+    ratios = ", ".join(
+        f"{r.config['replicas']}: {r.result['output_throughput'] / base:.2f}×" for r in rows
+    )
+    return (
+        "\n## One instance against replicas\n\n"
+        f"{E3_REPLICA_REQUESTS} requests sent at once (prompts of {input_len} tokens, outputs "
+        f"of {output_len}) to `cadence launch --replicas N` for N in "
+        f"{', '.join(map(str, E3_REPLICAS))}: N shard groups behind one router, which sends "
+        "each request to the replica holding the fewest requests (then the least KV in use) "
+        f"unless another caches its prompt prefix. On this machine's {cores} cores the "
+        "launcher gives each shard its own cores and as many threads when there are enough "
+        "cores, and one thread each, time-sharing all the cores, when there are more shards "
+        "than cores; the KV memory is split evenly. `requests per replica` is "
+        "`cadence_replica_requests_total` after the run (the warm-up request included).\n\n"
+        + _table(rows, ["replicas", "requests per replica"], LATENCY_COLUMNS)
+        + "\n\n![throughput and TPOT against replicas](E3-replicas.png)\n\n"
+        f"Computed from the table: output throughput relative to one instance: {ratios}.\n"
+    )
+
+
+def _routed(metrics_text: str) -> str:
+    """`cadence_replica_requests_total` per replica, as `a / b / ...` (all of them with
+    one replica, which exports no per-replica series)."""
+    import re
+
+    found = re.findall(
+        r'^cadence_replica_requests_total\{[^}]*replica="(\d+)"\} (\S+)$', metrics_text, re.M
+    )
+    if not found:
+        total = re.search(r"^cadence_requests_succeeded_total\{[^}]*\} (\S+)$", metrics_text, re.M)
+        return total.group(1) if total else "?"
+    return " / ".join(str(int(float(v))) for _, v in sorted(found, key=lambda f: int(f[0])))
 
 
 def _sample_in_parallel(url: str, prompts: list[str], n: int, max_tokens: int) -> float:
