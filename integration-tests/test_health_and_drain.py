@@ -1,6 +1,7 @@
 """Running it like production: `/health` is liveness, `/ready` readiness (a frozen shard
-turns it red, a long prefill does not), SIGTERM drains, a dead shard stops the launcher
-with a non-zero code, and `/metrics` carries the gauges gateways read (docs/deploy.md).
+or a wedged forward turns it red, a long prefill does not), SIGTERM drains, a dead shard
+stops the launcher with a non-zero code, and `/metrics` carries the gauges gateways read
+(docs/deploy.md).
 
 The waits are generous deadlines; the bounds asserted (red within 5 s) keep a margin
 over what the rule allows (1 s of Health timeout, plus the stall timeout under load)."""
@@ -132,6 +133,35 @@ def test_a_long_prefill_on_a_busy_server_keeps_ready_green(server: LaunchedServe
     prefill_ms = int(answers["long"].headers["x-inference-time"])
     assert prefill_ms > STALL_TIMEOUT_MS, "the prefill must outlast the stall timeout"
     assert statuses and all(s == (200, "") for s in statuses), statuses
+
+
+def test_a_wedged_forward_turns_ready_red_while_the_shard_still_answers(
+    tmp_path: Path,
+) -> None:
+    """The shard's forward thread blocks for good at its second step (fault injection)
+    while its gRPC event loop answers Health: only the heartbeats show it stuck."""
+    launched = launch(
+        tmp_path,
+        *("--kv-cache-memory", "64MiB", "--shutdown-timeout", "1"),
+        *("--ready-stall-timeout-ms", str(STALL_TIMEOUT_MS)),
+        env=os.environ | {"CADENCE_FAULT_WEDGE_AT_STEP": "2"},
+    )
+    try:
+        body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 8}}
+        request = threading.Thread(
+            target=lambda: httpx.post(f"{launched.url}/generate", json=body, timeout=60),
+            daemon=True,
+        )
+        request.start()
+        took = wait_for(lambda: ready(launched.url)[0] == 503, 15, "/ready red")
+        assert took < 5, f"/ready turned red after {took:.1f} s"
+        assert ready(launched.url) == (503, "wedged")
+        assert alive(launched.url)
+        assert "the forward blocks now" in launched.log()
+    finally:
+        for pid in shard_pids(launched.process):
+            os.kill(pid, signal.SIGKILL)  # its forward thread never ends
+        stop(launched)
 
 
 def test_metrics_carry_the_gateway_gauges_and_the_served_name(server: LaunchedServer) -> None:

@@ -40,6 +40,15 @@ pub trait Backend: Send + Sync + 'static {
     fn end_session(&self);
 }
 
+/// A shard group's `Health` answers together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShardHealth {
+    /// Every rank has allocated its KV cache.
+    pub ready: bool,
+    /// The ranks' forward heartbeats added up: grows while a forward makes progress.
+    pub heartbeats: u64,
+}
+
 #[derive(Clone)]
 pub struct ShardClient {
     ranks: Vec<Grpc<Channel>>,
@@ -164,11 +173,14 @@ impl ShardClient {
     }
 
     /// True when every rank answers and is ready.
-    pub async fn health(&self) -> Result<bool, ShardError> {
+    pub async fn health(&self) -> Result<ShardHealth, ShardError> {
         let answers = self
             .every_rank(|mut c| async move { c.health(pb::HealthRequest {}).await })
             .await?;
-        Ok(answers.iter().all(|h| h.ready))
+        Ok(ShardHealth {
+            ready: answers.iter().all(|h| h.ready),
+            heartbeats: answers.iter().map(|h| h.heartbeats).sum(),
+        })
     }
 
     /// Rank 0's cumulative (computed tokens, prompt tokens computed).

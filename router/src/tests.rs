@@ -16,7 +16,7 @@ use tower::ServiceExt;
 
 use crate::args::Limits;
 use crate::chat::ChatTemplate;
-use crate::client::Backend;
+use crate::client::{Backend, ShardHealth};
 use crate::constraints::{tok_env, Compiler, MaskShape};
 use crate::detokenize::testing;
 use crate::error::ShardError;
@@ -109,6 +109,8 @@ enum FakeHealth {
     Fails,
     /// No answer ever (a frozen shard).
     Silent,
+    /// Answers ready, its heartbeats standing still (a wedged forward).
+    Wedged,
 }
 
 #[derive(Clone)]
@@ -123,6 +125,8 @@ struct FakeShard {
     paused: Arc<tokio::sync::watch::Sender<bool>>,
     /// Answered to `Health`, whatever the steps do (as the shards' event loop).
     health: Arc<Mutex<FakeHealth>>,
+    /// The forward heartbeats `Health` reports.
+    heartbeats: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl FakeShard {
@@ -135,6 +139,7 @@ impl FakeShard {
             delay: Duration::ZERO,
             paused: Arc::new(tokio::sync::watch::channel(false).0),
             health: Arc::new(Mutex::new(FakeHealth::Ready)),
+            heartbeats: Arc::default(),
         }
     }
 
@@ -351,12 +356,21 @@ impl Backend for FakeShard {
 }
 
 impl HealthProbe for FakeShard {
-    fn probe(&self) -> std::pin::Pin<Box<dyn Future<Output = Result<bool, ShardError>> + Send>> {
+    fn probe(
+        &self,
+    ) -> std::pin::Pin<Box<dyn Future<Output = Result<ShardHealth, ShardError>> + Send>> {
         let health = *self.health.lock().unwrap();
+        let beats = &self.heartbeats;
+        // A shard that answers beats on: its forward (if any) makes progress.
+        let heartbeats = match health {
+            FakeHealth::Wedged => beats.load(std::sync::atomic::Ordering::Relaxed),
+            _ => beats.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1,
+        };
+        let answer = move |ready| ShardHealth { ready, heartbeats };
         Box::pin(async move {
             match health {
-                FakeHealth::Ready => Ok(true),
-                FakeHealth::NotReady => Ok(false),
+                FakeHealth::Ready | FakeHealth::Wedged => Ok(answer(true)),
+                FakeHealth::NotReady => Ok(answer(false)),
                 FakeHealth::Fails => Err(ShardError {
                     rank: 0,
                     message: "Unavailable: connection refused".into(),

@@ -121,6 +121,32 @@ async fn ready_is_red_when_a_step_is_overdue_and_the_shard_silent_green_when_it_
 }
 
 #[tokio::test]
+async fn ready_is_red_when_the_shard_answers_but_its_forward_stopped_beating() {
+    let stall = Duration::from_millis(50);
+    let h = setup(Script::Hash).paused().stall_timeout(stall).build();
+    let held = hold_stream(&h).await;
+    h.until_steps_held(1).await;
+    tokio::time::sleep(stall * 2).await; // the step in flight is overdue
+                                         // Heartbeats moving: a long forward, busy.
+    assert_eq!(h.ready().await, ok());
+    assert_eq!(h.ready().await, ok());
+    // Standing still: green until they have stood still past the stall timeout.
+    h.set_health(FakeHealth::Wedged);
+    assert_eq!(h.ready().await, ok(), "they moved since the last check");
+    tokio::time::sleep(stall * 2).await;
+    assert_eq!(h.ready().await, red("wedged"));
+    let (status, _, _) = h.get("/health").await;
+    assert_eq!(status, StatusCode::OK);
+    // No step in flight: still heartbeats are an idle shard, not a wedged one.
+    h.set_health(FakeHealth::Ready);
+    h.resume();
+    assert_eq!(stream_events(held).await.len(), 2);
+    h.set_health(FakeHealth::Wedged);
+    tokio::time::sleep(stall * 2).await;
+    assert_eq!(h.ready().await, ok());
+}
+
+#[tokio::test]
 async fn a_silent_shard_is_excused_while_the_step_in_flight_is_recent() {
     let h = setup(Script::Hash)
         .paused()

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from cadence.attention_backends import get_context
+from cadence.heartbeat import HEARTBEAT
 
 
 class Attention(nn.Module):
@@ -33,5 +34,6 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, heads, head_dim], k/v: [T, kv_heads, head_dim] -> [T, heads * head_dim]."""
         step = get_context()
+        HEARTBEAT.beat()  # a layer's worth of progress, seen by Health
         out = step.backend.forward(self, q, k, v, step.metadata)
         return out.reshape(q.shape[0], -1)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from cadence.attention_backends import StepLayout
 from cadence.attention_backends.cpu_paged import CpuAttention, CpuMetadata
 from cadence.attention_backends.torch_sdpa import attend_prefill
+from cadence.heartbeat import HEARTBEAT
 from cadence.layers.linear import LinearBase
 from cadence.layers.packed import linear
 from cadence.models.llama import LlamaForCausalLM, LlamaModel
@@ -86,6 +87,7 @@ def forward_step(
             ops.rms_norm.out(src, weight, eps, out)
 
     for i, layer in enumerate(model.layers):
+        HEARTBEAT.beat()  # a layer's worth of progress, seen by Health
         attn = layer.self_attn
         norm(layer.input_layernorm.weight, x, i > 0, normed)
         qkv = _linear(attn.qkv_proj, normed)

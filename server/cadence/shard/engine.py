@@ -16,6 +16,7 @@ from loguru import logger
 from cadence.attention_backends import StepLayout
 from cadence.attention_backends.base import Workspace
 from cadence.config import ShardConfig
+from cadence.heartbeat import HEARTBEAT, wedge_if_asked
 from cadence.kernels import cpu as cpu_kernels
 from cadence.kernels.cpu import isa as cpu_isa
 from cadence.kv_cache import KVCache, bytes_per_block
@@ -111,6 +112,7 @@ class Engine:
         self.state: BatchState | None = None
         # Cumulative counts of what the forward passes computed (HealthResponse).
         self.computed_tokens_total = 0
+        self.steps_run = 0  # steps with rows since warm-up
         self.prompt_tokens_computed_total = 0
         logger.info(
             f"loaded {self.config.get('model_type')} from {cfg.model_dir} "
@@ -217,11 +219,14 @@ class Engine:
         plan = self.apply(req, state, kv)
         if not plan.rows:
             return shard_pb2.StepResponse()
+        self.steps_run += 1
+        wedge_if_asked(self.steps_run)
         started = time.perf_counter_ns()
         batch = state.prepare(plan.rows)
         hidden = self.forward(batch)
         if state.prompt_logprobs:
             self._prompt_logprobs(batch, state, hidden)
+        HEARTBEAT.beat()
         self.computed_tokens_total += batch.num_tokens
         self.prompt_tokens_computed_total += batch.num_prompt_tokens
         generations: list[shard_pb2.Generation] = []

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from loguru import logger
 
 from cadence.config import ShardConfig
+from cadence.heartbeat import HEARTBEAT
 from cadence.pb import shard_pb2, shard_pb2_grpc
 from cadence.shard.engine import Engine, init_distributed
 from cadence.shard.steps import StepSession
@@ -67,6 +68,7 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
             ready=e.ready,
             computed_tokens_total=e.computed_tokens_total,
             prompt_tokens_computed_total=e.prompt_tokens_computed_total,
+            heartbeats=HEARTBEAT.beats,
         )
 
     async def Warmup(
