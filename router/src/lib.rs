@@ -17,6 +17,7 @@ pub mod chat;
 pub mod client;
 pub mod constraints;
 pub mod detokenize;
+pub mod docs;
 pub mod drain;
 pub mod error;
 pub mod infer;
@@ -114,6 +115,7 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
             message,
         })?;
     let api_keys = args.api_keys().map_err(RouterError::Args)?;
+    let docs = docs::Docs::from_flag(args.docs_assets.as_deref()).map_err(RouterError::Args)?;
     let shards = ShardClient::connect(&args.shard_uds_path, CONNECT_WAIT)
         .await?
         .with_agreement_check(args.check_rank_agreement);
@@ -214,7 +216,8 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
         shards: Some(shards),
         chat: chat.map(Arc::new),
         readiness,
-    });
+    })
+    .merge(docs::routes(docs));
     let access = Access {
         api_keys,
         cors_allow_origin: args.cors_allow_origin.clone(),
