@@ -15,7 +15,8 @@ use tower_http::cors::{AllowOrigin, Any, CorsLayer};
 use crate::error::ErrorBody;
 use crate::openai::ApiError;
 
-/// Routes anyone may call: probes, metrics and the API's description.
+/// Routes anyone may call: probes, metrics and the API's description (and the files of
+/// `/docs`, under `docs::ASSETS_PREFIX`).
 const OPEN_PATHS: &[&str] = &[
     "/health",
     "/ready",
@@ -63,7 +64,8 @@ pub fn layers(app: Router, access: Access) -> Router {
 
 async fn check_key(keys: &HashSet<String>, req: Request<Body>, next: Next) -> Response {
     let path = req.uri().path();
-    if OPEN_PATHS.contains(&path) || req.method() == Method::OPTIONS {
+    let open = OPEN_PATHS.contains(&path) || path.starts_with(crate::docs::ASSETS_PREFIX);
+    if open || req.method() == Method::OPTIONS {
         return next.run(req).await;
     }
     let given = req

@@ -85,11 +85,14 @@ pub struct Args {
     #[arg(long, env = "CADENCE_KV_CACHE_BYTES")]
     pub kv_cache_bytes: Option<u64>,
 
-    /// Share of the free memory (on CPU: MemAvailable, split between the ranks) that holds
-    /// a shard's activations and KV cache (and on a GPU its weights) when --kv-cache-bytes
-    /// is unset.
-    #[arg(long, env = "CADENCE_MEMORY_FRACTION", default_value_t = 0.1)]
-    pub memory_fraction: f32,
+    /// Share of memory a shard may use when --kv-cache-bytes is unset; the KV cache gets
+    /// what is left after the profiled step. On a GPU: of the device's total memory, for
+    /// all the shard holds there (weights, activations, KV cache, CUDA's own allocations),
+    /// as vLLM's --gpu-memory-utilization [default: 0.9]. On CPU: of MemAvailable at
+    /// warm-up (the loaded weights are not in it), split between the ranks, for the
+    /// activations and the KV cache [default: 0.1].
+    #[arg(long, env = "CADENCE_MEMORY_FRACTION")]
+    pub memory_fraction: Option<f32>,
 
     /// Most prompt tokens one request computes per step (chunked prefill); 0 = up to
     /// --max-batch-tokens.
@@ -193,6 +196,12 @@ pub struct Args {
     #[arg(long, env = "CADENCE_CORS_ALLOW_ORIGIN", value_delimiter = ',')]
     pub cors_allow_origin: Vec<String>,
 
+    /// Folder holding Swagger UI's swagger-ui-bundle.js and swagger-ui.css: /docs is then
+    /// Swagger UI, its files served by the router. Unset: /docs is a small built-in page.
+    /// Either way /docs loads nothing from another host.
+    #[arg(long, env = "CADENCE_DOCS_ASSETS")]
+    pub docs_assets: Option<PathBuf>,
+
     /// Log format.
     #[arg(long, env = "CADENCE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
@@ -264,7 +273,8 @@ impl Args {
             max_batch_tokens: self.max_batch_tokens,
             max_batch_size: self.max_batch_size,
             kv_cache_bytes: self.kv_cache_bytes.unwrap_or(0),
-            memory_fraction: self.memory_fraction,
+            memory_fraction: self.memory_fraction.unwrap_or(0.0), // 0: the device's default
+            replicas: self.replicas,
         }
     }
 
@@ -273,13 +283,10 @@ impl Args {
         if self.max_batch_tokens == 0 || self.max_batch_size == 0 {
             return Err("max_batch_tokens and max_batch_size must be positive".into());
         }
-        if self.kv_cache_bytes.is_none()
-            && !(self.memory_fraction > 0.0 && self.memory_fraction <= 1.0)
-        {
-            return Err(format!(
-                "--memory-fraction ({}) must be in (0, 1]",
-                self.memory_fraction
-            ));
+        if let Some(fraction) = self.memory_fraction {
+            if self.kv_cache_bytes.is_none() && !(fraction > 0.0 && fraction <= 1.0) {
+                return Err(format!("--memory-fraction ({fraction}) must be in (0, 1]"));
+            }
         }
         Ok(())
     }
@@ -460,7 +467,10 @@ mod tests {
             (request.max_batch_tokens, request.max_batch_size),
             (256, 64)
         );
-        assert_eq!((request.kv_cache_bytes, request.memory_fraction), (0, 0.1));
+        // unset: 0 asks the shard for its device's default
+        assert_eq!((request.kv_cache_bytes, request.memory_fraction), (0, 0.0));
+        let share = parse(&["--shard-uds-path", "/s", "--memory-fraction", "0.5"]).unwrap();
+        assert_eq!(share.warmup_request().memory_fraction, 0.5);
         let sized = parse(&["--shard-uds-path", "/s", "--kv-cache-bytes", "1048576"]).unwrap();
         assert_eq!(sized.warmup_request().kv_cache_bytes, 1 << 20);
         assert!(sized.check_warmup().is_ok());
@@ -483,7 +493,7 @@ mod tests {
     fn flag_defaults_spell_what_clap_parses() {
         let defaults: std::collections::HashMap<_, _> = flag_defaults().into_iter().collect();
         assert_eq!(defaults["--port"], "8080");
-        assert_eq!(defaults["--memory-fraction"], "0.1");
+        assert!(!defaults.contains_key("--memory-fraction")); // the shard's device decides
         assert_eq!(defaults["--preemption"], "recompute");
         assert!(!defaults.contains_key("--max-input-tokens")); // derived from the model
         assert!(!defaults.contains_key("--kv-cache-bytes"));

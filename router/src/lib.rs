@@ -17,6 +17,7 @@ pub mod chat;
 pub mod client;
 pub mod constraints;
 pub mod detokenize;
+pub mod docs;
 pub mod drain;
 pub mod error;
 pub mod infer;
@@ -114,6 +115,7 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
             message,
         })?;
     let api_keys = args.api_keys().map_err(RouterError::Args)?;
+    let docs = docs::Docs::from_flag(args.docs_assets.as_deref()).map_err(RouterError::Args)?;
     let groups = args.shard_groups().map_err(RouterError::Args)?;
     let mut replicas = Vec::with_capacity(groups.len());
     for paths in &groups {
@@ -233,7 +235,8 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
         shards: groups,
         chat: chat.map(Arc::new),
         readiness,
-    });
+    })
+    .merge(docs::routes(docs));
     let access = Access {
         api_keys,
         cors_allow_origin: args.cors_allow_origin.clone(),

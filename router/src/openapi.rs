@@ -1,7 +1,7 @@
 //! The OpenAPI document, generated from the Rust types with utoipa: served as JSON at
-//! `/openapi.json` (and TGI's `/api-doc/openapi.json`), browsable at `/docs`.
+//! `/openapi.json` (and TGI's `/api-doc/openapi.json`), browsable at `/docs` (`docs`).
 
-use axum::response::{Html, IntoResponse, Response};
+use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
 use utoipa::OpenApi;
@@ -60,22 +60,8 @@ pub fn routes<S: Clone + Send + Sync + 'static>() -> Router<S> {
     Router::new()
         .route("/openapi.json", get(document))
         .route("/api-doc/openapi.json", get(document))
-        .route("/docs", get(docs))
 }
 
 async fn document() -> Response {
     Json(ApiDoc::openapi()).into_response()
-}
-
-/// Swagger UI over `/openapi.json` (its assets come from a CDN; the JSON is local).
-async fn docs() -> Html<&'static str> {
-    Html(
-        r##"<!doctype html>
-<html><head><meta charset="utf-8"><title>cadence API</title>
-<link rel="stylesheet" href="https://unpkg.com/swagger-ui-dist@5/swagger-ui.css"></head>
-<body><div id="ui"><p>The OpenAPI document is at <a href="/openapi.json">/openapi.json</a>.</p></div>
-<script src="https://unpkg.com/swagger-ui-dist@5/swagger-ui-bundle.js"></script>
-<script>if (window.SwaggerUIBundle) SwaggerUIBundle({url: "/openapi.json", dom_id: "#ui"});</script>
-</body></html>"##,
-    )
 }

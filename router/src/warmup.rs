@@ -2,8 +2,8 @@
 //! KV cache; the router's block accounting uses the smallest cache of all ranks.
 //!
 //! Replicas (`--replicas`) share the machine: the first is warmed up with its share of
-//! `--memory-fraction` (the fraction over the number of replicas), the others are given
-//! the very KV cache size in bytes it got, so every replica holds as many blocks.
+//! `--memory-fraction` (the shard divides it by the number of replicas), the others are
+//! given the very KV cache size in bytes it got, so every replica holds as many blocks.
 
 use crate::args::KvCache;
 use crate::client::ShardClient;
@@ -27,9 +27,7 @@ pub async fn warm_up_replicas(
     replicas: &[ShardClient],
     mut request: pb::WarmupRequest,
 ) -> Result<Vec<KvCache>, ShardError> {
-    if request.kv_cache_bytes == 0 {
-        request.memory_fraction /= replicas.len().max(1) as f32;
-    }
+    request.replicas = replicas.len() as u32;
     let mut caches = Vec::with_capacity(replicas.len());
     for (i, shards) in replicas.iter().enumerate() {
         tracing::info!(replica = i, "warming up");

@@ -25,6 +25,7 @@ from cadence.launcher import LaunchError
 from cadence.logs import LOG_FORMATS, setup_logging
 from cadence.model_source import ModelSourceError
 from cadence.router import flag_defaults
+from cadence.shard.kv_budget import DEFAULT_FRACTION
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 MODEL_DTYPE_CHOICES = ("auto", *DTYPE_CHOICES)
@@ -40,6 +41,14 @@ CPU_ISA_HELP = (
 )
 ATTENTION_HELP = (
     "attention kernels (auto: triton on a GPU, the C++ kernels on CPU when they build, else torch)"
+)
+MEMORY_FRACTION_HELP = (
+    "share of memory each shard may use when --kv-cache-memory is unset; the KV cache gets "
+    "what the profiled step leaves. On a GPU, of the device's TOTAL memory, for everything "
+    "the shard holds there: weights, activations, CUDA's own allocations, KV cache (vLLM's "
+    f"--gpu-memory-utilization; default {DEFAULT_FRACTION['cuda']}). On CPU, of MemAvailable "
+    "once the weights are loaded, split between the shards, for activations and KV cache "
+    f"(default {DEFAULT_FRACTION['cpu']})"
 )
 CPU_KERNELS_HELP = "serve through the C++ CPU kernels where they apply (off: torch everywhere)"
 T = TypeVar("T")
@@ -133,12 +142,7 @@ def _launch_parser(sub: Any) -> None:
         help="debug: the router checks that every shard answers each step identically",
     )
     add("--kv-cache-memory", type=parse_size, help="KV cache size, e.g. 512MiB, 2GiB, bytes")
-    add(
-        "--memory-fraction",
-        type=_fraction,
-        help="share of free memory (MemAvailable on CPU) for the KV cache when "
-        "--kv-cache-memory is unset",
-    )
+    add("--memory-fraction", type=_fraction, help=MEMORY_FRACTION_HELP)
     add("--max-batch-tokens", type=_positive_int, help="most tokens per step")
     add("--max-batch-size", type=_positive_int, help="most requests per step")
     add("--max-input-tokens", type=_positive_int, help="longest prompt in tokens")

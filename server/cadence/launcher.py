@@ -33,6 +33,7 @@ from loguru import logger
 
 from cadence.config import LaunchConfig, router_fields
 from cadence.cpu_placement import Placement, available_cores, plan
+from cadence.docs_assets import swagger_ui_dir
 from cadence.supervisor import ChildExited, Stopped, Supervisor
 
 EMBEDDED_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -113,6 +114,8 @@ def router_argv(cfg: LaunchConfig, model_dir: str, uds_paths: list[str]) -> list
         argv += ["--kv-cache-bytes", str(cfg.kv_cache_memory)]
     if not async_scheduling(cfg):
         argv.append("--no-async-scheduling")
+    if (docs_assets := swagger_ui_dir()) is not None:
+        argv += ["--docs-assets", str(docs_assets)]
     for name in router_fields(cfg):
         value, flag = getattr(cfg, name), "--" + name.replace("_", "-")
         if value is True:

@@ -53,7 +53,7 @@ def test_launch_defaults_build_the_documented_config() -> None:
     assert cfg == LaunchConfig()
     assert (cfg.hostname, cfg.port, cfg.dtype, cfg.device) == ("127.0.0.1", 8080, "auto", "cpu")
     assert (cfg.cpu_isa, cfg.attention_backend, cfg.cpu_kernels) == ("auto", "auto", True)
-    # the KV cache's share of free memory is the router's to default (0.1)
+    # unset: each shard takes its device's default (0.9 of a GPU, 0.1 of MemAvailable)
     assert (cfg.kv_cache_memory, cfg.memory_fraction) == (None, None)
 
 
@@ -61,7 +61,9 @@ def test_launch_help_shows_the_routers_defaults_for_its_flags() -> None:
     pytest.importorskip("cadence._router")
     launch = build_parser()._subparsers._group_actions[0].choices["launch"]  # noqa: SLF001
     helps = {a.dest: a.help for a in launch._actions}  # noqa: SLF001
-    assert "[default: 0.1; env: CADENCE_MEMORY_FRACTION]" in helps["memory_fraction"]
+    # the shard's device decides --memory-fraction's default: the help names both
+    assert "[env: CADENCE_MEMORY_FRACTION]" in helps["memory_fraction"]
+    assert "default 0.9" in helps["memory_fraction"] and "default 0.1" in helps["memory_fraction"]
     assert "[default: 1024; env: CADENCE_MAX_BATCH_TOKENS]" in helps["max_batch_tokens"]
     assert "[default: recompute; env: CADENCE_PREEMPTION]" in helps["preemption"]
 

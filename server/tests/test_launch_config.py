@@ -3,9 +3,12 @@ nothing else, every shard setting explicitly."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from cadence.cli import build_parser, config_from
 from cadence.config import LaunchConfig, ShardConfig, router_fields
+from cadence.docs_assets import SWAGGER_UI_FILES, swagger_ui_dir
 from cadence.launcher import router_argv, shard_argv
 
 
@@ -33,8 +36,16 @@ def test_router_flags_left_unset_keep_the_routers_defaults() -> None:
     flags = [a for a in argv[3:] if a.startswith("--")]
     assert flags == [
         *("--hostname", "--port", "--shutdown-timeout", "--shard-uds-path", "--tokenizer"),
-        *("--model-id", "--log-format", "--no-async-scheduling"),
+        *("--model-id", "--log-format", "--no-async-scheduling", "--docs-assets"),
     ]
+
+
+def test_the_router_serves_swagger_ui_from_the_installed_package() -> None:
+    argv = _router_argv(LaunchConfig())
+    folder = Path(argv[argv.index("--docs-assets") + 1])
+    assert folder == swagger_ui_dir() and folder.name.startswith("swagger-ui-5.")
+    for name in SWAGGER_UI_FILES:
+        assert (folder / name).stat().st_size > 0, name
 
 
 def test_router_flags_that_were_set_are_forwarded_by_name() -> None:

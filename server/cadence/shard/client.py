@@ -88,7 +88,7 @@ class ShardClient:
         max_batch_tokens: int,
         max_batch_size: int,
         kv_cache_bytes: int = 0,
-        memory_fraction: float = 0.9,
+        memory_fraction: float = 0.0,  # 0: the shard's device default
     ) -> shard_pb2.WarmupResponse:
         return self.stub.Warmup(
             shard_pb2.WarmupRequest(

@@ -27,7 +27,8 @@ from cadence.pb import shard_pb2
 from cadence.sampling import TOP_N, SampleOutput, SamplingBatch, sample
 from cadence.shard import backends
 from cadence.shard.kernel_report import kernel_paths, log_line
-from cadence.shard.memory import PeakMeter, available_bytes
+from cadence.shard.kv_budget import CudaBudget, cpu_kv_budget, default_fraction
+from cadence.shard.memory import PeakMeter, available_bytes, cuda_reading
 from cadence.shard.state import BatchState, ForwardBatch, StepPlan
 
 MiB = 1 << 20
@@ -88,6 +89,8 @@ class Engine:
         self.dtype = to_dtype(cfg.dtype)
         self.kv_dtype = to_dtype(cfg.kv_cache_dtype or cfg.dtype)
         self.config = read_config(cfg.model_dir)
+        # before the weights: what is already in use is not this shard's to spend
+        self.memory_at_start = cuda_reading(self.device) if self.device.type == "cuda" else None
         started = time.perf_counter()
         self.model = load_model(cfg.model_dir, self.dtype, self.device)
         self.attention = self.model.attention_layers()
@@ -156,30 +159,42 @@ class Engine:
         max_batch_tokens: int,
         max_batch_size: int,
         kv_cache_bytes: int = 0,
-        memory_fraction: float = 0.9,
+        memory_fraction: float = 0.0,
+        replicas: int = 1,
     ) -> shard_pb2.WarmupResponse:
-        """Profiles the largest step, sizes the KV cache and allocates it."""
+        """Profiles the largest step, sizes the KV cache (`kv_cache_bytes`, else from
+        `memory_fraction`, whose meaning and default depend on the device: see
+        `cadence.shard.kv_budget`; 0 means the default) and allocates it."""
         max_batch_size = max(1, min(max_batch_size, max_batch_tokens))
-        activation = self._profile(max_batch_tokens, max_batch_size)
+        activation, torch_peak = self._profile(max_batch_tokens, max_batch_size)
+        problem = None
         if kv_cache_bytes > 0:
             budget = kv_cache_bytes
         else:
-            fraction = memory_fraction if 0 < memory_fraction <= 1 else 0.9
-            total = available_bytes(self.device)
-            used = self.weight_bytes if self.device.type == "cuda" else 0
-            if self.device.type == "cpu":  # the ranks share the host's memory
-                total //= self.cfg.world_size
-            budget = int(fraction * total) - used - activation
-        num_blocks = budget // self.bytes_per_block
+            fraction = memory_fraction
+            if not 0 < fraction <= 1:
+                fraction = default_fraction(self.device.type)
+            fraction /= max(1, replicas)  # the replicas sharing the machine split it
+            if self.memory_at_start is not None:  # CUDA
+                after = cuda_reading(self.device)
+                cuda = CudaBudget.measure(fraction, self.memory_at_start, after, torch_peak)
+                logger.info(cuda.summary())
+                budget, problem = cuda.kv_bytes, cuda.problem(self.bytes_per_block)
+            else:
+                available = available_bytes(self.device)
+                budget = cpu_kv_budget(available, fraction, activation, self.cfg.world_size)
+        num_blocks = 0 if problem else max(0, budget // self.bytes_per_block)
         if dist.is_initialized():  # every rank must hold the same block ids
             n = torch.tensor([num_blocks], device=self.device)
             dist.all_reduce(n, op=dist.ReduceOp.MIN)
             num_blocks = int(n.item())
         if num_blocks < 1:
             raise RuntimeError(
-                f"no memory left for the KV cache (budget {budget / MiB:.0f} MiB, "
-                f"weights {self.weight_bytes / MiB:.0f} MiB, activations "
-                f"{activation / MiB:.0f} MiB)"
+                problem
+                or f"no memory left for the KV cache on this rank or another (budget "
+                f"{budget / MiB:.0f} MiB, weights {self.weight_bytes / MiB:.0f} MiB, "
+                f"activations {activation / MiB:.0f} MiB): raise --memory-fraction or set "
+                f"--kv-cache-memory"
             )
         self._allocate(num_blocks, max_batch_size)
         assert self.kv is not None
@@ -381,11 +396,12 @@ class Engine:
             self.block_size, num_blocks, vocab, capacity=max(16, max_batch_size)
         )
 
-    def _profile(self, max_batch_tokens: int, max_batch_size: int) -> int:
+    def _profile(self, max_batch_tokens: int, max_batch_size: int) -> tuple[int, int]:
         """Runs the largest step the router may send (one long prefill next to
         max_batch_size - 1 single-token rows, every row sampling with filters on under an
-        allowed-token mask) on a scratch cache, and returns its peak activation memory in
-        bytes."""
+        allowed-token mask) on a scratch cache. Returns its peak activation bytes, and on
+        CUDA the most torch reserved meanwhile without the scratch cache (weights and
+        activations; 0 on CPU)."""
         bs = self.block_size
         long = max_batch_tokens - (max_batch_size - 1)
         # no sequence is longer than the model's position table (OPT's is a lookup)
@@ -428,6 +444,7 @@ class Engine:
                 step = shard_pb2.StepRequest(joined=joined, allowed=allowed)
                 self._step(step, self.state, self.kv)
             peak = meter.peak()
+            torch_peak = max(0, meter.torch_reserved_peak() - scratch)
         finally:
             self.kv, self.state = None, None
             for layer in self.attention:
@@ -440,4 +457,4 @@ class Engine:
             peak = max_batch_tokens * (6 * hidden + 3 * inter) * item
             # the sampler's float copies of the logits, and the masks' unpacked bits
             peak += heads * long * long * 4 + 9 * max_batch_size * vocab * 4
-        return max(0, peak - scratch)
+        return max(0, peak - scratch), torch_peak

@@ -79,7 +79,11 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
             context,
             "warmup",
             lambda: self.engine.warmup(
-                r.max_batch_tokens, r.max_batch_size, r.kv_cache_bytes, r.memory_fraction
+                r.max_batch_tokens,
+                r.max_batch_size,
+                r.kv_cache_bytes,
+                r.memory_fraction,
+                r.replicas,
             ),
         )
 
