@@ -15,6 +15,7 @@ use crate::client::Backend;
 use crate::drain::Drain;
 use crate::error::InferError;
 use crate::metrics::Metrics;
+use crate::request_scope::RequestContext;
 use crate::validation::{Extra, GenerateParameters, Prompt, ValidRequest, Validation};
 
 /// How often a drain checks whether the requests in flight have ended.
@@ -29,6 +30,8 @@ pub(super) struct Admission {
     pub queued_at: Instant,
     /// One place in the bounded waiting queue for all the samples of the request.
     pub slot: QueueSlot,
+    /// Its request id and trace.
+    pub context: RequestContext,
 }
 
 /// A queued request: what validation made of it, one event stream per sample.
@@ -189,6 +192,7 @@ impl Infer {
             permit,
             queued_at: Instant::now(),
             slot,
+            context: RequestContext::current(),
         };
         self.tx
             .send(admission)
