@@ -220,6 +220,16 @@ pub struct Args {
     /// differ (tensor-parallel ranks must compute the same tokens).
     #[arg(long, env = "CADENCE_CHECK_RANK_AGREEMENT")]
     pub check_rank_agreement: bool,
+
+    /// OpenTelemetry collector's OTLP/HTTP base URL (e.g. http://localhost:4318): each
+    /// request's trace is exported to its /v1/traces [default: $OTEL_EXPORTER_OTLP_ENDPOINT;
+    /// neither: no traces].
+    #[arg(long, env = "CADENCE_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
+
+    /// The `service.name` of the exported traces.
+    #[arg(long, env = "CADENCE_OTLP_SERVICE_NAME", default_value = "cadence")]
+    pub otlp_service_name: String,
 }
 
 /// The KV cache the shards allocated at warm-up (the smallest rank's).

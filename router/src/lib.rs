@@ -21,6 +21,7 @@ pub mod docs;
 pub mod drain;
 pub mod error;
 pub mod infer;
+pub mod logging;
 pub mod metrics;
 pub mod openai;
 pub mod openapi;
@@ -28,9 +29,12 @@ pub mod openapi;
 mod python;
 pub mod queue;
 pub mod readiness;
+pub mod request_id;
+pub mod request_scope;
 pub mod scheduler;
 pub mod server;
 pub mod stop;
+pub mod telemetry;
 #[cfg(test)]
 mod tests;
 pub mod validation;
@@ -50,7 +54,7 @@ use tokio::net::TcpListener;
 use tokio::task::JoinError;
 
 use crate::access::Access;
-use crate::args::{Args, LogFormat};
+use crate::args::Args;
 use crate::chat::ChatTemplate;
 use crate::client::ShardClient;
 use crate::constraints::{Compiler, MaskShape};
@@ -59,6 +63,7 @@ use crate::error::RouterError;
 use crate::infer::{Infer, LoopConfig};
 use crate::readiness::{HealthProbe, Readiness};
 use crate::server::{AppState, Info};
+use crate::telemetry::Telemetry;
 use crate::validation::{Constraints, Validation};
 
 /// How long to wait for the shards' sockets at start.
@@ -78,27 +83,18 @@ pub fn run(argv: Vec<String>) -> Result<(), RouterError> {
         }
         Err(e) => return Err(RouterError::Args(e.render().to_string())),
     };
-    init_logging(args.log_format);
+    logging::init(args.log_format);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("cadence-router")
         .build()?;
-    runtime.block_on(serve(args))
-}
-
-/// Installs the global tracing subscriber (`RUST_LOG` filters, default info). A second
-/// call (a Python process starting the router twice) keeps the first.
-pub fn init_logging(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let ansi = std::io::IsTerminal::is_terminal(&std::io::stdout());
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(ansi);
-    let _ = match format {
-        LogFormat::Json => builder.json().flatten_event(true).try_init(),
-        LogFormat::Text => builder.try_init(),
-    };
+    runtime.block_on(async {
+        let telemetry = Telemetry::start(args.otlp_endpoint.as_deref(), &args.otlp_service_name)
+            .map_err(RouterError::Args)?;
+        let served = serve(args).await;
+        telemetry.shutdown().await; // the spans still buffered, exported
+        served
+    })
 }
 
 /// Connects to the shards, checks them against the flags, warms them up, serves HTTP until

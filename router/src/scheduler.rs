@@ -75,6 +75,8 @@ pub struct Sequence {
     pub sampling: pb::SamplingParams,
     pub top_n_tokens: u32,
     pub adapter_id: String,
+    /// The id its log lines carry (`request_id`), sent to the shards with it.
+    pub request_id: std::sync::Arc<str>,
     pub num_preemptions: u32,
     /// The shards return the prompt tokens' logprobs with the first sampled token.
     pub prompt_logprobs: bool,
@@ -107,6 +109,7 @@ impl Sequence {
             sampling,
             top_n_tokens: 0,
             adapter_id: String::new(),
+            request_id: "".into(),
             num_preemptions: 0,
             prompt_logprobs: false,
             arrived: Instant::now(),
@@ -746,6 +749,7 @@ impl Scheduler {
                     adapter_id: seq.adapter_id.clone(),
                     // Delivered with the first sampled token, so not again after that.
                     prompt_logprobs: seq.prompt_logprobs && seq.num_generated() == 0,
+                    request_id: seq.request_id.to_string(),
                 });
                 seq.on_shard = true;
             }

@@ -31,6 +31,8 @@ use crate::validation::{Constraints, Validation};
 mod lifecycle;
 /// Several shard groups behind one router.
 mod replicas;
+/// The request id from HTTP to the shard.
+mod request_ids;
 
 /// The grammar compiler over the test tokenizer.
 fn testing_constraints() -> Constraints {
@@ -97,6 +99,8 @@ struct FakeState {
     max_outstanding: usize,
     /// Tokens received as forced (fast-forwarded) by continuing requests.
     forced: usize,
+    /// The `request_id` of every request that joined, in order.
+    joined_request_ids: Vec<String>,
 }
 
 /// What the fake answers to `Health`.
@@ -194,6 +198,7 @@ impl FakeShard {
             s.removed.push(*id);
         }
         for j in &req.joined {
+            s.joined_request_ids.push(j.request_id.clone());
             if s.requests.contains_key(&j.id) {
                 v.push(format!("request {} joined twice", j.id));
             }

@@ -168,6 +168,7 @@ def _launch_parser(sub: Any) -> None:
         help="sample every constrained token instead of appending the tokens a grammar forces",
     )
     _add_deploy_flags(add)
+    _add_trace_flags(add)
     _add_log_format(add)
     add("--uds-dir", help="folder for the shards' unix sockets (default: a fresh temp folder)")
     add(
@@ -197,6 +198,17 @@ def _add_deploy_flags(add: Add) -> None:
         help="seconds the requests in flight get to finish after SIGTERM (new ones get 503); "
         "then they end with an error and the router, then the shards, stop",
     )
+
+
+def _add_trace_flags(add: Add) -> None:
+    """The router's OpenTelemetry traces (see docs/deploy.md, "Traces")."""
+    add(
+        "--otlp-endpoint",
+        help="OpenTelemetry collector's OTLP/HTTP base URL (e.g. http://localhost:4318): the "
+        "router exports each request's trace there (default: $OTEL_EXPORTER_OTLP_ENDPOINT; "
+        "neither: no traces)",
+    )
+    add("--otlp-service-name", help="service.name of the exported traces")
 
 
 def _add_scheduler_flags(p: argparse.ArgumentParser, add: Add) -> None:
@@ -339,9 +351,14 @@ def _output_for(gguf: str) -> Path:
     return cache_dir() / "models" / Path(gguf).stem
 
 
+# The `component` of each command's JSON log lines.
+_COMPONENTS = {"launch": "launcher", "serve": "shard"}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    setup_logging(args.log_format)
+    component = _COMPONENTS.get(args.command, args.command)
+    setup_logging(args.log_format, component, rank=getattr(args, "rank", None))
     try:
         return args.run(args)
     except (LaunchError, ModelSourceError) as err:  # the user's to fix: no traceback

@@ -109,6 +109,8 @@ class LaunchConfig:
     grammar_compile_timeout_ms: int | None = _router()
     served_model_name: str | None = _router()  # None: the model id
     ready_stall_timeout_ms: int | None = _router()
+    otlp_endpoint: str | None = _router()  # None: OTEL_EXPORTER_OTLP_ENDPOINT, else no traces
+    otlp_service_name: str | None = _router()
     no_grammar_fast_forward: bool = _router(False)
     no_prefix_caching: bool = _router(False)
     check_rank_agreement: bool = _router(False)  # the router compares every rank's step answer

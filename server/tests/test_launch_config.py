@@ -116,3 +116,12 @@ def test_shard_settings_reach_every_shards_config() -> None:
     assert (shard.attention_backend, shard.cpu_kernels, shard.block_size) == ("torch", False, 32)
     args = build_parser().parse_args(shard_argv(LaunchConfig(), "/m", "/u/s", 0)[3:])
     assert (args.attention_backend, args.cpu_kernels) == ("auto", True)
+
+
+def test_the_trace_flags_reach_the_router() -> None:
+    args = build_parser().parse_args(
+        ["launch", "--otlp-endpoint", "http://collector:4318", "--otlp-service-name", "llm"]
+    )
+    argv = _router_argv(config_from(args, LaunchConfig))
+    assert argv[argv.index("--otlp-endpoint") + 1] == "http://collector:4318"
+    assert argv[argv.index("--otlp-service-name") + 1] == "llm"

@@ -59,6 +59,8 @@ pub(super) struct InFlight {
     samples: Vec<RequestId>,
     sent: Instant,
     answer: JoinHandle<Result<pb::StepResponse, ShardError>>,
+    /// The traced requests' prefill chunks in it (`spans`), ended by its answer.
+    prefill_spans: Vec<opentelemetry_sdk::trace::Span>,
 }
 
 pub(super) struct Loop<B> {
@@ -180,8 +182,9 @@ impl<B: Backend> Loop<B> {
     fn fail_all(&mut self, error: InferError) {
         self.scheduler.reset();
         let siblings = self.siblings.drain().flat_map(|(_, s)| s).map(|s| s.entry);
-        for entry in self.entries.drain().map(|(_, e)| e).chain(siblings) {
+        for mut entry in self.entries.drain().map(|(_, e)| e).chain(siblings) {
             self.metrics.requests_failed.add(1);
+            entry.spans.fail(&error);
             let _ = entry.events.send(Err(error.clone()));
         }
     }
@@ -195,8 +198,10 @@ impl<B: Backend> Loop<B> {
             .map(|(&id, _)| id)
             .collect();
         for id in gone {
-            tracing::debug!(id, "client went away; cancelled");
-            self.retire(id);
+            if let Some(entry) = self.retire(id) {
+                let request_id = &*entry.request_id;
+                tracing::debug!(request_id, id, "client went away; cancelled");
+            }
         }
     }
 
@@ -208,8 +213,10 @@ impl<B: Backend> Loop<B> {
     }
 
     pub(super) fn fail(&mut self, id: RequestId, error: InferError) {
-        if let Some(entry) = self.retire(id) {
+        if let Some(mut entry) = self.retire(id) {
             self.metrics.requests_failed.add(1);
+            tracing::warn!(request_id = &*entry.request_id, id, %error, "failed");
+            entry.spans.fail(&error);
             let _ = entry.events.send(Err(error));
         }
     }
@@ -285,6 +292,7 @@ impl<B: Backend> Loop<B> {
                 entry.started_at.get_or_insert(sent);
             }
         }
+        let prefill_spans = self.prefill_spans(&step);
         self.scheduler.expect_samples(&schedule.samples);
         let step_id = step.step_id;
         // Handed to the shards now, in step_id order (the spawned task only waits).
@@ -295,6 +303,7 @@ impl<B: Backend> Loop<B> {
             samples: schedule.samples,
             sent,
             answer: tokio::spawn(answer),
+            prefill_spans,
         })
     }
 
@@ -342,6 +351,7 @@ impl<B: Backend> Loop<B> {
             samples,
             sent,
             answer,
+            prefill_spans,
         } = step;
         let answer = match answer.await {
             Ok(answer) => answer,
@@ -350,6 +360,8 @@ impl<B: Backend> Loop<B> {
                 message: format!("the step task ended: {e}"),
             }),
         };
+        drop(prefill_spans); // the chunks are computed (or failed): their spans end
+
         match answer {
             Ok(response) => {
                 let router_start = Instant::now();

@@ -23,6 +23,17 @@ pub enum FinishReason {
     StopSequence,
 }
 
+impl FinishReason {
+    /// Its name in TGI's answers (`eos_token`), for logs and traces too.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Length => "length",
+            Self::EosToken => "eos_token",
+            Self::StopSequence => "stop_sequence",
+        }
+    }
+}
+
 /// How a request ended; carried by its last event.
 #[derive(Debug, Clone)]
 pub struct End {

@@ -17,6 +17,7 @@ use crate::client::Backend;
 use crate::drain::Drain;
 use crate::error::InferError;
 use crate::metrics::{LoadGauges, Metrics};
+use crate::request_scope::RequestContext;
 use crate::validation::{Extra, GenerateParameters, Prompt, ValidRequest, Validation};
 
 /// How often a drain checks whether the requests in flight have ended.
@@ -31,6 +32,8 @@ pub(super) struct Admission {
     pub queued_at: Instant,
     /// One place in the bounded waiting queue for all the samples of the request.
     pub slot: QueueSlot,
+    /// Its request id and trace.
+    pub context: RequestContext,
 }
 
 /// A queued request: what validation made of it, one event stream per sample.
@@ -272,6 +275,7 @@ impl Infer {
             },
             queued_at: Instant::now(),
             slot,
+            context: RequestContext::current(),
         };
         replica
             .tx

@@ -20,6 +20,7 @@
 //! - `siblings`: a request's `best_of` samples, forked from the first.
 //! - `output`: sampled tokens turned into text and events; ends of requests.
 //! - `step_metrics`: what the loop records per schedule and per step.
+//! - `spans`: each request's trace spans (queue, prefill chunks, decode) when traced.
 //! - `progress`: when the loop started waiting for the step in flight (for `/ready`).
 //! - `events`: what a handler receives; `samples`: those events gathered, and ranked.
 
@@ -31,6 +32,7 @@ mod output;
 mod progress;
 mod samples;
 mod siblings;
+mod spans;
 mod step_metrics;
 
 pub use batching_loop::LoopConfig;

@@ -11,6 +11,7 @@ use tokio::sync::mpsc;
 use super::batching_loop::Loop;
 use super::events::{End, EventResult, FinishReason, Token, TokenEvent};
 use super::handle::{Held, QueueSlot};
+use super::spans::RequestSpans;
 use crate::blocks::RequestId;
 use crate::client::Backend;
 use crate::constraints::GrammarState;
@@ -18,6 +19,7 @@ use crate::detokenize::{Detokenizer, TokenizerInfo};
 use crate::error::InferError;
 use crate::metrics::Metrics;
 use crate::pb;
+use crate::request_scope::RequestContext;
 use crate::scheduler::Sequence;
 use crate::stop::StopMatcher;
 use crate::validation::ValidRequest;
@@ -25,6 +27,10 @@ use crate::validation::ValidRequest;
 /// Per-request state the loop keeps beside the scheduler's `Sequence`.
 pub(super) struct Entry {
     pub(super) events: mpsc::UnboundedSender<EventResult>,
+    /// The id its log lines carry.
+    pub(super) request_id: Arc<str>,
+    /// Its trace spans (nothing when untraced).
+    pub(super) spans: RequestSpans,
     detokenizer: Detokenizer,
     stop: StopMatcher,
     max_new_tokens: usize,
@@ -50,11 +56,12 @@ pub(super) struct Entry {
 }
 
 /// What the samples of one request share: when it was queued, its place in the waiting
-/// queue and its permit.
+/// queue, its permit, its request id and trace.
 pub(super) struct Shared {
     pub queued_at: Instant,
     pub slot: Arc<QueueSlot>,
     pub permit: Arc<Held>,
+    pub context: RequestContext,
 }
 
 impl<B: Backend> Loop<B> {
@@ -214,6 +221,12 @@ impl Entry {
     ) -> Self {
         Self {
             events,
+            request_id: shared.context.id.clone(),
+            spans: RequestSpans::queued(
+                shared.context.trace.as_ref(),
+                shared.queued_at,
+                seq.prompt_len,
+            ),
             detokenizer: Detokenizer::new(&seq.token_ids),
             stop: StopMatcher::new(request.stop.clone()),
             max_new_tokens: request.max_new_tokens,
@@ -235,19 +248,23 @@ impl Entry {
         }
     }
 
-    /// Counts and logs the request's end (a sampled or a forced token ended it).
-    fn record_end(&self, metrics: &Metrics, id: RequestId, end: &End) {
+    /// Counts, logs and traces the request's end (a sampled or a forced token ended it).
+    fn record_end(&mut self, metrics: &Metrics, id: RequestId, end: &End) {
         let elapsed = self.queued_at.elapsed();
         metrics.e2e.observe(elapsed.as_secs_f64());
         metrics.requests_succeeded.add(1);
         let ttft = self
             .first_token_at
             .map(|t| t.duration_since(self.queued_at));
+        self.spans.end(end);
         tracing::info!(
+            request_id = &*self.request_id,
             id,
+            input_tokens = self.input_length,
             generated_tokens = end.generated_tokens,
-            finish_reason = ?end.finish_reason,
+            finish_reason = end.finish_reason.as_str(),
             total_ms = elapsed.as_millis() as u64,
+            queue_ms = end.queue_time.as_millis() as u64,
             ttft_ms = ttft.map(|t| t.as_millis() as u64),
             "finished"
         );
@@ -274,6 +291,7 @@ impl Entry {
         let now = Instant::now();
         if self.first_token_at.is_none() {
             self.first_token_at = Some(now);
+            self.spans.first_token();
         }
         self.cumulative_logprob += logprob.unwrap_or(0.0);
         let mut text = String::new();

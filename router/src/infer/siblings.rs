@@ -41,11 +41,13 @@ impl<B: Backend> Loop<B> {
             permit,
             queued_at,
             slot,
+            context,
         } = admission;
         let shared = Shared {
             queued_at,
             slot: Arc::new(slot),
             permit: Arc::new(permit),
+            context,
         };
         if request.grammar.is_some() {
             self.metrics.constrained_requests.add(1);
@@ -55,6 +57,14 @@ impl<B: Backend> Loop<B> {
             }
         }
         let first = self.next_id;
+        tracing::info!(
+            request_id = &*shared.context.id,
+            id = first,
+            input_tokens = request.input_ids.len(),
+            max_new_tokens = request.max_new_tokens,
+            best_of = request.best_of,
+            "admitted"
+        );
         for (index, events) in samples.into_iter().enumerate() {
             // Siblings get their id when they start (a fork's id must be the newest).
             let id = if index == 0 { first } else { RequestId::MAX };
@@ -68,11 +78,18 @@ impl<B: Backend> Loop<B> {
             seq.max_new_tokens = request.max_new_tokens;
             seq.top_n_tokens = request.top_n_tokens;
             seq.adapter_id = request.adapter_id.clone();
+            seq.request_id = shared.context.id.clone();
             // Siblings share the prompt: its logprobs come with the first only.
             seq.prompt_logprobs = request.prompt_logprobs && index == 0;
             let entry = Entry::new(events, &request, &seq, seed, &shared);
             self.metrics.prompt_tokens.add(seq.prompt_len as u64);
-            tracing::debug!(first, index, input_tokens = seq.prompt_len, "queued");
+            tracing::debug!(
+                request_id = &*shared.context.id,
+                first,
+                index,
+                input_tokens = seq.prompt_len,
+                "queued"
+            );
             if index == 0 {
                 self.scheduler.add(seq);
                 self.entries.insert(id, entry);
@@ -101,7 +118,8 @@ impl<B: Backend> Loop<B> {
             let id = self.next_id;
             self.next_id += 1;
             if fork && self.scheduler.fork(first, id, seq.sampling.seed) {
-                tracing::debug!(id, first, "forked");
+                tracing::debug!(request_id = &*entry.request_id, id, first, "forked");
+                entry.spans.scheduled();
                 entry.slot = None;
                 entry.started_at = started_at;
             } else {

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+from loguru import logger
 
 from cadence.attention_backends.base import SHORT_CHUNK
 from cadence.pb import shard_pb2
@@ -41,7 +42,12 @@ from cadence.sampling import (
 
 
 class StepError(ValueError):
-    """A malformed StepRequest; nothing of it has been applied."""
+    """A malformed StepRequest; nothing of it has been applied. `request_id`: the id of the
+    request at fault, for the log line, when one is."""
+
+    def __init__(self, message: str, request_id: str = "") -> None:
+        super().__init__(message)
+        self.request_id = request_id
 
 
 @dataclass(slots=True)
@@ -118,6 +124,7 @@ class BatchState:
         self.num_blocks = num_blocks
         self.vocab_size = vocab_size
         self.slot_of: dict[int, int] = {}
+        self.request_ids: dict[int, str] = {}  # router id -> the id its log lines carry
         self.free: list[int] = []
         self.features = Counter[str]()
         self.slot_features: dict[int, set[str]] = {}
@@ -137,8 +144,13 @@ class BatchState:
     def __len__(self) -> int:
         return len(self.slot_of)
 
+    def request_id(self, id: int) -> str:
+        """The id the log lines about held request `id` carry ("" when it has none)."""
+        return self.request_ids.get(id, "")
+
     def clear(self) -> None:
         self.slot_of.clear()
+        self.request_ids.clear()
         self.logit_bias.clear()
         self.prompt_logprobs.clear()
         self.slot_features.clear()
@@ -166,22 +178,36 @@ class BatchState:
         for r in req.joined:
             n = len(r.token_ids)
             if r.id in held:
-                raise StepError(f"request {r.id} joined but is already held")
+                raise StepError(
+                    f"request {r.id} joined but is already held", request_id=r.request_id
+                )
             if n == 0 or r.prompt_len > n or r.num_cached + r.num_compute > n:
                 raise StepError(
                     f"request {r.id}: {n} tokens, prompt_len {r.prompt_len}, "
-                    f"num_cached {r.num_cached} + num_compute {r.num_compute}"
+                    f"num_cached {r.num_cached} + num_compute {r.num_compute}",
+                    request_id=r.request_id,
                 )
             if len(r.block_table) * bs < r.num_cached + r.num_compute:
-                raise StepError(f"request {r.id}: {len(r.block_table)} blocks are too few")
+                raise StepError(
+                    f"request {r.id}: {len(r.block_table)} blocks are too few",
+                    request_id=r.request_id,
+                )
             if r.block_table and max(r.block_table) >= nb:
-                raise StepError(f"request {r.id}: block {max(r.block_table)} >= {nb}")
+                raise StepError(
+                    f"request {r.id}: block {max(r.block_table)} >= {nb}", request_id=r.request_id
+                )
             if max(r.token_ids) >= self.vocab_size:
-                raise StepError(f"request {r.id}: token id {max(r.token_ids)} >= vocab")
+                raise StepError(
+                    f"request {r.id}: token id {max(r.token_ids)} >= vocab", request_id=r.request_id
+                )
             if r.sampling.logit_bias and max(r.sampling.logit_bias) >= self.vocab_size:
-                raise StepError(f"request {r.id}: logit_bias token >= vocab")
+                raise StepError(
+                    f"request {r.id}: logit_bias token >= vocab", request_id=r.request_id
+                )
             if r.prompt_logprobs and r.num_cached > 0:
-                raise StepError(f"request {r.id}: prompt_logprobs needs num_cached = 0")
+                raise StepError(
+                    f"request {r.id}: prompt_logprobs needs num_cached = 0", request_id=r.request_id
+                )
             held.add(r.id)
             if r.num_compute > 0:
                 plan.rows.append((r.id, r.num_compute))
@@ -191,15 +217,23 @@ class BatchState:
         continuing_ids: set[int] = set()
         for c in req.continuing:
             if c.id not in held or c.id in joined_ids:
-                raise StepError(f"continuing request {c.id} is not held")
+                raise StepError(
+                    f"continuing request {c.id} is not held", request_id=self.request_id(c.id)
+                )
             if c.id in continuing_ids:
-                raise StepError(f"continuing request {c.id} is listed twice")
+                raise StepError(
+                    f"continuing request {c.id} is listed twice", request_id=self.request_id(c.id)
+                )
             continuing_ids.add(c.id)
             if c.new_blocks and max(c.new_blocks) >= nb:
-                raise StepError(f"request {c.id}: new block {max(c.new_blocks)} >= {nb}")
+                raise StepError(
+                    f"request {c.id}: new block {max(c.new_blocks)} >= {nb}",
+                    request_id=self.request_id(c.id),
+                )
             if c.forced_tokens and max(c.forced_tokens) >= self.vocab_size:
                 raise StepError(
-                    f"request {c.id}: forced_tokens token id {max(c.forced_tokens)} >= vocab"
+                    f"request {c.id}: forced_tokens token id {max(c.forced_tokens)} >= vocab",
+                    request_id=self.request_id(c.id),
                 )
             if c.num_compute > 0:
                 plan.rows.append((c.id, c.num_compute))
@@ -219,7 +253,8 @@ class BatchState:
                 c = cont[int(bad.nonzero()[0, 0])]
                 raise StepError(
                     f"request {c.id}: num_compute {c.num_compute} exceeds its known tokens "
-                    "(with its forced_tokens) or its blocks"
+                    "(with its forced_tokens) or its blocks",
+                    request_id=self.request_id(c.id),
                 )
         if req.allowed:  # the requests that sample this step may have a mask
             sampling = {
@@ -276,6 +311,7 @@ class BatchState:
         for i in ids:
             slot = self.slot_of.pop(i, None)
             if slot is not None:
+                logger.debug("removed", id=i, request_id=self.request_ids.pop(i, ""))
                 self.free.append(slot)
                 self.logit_bias.pop(slot, None)
                 self.prompt_logprobs.pop(slot, None)
@@ -294,6 +330,15 @@ class BatchState:
         for r in joined:
             slot = self.free.pop()
             self.slot_of[r.id] = slot
+            self.request_ids[r.id] = r.request_id
+            logger.debug(
+                "joined",
+                id=r.id,
+                request_id=r.request_id,
+                tokens=len(r.token_ids),
+                num_cached=r.num_cached,
+                num_compute=r.num_compute,
+            )
             slots.append(slot)
             row, features = param_row(r.sampling, r.top_n_tokens)
             rows.append(row)

@@ -77,7 +77,7 @@ class StepSession:
         try:
             return shard_pb2.StepAnswer(step_id=step_id, response=self.engine.step(request))
         except StepError as e:
-            logger.warning(f"step {step_id} rejected: {e}")
+            logger.bind(request_id=e.request_id).warning(f"step {step_id} rejected: {e}")
             return failed(step_id, f"step {step_id} rejected: {e}")
         except NotReadyError as e:
             return failed(step_id, f"step {step_id}: {e}")
