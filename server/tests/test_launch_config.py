@@ -9,7 +9,7 @@ import pytest
 from cadence.cli import build_parser, config_from
 from cadence.config import LaunchConfig, ShardConfig, router_fields
 from cadence.docs_assets import SWAGGER_UI_FILES, swagger_ui_dir
-from cadence.launcher import router_argv, shard_argv
+from cadence.launcher import router_argv, shard_argv, shard_slots
 
 
 def _router_argv(cfg: LaunchConfig) -> list[str]:
@@ -111,10 +111,11 @@ def test_the_deploy_flags_reach_the_router() -> None:
 
 def test_shard_settings_reach_every_shards_config() -> None:
     cfg = LaunchConfig(attention_backend="torch", cpu_kernels=False, block_size=32)
-    args = build_parser().parse_args(shard_argv(cfg, "/m", "/u/shard-0.sock", 0)[3:])
+    (slot,) = shard_slots(cfg, Path("/u"))
+    args = build_parser().parse_args(shard_argv(cfg, "/m", slot)[3:])
     shard = config_from(args, ShardConfig, model_dir=args.model_id)
     assert (shard.attention_backend, shard.cpu_kernels, shard.block_size) == ("torch", False, 32)
-    args = build_parser().parse_args(shard_argv(LaunchConfig(), "/m", "/u/s", 0)[3:])
+    args = build_parser().parse_args(shard_argv(LaunchConfig(), "/m", slot)[3:])
     assert (args.attention_backend, args.cpu_kernels) == ("auto", True)
 
 
