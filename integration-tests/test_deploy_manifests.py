@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+from cadence.cli import build_parser
 from deploy_files import (
     COMPOSE,
     GRAFANA,
@@ -30,7 +31,6 @@ from deploy_files import (
     seconds,
 )
 
-from cadence.cli import build_parser
 from conftest import LaunchedServer
 
 # Beyond --shutdown-timeout, what the launcher needs after a drain (docs/deploy.md): the
