@@ -109,10 +109,18 @@ def _header(name: str, title: str, scale: str, server_args: list[str]) -> str:
     return (
         f"# {name}: {title}\n\n"
         f"Made by `{cmd}` on {time.strftime('%Y-%m-%d')}, {platform.machine()}, "
-        f"{_cpus()} CPUs, Python {sys.version.split()[0]}; SmolLM2-135M-Instruct unless "
+        f"{_cpus()} CPUs ({_cpu_class()}), Python {sys.version.split()[0]}; "
+        "SmolLM2-135M-Instruct unless "
         "the server arguments say otherwise. Greedy decoding with EOS ignored, so every "
         "configuration generates exactly the same number of tokens.\n\n"
     )
+
+
+def _cpu_class() -> str:
+    """The CPU's model name and the instruction sets cadence's kernels can use on it."""
+    from cadence.kernels.cpu import isa
+
+    return f"{isa.cpu_model()}: {', '.join(isa.supported())}"
 
 
 def _cpus() -> int:
@@ -260,6 +268,7 @@ E3_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 E3_KV_BUDGET = "8MiB"  # a KV cache too small for 32 requests at full length
 E3_REPLICAS = (1, 2, 4)
 E3_REPLICA_REQUESTS = 64
+E3_REPLICA_RUNS = 3  # per replica count, each with fresh prompts (no prefix-cache carry-over)
 
 
 def _measure_sampled(url: str, requests: list[BenchRequest]) -> tuple[Row, MetricsSampler]:
@@ -342,8 +351,8 @@ def e3(scale: Scale, out: Path, server_args: list[str], scale_name: str) -> None
         "blocks ÷ ceil((prompt + output) / block size), the largest batch that can run to "
         "the end without preemption; `peak running` and `preemptions` are the highest "
         "`cadence_running_requests` and `cadence_preemptions_total` seen polling /metrics "
-        "every 50 ms. The machine's 2 cores were shared with another engineer's Rust "
-        "compile during the run, so single numbers carry noise of tens of percent.\n\n"
+        "every 50 ms. Each row is a single run: differences of a few percent are noise."
+        "\n\n"
         + _table(rows, keys, LATENCY_COLUMNS)
         + "\n\n![throughput and TPOT against max batch size](E3-batch-size.png)\n\n"
         f"Computed from the table: output throughput relative to batch size 1: {gains}; the "
@@ -357,25 +366,42 @@ def e3(scale: Scale, out: Path, server_args: list[str], scale_name: str) -> None
             f"at once (a paged cache admits on the prompt's blocks and grows) and preempted "
             f"{r.config['preemptions']} times.\n"
         )
-    text += _e3_replicas(maker, input_len, output_len, out, server_args)
+    text += _e3_replicas(maker, input_len, output_len, out, server_args, sweep)
     (out / "E3.md").write_text(text)
 
 
 def _e3_replicas(
-    maker: PromptMaker, input_len: int, output_len: int, out: Path, server_args: list[str]
+    maker: PromptMaker,
+    input_len: int,
+    output_len: int,
+    out: Path,
+    server_args: list[str],
+    sweep: list[Row],
 ) -> str:
     """E3's second half: the same machine serving one instance, then 2 and 4 replicas
     (`--replicas`) behind one router; returns its section of E3.md."""
     import os
 
-    requests = _requests(maker, input_len, [output_len] * E3_REPLICA_REQUESTS)
+    runs = [
+        _requests(maker, input_len, [output_len] * E3_REPLICA_REQUESTS)
+        for _ in range(E3_REPLICA_RUNS)
+    ]
     rows: list[Row] = []
     for n in E3_REPLICAS:
 
         def work(url: str, n: int = n) -> None:
-            row = _measure(url, requests, float("inf"))
+            measured = [_measure(url, requests, float("inf")) for requests in runs]
+            measured.sort(key=lambda r: r.result["output_throughput"])
+            row = measured[len(measured) // 2]  # the median run
             routed = httpx.get(f"{url}/metrics", timeout=30).text
-            row.config = {"replicas": n, "requests per replica": _routed(routed)}
+            low, high = (m.result["output_throughput"] for m in (measured[0], measured[-1]))
+            row.config = {
+                "replicas": n,
+                "requests per replica": _routed(routed),
+                "output tok/s, lowest–highest run": f"{low:.1f}–{high:.1f}",
+                "low": low,
+                "high": high,
+            }
             rows.append(row)
 
         _serve(["--replicas", str(n), *server_args], f"E3-replicas-{n}", work)
@@ -400,16 +426,62 @@ def _e3_replicas(
         "\n## One instance against replicas\n\n"
         f"{E3_REPLICA_REQUESTS} requests sent at once (prompts of {input_len} tokens, outputs "
         f"of {output_len}) to `cadence launch --replicas N` for N in "
-        f"{', '.join(map(str, E3_REPLICAS))}: N shard groups behind one router, which sends "
-        "each request to the replica holding the fewest requests (then the least KV in use) "
+        f"{', '.join(map(str, E3_REPLICAS))}, {E3_REPLICA_RUNS} runs each with fresh "
+        "prompts "
+        "(the table shows the median run and the range): N shard groups behind one "
+        "router, which sends each request to the replica holding the fewest requests "
+        "(then the least KV in use) "
         f"unless another caches its prompt prefix. On this machine's {cores} cores the "
         "launcher gives each shard its own cores and as many threads when there are enough "
         "cores, and one thread each, time-sharing all the cores, when there are more shards "
         "than cores; the KV memory is split evenly. `requests per replica` is "
         "`cadence_replica_requests_total` after the run (the warm-up request included).\n\n"
-        + _table(rows, ["replicas", "requests per replica"], LATENCY_COLUMNS)
+        + _table(
+            rows,
+            ["replicas", "requests per replica", "output tok/s, lowest–highest run"],
+            LATENCY_COLUMNS,
+        )
         + "\n\n![throughput and TPOT against replicas](E3-replicas.png)\n\n"
         f"Computed from the table: output throughput relative to one instance: {ratios}.\n"
+        + _plateau_reading(sweep, rows)
+    )
+
+
+def _plateau_reading(sweep: list[Row], replica_rows: list[Row]) -> str:
+    """The replica runs read against the batch-size sweep: whether the best replica count
+    beat one instance beyond the runs' spread, and whether one instance had plateaued."""
+    last, before = sweep[-1], sweep[-2]
+    growth = last.result["output_throughput"] / before.result["output_throughput"]
+    best = max(replica_rows, key=lambda r: r.result["output_throughput"])
+    one = replica_rows[0].config
+    low, high = best.config["low"] / one["high"], best.config["high"] / one["low"]
+    if best is replica_rows[0]:
+        verdict = "one instance is the fastest measured"
+    elif low <= 1.0:
+        verdict = (
+            f"the best count, {best.config['replicas']}, is within the runs' spread of one "
+            f"instance ({low:.2f}× to {high:.2f}×)"
+        )
+    else:
+        verdict = f"{best.config['replicas']} replicas beat one instance in every run pair "
+        verdict += f"({low:.2f}× to {high:.2f}×)"
+    size, prev = last.config["max batch size"], before.config["max batch size"]
+    if growth > 1.1:
+        shape = (
+            f"One instance's throughput was still growing with the batch ({growth:.2f}× from "
+            f"{prev} to {size}), so what replicas change here is not a plateau but how the "
+            "cores are used: each replica's shards run on their own cores with their own "
+            "threads, on smaller batches"
+        )
+    else:
+        shape = (
+            f"One instance's throughput had flattened ({growth:.2f}× from {prev} to {size}), "
+            "the case where replicas can use what one instance leaves idle"
+        )
+    return (
+        f"\nReading: {verdict}. {shape}. On a device a small model cannot fill (a large GPU, "
+        "a many-core host) replicas also use the capacity a single instance's plateau "
+        "leaves idle; on a machine one instance already fills they split it.\n"
     )
 
 
