@@ -245,6 +245,8 @@ def test_every_dashboard_query_selects_a_series_a_server_exports(
         "cadence_generation_tokens_total",
         "cadence_batch_size_count",
         "cadence_grammar_compile_seconds_bucket",
+        "cadence_step_duration_seconds_bucket",
+        "cadence_replica_ready",
     ):
         assert wanted in queried, wanted
 

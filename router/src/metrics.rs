@@ -128,6 +128,8 @@ pub struct Metrics {
     pub e2e: Histogram,
     pub grammar_compile: Histogram,
     pub grammar_mask: Histogram,
+    pub step_time: Histogram,
+    pub forward_time: Histogram,
 }
 
 impl Metrics {
@@ -163,6 +165,8 @@ impl Metrics {
             e2e: Histogram::new(SECONDS),
             grammar_compile: Histogram::new(GRAMMAR_SECONDS),
             grammar_mask: Histogram::new(GRAMMAR_SECONDS),
+            step_time: Histogram::new(SECONDS),
+            forward_time: Histogram::new(SECONDS),
         }
     }
 
@@ -304,7 +308,7 @@ impl Metrics {
             let name = "cadence_shard_prompt_tokens_computed_total";
             let _ = writeln!(out, "# HELP {name} Prompt tokens the shard's forward passes computed (prefill), counted by the shard.\n# TYPE {name} counter\n{name}{{{l}}} {prompt}");
         }
-        let histograms: [(&str, &str, &Histogram); 8] = [
+        let histograms: [(&str, &str, &Histogram); 10] = [
             ("cadence_batch_size", "Requests per step.", &self.batch_size),
             (
                 "cadence_batch_tokens",
@@ -340,6 +344,16 @@ impl Metrics {
                 "cadence_grammar_mask_seconds",
                 "Computing the allowed-token masks of one step's constrained requests.",
                 &self.grammar_mask,
+            ),
+            (
+                "cadence_step_duration_seconds",
+                "A step from sent to answered, as the router waits for it (the shards' forward and sampling, gRPC both ways).",
+                &self.step_time,
+            ),
+            (
+                "cadence_forward_duration_seconds",
+                "A step's forward pass and sampling, timed by shard rank 0.",
+                &self.forward_time,
             ),
         ];
         for (name, help, h) in histograms {

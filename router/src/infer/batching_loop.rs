@@ -365,6 +365,10 @@ impl<B: Backend> Loop<B> {
         match answer {
             Ok(response) => {
                 let router_start = Instant::now();
+                let m = &self.metrics;
+                m.step_time
+                    .observe(router_start.duration_since(sent).as_secs_f64());
+                m.forward_time.observe(response.forward_ns as f64 * 1e-9);
                 let expected: HashSet<RequestId> = samples.iter().copied().collect();
                 let mut sampled = HashSet::with_capacity(response.generations.len());
                 for generation in response.generations {

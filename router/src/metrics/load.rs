@@ -1,7 +1,7 @@
 //! The gauges each replica's batching loop sets after every step (its queue and its KV
 //! cache), and how /metrics shows them: summed over the replicas under the `cadence_*`
 //! and `vllm:` names (a gateway sees one endpoint), and per replica, with a `replica`
-//! label, when there are several.
+//! label (replica "0" alone without `--replicas`, so dashboards need no second case).
 
 use std::fmt::Write;
 
@@ -75,12 +75,8 @@ pub(super) fn totals(replicas: &[std::sync::Arc<LoadGauges>]) -> Totals {
     t
 }
 
-/// Appends the per-replica series (only with more than one replica); `l` holds the
-/// model label.
+/// Appends the per-replica series; `l` holds the model label.
 pub(super) fn render_replicas(out: &mut String, l: &str, replicas: &[std::sync::Arc<LoadGauges>]) {
-    if replicas.len() < 2 {
-        return;
-    }
     type Read = fn(&LoadGauges) -> f64;
     let series: [(&str, &str, Read); 4] = [
         (
