@@ -183,7 +183,9 @@ def launch(cfg: LaunchConfig) -> int:
     uds_dir.mkdir(parents=True, exist_ok=True)
     slots = shard_slots(cfg, uds_dir)
     uds_paths = [slot.uds_path for slot in slots]
-    supervisor = Supervisor(prefix_lines=cfg.log_format == "text")
+    supervisor = Supervisor(
+        prefix_lines=cfg.log_format == "text", json_lines=cfg.log_format == "json"
+    )
     previous = {sig: signal.signal(sig, supervisor.request_stop) for sig in _STOP_SIGNALS}
     try:
         _run(cfg, supervisor, model_dir, slots)

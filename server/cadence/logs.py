@@ -86,3 +86,28 @@ def json_record(record: Any, component: str, rank: int | None) -> dict[str, Any]
 def rfc3339_millis(time: datetime) -> str:
     """`time` in UTC with milliseconds: `2024-05-01T12:30:45.123Z`."""
     return time.astimezone(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def wrap_foreign_line(line: str, child: str, stream: str) -> str:
+    """A line a child process wrote outside its logger (a library's warning, a crash's
+    traceback) as one line of the schema, so a JSON log stream stays JSON; a line that is
+    already a JSON object passes unchanged. `child` is the launcher's name for the process
+    (`router`, `shard-0`, `replica-1-shard-0`), `stream` is `stdout` or `stderr`."""
+    stripped = line.strip()
+    if stripped.startswith("{"):
+        try:
+            if isinstance(json.loads(stripped), dict):
+                return line
+        except ValueError:
+            pass
+    parts = child.split("-")
+    component = "router" if child == "router" else "shard"
+    record: dict[str, Any] = {
+        "timestamp": rfc3339_millis(datetime.now(timezone.utc)),
+        "level": "WARN" if stream == "stderr" else "INFO",
+        "component": component,
+    }
+    if component == "shard" and parts[-1].isdigit():
+        record["rank"] = int(parts[-1])
+    record |= {"target": stream, "message": line, "fields": {"process": child}}
+    return json.dumps(record, separators=(",", ":"))

@@ -26,6 +26,8 @@ from typing import IO
 
 from loguru import logger
 
+from cadence.logs import wrap_foreign_line
+
 
 class ChildExited(RuntimeError):
     """A supervised child ended while it should have been running."""
@@ -74,12 +76,16 @@ _EXEC_WITH_PDEATHSIG = (
 class Supervisor:
     """Starts children and watches them; `stop()` ends them all."""
 
-    def __init__(self, tail_lines: int = 50, prefix_lines: bool = True) -> None:
+    def __init__(
+        self, tail_lines: int = 50, prefix_lines: bool = True, json_lines: bool = False
+    ) -> None:
         self.children: list[Child] = []
         self.retired: list[Child] = []  # stopped on purpose, no longer watched
         self.stopping = threading.Event()
         self._tail_lines = tail_lines
         self._prefix_lines = prefix_lines
+        # JSON logs: a child's line that is not a JSON object is wrapped into one.
+        self._json_lines = json_lines
         self._write_lock = threading.Lock()
 
     def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Child:
@@ -104,9 +110,12 @@ class Supervisor:
 
     def _forward(self, child: Child, stream: IO[bytes], sink: IO[str]) -> None:
         prefix = f"[{child.name}] " if self._prefix_lines else ""
+        stream_name = "stderr" if sink is sys.stderr else "stdout"
         for raw in iter(stream.readline, b""):
             line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
             child.tail.append(line)
+            if self._json_lines:
+                line = wrap_foreign_line(line, child.name, stream_name)
             with self._write_lock:
                 sink.write(f"{prefix}{line}\n")
                 sink.flush()

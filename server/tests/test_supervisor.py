@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -54,6 +55,31 @@ def test_child_output_is_forwarded_line_by_line(capfd: pytest.CaptureFixture[str
     out, err = capfd.readouterr()
     assert "[echo] to stdout" in out and "[echo] to stderr" in err
     supervisor.stop()
+
+
+def test_json_logs_wrap_a_childs_foreign_lines_and_pass_its_json_lines(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    supervisor = Supervisor(prefix_lines=False, json_lines=True)
+    script = (
+        "import sys\n"
+        'print(\'{"component": "shard", "message": "own"}\')\n'
+        "print('UserWarning: a library speaks', file=sys.stderr)"
+    )
+    child = supervisor.start("replica-1-shard-0", [PY, "-c", script])
+    child.proc.wait()
+    child.drain()
+    out, err = capfd.readouterr()
+    supervisor.stop()
+    assert json.loads(out) == {"component": "shard", "message": "own"}  # unchanged
+    wrapped = json.loads(err)
+    assert list(wrapped) == ["timestamp", "level", "component", "rank", "target", "message"] + [
+        "fields"
+    ]
+    assert (wrapped["level"], wrapped["component"], wrapped["rank"]) == ("WARN", "shard", 0)
+    assert wrapped["message"] == "UserWarning: a library speaks"
+    assert wrapped["fields"] == {"process": "replica-1-shard-0"}
+    assert (wrapped["target"], child.tail[-1]) == ("stderr", "UserWarning: a library speaks")
 
 
 def test_stop_terminates_then_kills_stubborn_children() -> None:
