@@ -28,6 +28,12 @@ def test_health_and_info_describe_the_served_model(client: httpx.Client) -> None
     assert info["block_size"] == 16
     assert info["num_blocks"] > 0
     assert info["max_total_tokens"] > info["max_input_tokens"] > 0
+    # float weights: the quantization fields name the float dtype, and metrics say the same
+    quant = info["quantization"]
+    assert quant["weights"] == "float32" and quant["kv_cache_dtype"]
+    metrics = client.get("/metrics").text
+    assert 'cadence_quantization_info{model_name="' in metrics
+    assert 'weights="float32"' in metrics
 
 
 def test_generate_answers_with_the_requested_number_of_tokens(client: httpx.Client) -> None:

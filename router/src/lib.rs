@@ -160,6 +160,7 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
         num_blocks = cache.num_blocks,
         async_scheduling = !args.no_async_scheduling,
         kernels = ?info.kernels,
+        quantization = ?info.quantization,
         "shards ready"
     );
     let served_model_name = args.served_model_name();
@@ -182,6 +183,7 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
         world_size,
         replicas: groups.len(),
         kernels: info.kernels.clone().into_iter().collect(),
+        quantization: info.quantization.clone().into_iter().collect(),
         version: env!("CARGO_PKG_VERSION"),
         router: "cadence",
     };
@@ -213,6 +215,7 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
         })
         .collect();
     let infer = Infer::spawn_replicas(loops, validation, args.max_concurrent_requests);
+    infer.metrics().set_quantization(&app_info.quantization);
     tracing::info!(
         chat_template = chat.is_some(),
         api_keys = api_keys.len(),

@@ -130,6 +130,8 @@ pub struct Metrics {
     pub grammar_mask: Histogram,
     pub step_time: Histogram,
     pub forward_time: Histogram,
+    /// The labels of `cadence_quantization_info` (set once the shards have answered).
+    quantization: std::sync::OnceLock<String>,
 }
 
 impl Metrics {
@@ -167,7 +169,19 @@ impl Metrics {
             grammar_mask: Histogram::new(GRAMMAR_SECONDS),
             step_time: Histogram::new(SECONDS),
             forward_time: Histogram::new(SECONDS),
+            quantization: std::sync::OnceLock::new(),
         }
+    }
+
+    /// How the shards store weights and KV cache (the shards' `InfoResponse.quantization`),
+    /// exported as the labels of `cadence_quantization_info`; only the first call counts.
+    pub fn set_quantization(&self, fields: &std::collections::BTreeMap<String, String>) {
+        let labels: String = fields
+            .iter()
+            .filter(|(k, _)| k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'))
+            .map(|(k, v)| format!(",{k}=\"{}\"", v.replace('\\', "\\\\").replace('"', "\\\"")))
+            .collect();
+        let _ = self.quantization.set(labels);
     }
 
     /// Replica `i`'s queue and KV gauges.
@@ -361,6 +375,16 @@ impl Metrics {
         }
         load::render_replicas(&mut out, &l, &self.replicas);
         gateway::render(&mut out, &self.model, load);
+        if let Some(labels) = self.quantization.get() {
+            out.push_str(
+                "# HELP cadence_quantization_info How weights and KV cache are stored (labels); always 1.\n\
+                 # TYPE cadence_quantization_info gauge\n",
+            );
+            out.push_str(&format!(
+                "cadence_quantization_info{{model_name=\"{}\"{labels}}} 1\n",
+                self.model
+            ));
+        }
         out
     }
 }
@@ -368,6 +392,22 @@ impl Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn quantization_info_carries_the_shards_fields_as_labels() {
+        let m = Metrics::new("m");
+        assert!(!m.render(None).contains("cadence_quantization_info"));
+        let fields = [
+            ("weights".to_string(), "int4".to_string()),
+            ("source".to_string(), "gguf \"Q4_1\"".to_string()),
+            ("bad key".to_string(), "dropped".to_string()),
+        ];
+        m.set_quantization(&fields.into());
+        let text = m.render(None);
+        assert!(text.contains(
+            "cadence_quantization_info{model_name=\"m\",source=\"gguf \\\"Q4_1\\\"\",weights=\"int4\"} 1\n"
+        ));
+    }
 
     #[test]
     fn renders_prometheus_text_with_cumulative_buckets_and_the_model_label() {

@@ -52,6 +52,10 @@ pub struct Info {
     /// What serves each kernel family on the shards: `isa` (the C++ CPU kernels'
     /// instruction set), `attention`, `products`, `norms`, `sampling`.
     pub kernels: std::collections::BTreeMap<String, String>,
+    /// How weights and KV cache are stored: `weights` (`int8`, `int4` or the float
+    /// dtype), `group_size`, `source`, `quantized_max_rows`, `float_copy`,
+    /// `kv_cache_dtype`.
+    pub quantization: std::collections::BTreeMap<String, String>,
     pub version: &'static str,
     pub router: &'static str,
 }

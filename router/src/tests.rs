@@ -531,6 +531,7 @@ impl Setup {
             world_size: 1,
             replicas,
             kernels: [("isa".to_string(), "scalar".to_string())].into(),
+            quantization: [("weights".to_string(), "float32".to_string())].into(),
             version: "test",
             router: "cadence",
         };

@@ -62,6 +62,39 @@ def add_bench_parser(sub: Any) -> None:
     _flag(e, "--out-dir", default="docs/experiments", help="where tables and PNGs go")
     _flag(e, "--server-args", default="", help="extra `cadence launch` flags, quoted")
     e.set_defaults(run=run_experiment_command)
+    _add_accuracy_parser(inner)
+
+
+# `cadence bench accuracy --variants` names (cadence.bench.accuracy.VARIANTS).
+ACCURACY_VARIANTS = "bfloat16,int8,int4,int4-g32,kv-bfloat16,kv-int8,kv-fp8_e4m3,kv-fp8_e5m2"
+
+
+def _add_accuracy_parser(inner: Any) -> None:
+    a = inner.add_parser(
+        "accuracy",
+        help="accuracy of weight and KV cache formats against float32 (transformers)",
+        description="Each variant served by an in-process shard engine against transformers "
+        "in float32 on the same weights: top-1 agreement, |Δ logit| and perplexity over a "
+        "fixed text, and greedy tokens before the first divergence.",
+    )
+    a.add_argument("--model-id", help="model folder or .gguf (default: the embedded model)")
+    a.add_argument(
+        "--reference-dir",
+        help="float checkpoint transformers reads (default: the model folder; for a GGUF "
+        "file, `cadence convert` it first)",
+    )
+    a.add_argument("--variants", default=ACCURACY_VARIANTS, help="comma-separated")
+    a.add_argument("--tokens", type=int, default=1024, help="teacher-forced text length")
+    a.add_argument("--prompts", type=int, default=8, help="greedy prompts")
+    a.add_argument("--generate", type=int, default=64, help="greedy tokens per prompt")
+    a.add_argument("--json", help="also write the rows to this file")
+    a.set_defaults(run=_run_accuracy, log_format="text")
+
+
+def _run_accuracy(args: argparse.Namespace) -> int:
+    from cadence.bench.accuracy import run_accuracy_command
+
+    return run_accuracy_command(args)
 
 
 def bench_env(flag: str) -> str:

@@ -152,7 +152,18 @@ class Engine:
             vocab_size=m.vocab_size,
             eos_token_ids=_eos_ids(self.cfg.model_dir, c),
             kernels=self.kernels,
+            quantization=self.quantization_fields(),
         )
+
+    def quantization_fields(self) -> dict[str, str]:
+        """How weights and KV cache are stored (InfoResponse.quantization): the float
+        dtype unless the loaded model says otherwise (`model.quantization`)."""
+        fields = {
+            "weights": self.cfg.dtype,
+            "kv_cache_dtype": self.cfg.kv_cache_dtype or self.cfg.dtype,
+        }
+        fields.update(getattr(self.model, "quantization", {}))
+        return fields
 
     def warmup(
         self,
