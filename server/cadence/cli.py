@@ -19,7 +19,15 @@ from loguru import logger
 
 from cadence import __version__
 from cadence.bench.command import add_bench_parser
-from cadence.config import ATTENTION_BACKENDS, LaunchConfig, ShardConfig, default_of
+from cadence.config import (
+    ATTENTION_BACKENDS,
+    GROUP_SIZES,
+    KEEP_FLOAT_CHOICES,
+    QUANTIZE_METHODS,
+    LaunchConfig,
+    ShardConfig,
+    default_of,
+)
 from cadence.flags import add_flag, add_switch, add_toggle, parse_size
 from cadence.launcher import LaunchError
 from cadence.logs import LOG_FORMATS, setup_logging
@@ -49,6 +57,19 @@ MEMORY_FRACTION_HELP = (
     f"--gpu-memory-utilization; default {DEFAULT_FRACTION['cuda']}). On CPU, of MemAvailable "
     "once the weights are loaded, split between the shards, for activations and KV cache "
     f"(default {DEFAULT_FRACTION['cpu']})"
+)
+QUANTIZE_HELP = (
+    "quantize a float checkpoint's linear weights at load: int8 per output channel or int4 "
+    "per group (pre-quantized GPTQ/AWQ folders and GGUF files are detected without it)"
+)
+GROUP_SIZE_HELP = (
+    "int4 group size; a layer whose input it does not divide takes the largest smaller "
+    "power of two that does (SmolLM2's 576-wide inputs: 64 under 128)"
+)
+KEEP_FLOAT_HELP = (
+    "keep a float copy of each quantized weight for products of more rows than the "
+    "quantized kernels win at (prefill), at the cost of its memory (auto: on CPU while the "
+    "copies fit in half the available memory; off on a GPU)"
 )
 CPU_KERNELS_HELP = "serve through the C++ CPU kernels where they apply (off: torch everywhere)"
 T = TypeVar("T")
@@ -112,6 +133,9 @@ def _add_shard_flags(p: argparse.ArgumentParser, add: Add, config: type) -> None
     add("--block-size", type=_positive_int, help="tokens per KV cache block")
     add("--attention-backend", type=str.lower, choices=ATTENTION_BACKENDS, help=ATTENTION_HELP)
     add_toggle(p, "--cpu-kernels", default=default_of(config, "cpu_kernels"), help=CPU_KERNELS_HELP)
+    add("--quantize", choices=QUANTIZE_METHODS, help=QUANTIZE_HELP)
+    add("--quantize-group-size", type=int, choices=GROUP_SIZES, help=GROUP_SIZE_HELP)
+    add("--quantize-keep-float", choices=KEEP_FLOAT_CHOICES, help=KEEP_FLOAT_HELP)
 
 
 def _launch_parser(sub: Any) -> None:

@@ -12,6 +12,9 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+QUANTIZE_METHODS = ("int8", "int4")
+GROUP_SIZES = (32, 64, 128)
+KEEP_FLOAT_CHOICES = ("auto", "on", "off")
 
 
 @dataclass(slots=True)
@@ -35,6 +38,9 @@ class ShardConfig:
     cpu_kernels: bool = True  # the C++ CPU kernels serve what they cover (False: torch)
     cpu_threads: int = 0  # compute threads on CPU; 0: torch's default (every core it may use)
     cpu_cores: str = ""  # cores to pin the process to, comma-separated; "": no pinning
+    quantize: str | None = None  # "int8" | "int4": quantize a float checkpoint's linears
+    quantize_group_size: int = 128  # int4 group size (32, 64, 128)
+    quantize_keep_float: str = "auto"  # "auto" | "on" | "off": float copy for large products
 
 
 def default_of(cls: type, name: str) -> Any:
@@ -85,6 +91,9 @@ class LaunchConfig:
     block_size: int = _shard("block_size")
     attention_backend: str = _shard("attention_backend")
     cpu_kernels: bool = _shard("cpu_kernels")
+    quantize: str | None = _shard("quantize")
+    quantize_group_size: int = _shard("quantize_group_size")
+    quantize_keep_float: str = _shard("quantize_keep_float")
     log_format: str = _shard("log_format")
     # The router's, by the same names (the API key goes by environment instead).
     memory_fraction: float | None = _router()

@@ -95,6 +95,9 @@ def shard_argv(cfg: LaunchConfig, model_dir: str, slot: ShardSlot) -> list[str]:
         *(("--cpu-threads", str(placed.threads)) if placed else ()),
         *(("--cpu-cores", placed.cores_arg()) if placed else ()),
         *(("--kv-cache-dtype", cfg.kv_cache_dtype) if cfg.kv_cache_dtype else ()),
+        *(("--quantize", cfg.quantize) if cfg.quantize else ()),
+        *("--quantize-group-size", str(cfg.quantize_group_size)),
+        *("--quantize-keep-float", cfg.quantize_keep_float),
         *("--log-format", cfg.log_format),
     ]
 

@@ -3,15 +3,18 @@ vocabulary rows."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from cadence.layers.packed import linear
+from cadence.layers.linear import product
 from cadence.layers.parallel import tp_rank, tp_size
+
+if TYPE_CHECKING:
+    from cadence.quant.product import QuantizedProduct
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -47,9 +50,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__(vocab_size, hidden_size)
         self.packed_weight: torch.Tensor | None = None  # see cadence.layers.packed
+        self.quantized: QuantizedProduct | None = None  # as a LinearBase's (layers.linear)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = linear(hidden, self.weight, None, self.packed_weight)
+        logits = product(self, hidden, None)
         if self.tp_size > 1:
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
             dist.all_gather(parts, logits)

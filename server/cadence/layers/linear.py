@@ -8,7 +8,8 @@ dimension and all-reduce their output.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -17,13 +18,22 @@ from torch import nn
 from cadence.layers.packed import linear
 from cadence.layers.parallel import balanced_split, divide, tp_rank, tp_size
 
+if TYPE_CHECKING:
+    from cadence.quant.product import QuantizedProduct
+
 # A checkpoint tensor: a safetensors slice (indexable, read lazily) or a torch tensor.
 Loaded = Any
 
 
-def _rows(loaded: Loaded, start: int, size: int) -> torch.Tensor:
-    """Rows [start, start+size) of a checkpoint tensor, reading only those rows."""
-    return loaded[start : start + size]
+@dataclass(frozen=True, slots=True)
+class Part:
+    """Which piece of a checkpoint weight [out, in] (or bias [out]) this rank's layer
+    holds, and where in its own weight it goes. The float loaders and the quantized ones
+    (`cadence.quant.load`) both slice by it."""
+
+    offset: int  # first output row of this layer's weight the piece fills
+    rows: tuple[int, int] | None  # (start, count) of the checkpoint's rows; None: all
+    cols: tuple[int, int] | None = None  # (start, count) of its input columns; None: all
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
@@ -32,8 +42,23 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     dst.copy_(src)
 
 
+def read_part(loaded: Loaded, part: Part, is_bias: bool) -> Loaded:
+    """The piece of a checkpoint tensor `part` names, reading only it. A bias follows the
+    rows (a row-parallel layer's, with all rows, is whole on every rank)."""
+    if part.rows is None and (is_bias or part.cols is None):
+        return loaded[:]
+    r0, r1 = (0, loaded.shape[0]) if part.rows is None else (part.rows[0], sum(part.rows))
+    if is_bias or part.cols is None:
+        return loaded[r0:r1]
+    return loaded[r0:r1, part.cols[0] : sum(part.cols)]
+
+
 class LinearBase(nn.Module):
-    """Holds `weight` [out, in] (and `bias` [out]) created empty, filled by the loaders."""
+    """Holds `weight` [out, in] (and `bias` [out]) created empty, filled by the loaders.
+
+    A quantized layer also holds `quantized` (`cadence.quant.product.QuantizedProduct`):
+    the product then goes through it up to its crossover row count, through the float
+    weight above it when that is kept (see `product`)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
@@ -49,19 +74,27 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.packed_weight: torch.Tensor | None = None  # see cadence.layers.packed
+        self.quantized: QuantizedProduct | None = None
 
-    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: Any = None) -> None:
+    def part(self, shard_id: Any = None) -> Part:
+        """This rank's piece of the checkpoint weight (of part `shard_id` of a fused layer)."""
         raise NotImplementedError
 
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: Any = None) -> None:
+        part = self.part(shard_id)
+        src = read_part(loaded, part, is_bias=param.dim() == 1)
+        what = f"{type(self).__name__}" + ("" if shard_id is None else f" part {shard_id}")
+        _copy(param.data.narrow(0, part.offset, src.shape[0]), src, what)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight)
+        return product(self, x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
     """Every rank holds the whole weight."""
 
-    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: Any = None) -> None:
-        _copy(param.data, loaded[:], "replicated linear")
+    def part(self, shard_id: Any = None) -> Part:
+        return Part(0, None)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -70,9 +103,9 @@ class ColumnParallelLinear(LinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__(in_features, divide(out_features, tp_size()), bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: Any = None) -> None:
-        size = param.shape[0]
-        _copy(param.data, _rows(loaded, self.tp_rank * size, size), "column-parallel linear")
+    def part(self, shard_id: Any = None) -> Part:
+        size = self.out_features
+        return Part(0, (self.tp_rank * size, size))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -83,12 +116,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(in_features, sum(output_sizes), bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: Any = None) -> None:
+    def part(self, shard_id: Any = None) -> Part:
         assert isinstance(shard_id, int)
         offset = divide(sum(self.output_sizes[:shard_id]), self.tp_size)
         size = divide(self.output_sizes[shard_id], self.tp_size)
-        src = _rows(loaded, self.tp_rank * size, size)
-        _copy(param.data.narrow(0, offset, size), src, f"merged linear part {shard_id}")
+        return Part(offset, (self.tp_rank * size, size))
 
 
 class QKVLinear(ColumnParallelLinear):
@@ -130,17 +162,15 @@ class QKVLinear(ColumnParallelLinear):
         projection's row-parallel slice must take."""
         return self.q_heads[0] * self.head_dim, self.q_heads[1] * self.head_dim
 
-    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: Any = None) -> None:
+    def part(self, shard_id: Any = None) -> Part:
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         if shard_id == "q":
-            offset, size, start = 0, q_size, self.q_heads[0] * self.head_dim
-        elif shard_id in ("k", "v"):
+            return Part(0, (self.q_heads[0] * self.head_dim, q_size))
+        if shard_id in ("k", "v"):
             offset = q_size if shard_id == "k" else q_size + kv_size
-            size, start = kv_size, self.kv_start * self.head_dim
-        else:
-            raise ValueError(f"unknown qkv shard {shard_id!r}")
-        _copy(param.data.narrow(0, offset, size), _rows(loaded, start, size), f"qkv {shard_id}")
+            return Part(offset, (self.kv_start * self.head_dim, kv_size))
+        raise ValueError(f"unknown qkv shard {shard_id!r}")
 
 
 class RowParallelLinear(LinearBase):
@@ -160,20 +190,29 @@ class RowParallelLinear(LinearBase):
             size = divide(in_features, tp_size())
             input_split = (tp_rank() * size, size)
         self.input_start = input_split[0]
+        self.input_features_total = in_features
         super().__init__(input_split[1], out_features, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: Any = None) -> None:
-        if param.dim() == 1:  # bias: replicated
-            _copy(param.data, loaded[:], "row-parallel bias")
-            return
-        start, size = self.input_start, param.shape[1]
-        _copy(param.data, loaded[:, start : start + size], "row-parallel linear")
+    def part(self, shard_id: Any = None) -> Part:
+        if self.in_features == self.input_features_total:
+            return Part(0, None)
+        return Part(0, None, (self.input_start, self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None, self.packed_weight)
+        y = product(self, x, self.bias if self.tp_rank == 0 else None)
         if self.tp_size > 1:
             dist.all_reduce(y)
         return y
+
+
+def product(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`layer`'s x @ weight.T (+ bias): through its quantized weight for the row counts
+    that serves (all of them when no float weight is kept), else the float weight
+    (prepacked when it has a packed copy)."""
+    quantized = layer.quantized
+    if quantized is not None and quantized.serves(x.numel() // x.shape[-1]):
+        return quantized(x, bias)
+    return linear(x, layer.weight, bias, layer.packed_weight)
 
 
 __all__ = [
@@ -183,4 +222,5 @@ __all__ = [
     "QKVLinear",
     "ReplicatedLinear",
     "RowParallelLinear",
+    "product",
 ]

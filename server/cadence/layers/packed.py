@@ -73,7 +73,7 @@ def pack_linear_weights(model: nn.Module, enabled: bool = True) -> int:
         if not hasattr(module, "packed_weight"):
             continue
         weight = module.weight
-        if not packing_supported(weight):
+        if weight.numel() == 0 or not packing_supported(weight):  # 0: quantized, no float kept
             continue
         module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(
             weight.data.contiguous(), _PACK_HINT_ROWS

@@ -15,6 +15,9 @@ from cadence.models.gpt2 import GPT2Config, GPT2LMHeadModel
 from cadence.models.llama import LlamaConfig, LlamaForCausalLM
 from cadence.models.loader import load_weights
 from cadence.models.opt import OPTConfig, OPTForCausalLM
+from cadence.quant import setup as quant_setup
+from cadence.quant.checkpoints import open_quantized_checkpoint
+from cadence.quant.setup import QuantizeConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -55,10 +58,15 @@ def to_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def load_model(
-    model_dir: str | Path, dtype: str | torch.dtype, device: str | torch.device
+    model_dir: str | Path,
+    dtype: str | torch.dtype,
+    device: str | torch.device,
+    quantize: QuantizeConfig | None = None,
 ) -> nn.Module:
     """Builds the model named by config.json's `model_type` and loads its weights in
-    `dtype` on `device`."""
+    `dtype` on `device`: a pre-quantized checkpoint's into quantized layers, a float
+    one's as they are, then quantized when `quantize` asks. `model.quantization` says
+    what is quantized ({} when nothing is)."""
     config = read_config(model_dir)
     model_type = config.get("model_type", "")
     build = ARCHITECTURES.get(model_type)
@@ -75,5 +83,10 @@ def load_model(
             model = build(config)
     finally:
         torch.set_default_dtype(previous)
-    model.checkpoint_bytes_read = load_weights(model, Path(model_dir))
+    quantize = quantize or QuantizeConfig()
+    source = open_quantized_checkpoint(model_dir)
+    model.checkpoint_bytes_read = 0 if source else load_weights(model, Path(model_dir))
+    model.quantization = quant_setup.apply(
+        model, source, quantize, torch_dtype, torch.device(device)
+    )
     return model.eval()

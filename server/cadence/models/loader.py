@@ -119,30 +119,66 @@ def _copy_whole(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:
     param.data.copy_(tensor)
 
 
+class TensorSlice:
+    """An in-memory tensor in the shape of a safetensors slice (what `CheckpointTensor`
+    reads): the float tensors of a quantized source."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, key: Any) -> torch.Tensor:
+        return self.tensor[key]
+
+
+class WeightFiller:
+    """Puts checkpoint tensors into `model`'s parameters through their loaders, and
+    knows which parameters are still empty."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.params = dict(model.named_parameters(remove_duplicate=False))
+        self.counter = ReadCounter()
+        self.loaded: set[int] = set()  # ids of filled parameters (tied ones share the object)
+
+    def targets(self, name: str) -> list[Target]:
+        return _targets(self.model, name)
+
+    def param(self, target: Target, name: str) -> nn.Parameter:
+        param = self.params.get(target.param)
+        if param is None:
+            raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
+        return param
+
+    def put(self, name: str, source: Any) -> None:
+        """`source`: a safetensors slice or a `TensorSlice`."""
+        for target in self.targets(name):
+            param = self.param(target, name)
+            view = CheckpointTensor(source, target.transposed, target.rows, self.counter)
+            loader = getattr(param, "weight_loader", None)
+            with torch.no_grad():
+                if loader is None:
+                    _copy_whole(param, view[:], name)
+                else:
+                    loader(param, view, target.shard_id)
+            self.loaded.add(id(param))
+
+    def check_complete(self) -> None:
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        missing = [n for n, p in params.items() if id(p) not in self.loaded]
+        if missing:
+            raise KeyError(f"weights missing from the checkpoint: {missing[:8]}")
+
+
 def load_weights(model: nn.Module, model_dir: Path) -> int:
     """Fills every parameter of `model`, reading only this rank's slices; raises if a
     parameter is left unloaded. Returns the bytes read from the checkpoint."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    counter = ReadCounter()
-    loaded: set[int] = set()  # ids of filled parameters (tied ones share the object)
+    filler = WeightFiller(model)
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # safe_open is not a mapping
-                for target in _targets(model, name):
-                    param = params.get(target.param)
-                    if param is None:
-                        raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
-                    view = CheckpointTensor(
-                        f.get_slice(name), target.transposed, target.rows, counter
-                    )
-                    loader = getattr(param, "weight_loader", None)
-                    with torch.no_grad():
-                        if loader is None:
-                            _copy_whole(param, view[:], name)
-                        else:
-                            loader(param, view, target.shard_id)
-                    loaded.add(id(param))
-    missing = [n for n, p in params.items() if id(p) not in loaded]
-    if missing:
-        raise KeyError(f"weights missing from the checkpoint: {missing[:8]}")
-    return counter.bytes
+                filler.put(name, f.get_slice(name))
+    filler.check_complete()
+    return filler.counter.bytes

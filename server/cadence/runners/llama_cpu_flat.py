@@ -23,8 +23,7 @@ from cadence.attention_backends import StepLayout
 from cadence.attention_backends.cpu_paged import CpuAttention, CpuMetadata
 from cadence.attention_backends.torch_sdpa import attend_prefill
 from cadence.heartbeat import HEARTBEAT
-from cadence.layers.linear import LinearBase
-from cadence.layers.packed import linear
+from cadence.layers.linear import LinearBase, product
 from cadence.models.llama import LlamaForCausalLM, LlamaModel
 from cadence.runners.generic import ModelRunner
 
@@ -45,8 +44,9 @@ class LlamaCpuFlatRunner(ModelRunner):
 
 
 def _linear(layer: LinearBase, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
-    """The layer's product without its module call (prepacked weight when it has one)."""
-    return linear(x, layer.weight, layer.bias if with_bias else None, layer.packed_weight)
+    """The layer's product without its module call (its quantized weight or its
+    prepacked one, as the layer's forward would choose)."""
+    return product(layer, x, layer.bias if with_bias else None)
 
 
 def _row_parallel(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:

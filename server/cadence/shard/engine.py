@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,7 @@ from cadence.layers import kernel_ops
 from cadence.layers.packed import pack_linear_weights
 from cadence.models import load_model, read_config, to_dtype
 from cadence.pb import shard_pb2
+from cadence.quant.setup import QuantizeConfig
 from cadence.sampling import TOP_N, SampleOutput, SamplingBatch, sample
 from cadence.shard import backends
 from cadence.shard.kernel_report import kernel_paths, log_line
@@ -92,10 +94,14 @@ class Engine:
         # before the weights: what is already in use is not this shard's to spend
         self.memory_at_start = cuda_reading(self.device) if self.device.type == "cuda" else None
         started = time.perf_counter()
-        self.model = load_model(cfg.model_dir, self.dtype, self.device)
+        quantize = QuantizeConfig(cfg.quantize, cfg.quantize_group_size, cfg.quantize_keep_float)
+        self.model = load_model(cfg.model_dir, self.dtype, self.device, quantize)
+        # what is quantized: source, formats, crossover, float kept ({} for none)
+        self.quantization: dict[str, Any] = self.model.quantization
         self.attention = self.model.attention_layers()
         unique = {p.data_ptr(): p for p in self.model.parameters()}.values()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in unique)
+        self.weight_bytes += self.quantization.get("quantized_bytes", 0)
         self.checkpoint_bytes_read: int = getattr(self.model, "checkpoint_bytes_read", 0)
         # on CPU: a second copy of each linear weight in oneDNN's blocked layout
         self.packed_bytes = pack_linear_weights(self.model, enabled=cfg.cpu_kernels)
@@ -123,12 +129,13 @@ class Engine:
             f"{cfg.rank}/{cfg.world_size}, {self.checkpoint_bytes_read / MiB:.1f} MiB read, "
             f"{self.attention_backend.name} attention"
             + (f", {self.packed_bytes / MiB:.1f} MiB prepacked" if self.packed_bytes else "")
+            + (f", quantized: {self.quantization['source']}" if self.quantization else "")
             + ") "
             f"in {time.perf_counter() - started:.1f}s"
         )
         self.kernels = kernel_paths(
             self.device, self.dtype, self.attention_backend, self.ops, self.runner,
-            self.packed_bytes,
+            self.packed_bytes, self.quantization,
         )  # fmt: skip
         logger.info(log_line(self.kernels))
 

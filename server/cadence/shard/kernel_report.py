@@ -20,6 +20,7 @@ def kernel_paths(
     ops: LayerOps,
     runner: ModelRunner,
     packed_bytes: int,
+    quantization: dict[str, Any] | None = None,
 ) -> dict[str, str]:
     """{"isa", "attention", "products", "norms", "sampling", "runner"} -> what serves each."""
     isa = ""
@@ -31,6 +32,8 @@ def kernel_paths(
     if packed_bytes:
         rows = "" if dtype == torch.float32 else f" up to {BF16_PACKED_MAX_ROWS} rows, else torch"
         products = f"oneDNN {_name(dtype)} prepacked{rows}"
+    if quantization:
+        products = _quantized_products(quantization, products)
     return {
         "isa": isa,
         "attention": attention.description,
@@ -39,6 +42,15 @@ def kernel_paths(
         "sampling": ops.sampling,
         "runner": runner.description,
     }
+
+
+def _quantized_products(quantization: dict[str, Any], float_path: str) -> str:
+    """ "int4 g64 kernels up to 8 rows, above: oneDNN bfloat16 prepacked ..."."""
+    kernels = ", ".join(sorted(quantization["formats"]))
+    if not quantization["float_kept"]:
+        return f"{kernels} kernels (no float copy kept)"
+    rows = "/".join(str(c["rows"]) for c in quantization["crossover"].values())
+    return f"{kernels} kernels up to {rows} rows, above: {float_path}"
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -1,0 +1,83 @@
+"""Up to how many rows a quantized product beats the float one, per weight format,
+activation dtype and CPU instruction set.
+
+Weight-only quantized kernels read 2x (int8) or 4x (int4) fewer weight bytes, which
+wins while a product is bound by reading its weight (decode: a few rows); with more rows
+the float product's blocked GEMM (oneDNN, weight prepacked) computes faster than the
+kernels' dequantize-as-you-go loops. A layer holding both takes the quantized kernel up
+to the crossover and the float weight above it.
+
+`DEFAULTS` were measured on an AMD EPYC (Zen 4, AVX-512 BF16, 2 cores) over SmolLM2-135M's
+shapes (`kernels/quant_linear_bench.py`); that bench writes the table for the machine it
+runs on to `<cache dir>/quant_crossover.json`, which shards read instead when present.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from cadence.model_source import cache_dir
+
+FILE_NAME = "quant_crossover.json"
+FORMATS = ("int8", "int4")
+
+# (format, activation dtype, ISA) -> most rows the quantized kernel serves.
+DEFAULTS: dict[tuple[str, str, str], int] = {
+    ("int8", "bfloat16", "avx512_bf16"): 8,
+    ("int4", "bfloat16", "avx512_bf16"): 8,
+    ("int8", "float32", "avx512_bf16"): 8,
+    ("int4", "float32", "avx512_bf16"): 8,
+    ("int8", "float32", "avx512"): 8,
+    ("int4", "float32", "avx512"): 8,
+    ("int8", "float32", "avx2"): 8,
+    ("int4", "float32", "avx2"): 8,
+}
+FALLBACK_ROWS = 4  # a combination nobody measured: decode-sized batches only
+
+
+def table_path() -> Path:
+    return cache_dir() / FILE_NAME
+
+
+def _key(fmt: str, dtype: str, isa: str) -> str:
+    return f"{fmt}/{dtype}/{isa}"
+
+
+@dataclass(frozen=True, slots=True)
+class Crossover:
+    rows: int
+    source: str  # "measured (<file>)", "default" or "fallback": what /info shows
+
+
+def format_of(description: str) -> str:
+    """ "int4 g128" -> "int4"."""
+    return description.split()[0]
+
+
+def crossover_rows(fmt: str, dtype: str, isa: str, path: Path | None = None) -> Crossover:
+    """The crossover for `fmt` ("int8"/"int4") under `dtype` activations on `isa` (a
+    name of `cadence.kernels.cpu.isa.ISAS`, "cuda" on a GPU): the measured table's entry
+    when the file has one, else the built-in default."""
+    path = table_path() if path is None else path
+    if path.exists():
+        measured = json.loads(path.read_text()).get("crossover", {})
+        if _key(fmt, dtype, isa) in measured:
+            return Crossover(int(measured[_key(fmt, dtype, isa)]), f"measured ({path})")
+    if (fmt, dtype, isa) in DEFAULTS:
+        return Crossover(DEFAULTS[(fmt, dtype, isa)], "default")
+    return Crossover(FALLBACK_ROWS, "fallback")
+
+
+def write_table(
+    entries: dict[tuple[str, str, str], int], cpu: str, path: Path | None = None
+) -> Path:
+    """Merges measured `entries` into the table file (keeping other ISAs' entries)."""
+    path = table_path() if path is None else path
+    data = json.loads(path.read_text()) if path.exists() else {}
+    crossover = data.get("crossover", {})
+    crossover.update({_key(*k): v for k, v in entries.items()})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"cpu": cpu, "crossover": crossover}, indent=2) + "\n")
+    return path

@@ -1,0 +1,105 @@
+"""Times the quantized products against the float ones on a model's linear shapes and
+finds the crossover: the most rows at which the quantized kernels still win.
+
+Every layer gets its own weights (so they stream from memory as in a real step, rather
+than sit in cache); the float side is what a shard serves (`cadence.layers.packed.linear`,
+the weight prepacked by oneDNN where it can be), the quantized side the kernels of
+`cadence.quant.cpu_kernels`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from cadence.layers.packed import _PACK_HINT_ROWS, linear, onednn_packs
+from cadence.quant.product import make_kernel
+from cadence.quant.quantize import group_size_for, quantize_int4, quantize_int8
+
+# SmolLM2-135M as cadence serves it: (out, in) of the fused qkv, o, gate_up and down
+# projections of each of its 30 layers, and its LM head once.
+SMOLLM2_LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+SMOLLM2_LAYERS = 30
+SMOLLM2_HEAD = (49152, 576)
+# Checkpoint shapes timed one by one for the record (q, k/v, gate/up, down, head).
+SMOLLM2_PRODUCT_SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]
+
+
+def best_seconds(fn: Callable[[], object], repeats: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+@dataclass(slots=True)
+class Products:
+    """One float and one quantized product per weight, over the same random weights."""
+
+    float_products: list[Callable[[torch.Tensor], torch.Tensor]]
+    quantized_products: list[Callable[[torch.Tensor], torch.Tensor]]
+    in_features: list[int]
+
+
+def build(
+    shapes: Sequence[tuple[int, int]], fmt: str, group_size: int, dtype: torch.dtype
+) -> Products:
+    packs = onednn_packs(dtype)
+    floats, quantized, widths = [], [], []
+    for out_features, in_features in shapes:
+        w = (torch.randn(out_features, in_features) * 0.05).to(dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_HINT_ROWS) if packs else None
+        floats.append(lambda x, w=w, p=packed: linear(x, w, None, p))
+        if fmt == "int8":
+            q = quantize_int8(w)
+        else:
+            q = quantize_int4(w, group_size_for(in_features, group_size))
+        quantized.append(make_kernel(q, dtype, torch.device("cpu")))
+        widths.append(in_features)
+    return Products(floats, quantized, widths)
+
+
+def time_rows(products: Products, rows: int, dtype: torch.dtype) -> tuple[float, float]:
+    """(float, quantized) seconds for one pass over every product at `rows` rows."""
+    inputs = {k: torch.randn(rows, k).to(dtype) for k in set(products.in_features)}
+
+    def run(fns: list[Callable[[torch.Tensor], torch.Tensor]]) -> None:
+        for fn, k in zip(fns, products.in_features, strict=True):
+            fn(inputs[k])
+
+    return (
+        best_seconds(lambda: run(products.float_products)),
+        best_seconds(lambda: run(products.quantized_products)),
+    )
+
+
+def model_shapes() -> list[tuple[int, int]]:
+    return SMOLLM2_LAYER_SHAPES * SMOLLM2_LAYERS + [SMOLLM2_HEAD]
+
+
+def crossover_from(times: dict[int, tuple[float, float]]) -> int:
+    """The most rows up to which the quantized side wins at every measured count (0: it
+    never does)."""
+    best = 0
+    for rows in sorted(times):
+        float_s, quantized_s = times[rows]
+        if quantized_s >= float_s:
+            break
+        best = rows
+    return best
+
+
+def measure_crossover(
+    fmt: str, dtype: torch.dtype, group_size: int, rows: Sequence[int]
+) -> tuple[int, dict[int, tuple[float, float]]]:
+    """The crossover of `fmt` under `dtype` activations over a whole SmolLM2-135M step's
+    products, and the (float, quantized) seconds measured at each row count."""
+    torch.manual_seed(0)
+    products = build(model_shapes(), fmt, group_size, dtype)
+    times = {r: time_rows(products, r, dtype) for r in rows}
+    return crossover_from(times), times

@@ -1,0 +1,103 @@
+"""A loaded model's quantization, as the shard's flags ask: a pre-quantized source's
+weights placed, or a float checkpoint's linears quantized; and the dict /info shows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from cadence.quant.checkpoints import QuantizedSource
+from cadence.quant.crossover import FORMATS, crossover_rows
+from cadence.quant.load import (
+    Dispatch,
+    load_from_source,
+    quantizable,
+    quantize_model,
+    summary,
+)
+
+# auto keeps the float weights on CPU while they take at most this share of MemAvailable
+KEEP_FLOAT_MEMORY_SHARE = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizeConfig:
+    method: str | None = None  # "int8" | "int4": quantize a float checkpoint at load
+    group_size: int = 128  # int4 group (smaller where a layer's input does not divide)
+    keep_float: str = "auto"  # one of cadence.config.KEEP_FLOAT_CHOICES
+
+
+def float_linear_bytes(model: nn.Module) -> int:
+    """Bytes of the float weights the quantizable layers hold (tied ones once)."""
+    seen = {id(m.weight): m.weight for m in model.modules() if quantizable(m)}
+    return sum(w.numel() * w.element_size() for w in seen.values())
+
+
+def keeps_float(setting: str, device: torch.device, float_bytes: int) -> bool:
+    """auto: on CPU while the float copies fit in KEEP_FLOAT_MEMORY_SHARE of the memory
+    available; never on a GPU (its memory is what quantization saves there)."""
+    if setting != "auto":
+        return setting == "on"
+    if device.type != "cpu":
+        return False
+    from cadence.shard.memory import available_bytes
+
+    return float_bytes <= KEEP_FLOAT_MEMORY_SHARE * available_bytes(device)
+
+
+def isa_name(device: torch.device) -> str:
+    """The crossover table's ISA key: the C++ kernels' instruction set, "cuda" on a GPU."""
+    if device.type == "cuda":
+        return "cuda"
+    from cadence.kernels import cpu as cpu_kernels
+
+    return cpu_kernels.selected_isa() or "scalar"
+
+
+def dispatch_for(
+    cfg: QuantizeConfig, model: nn.Module, dtype: torch.dtype, device: torch.device
+) -> tuple[Dispatch, dict[str, str]]:
+    """The dispatch for `model`, and where each format's crossover came from."""
+    keep = keeps_float(cfg.keep_float, device, float_linear_bytes(model))
+    dtype_name = str(dtype).removeprefix("torch.")
+    isa = isa_name(device)
+    found = {fmt: crossover_rows(fmt, dtype_name, isa) for fmt in FORMATS}
+    rows = {fmt: c.rows for fmt, c in found.items()}
+    return Dispatch(keep, rows), {fmt: c.source for fmt, c in found.items()}
+
+
+def apply(
+    model: nn.Module,
+    source: QuantizedSource | None,
+    cfg: QuantizeConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> dict[str, Any]:
+    """Loads `source` into `model` (whose float weights are still empty), or quantizes
+    `model`'s loaded float weights when `cfg.method` is set. Returns what /info shows."""
+    dispatch, origin = dispatch_for(cfg, model, dtype, device)
+    if source is not None:
+        if cfg.method:
+            raise ValueError(
+                f"the checkpoint is already quantized ({source.description}): "
+                "serve it without --quantize"
+            )
+        load_from_source(model, source, dispatch)
+        description = source.description
+    elif cfg.method:
+        quantize_model(model, cfg.method, cfg.group_size, dispatch)
+        description = f"{cfg.method} at load" + (
+            f" (group {cfg.group_size})" if cfg.method == "int4" else ""
+        )
+    else:
+        return {}
+    info = summary(model)
+    used = {f.split()[0] for f in info.get("formats", {})}
+    return {
+        "source": description,
+        **info,
+        "crossover": {f: {"rows": dispatch.crossover[f], "from": origin[f]} for f in used},
+    }

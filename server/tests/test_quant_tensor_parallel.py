@@ -1,0 +1,46 @@
+"""Quantized weights under tensor parallelism (2 gloo ranks on CPU): each rank slices a
+whole quantized weight exactly as the float loaders slice a float one -- column-parallel
+rows, gate/up parts, q/k/v with SmolLM2's uneven 2-and-1 KV head split and a replicated
+single KV head, row-parallel input columns in whole int4 groups, a padded vocabulary --
+so 2 ranks give 1 rank's logits, on every rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from quant_tp_worker import engine_for_case, run_group
+from tp_worker import scripted_logits
+
+TOL = 1e-4  # relative to the largest |logit|: summation order only
+
+CASES = [  # (name, model, method, int4 group, how)
+    ("int8_uneven_heads", "llama_9_heads_3_kv", "int8", 0, "source"),
+    ("int8_kv1_odd_vocab", "llama_kv1_odd_vocab", "int8", 0, "source"),
+    ("int4_gqa", "llama_gqa", "int4", 32, "source"),
+    ("int4_kv1_odd_vocab", "llama_kv1_odd_vocab", "int4", 32, "source"),
+    # each rank quantizes its own slice: with groups aligned to the split, the same weights
+    ("int4_at_load", "llama_gqa", "int4", 32, "at_load"),
+]
+
+
+@pytest.fixture(scope="module")
+def cases(model_dirs) -> list[tuple]:
+    return [(n, str(model_dirs(m)), method, g, via) for n, m, method, g, via in CASES]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(cases, tmp_path_factory) -> list[dict]:
+    return run_group(2, cases, tmp_path_factory.mktemp("quant_tp2"))
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[c[0] for c in CASES])
+def test_two_ranks_give_one_ranks_logits(index, cases, two_ranks):
+    case = cases[index]
+    single = scripted_logits(engine_for_case(case))
+    for rank, results in enumerate(two_ranks):
+        for rid in (1, 2):
+            got, expected = results[case[0]][rid], single[rid]
+            scale = float(expected.abs().max())
+            torch.testing.assert_close(
+                got, expected, atol=TOL * scale, rtol=0, msg=f"rank {rank} request {rid}"
+            )
