@@ -52,9 +52,9 @@ pub struct Info {
     /// What serves each kernel family on the shards: `isa` (the C++ CPU kernels'
     /// instruction set), `attention`, `products`, `norms`, `sampling`.
     pub kernels: std::collections::BTreeMap<String, String>,
-    /// How weights and KV cache are stored: `weights` (`int8`, `int4` or the float
-    /// dtype), `group_size`, `source`, `quantized_max_rows`, `float_copy`,
-    /// `kv_cache_dtype`.
+    /// How weights and KV cache are stored: `weights` (the float dtype or the quantized
+    /// formats), `kv_cache_dtype`, and with quantized weights `source`, `float_copy`,
+    /// `quantized_max_rows`.
     pub quantization: std::collections::BTreeMap<String, String>,
     pub version: &'static str,
     pub router: &'static str,

@@ -146,3 +146,17 @@ def test_quantize_refuses_an_already_quantized_checkpoint(model_dirs, engine_for
     monkeypatch.setattr(cadence.models, "open_quantized_checkpoint", lambda _: source)
     with pytest.raises(ValueError, match="already quantized"):
         engine_for(model_dir, quantize="int4")
+
+
+def test_info_fields_say_what_is_quantized_and_how(model_dirs, served):
+    model_dir = model_dirs("llama_gqa")
+    _, plain = served(model_dir)
+    assert plain.quantization_fields() == {"weights": "float32", "kv_cache_dtype": "float32"}
+    _, engine = served(model_dir, quantize="int4", quantize_group_size=32, quantize_keep_float="on")
+    fields = engine.quantization_fields()
+    rows = engine.quantization["crossover"]["int4"]["rows"]
+    assert fields["weights"] == "int4 g32"
+    assert fields["source"] == "int4 at load (group 32)"
+    assert fields["float_copy"] == "kept"
+    assert fields["quantized_max_rows"].startswith(f"int4: {rows} (")
+    assert all(isinstance(v, str) for v in engine.info().quantization.values())

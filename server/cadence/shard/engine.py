@@ -163,13 +163,20 @@ class Engine:
         )
 
     def quantization_fields(self) -> dict[str, str]:
-        """How weights and KV cache are stored (InfoResponse.quantization): the float
-        dtype unless the loaded model says otherwise (`model.quantization`)."""
+        """How weights and KV cache are stored (InfoResponse.quantization, flat strings):
+        `weights` is the float dtype unless linears are quantized."""
         fields = {
             "weights": self.cfg.dtype,
             "kv_cache_dtype": self.cfg.kv_cache_dtype or self.cfg.dtype,
         }
-        fields.update(getattr(self.model, "quantization", {}))
+        q = self.quantization
+        if q:
+            fields["weights"] = ", ".join(sorted(q["formats"]))
+            fields["source"] = q["source"]
+            fields["float_copy"] = "kept" if q["float_kept"] else "none"
+            fields["quantized_max_rows"] = ", ".join(
+                f"{fmt}: {c['rows']} ({c['from']})" for fmt, c in sorted(q["crossover"].items())
+            )
         return fields
 
     def warmup(
