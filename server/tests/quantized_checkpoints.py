@@ -219,3 +219,15 @@ def awq_config(**fields: Any) -> dict[str, Any]:
         "modules_to_not_convert": None,
         **fields,
     }
+
+
+def write_dequantized(float_dir: Path, out: Path, dequantized: dict[str, torch.Tensor]) -> None:
+    """A plain float32 Hugging Face folder holding what a quantized checkpoint stands
+    for: the float model with its quantized linears replaced by their dequantization."""
+    state = {
+        n: t.to(torch.float32) for n, t in load_file(str(float_dir / "model.safetensors")).items()
+    }
+    state.update(dequantized)
+    out.mkdir(parents=True)
+    shutil.copy(float_dir / "config.json", out / "config.json")
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
