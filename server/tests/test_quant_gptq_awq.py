@@ -51,6 +51,10 @@ def _check_source(
     return linears
 
 
+def _groups(group_size: int) -> str:
+    return "per-channel" if group_size == -1 else f"g{group_size}"
+
+
 GPTQ_CASES = [
     # checkpoint_format, sym, group_size, act-order (a shuffled g_idx)
     ("gptq", True, 32, False),
@@ -75,7 +79,7 @@ def test_gptq_linears_equal_the_checkpoints_dequantization(
     assert len(expected) == 2 * len(LINEARS)
     source = open_quantized_checkpoint(tmp_path / "q")
     assert isinstance(source, GPTQSource)
-    assert source.description.startswith(f"gptq int4 g{group_size}")
+    assert source.description.startswith(f"gptq int4 {_groups(group_size)}")
     linears = _check_source(source, expected, float_dir)
     for weight in linears.values():
         assert isinstance(weight, Int4Weight)
@@ -173,7 +177,7 @@ def test_awq_linears_equal_the_checkpoints_dequantization(
     qc = awq_config(group_size=group_size)
     expected = write_quantized(float_dir, tmp_path / "q", qc, shards=2 if group_size == 64 else 1)
     source = open_quantized_checkpoint(tmp_path / "q")
-    assert isinstance(source, AWQSource) and source.description == f"awq int4 g{group_size}"
+    assert isinstance(source, AWQSource) and source.description == f"awq int4 {_groups(group_size)}"
     linears = _check_source(source, expected, float_dir)
     assert all(isinstance(w, Int4Weight) and w.perm is None for w in linears.values())
 
@@ -203,6 +207,7 @@ def test_awq_nibble_order_is_interleaved(tmp_path: Path) -> None:
         (gptq_config(bits=8, group_size=128), "group_size"),
         (gptq_config(bits=8, group_size=-1, sym=False), "sym"),
         (gptq_config(checkpoint_format="marlin"), "checkpoint_format"),
+        ({**gptq_config(checkpoint_format=None), "format": "bitblas"}, "format 'bitblas'"),
         (gptq_config(is_marlin_format=True), "is_marlin_format"),
         (gptq_config(pack_dtype="int16"), "pack_dtype"),
         (gptq_config(dynamic={"+:.*mlp": {"bits": 3}}), "bits"),

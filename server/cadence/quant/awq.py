@@ -53,7 +53,8 @@ class AWQSource:
         self._group_size = int(qc.get("group_size", 128))
         self.files = TensorFiles(self.model_dir)
         self._prefixes = quantized_prefixes(self.files.names())
-        self.description = f"awq int4 g{self._group_size}"
+        groups = "per-channel" if self._group_size == -1 else f"g{self._group_size}"
+        self.description = f"awq int4 {groups}"
 
     def float_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         quantized = {f"{p}.{part}" for p in self._prefixes for part in PARTS}

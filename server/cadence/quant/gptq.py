@@ -40,11 +40,12 @@ class GPTQSource:
         self._where = f"{self.model_dir}/config.json: quantization_config"
         if qc.get("is_marlin_format"):
             raise ValueError(f"{self._where}.is_marlin_format: Marlin-packed GPTQ is not supported")
-        fmt = str(qc.get("checkpoint_format") or qc.get("format") or "gptq").lower()
+        # GPTQModel names the field "format"; AutoGPTQ, Optimum and transformers
+        # "checkpoint_format"
+        field = "checkpoint_format" if qc.get("checkpoint_format") else "format"
+        fmt = str(qc.get(field) or "gptq").lower()
         if fmt not in FORMATS:
-            raise ValueError(
-                f"{self._where}.checkpoint_format {fmt!r} is not supported (gptq, gptq_v2)"
-            )
+            raise ValueError(f"{self._where}.{field} {fmt!r} is not supported (gptq, gptq_v2)")
         self._zero_offset = FORMATS[fmt]
         pack_dtype = str(qc.get("pack_dtype", "int32"))
         if pack_dtype != "int32":
@@ -62,7 +63,8 @@ class GPTQSource:
         self.files = TensorFiles(self.model_dir)
         self._prefixes = quantized_prefixes(self.files.names())
         bits, group = self._base["bits"], self._base["group_size"]
-        self.description = f"gptq int{bits} g{group}" + (" desc_act" if qc.get("desc_act") else "")
+        groups = "per-channel" if group == -1 else f"g{group}"
+        self.description = f"gptq int{bits} {groups}" + (" desc_act" if qc.get("desc_act") else "")
 
     def _check_layout(self, layout: dict[str, Any], field: str) -> None:
         """Refuses, naming the field, what cadence's two formats cannot hold exactly."""
@@ -113,8 +115,7 @@ class GPTQSource:
         scales = self.files.get(f"{prefix}.scales")  # [groups, out]
         groups, out_features = scales.shape
         # packed along the input: unpack the transpose so the input is the last dim
-        q = unpack_int32(self.files.get(f"{prefix}.qweight").t().contiguous(), bits)
-        q = q[:out_features]  # [out, in]
+        q = unpack_int32(self.files.get(f"{prefix}.qweight").t().contiguous(), bits)  # [out, in]
         zeros = unpack_int32(self.files.get(f"{prefix}.qzeros"), bits)[:, :out_features]
         zeros = zeros + self._zero_offset  # [groups, out]
         in_features = q.shape[1]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -22,14 +23,19 @@ class TensorFiles:
     def __init__(self, model_dir: Path) -> None:
         self.model_dir = model_dir
         self._file_of: dict[str, Path] = {}
+        self._handles: dict[Path, Any] = {}  # open files, read lazily through mmap
         index = model_dir / "model.safetensors.index.json"
         if index.exists():
             weight_map = json.loads(index.read_text())["weight_map"]
             self._file_of = {name: model_dir / file for name, file in weight_map.items()}
         else:
             for path in checkpoint_files(model_dir):
-                with safe_open(str(path), framework="pt", device="cpu") as f:
-                    self._file_of.update((name, path) for name in f.keys())
+                self._file_of.update((name, path) for name in self._handle(path).keys())
+
+    def _handle(self, path: Path) -> Any:
+        if path not in self._handles:
+            self._handles[path] = safe_open(str(path), framework="pt", device="cpu")
+        return self._handles[path]
 
     def names(self) -> list[str]:
         return list(self._file_of)
@@ -38,18 +44,12 @@ class TensorFiles:
         return name in self._file_of
 
     def get(self, name: str) -> torch.Tensor:
-        with safe_open(str(self._file_of[name]), framework="pt", device="cpu") as f:
-            return f.get_tensor(name)
+        return self._handle(self._file_of[name]).get_tensor(name)
 
     def each(self, names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, tensor) in file order, opening each file once."""
-        by_file: dict[Path, list[str]] = {}
-        for name in names:
-            by_file.setdefault(self._file_of[name], []).append(name)
-        for path, in_file in sorted(by_file.items()):
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                for name in in_file:
-                    yield name, f.get_tensor(name)
+        """(name, tensor), file by file."""
+        for name in sorted(names, key=lambda n: (self._file_of[n], n)):
+            yield name, self.get(name)
 
 
 def quantized_prefixes(names: Iterable[str], marker: str = "qweight") -> list[str]:
