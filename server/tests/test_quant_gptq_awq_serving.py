@@ -1,0 +1,77 @@
+"""GPTQ and AWQ folders served by the engine give the logits transformers computes from
+the weights those checkpoints stand for (their dequantization, written as a plain float
+folder)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from quantized_checkpoints import awq_config, gptq_config, write_dequantized, write_quantized
+from shard_helpers import MiniRouter, hf_logits
+from transformers import AutoModelForCausalLM
+
+# Largest |logit difference| relative to the largest |logit|: float32 summation order
+# only (the engine serves float32 here; the weights are the same numbers).
+TOL = 1e-4
+
+CASES = {
+    "gptq_v1_sym_g32": gptq_config(group_size=32),
+    "gptq_v2_asym_act_order_g32": gptq_config(
+        checkpoint_format="gptq_v2", sym=False, desc_act=True
+    ),
+    "gptq_v1_int8_sym": gptq_config(bits=8, group_size=-1),
+    "awq_g32": awq_config(group_size=32),
+}
+DESCRIPTIONS = {
+    "gptq_v1_sym_g32": "gptq int4 g32",
+    "gptq_v2_asym_act_order_g32": "gptq int4 g32 desc_act",
+    "gptq_v1_int8_sym": "gptq int8 per-channel",
+    "awq_g32": "awq int4 g32",
+}
+
+
+def _prefill_then_decode(engine: Any, tokens: list[int], prompt_len: int) -> torch.Tensor:
+    router = MiniRouter(engine)
+    first = router.join(1, tokens[:prompt_len])
+    got = [router.logits_step(joined=[first], forced={1: tokens[prompt_len]})[1]]
+    for t in tokens[prompt_len + 1 :]:
+        got.append(router.logits_step(continuing=[router.cont(1)], forced={1: t})[1])
+    return torch.cat(got)
+
+
+@pytest.mark.parametrize("keep_float", ["on", "off"])  # off: every product quantized
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_served_logits_equal_transformers_on_the_dequantized_weights(
+    case: str,
+    keep_float: str,
+    model_dirs: Callable[[str], Path],
+    engine_for: Callable[..., Any],
+    tmp_path: Path,
+) -> None:
+    float_dir = model_dirs("llama_gqa")
+    qc = CASES[case]
+    dequantized = write_quantized(
+        float_dir, tmp_path / "quantized", qc, act_order_seed=2 if qc.get("desc_act") else None
+    )
+    write_dequantized(float_dir, tmp_path / "oracle", dequantized)
+    oracle = AutoModelForCausalLM.from_pretrained(tmp_path / "oracle", dtype=torch.float32).eval()
+    tokens = torch.randint(3, 256, (24,), generator=torch.Generator().manual_seed(1)).tolist()
+    ref = hf_logits(oracle, tokens)[:-1]
+    # the test has teeth: quantization moved the logits well beyond the tolerance
+    original = AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.float32).eval()
+    scale = float(ref.abs().max())
+    assert (hf_logits(original, tokens)[:-1] - ref).abs().max() > 100 * TOL * scale
+
+    engine = engine_for(tmp_path / "quantized", quantize_keep_float=keep_float)
+    ours = _prefill_then_decode(engine, tokens, 16)
+    torch.testing.assert_close(ours, ref, atol=TOL * scale, rtol=0)
+    served = engine.quantization
+    assert served["source"] == DESCRIPTIONS[case]
+    assert served["float_kept"] is (keep_float == "on")
+    # every linear of both layers (fused q/k/v, o, fused gate/up, down) is quantized
+    fmt = "int8" if qc["bits"] == 8 else "int4 g32"
+    assert served["formats"] == {fmt: 4 * 2}
