@@ -29,6 +29,7 @@ from cadence.config import (
     default_of,
 )
 from cadence.flags import add_flag, add_switch, add_toggle, parse_size
+from cadence.kv_format import KV_CACHE_DTYPES
 from cadence.launcher import LaunchError
 from cadence.logs import LOG_FORMATS, setup_logging
 from cadence.model_source import ModelSourceError
@@ -42,7 +43,16 @@ DTYPE_HELP = (
     "weights and activations (auto: bfloat16 on a GPU and on CPUs with AVX-512 BF16, "
     "float32 on other CPUs, where it is the faster)"
 )
-KV_DTYPE_HELP = "KV cache dtype (default: bfloat16 under float32 weights on CPU, else --dtype)"
+KV_DTYPE_HELP = (
+    "KV cache dtype (default: bfloat16 under float32 weights on CPU, else --dtype); int8: "
+    "a scale per token and KV head, written with it; fp8_e4m3, fp8_e5m2: a scale per layer "
+    "for keys and for values, from --kv-cache-scales or estimated at warm-up "
+    "(docs/quantization.md)"
+)
+KV_SCALES_HELP = (
+    'fp8 KV cache: JSON file {"k_scale": [one per layer], "v_scale": [...]} of the scales '
+    "stored = value / scale uses (default: estimated at warm-up from a float-cache forward)"
+)
 CPU_ISA_HELP = (
     "instruction set of the C++ CPU kernels (auto: the best this CPU has); naming one the "
     "CPU lacks is an error at start"
@@ -127,7 +137,8 @@ def _add_log_format(add: Add) -> None:
 def _add_shard_flags(p: argparse.ArgumentParser, add: Add, config: type) -> None:
     """What every shard runs with (`cadence launch` passes them on to each shard)."""
     add("--dtype", choices=MODEL_DTYPE_CHOICES, help=DTYPE_HELP)
-    add("--kv-cache-dtype", choices=DTYPE_CHOICES, help=KV_DTYPE_HELP)
+    add("--kv-cache-dtype", choices=KV_CACHE_DTYPES, help=KV_DTYPE_HELP)
+    add("--kv-cache-scales", help=KV_SCALES_HELP)
     add("--device", help="cpu, cuda or cuda:N")
     add("--cpu-isa", choices=CPU_ISA_CHOICES, help=CPU_ISA_HELP)
     add("--block-size", type=_positive_int, help="tokens per KV cache block")

@@ -30,7 +30,8 @@ class ShardConfig:
     world_size: int = 1
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
-    kv_cache_dtype: str | None = None  # None: follow dtype
+    kv_cache_dtype: str | None = None  # a kv_format.KV_CACHE_DTYPES entry; None: follow dtype
+    kv_cache_scales: str = ""  # fp8 cache: JSON file of per-layer scales; "": from warm-up
     log_format: str = "text"  # "text" | "json"
     model_id: str = ""  # reported by Info; "" = model_dir
     cpu_isa: str = "auto"  # the C++ kernels' instruction set: "auto" or one of isa.ISAS
@@ -86,6 +87,7 @@ class LaunchConfig:
     # Every shard's (and every process's log format).
     dtype: str = _shard("dtype")  # auto: resolve_cpu_choices picks by device and CPU
     kv_cache_dtype: str | None = _shard("kv_cache_dtype")  # None: isa.default_kv_cache_dtype
+    kv_cache_scales: str = _shard("kv_cache_scales")
     device: str = _shard("device")
     cpu_isa: str = _shard("cpu_isa")
     block_size: int = _shard("block_size")

@@ -98,6 +98,7 @@ def shard_argv(cfg: LaunchConfig, model_dir: str, slot: ShardSlot) -> list[str]:
         *(("--quantize", cfg.quantize) if cfg.quantize else ()),
         *("--quantize-group-size", str(cfg.quantize_group_size)),
         *("--quantize-keep-float", cfg.quantize_keep_float),
+        *(("--kv-cache-scales", cfg.kv_cache_scales) if cfg.kv_cache_scales else ()),
         *("--log-format", cfg.log_format),
     ]
 
@@ -152,8 +153,10 @@ def resolve_cpu_choices(cfg: C) -> C:
     """`cfg` with `cpu_isa`, `dtype` and `kv_cache_dtype` made concrete: the instruction
     set the CPU kernels run with (the best the CPU has, or the one asked for, checked here
     so a CPU lacking it is a clear error at start rather than a crash in a shard), the
-    dtype that serves fastest with it, and the KV cache's dtype."""
+    dtype that serves fastest with it, and the KV cache's dtype (with its scales file, when
+    one is given, checked here too)."""
     from cadence.kernels.cpu import isa
+    from cadence.kv_scales import check_kv_cache_choice
 
     try:
         chosen = isa.resolve(cfg.cpu_isa)
@@ -161,6 +164,10 @@ def resolve_cpu_choices(cfg: C) -> C:
         raise LaunchError(str(err)) from None
     dtype = isa.default_dtype(cfg.device, chosen) if cfg.dtype == "auto" else cfg.dtype
     kv_dtype = cfg.kv_cache_dtype or isa.default_kv_cache_dtype(cfg.device, dtype)
+    try:
+        check_kv_cache_choice(kv_dtype, cfg.kv_cache_scales)
+    except ValueError as err:
+        raise LaunchError(str(err)) from None
     return replace(cfg, cpu_isa=chosen, dtype=dtype, kv_cache_dtype=kv_dtype)
 
 

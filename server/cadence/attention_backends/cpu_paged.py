@@ -83,14 +83,16 @@ class CpuAttention(AttentionBackend[CpuMetadata]):
     def write_kv(
         self, layer: Attention, k: torch.Tensor, v: torch.Tensor, meta: CpuMetadata
     ) -> None:
-        write_kv(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping)
+        write_kv(
+            k, v, layer.k_cache, layer.v_cache, meta.slot_mapping, layer.k_scale, layer.v_scale
+        )
 
     def decode(
         self, layer: Attention, q: torch.Tensor, meta: CpuMetadata, out: torch.Tensor
     ) -> None:
         cpu_kernels.paged_decode_attention(
             q, layer.k_cache, layer.v_cache, meta.decode_tables, meta.decode_lens, layer.scale,
-            layer.sliding_window, out=out,
+            layer.sliding_window, out=out, k_scale=layer.k_scale, v_scale=layer.v_scale,
         )  # fmt: skip
 
     def prefill(

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from cadence.attention_backends.base import AttentionBackend, StepLayout, Workspace
+from cadence.kv_format import as_bytes, dequantize, quantize_fp8, quantize_int8
 
 if TYPE_CHECKING:
     from cadence.layers.attention import Attention
@@ -138,22 +139,46 @@ def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Stores new keys/values ([T, kv_heads, head_dim]) at their slots."""
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    """Stores new keys/values ([T, kv_heads, head_dim]) at their slots, quantized when the
+    cache is (`cadence.kv_format`): int8 writes each token's scales into k_scale/v_scale
+    [blocks, block_size, kv_heads]; fp8 reads its layer's scale from them."""
+    for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        if scale is None:
+            stored, row_scales = x.to(cache.dtype), None
+        elif cache.dtype == torch.int8:
+            stored, row_scales = quantize_int8(x)
+        else:
+            stored, row_scales = quantize_fp8(x, scale, cache.dtype), None
+        flat = as_bytes(cache).view(-1, *cache.shape[2:])
+        flat.index_copy_(0, slot_mapping, as_bytes(stored))
+        if row_scales is not None:
+            assert scale is not None
+            scale.view(-1, scale.shape[-1]).index_copy_(0, slot_mapping, row_scales)
 
 
 def gather(
-    cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None
+    cache: torch.Tensor,
+    tables: torch.Tensor,
+    dtype: torch.dtype,
+    out: torch.Tensor | None,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[B, kv_heads, blocks * block_size, head_dim]: each sequence's context, copied block
-    by block through its block table (into `out` when given)."""
+    by block through its block table (into `out` when given), dequantized with `scale`
+    (a quantized cache's per-token scales, gathered the same way, or its layer scale)."""
     b, n = tables.shape
     flat = cache.view(cache.shape[0], -1)
     rows = torch.index_select(flat, 0, tables.reshape(-1), out=out)
-    x = rows.view(b, n * cache.shape[1], cache.shape[2], cache.shape[3]).transpose(1, 2)
-    return x.to(dtype)
+    x = rows.view(b, n * cache.shape[1], cache.shape[2], cache.shape[3])
+    if scale is not None:
+        if scale.dim() > 1:  # per token: [blocks, block_size, kv_heads]
+            scale = scale.view(scale.shape[0], -1).index_select(0, tables.reshape(-1))
+            scale = scale.view(b, n * cache.shape[1], cache.shape[2])
+        x = dequantize(x, scale, dtype)
+    return x.transpose(1, 2).to(dtype)
 
 
 def _scratch(
@@ -173,14 +198,15 @@ def decode_attention(
     mask: torch.Tensor,
     scale: float,
     workspace: Workspace | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [B, heads, head_dim], one query per sequence -> [B, heads, head_dim]."""
-    k = gather(
-        k_cache, block_tables, q.dtype, _scratch(workspace, "decode_k", k_cache, block_tables)
-    )
-    v = gather(
-        v_cache, block_tables, q.dtype, _scratch(workspace, "decode_v", v_cache, block_tables)
-    )
+    """q: [B, heads, head_dim], one query per sequence -> [B, heads, head_dim]; a
+    quantized cache's scales in k_scale/v_scale."""
+    k_tmp = _scratch(workspace, "decode_k", k_cache, block_tables)
+    v_tmp = _scratch(workspace, "decode_v", v_cache, block_tables)
+    k = gather(k_cache, block_tables, q.dtype, k_tmp, k_scale)
+    v = gather(v_cache, block_tables, q.dtype, v_tmp, v_scale)
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True
     )
@@ -194,13 +220,17 @@ def prefill_attention(
     p: PaddedPrefill,
     scale: float,
     sliding_window: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [Tp, heads, head_dim], the prefill tokens, packed -> same shape; causal, within
-    `sliding_window` when given."""
+    `sliding_window` when given; a quantized cache's scales in k_scale/v_scale."""
     padded = q.new_zeros(p.tables.shape[0], p.max_query_len, q.shape[1], q.shape[2])
     padded[p.seq, p.col] = q
-    k = gather(k_cache, p.tables, q.dtype, _scratch(p.workspace, "prefill_k", k_cache, p.tables))
-    v = gather(v_cache, p.tables, q.dtype, _scratch(p.workspace, "prefill_v", v_cache, p.tables))
+    k_tmp = _scratch(p.workspace, "prefill_k", k_cache, p.tables)
+    v_tmp = _scratch(p.workspace, "prefill_v", v_cache, p.tables)
+    k = gather(k_cache, p.tables, q.dtype, k_tmp, k_scale)
+    v = gather(v_cache, p.tables, q.dtype, v_tmp, v_scale)
     if p.from_start and sliding_window is None:
         # Whole prompts: query i sees keys 0..i of its own chunk, which SDPA's causal
         # kernel does without a mask and skipping the masked half (padded query rows
@@ -225,7 +255,16 @@ def attend_prefill(
     backends' prefill)."""
     assert p is not None
     out.copy_(
-        prefill_attention(q, layer.k_cache, layer.v_cache, p, layer.scale, layer.sliding_window)
+        prefill_attention(
+            q,
+            layer.k_cache,
+            layer.v_cache,
+            p,
+            layer.scale,
+            layer.sliding_window,
+            layer.k_scale,
+            layer.v_scale,
+        )  # fmt: skip
     )
 
 
@@ -247,7 +286,9 @@ class TorchAttention(AttentionBackend[TorchMetadata]):
     def write_kv(
         self, layer: Attention, k: torch.Tensor, v: torch.Tensor, meta: TorchMetadata
     ) -> None:
-        write_kv(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping)
+        write_kv(
+            k, v, layer.k_cache, layer.v_cache, meta.slot_mapping, layer.k_scale, layer.v_scale
+        )
 
     def decode(
         self, layer: Attention, q: torch.Tensor, meta: TorchMetadata, out: torch.Tensor
@@ -257,8 +298,16 @@ class TorchAttention(AttentionBackend[TorchMetadata]):
         mask = d.mask_for(layer.sliding_window)
         out.copy_(
             decode_attention(
-                q, layer.k_cache, layer.v_cache, d.tables, mask, layer.scale, d.workspace
-            )
+                q,
+                layer.k_cache,
+                layer.v_cache,
+                d.tables,
+                mask,
+                layer.scale,
+                d.workspace,
+                layer.k_scale,
+                layer.v_scale,
+            )  # fmt: skip
         )
 
     def prefill(

@@ -46,7 +46,9 @@ class TritonAttention(AttentionBackend[TritonMetadata]):
     def write_kv(
         self, layer: Attention, k: torch.Tensor, v: torch.Tensor, meta: TritonMetadata
     ) -> None:
-        kv_write(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping)
+        kv_write(
+            k, v, layer.k_cache, layer.v_cache, meta.slot_mapping, layer.k_scale, layer.v_scale
+        )
 
     def decode(
         self, layer: Attention, q: torch.Tensor, meta: TritonMetadata, out: torch.Tensor
@@ -54,7 +56,8 @@ class TritonAttention(AttentionBackend[TritonMetadata]):
         d = meta.num_decode
         decode_attention(
             q, layer.k_cache, layer.v_cache, meta.block_tables[:d], meta.context_lens[:d],
-            layer.scale, window=layer.sliding_window, out=out,
+            layer.scale, window=layer.sliding_window, out=out, k_scale=layer.k_scale,
+            v_scale=layer.v_scale,
         )  # fmt: skip
 
     def prefill(
@@ -64,5 +67,5 @@ class TritonAttention(AttentionBackend[TritonMetadata]):
         prefill_attention(
             q, layer.k_cache, layer.v_cache, meta.block_tables[d:], meta.prefill_starts,
             meta.context_lens[d:], meta.max_query_len, layer.scale, window=layer.sliding_window,
-            out=out,
+            out=out, k_scale=layer.k_scale, v_scale=layer.v_scale,
         )  # fmt: skip

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from cadence.kernels import dot_in_f32
+from cadence.kernels.kv_quant import quant_mode, scaled
 from cadence.kernels.reference import decode_attention_ref  # noqa: F401 (re-exported)
 
 LOG2E = 1.4426950408889634
@@ -22,6 +23,8 @@ def _decode_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     tables_ptr,
     lens_ptr,
     out_ptr,
@@ -47,6 +50,7 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_F32: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -84,6 +88,7 @@ def _decode_kernel(
         offs = blk.to(tl.int64) * stride_cb + (pos % block_size) * stride_cs + kvh * stride_ch
         kv_mask = valid[:, None] & dm[None, :]
         k = tl.load(k_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k = scaled(k, k_scale_ptr, offs // HEAD_DIM, valid, QUANT)
         s = tl.dot(q, tl.trans(k.to(q.dtype))) * scale_log2  # [BLOCK_G, BLOCK_N], base 2
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -91,6 +96,7 @@ def _decode_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = scaled(v, v_scale_ptr, offs // HEAD_DIM, valid, QUANT)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m_i = m_new
 
@@ -162,10 +168,13 @@ def decode_attention(
     window: int | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [B, heads, head_dim] -> [B, heads, head_dim]. Caches [num_blocks, block_size,
     kv_heads, head_dim]; block_tables [B, max_blocks]; context_lens [B] (>= 1, the
-    query's own key included). `window`: keys within the last `window` positions only."""
+    query's own key included). `window`: keys within the last `window` positions only.
+    A quantized cache's scales in k_scale, v_scale (`cadence.kv_format`)."""
     batch, heads, dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
@@ -187,10 +196,13 @@ def decode_attention(
         lse = torch.empty(batch * heads * num_splits, dtype=torch.float32, device=q.device)
     else:
         part = lse = out  # unused
+    quant = quant_mode(k_cache, k_scale)
     _decode_kernel[(batch, kv_heads, num_splits)](
         q,
         k_cache,
         v_cache,
+        k_cache if k_scale is None else k_scale,
+        v_cache if v_scale is None else v_scale,
         block_tables,
         context_lens,
         out,
@@ -216,6 +228,7 @@ def decode_attention(
         BLOCK_N=block_n,
         SPLIT=split,
         DOT_F32=dot_in_f32(q.dtype),
+        QUANT=quant,
     )
     if split:
         _merge_kernel[(batch, heads)](

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from cadence.kernels import dot_in_f32
+from cadence.kernels.kv_quant import quant_mode, scaled
 
 LOG2E = 1.4426950408889634
 
@@ -22,6 +23,8 @@ def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     tables_ptr,
     starts_ptr,
     lens_ptr,
@@ -43,6 +46,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_F32: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     b = tl.program_id(1)
@@ -82,6 +86,7 @@ def _prefill_kernel(
         offs = blk.to(tl.int64) * stride_cb + (pos % block_size) * stride_cs + kvh * stride_ch
         kv_mask = in_ctx[:, None] & dm[None, :]
         k = tl.load(k_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k = scaled(k, k_scale_ptr, offs // HEAD_DIM, in_ctx, QUANT)
         s = tl.dot(q, tl.trans(k.to(q.dtype))) * scale_log2
         visible = in_ctx[None, :] & (pos[None, :] <= q_pos[:, None])
         if window > 0:
@@ -93,6 +98,7 @@ def _prefill_kernel(
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = scaled(v, v_scale_ptr, offs // HEAD_DIM, in_ctx, QUANT)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m_i = m_new
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -111,9 +117,12 @@ def prefill_attention(
     scale: float,
     window: int | None = None,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, heads, head_dim], the chunks packed, chunk b = q[query_start[b] :
-    query_start[b + 1]] at positions context_lens[b] - its length onwards -> same shape."""
+    query_start[b + 1]] at positions context_lens[b] - its length onwards -> same shape.
+    A quantized cache's scales in k_scale, v_scale (`cadence.kv_format`)."""
     tokens, heads, dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     assert q.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
@@ -127,6 +136,8 @@ def prefill_attention(
         q,
         k_cache,
         v_cache,
+        k_cache if k_scale is None else k_scale,
+        v_cache if v_scale is None else v_scale,
         block_tables,
         query_start,
         context_lens,
@@ -148,6 +159,7 @@ def prefill_attention(
         BLOCK_N=64,
         BLOCK_D=triton.next_power_of_2(dim),
         DOT_F32=dot_in_f32(q.dtype),
+        QUANT=quant_mode(k_cache, k_scale),
     )
     return out
 

@@ -12,7 +12,9 @@ from cadence.heartbeat import HEARTBEAT
 
 
 class Attention(nn.Module):
-    """The engine assigns `k_cache` and `v_cache` once the cache is allocated."""
+    """The engine assigns `k_cache` and `v_cache` once the cache is allocated, and with a
+    quantized cache their scales `k_scale` and `v_scale` (`cadence.kv_cache.KVCache.scales`;
+    None for a float cache)."""
 
     def __init__(
         self,
@@ -30,6 +32,8 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window  # None: full causal attention
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, heads, head_dim], k/v: [T, kv_heads, head_dim] -> [T, heads * head_dim]."""

@@ -93,20 +93,22 @@ def forward_step(
         qkv = _linear(attn.qkv_proj, normed)
         cache = attn.attn
         k_cache, v_cache = cache.k_cache, cache.v_cache
+        k_scale, v_scale = cache.k_scale, cache.v_scale  # a quantized cache's, else None
         window = cache.sliding_window
         if d == tokens:  # decode rows only: rotary, cache write and attention in one call
             ops.decode_layer_attention.out(
                 qkv, heads, kv_heads, cos, sin, k_cache, v_cache, slots, tables, lens,
-                cache.scale, window, q_heads, attended_heads,
+                cache.scale, window, q_heads, attended_heads, k_scale, v_scale,
             )  # fmt: skip
         else:
             ops.rotary_write_kv.out(
-                qkv, heads, kv_heads, cos, sin, k_cache, v_cache, slots, q_heads
-            )
+                qkv, heads, kv_heads, cos, sin, k_cache, v_cache, slots, q_heads, k_scale,
+                v_scale,
+            )  # fmt: skip
             if d > 0:
                 ops.paged_decode_attention.out(
                     q_heads[:d], k_cache, v_cache, tables, lens, cache.scale, window,
-                    attended_heads[:d],
+                    attended_heads[:d], k_scale, v_scale,
                 )  # fmt: skip
             attend_prefill(cache, q_heads[d:], ctx.prefill, attended_heads[d:])
         x = _row_parallel(attn.o_proj, attended)

@@ -21,6 +21,13 @@ from cadence.heartbeat import HEARTBEAT, wedge_if_asked
 from cadence.kernels import cpu as cpu_kernels
 from cadence.kernels.cpu import isa as cpu_isa
 from cadence.kv_cache import KVCache, bytes_per_block
+from cadence.kv_format import KVFormat, kv_format
+from cadence.kv_scales import (
+    CALIBRATION_TOKENS,
+    check_kv_cache_choice,
+    estimate_scales,
+    read_scales_file,
+)
 from cadence.layers import kernel_ops
 from cadence.layers.packed import pack_linear_weights
 from cadence.models import load_model, read_config, to_dtype
@@ -89,7 +96,7 @@ class Engine:
             isa = cpu_kernels.selected_isa() or "scalar"
             self.cfg = cfg = replace(cfg, dtype=cpu_isa.default_dtype(cfg.device, isa))
         self.dtype = to_dtype(cfg.dtype)
-        self.kv_dtype = to_dtype(cfg.kv_cache_dtype or cfg.dtype)
+        self.kv_format = kv_format(cfg.kv_cache_dtype or cfg.dtype)
         self.config = read_config(cfg.model_dir)
         # before the weights: what is already in use is not this shard's to spend
         self.memory_at_start = cuda_reading(self.device) if self.device.type == "cuda" else None
@@ -109,8 +116,14 @@ class Engine:
         self.block_size = cfg.block_size
         first = self.attention[0]
         self.bytes_per_block = bytes_per_block(
-            len(self.attention), cfg.block_size, first.num_kv_heads, first.head_dim, self.kv_dtype
-        )
+            len(self.attention), cfg.block_size, first.num_kv_heads, first.head_dim,
+            self.kv_format,
+        )  # fmt: skip
+        # an fp8 cache's [layers, 2] key and value scales: the file's, else warm-up's
+        self.kv_layer_scales: torch.Tensor | None = None
+        if cfg.kv_cache_scales:
+            check_kv_cache_choice(self.kv_format.name, cfg.kv_cache_scales)
+            self.kv_layer_scales = read_scales_file(cfg.kv_cache_scales, len(self.attention))
         self.attention_backend = backends.attention_backend(
             cfg.attention_backend, self.device, cpu, Workspace()
         )
@@ -191,6 +204,8 @@ class Engine:
         `memory_fraction`, whose meaning and default depend on the device: see
         `cadence.shard.kv_budget`; 0 means the default) and allocates it."""
         max_batch_size = max(1, min(max_batch_size, max_batch_tokens))
+        if self.kv_format.scales == "layer" and self.kv_layer_scales is None:
+            self.kv_layer_scales = self._estimate_kv_scales(max_batch_tokens)
         activation, torch_peak = self._profile(max_batch_tokens, max_batch_size)
         problem = None
         if kv_cache_bytes > 0:
@@ -402,7 +417,7 @@ class Engine:
             acc.sent = True
             acc.logprobs, acc.top_ids, acc.top_logprobs = [], [], []
 
-    def _allocate(self, num_blocks: int, max_batch_size: int) -> None:
+    def _allocate(self, num_blocks: int, max_batch_size: int, fmt: KVFormat | None = None) -> None:
         first = self.attention[0]
         self.kv = None
         self.kv = KVCache(
@@ -411,15 +426,50 @@ class Engine:
             self.block_size,
             first.num_kv_heads,
             first.head_dim,
-            self.kv_dtype,
+            fmt or self.kv_format,
             self.device,
+            layer_scales=self.kv_layer_scales,
         )
         for i, layer in enumerate(self.attention):
             layer.k_cache, layer.v_cache = self.kv.layer(i)
+            layer.k_scale, layer.v_scale = self.kv.scales(i)
         vocab = self.model.config.vocab_size
         self.state = BatchState(
             self.block_size, num_blocks, vocab, capacity=max(16, max_batch_size)
         )
+
+    def _release_cache(self) -> None:
+        self.kv, self.state = None, None
+        for layer in self.attention:
+            layer.k_cache = layer.v_cache = torch.empty(0)
+            layer.k_scale = layer.v_scale = None
+
+    def _estimate_kv_scales(self, max_batch_tokens: int) -> torch.Tensor:
+        """An fp8 cache's per-layer scales (`cadence.kv_scales`): one prefill of a fixed
+        pseudo-random prompt into a cache of the activations' dtype, then the largest
+        |key| and |value| each layer wrote there."""
+        n = min(CALIBRATION_TOKENS, max_batch_tokens, self.model.config.max_position_embeddings - 1)
+        blocks = -(-n // self.block_size)
+        vocab = self.model.config.vocab_size
+        tokens = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(0))
+        prompt = shard_pb2.NewRequest(
+            id=0, token_ids=tokens.tolist(), prompt_len=n, num_compute=n,
+            block_table=list(range(blocks)), sampling=shard_pb2.SamplingParams(),
+        )  # fmt: skip
+        self._allocate(blocks, 1, fmt=kv_format(str(self.dtype).removeprefix("torch.")))
+        assert self.kv is not None and self.state is not None
+        try:
+            with torch.inference_mode():
+                self._step(shard_pb2.StepRequest(joined=[prompt]), self.state, self.kv)
+            scales = estimate_scales(self.kv.blocks, blocks, self.kv_format.max)
+        finally:
+            self._release_cache()
+        logger.info(
+            f"{self.kv_format.name} KV cache scales from a {n}-token warm-up prompt: keys "
+            f"{scales[:, 0].min():.3g}..{scales[:, 0].max():.3g}, values "
+            f"{scales[:, 1].min():.3g}..{scales[:, 1].max():.3g}"
+        )
+        return scales
 
     def _profile(self, max_batch_tokens: int, max_batch_size: int) -> tuple[int, int]:
         """Runs the largest step the router may send (one long prefill next to
@@ -471,9 +521,7 @@ class Engine:
             peak = meter.peak()
             torch_peak = max(0, meter.torch_reserved_peak() - scratch)
         finally:
-            self.kv, self.state = None, None
-            for layer in self.attention:
-                layer.k_cache = layer.v_cache = torch.empty(0)
+            self._release_cache()
         if peak is None:  # no peak counter: a generous estimate from the shapes
             m = self.model.config
             hidden, inter, heads = m.hidden_size, m.intermediate_size, m.num_heads

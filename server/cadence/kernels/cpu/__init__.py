@@ -88,19 +88,24 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [B, heads, head_dim], one query per sequence at position context_lens - 1;
     caches [num_blocks, block_size, kv_heads, head_dim] (q's dtype, or either one
-    float32); block_tables [B, >= blocks needed] int64 -> [B, heads, head_dim] in q's
-    dtype (into `out` when given). Keys and values are read through the block table in
-    place; the query heads sharing a KV head are computed together."""
+    float32, or int8 / fp8 with their scales k_scale, v_scale: `cadence.kv_format`);
+    block_tables [B, >= blocks needed] int64 -> [B, heads, head_dim] in q's dtype (into
+    `out` when given). Keys and values are read through the block table in place; the
+    query heads sharing a KV head are computed together."""
     if out is None:
         return _cadence.paged_decode_attention.default(
-            q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window
-        )
+            q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window,
+            k_scale, v_scale,
+        )  # fmt: skip
     _cadence.paged_decode_attention.out(
-        q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, out
-    )
+        q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, out,
+        k_scale, v_scale,
+    )  # fmt: skip
     return out
 
 
@@ -145,17 +150,21 @@ def rotary_write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     q_out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The first half of a Llama attention layer for T new tokens, in one pass over a
     fused QKV output qkv [T, (heads + 2 kv_heads) * head_dim]: the queries rotated into
     q_out [T, heads, head_dim] (returned), the keys rotated and the values copied into
     their slots of the paged caches [blocks, block_size, kv_heads, head_dim] (the cache
-    may be another dtype). cos/sin: [T, (1,) head_dim] in qkv's dtype."""
+    may be another dtype; an int8 cache's per-token scales are written into k_scale and
+    v_scale, an fp8 cache's layer scales read from them). cos/sin: [T, (1,) head_dim] in
+    qkv's dtype."""
     if q_out is None:
         return _cadence.rotary_write_kv.default(
-            qkv, heads, kv_heads, cos, sin, k_cache, v_cache, slot_mapping
+            qkv, heads, kv_heads, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale
         )
     _cadence.rotary_write_kv.out(
-        qkv, heads, kv_heads, cos, sin, k_cache, v_cache, slot_mapping, q_out
+        qkv, heads, kv_heads, cos, sin, k_cache, v_cache, slot_mapping, q_out, k_scale, v_scale
     )
     return q_out

@@ -55,7 +55,14 @@ using half_t = _Float16;
 
 template <int DT>
 constexpr int64_t sizeof_dtype() {
-    return DT == F32 ? 4 : 2;
+    return DT == F32 ? 4 : (DT == BF16 || DT == F16) ? 2 : 1;
+}
+
+// The quantized KV cache's element types (cadence/kv_format.py): int8 with a scale per
+// (slot, KV head), fp8 with one per layer.
+template <int KT>
+constexpr bool quantized() {
+    return KT == I8 || KT == F8E4M3 || KT == F8E5M2;
 }
 
 inline float bf16_to_f32(uint16_t x) {
@@ -74,10 +81,64 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN kept NaN
     return static_cast<uint16_t>((bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
 }
 
-// Row loads/stores between the cache's element type and float32 scratch.
+// An fp8 element as IEEE half bits: e5m2 is half's top byte; e4m3's exponent and mantissa
+// sit 7 bits up, where half reads them 2^8 too small (bias 15 against 7), subnormals
+// included -- FP8_UNIT<F8E4M3> is that factor, applied with the scale.
+inline uint16_t e4m3_half_bits(uint8_t b) {
+    return static_cast<uint16_t>(((b & 0x80u) << 8) | ((b & 0x7fu) << 7));
+}
+inline uint16_t e5m2_half_bits(uint8_t b) { return static_cast<uint16_t>(b << 8); }
+
+template <int KT>
+constexpr float FP8_UNIT = KT == F8E4M3 ? 256.0f : 1.0f;
+
+template <int KT>
+inline float fp8_to_f32(uint8_t b) {
+    const uint16_t bits = KT == F8E4M3 ? e4m3_half_bits(b) : e5m2_half_bits(b);
+    half_t h;
+    std::memcpy(&h, &bits, sizeof h);
+    return static_cast<float>(h) * FP8_UNIT<KT>;
+}
+
+// float32 -> fp8 with E exponent bits (bias B) and M mantissa bits, rounded to nearest
+// even, |x| at most the format's largest value (the caller clamps): what torch's
+// conversion to float8_e4m3fn / float8_e5m2 gives.
+template <int E, int M, int B>
+inline uint8_t f32_to_fp8(float x) {
+    uint32_t bits;
+    std::memcpy(&bits, &x, sizeof bits);
+    const uint32_t sign = (bits >> 24) & 0x80u, mag = bits & 0x7fffffffu;
+    uint32_t code;
+    if (mag < static_cast<uint32_t>(127 - B + 1) << 23) {  // below the smallest normal:
+        // a multiple of the subnormal step 2^(1 - B - M), which as a code is that count
+        float a;
+        std::memcpy(&a, &mag, sizeof a);
+        code = static_cast<uint32_t>(std::nearbyint(std::ldexp(a, B - 1 + M)));
+    } else {
+        const int drop = 23 - M;
+        const uint32_t rounded = mag + ((1u << (drop - 1)) - 1) + ((mag >> drop) & 1u);
+        code = ((rounded >> 23) - 127 + B) << M | ((rounded >> drop) & ((1u << M) - 1));
+    }
+    return static_cast<uint8_t>(sign | code);
+}
+
+template <int KT>
+inline uint8_t f32_to_fp8_of(float x) {
+    return KT == F8E4M3 ? f32_to_fp8<4, 3, 7>(x) : f32_to_fp8<5, 2, 15>(x);
+}
+
+// Row loads/stores between the cache's element type and float32 scratch (a quantized
+// cache's elements as stored, before their scale).
 template <int DT>
 inline void load_row(const void* src, int64_t offset, float* dst, int n) {
-    if constexpr (DT == F32) {
+    if constexpr (DT == I8) {
+        const int8_t* s = static_cast<const int8_t*>(src) + offset;
+#pragma omp simd
+        for (int i = 0; i < n; ++i) dst[i] = static_cast<float>(s[i]);
+    } else if constexpr (DT == F8E4M3 || DT == F8E5M2) {
+        const uint8_t* s = static_cast<const uint8_t*>(src) + offset;
+        for (int i = 0; i < n; ++i) dst[i] = fp8_to_f32<DT>(s[i]);
+    } else if constexpr (DT == F32) {
         const float* s = static_cast<const float*>(src) + offset;
 #pragma omp simd
         for (int i = 0; i < n; ++i) dst[i] = s[i];
@@ -106,6 +167,40 @@ inline void store_row(void* dst, int64_t offset, const float* src, float mul, in
         half_t* d = static_cast<half_t*>(dst) + offset;
 #pragma omp simd
         for (int i = 0; i < n; ++i) d[i] = static_cast<half_t>(src[i] * mul);
+    }
+}
+
+// The scale of the cache row `row` (slot * kv_heads + head): int8's own, fp8's layer one,
+// 1 for a float cache.
+template <int KT>
+inline float row_scale(const float* scales, int64_t row) {
+    if constexpr (KT == I8) return scales[row];
+    if constexpr (KT == F8E4M3 || KT == F8E5M2) return scales[0];
+    return 1.0f;
+}
+
+// One KV head's n new elements x (float32, already rounded to the activations' dtype)
+// into cache row `row` (slot * kv_heads + head) of a KT cache. int8: amax / 127 into
+// scales[row], x * (127 / amax) rounded half to even; fp8: x * (1 / scales[0]), clamped
+// to the format's range, rounded -- cadence/kv_format.py's arithmetic, for the same bits.
+template <int KT>
+inline void store_kv_row(void* cache, float* scales, int64_t row, const float* x, int n) {
+    if constexpr (KT == I8) {
+        float amax = 0.0f;
+        for (int i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int8_t* d = static_cast<int8_t*>(cache) + row * n;
+        for (int i = 0; i < n; ++i)
+            d[i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, std::nearbyint(x[i] * inv))));
+        scales[row] = amax / 127.0f;
+    } else if constexpr (KT == F8E4M3 || KT == F8E5M2) {
+        const float top = KT == F8E4M3 ? 448.0f : 57344.0f;
+        const float inv = 1.0f / scales[0];
+        uint8_t* d = static_cast<uint8_t*>(cache) + row * n;
+        for (int i = 0; i < n; ++i)
+            d[i] = f32_to_fp8_of<KT>(std::min(top, std::max(-top, x[i] * inv)));
+    } else {
+        store_row<KT>(cache, row * n, x, 1.0f, n);
     }
 }
 
@@ -163,7 +258,8 @@ inline void online_softmax_block(float* sc, int lo, int hi, float& m, float& l, 
 // element type of the query and output, KT the cache's (they differ with --kv-cache-dtype).
 template <int QT, int KT>
 void decode_one(const void* q, void* out, const void* k_cache, const void* v_cache,
-                const int64_t* table, int64_t context_len, int64_t seq, int kv_head,
+                const float* k_scale, const float* v_scale, const int64_t* table,
+                int64_t context_len, int64_t seq, int kv_head,
                 int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
                 int64_t window, float* scratch) {
     const int G = num_heads / num_kv_heads;
@@ -190,8 +286,13 @@ void decode_one(const void* q, void* out, const void* k_cache, const void* v_cac
         const int64_t base = table[b] * block_size;  // slot of the block's first token
         const int lo = static_cast<int>(std::max<int64_t>(0, first_key - b * block_size));
         const int hi = static_cast<int>(std::min<int64_t>(block_size, context_len - b * block_size));
-        for (int t = lo; t < hi; ++t)
+        for (int t = lo; t < hi; ++t) {
             load_row<KT>(k_cache, (base + t) * row_stride + kv_head * D, kv + t * D, D);
+            if constexpr (quantized<KT>()) {
+                const float ks = row_scale<KT>(k_scale, (base + t) * num_kv_heads + kv_head);
+                for (int d = 0; d < D; ++d) kv[t * D + d] *= ks;
+            }
+        }
         for (int g = 0; g < G; ++g) {
             for (int t = lo; t < hi; ++t) {
                 float dot = 0.0f;
@@ -203,8 +304,13 @@ void decode_one(const void* q, void* out, const void* k_cache, const void* v_cac
             }
             online_softmax_block(s + g * block_size, lo, hi, m[g], l[g], acc + g * D, D);
         }
-        for (int t = lo; t < hi; ++t)
+        for (int t = lo; t < hi; ++t) {
             load_row<KT>(v_cache, (base + t) * row_stride + kv_head * D, kv + t * D, D);
+            if constexpr (quantized<KT>()) {
+                const float vs = row_scale<KT>(v_scale, (base + t) * num_kv_heads + kv_head);
+                for (int d = 0; d < D; ++d) kv[t * D + d] *= vs;
+            }
+        }
         for (int g = 0; g < G; ++g) {
             float* ag = acc + g * D;
             for (int t = lo; t < hi; ++t) {
@@ -272,10 +378,28 @@ inline void load16(const void* p, int64_t i, __m256& a, __m256& b) {
         a = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
         const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
         b = _mm256_castsi256_ps(_mm256_and_si256(x, high));
-    } else {
+    } else if constexpr (DT == F16) {
         const auto* h = reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i);
         a = _mm256_cvtph_ps(_mm_loadu_si128(h));
         b = _mm256_cvtph_ps(_mm_loadu_si128(h + 1));
+    } else if constexpr (DT == I8) {  // the stored integers; the caller applies the scales
+        const __m128i x = _mm_loadu_si128(
+            reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(p) + i));
+        a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x));
+        b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(x, 8)));
+    } else {  // fp8 as half (fp8_to_f32's bits, before FP8_UNIT and the scale)
+        const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128(
+            reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(p) + i)));
+        __m256i h;
+        if constexpr (DT == F8E4M3) {
+            const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8);
+            const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7f)), 7);
+            h = _mm256_or_si256(sign, rest);
+        } else {
+            h = _mm256_slli_epi16(x, 8);
+        }
+        a = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+        b = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
     }
 }
 
@@ -411,11 +535,14 @@ constexpr int value_chunks() {
     return n;
 }
 
+// A quantized cache is read as stored and its scales applied outside the inner loops:
+// fp8's layer scales fold into the query (keys) and the final 1 / sum (values); int8's
+// per-row key scales multiply each row's score, its value scales each row's probability.
 template <int QT, int KT, int D>
 void decode_seq_avx2(const void* q, void* out, const void* k_cache, const void* v_cache,
-                     const int64_t* table, int64_t context_len, int64_t seq, int num_heads,
-                     int num_kv_heads, int block_size, float scale, int64_t window,
-                     float* scratch) {
+                     const float* k_scale, const float* v_scale, const int64_t* table,
+                     int64_t context_len, int64_t seq, int num_heads, int num_kv_heads,
+                     int block_size, float scale, int64_t window, float* scratch) {
     constexpr int N = value_chunks<D>();
     const int G = num_heads / num_kv_heads;
     float* qf = scratch;                        // [H, D] queries times scale, pair_order
@@ -425,9 +552,13 @@ void decode_seq_avx2(const void* q, void* out, const void* k_cache, const void* 
     float* l = m + num_heads;                   // [H] running sum
     float* correction = l + num_heads;          // [H] this block's rescaling
     float* row = correction + num_heads;        // [D]
+    float* vs = row + D;                        // [block_size] an int8 block's value scales
+    constexpr bool per_row = KT == I8, per_layer = KT == F8E4M3 || KT == F8E5M2;
+    const float q_mul = per_layer ? scale * k_scale[0] * FP8_UNIT<KT> : scale;
+    const float out_mul = per_layer ? v_scale[0] * FP8_UNIT<KT> : 1.0f;
     for (int h = 0; h < num_heads; ++h) {
         load_row<QT>(q, (seq * num_heads + h) * D, row, D);
-        for (int d = 0; d < D; ++d) qf[h * D + pair_order<KT>(d)] = row[d] * scale;
+        for (int d = 0; d < D; ++d) qf[h * D + pair_order<KT>(d)] = row[d] * q_mul;
     }
     std::fill(acc, acc + num_heads * D, 0.0f);
     std::fill(m, m + num_heads, NEG_INF);
@@ -450,13 +581,26 @@ void decode_seq_avx2(const void* q, void* out, const void* k_cache, const void* 
             for (int h = kh * G; h < (kh + 1) * G; ++h) {
                 for (int t = lo / 8 * 8; t < hi; t += 8) {  // whole groups of 8 rows
                     next.next_slice();
-                    const __m256 sc =
+                    __m256 sc =
                         scores8<KT, D>(qf + h * D, k_cache, at + t * row_stride, row_stride);
+                    if constexpr (per_row) {  // rows past hi: the block's own, masked below
+                        const __m256i rows = _mm256_mullo_epi32(
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                            _mm256_set1_epi32(num_kv_heads));
+                        sc = _mm256_mul_ps(
+                            sc, _mm256_i32gather_ps(k_scale + (base + t) * num_kv_heads + kh,
+                                                    rows, 4));
+                    }
                     _mm256_storeu_ps(s + h * block_size + t, sc);
                 }
             }
             softmax_heads8(s + kh * G * block_size, block_size, G, lo, hi, m + kh * G, l + kh * G,
                            correction + kh * G);
+            if constexpr (per_row) {  // l summed the plain probabilities; acc takes p * scale
+                for (int t = lo; t < hi; ++t) vs[t] = v_scale[(base + t) * num_kv_heads + kh];
+                for (int h = kh * G; h < (kh + 1) * G; ++h)
+                    for (int t = lo; t < hi; ++t) s[h * block_size + t] *= vs[t];
+            }
             for (int h = kh * G; h < (kh + 1) * G; ++h) {
                 next.next_slice();
                 for (int c = 0; c < D; c += 16 * N)
@@ -467,14 +611,15 @@ void decode_seq_avx2(const void* q, void* out, const void* k_cache, const void* 
         next.rest();  // what a partial block's fewer passes left over
     }
     for (int h = 0; h < num_heads; ++h) {
-        const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;  // no visible key: zeros
+        const float inv = l[h] > 0.0f ? out_mul / l[h] : 0.0f;  // no visible key: zeros
         for (int d = 0; d < D; ++d) row[d] = acc[h * D + pair_order<KT>(d)];
         store_row<QT>(out, (seq * num_heads + h) * D, row, inv, D);
     }
 }
 
-using DecodeSeqAvx2Fn = void (*)(const void*, void*, const void*, const void*, const int64_t*,
-                                 int64_t, int64_t, int, int, int, float, int64_t, float*);
+using DecodeSeqAvx2Fn = void (*)(const void*, void*, const void*, const void*, const float*,
+                                 const float*, const int64_t*, int64_t, int64_t, int, int, int,
+                                 float, int64_t, float*);
 
 template <int QT, int KT>
 DecodeSeqAvx2Fn pick_avx2(int head_dim, int block_size) {
@@ -733,7 +878,7 @@ DecodeSeqFn pick_bf16_fast(int head_dim) {
 
 template <int QT, int KT>
 void decode_all(const void* q, void* out, const void* k_cache, const void* v_cache,
-                const int64_t* block_tables, int64_t table_stride, const int64_t* context_lens,
+                const float* k_scale, const float* v_scale, const int64_t* block_tables, int64_t table_stride, const int64_t* context_lens,
                 int64_t num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
                 float scale, int64_t window, int num_threads) {
 #ifdef CADENCE_AVX512_BF16
@@ -757,14 +902,16 @@ void decode_all(const void* q, void* out, const void* k_cache, const void* v_cac
 #endif
 #ifdef CADENCE_AVX2
     if (DecodeSeqAvx2Fn fn = pick_avx2<QT, KT>(head_dim, block_size)) {
-        const int64_t scratch_size = num_heads * (2 * head_dim + block_size + 3) + head_dim;
+        const int64_t scratch_size =
+            num_heads * (2 * head_dim + block_size + 3) + head_dim + block_size;
 #pragma omp parallel num_threads(num_threads)
         {
             std::vector<float> scratch(scratch_size);
 #pragma omp for schedule(dynamic, 1)
             for (int64_t seq = 0; seq < num_seqs; ++seq)
-                fn(q, out, k_cache, v_cache, block_tables + seq * table_stride, context_lens[seq],
-                   seq, num_heads, num_kv_heads, block_size, scale, window, scratch.data());
+                fn(q, out, k_cache, v_cache, k_scale, v_scale, block_tables + seq * table_stride,
+                   context_lens[seq], seq, num_heads, num_kv_heads, block_size, scale, window,
+                   scratch.data());
         }
         return;
     }
@@ -779,7 +926,8 @@ void decode_all(const void* q, void* out, const void* k_cache, const void* v_cac
         for (int64_t item = 0; item < items; ++item) {
             const int64_t seq = item / num_kv_heads;
             const int kv_head = static_cast<int>(item % num_kv_heads);
-            decode_one<QT, KT>(q, out, k_cache, v_cache, block_tables + seq * table_stride,
+            decode_one<QT, KT>(q, out, k_cache, v_cache, k_scale, v_scale,
+                               block_tables + seq * table_stride,
                            context_lens[seq], seq, kv_head, num_heads, num_kv_heads, head_dim,
                            block_size, scale, window, scratch.data());
         }
@@ -1077,8 +1225,8 @@ void rotary_all(void* x, int64_t tokens, int heads, int head_dim, int64_t x_stri
 template <int DT, int KT>
 void rotary_write_kv_all(const void* qkv, int64_t tokens, int64_t x_stride, int heads,
                          int kv_heads, int head_dim, const void* cos, const void* sin,
-                         void* q_out, void* k_cache, void* v_cache, const int64_t* slots,
-                         int num_threads) {
+                         void* q_out, void* k_cache, void* v_cache, float* k_scale,
+                         float* v_scale, const int64_t* slots, int num_threads) {
     const int64_t kv_row = static_cast<int64_t>(kv_heads) * head_dim;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -1088,8 +1236,21 @@ void rotary_write_kv_all(const void* qkv, int64_t tokens, int64_t x_stride, int 
             const int64_t row = t * x_stride, k_at = row + heads * head_dim;
             rotate_heads<DT, DT>(qkv, row, heads, head_dim, cos, sin, t, q_out,
                                  t * heads * head_dim, c.data(), s.data(), v.data(), o.data());
-            rotate_heads<DT, KT>(qkv, k_at, kv_heads, head_dim, cos, sin, t, k_cache,
-                                 slots[t] * kv_row, c.data(), s.data(), v.data(), o.data());
+            if constexpr (quantized<KT>()) {  // each head rotated, then quantized
+                load_row<DT>(cos, t * head_dim, c.data(), head_dim);
+                load_row<DT>(sin, t * head_dim, s.data(), head_dim);
+                for (int h = 0; h < kv_heads; ++h) {
+                    rotate_head<DT>(qkv, k_at + h * head_dim, c.data(), s.data(), v.data(),
+                                    o.data(), head_dim);
+                    store_kv_row<KT>(k_cache, k_scale, slots[t] * kv_heads + h, o.data(), head_dim);
+                    load_row<DT>(qkv, k_at + kv_row + h * head_dim, v.data(), head_dim);
+                    store_kv_row<KT>(v_cache, v_scale, slots[t] * kv_heads + h, v.data(), head_dim);
+                }
+                continue;
+            } else {
+                rotate_heads<DT, KT>(qkv, k_at, kv_heads, head_dim, cos, sin, t, k_cache,
+                                     slots[t] * kv_row, c.data(), s.data(), v.data(), o.data());
+            }
             if constexpr (DT == KT) {
                 std::memcpy(static_cast<char*>(v_cache) + slots[t] * kv_row * sizeof_dtype<KT>(),
                             static_cast<const char*>(qkv) + (k_at + kv_row) * sizeof_dtype<DT>(),
@@ -1240,7 +1401,8 @@ extern "C" {
 // head_dim]; block_tables: [num_seqs, table_stride] int64; context_lens: [num_seqs]
 // int64 (keys visible to each query, itself included). window <= 0: no sliding window.
 int cadence_paged_decode_attention(const void* q, void* out, const void* k_cache,
-                                   const void* v_cache, const int64_t* block_tables,
+                                   const void* v_cache, const float* k_scale,
+                                   const float* v_scale, const int64_t* block_tables,
                                    int64_t table_stride, const int64_t* context_lens,
                                    int64_t num_seqs, int num_heads, int num_kv_heads,
                                    int head_dim, int block_size, float scale, int64_t window,
@@ -1248,9 +1410,9 @@ int cadence_paged_decode_attention(const void* q, void* out, const void* k_cache
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return BAD_HEADS;
 #define CADENCE_DECODE(QT, KT)                                                              \
     if (q_dtype == QT && kv_dtype == KT) {                                                  \
-        decode_all<QT, KT>(q, out, k_cache, v_cache, block_tables, table_stride,            \
-                           context_lens, num_seqs, num_heads, num_kv_heads, head_dim,       \
-                           block_size, scale, window, num_threads);                         \
+        decode_all<QT, KT>(q, out, k_cache, v_cache, k_scale, v_scale, block_tables,        \
+                           table_stride, context_lens, num_seqs, num_heads, num_kv_heads,   \
+                           head_dim, block_size, scale, window, num_threads);               \
         return OK;                                                                          \
     }
     CADENCE_DECODE(F32, F32)
@@ -1260,6 +1422,15 @@ int cadence_paged_decode_attention(const void* q, void* out, const void* k_cache
     CADENCE_DECODE(F32, F16)
     CADENCE_DECODE(BF16, F32)
     CADENCE_DECODE(F16, F32)
+    CADENCE_DECODE(F32, I8)
+    CADENCE_DECODE(BF16, I8)
+    CADENCE_DECODE(F16, I8)
+    CADENCE_DECODE(F32, F8E4M3)
+    CADENCE_DECODE(BF16, F8E4M3)
+    CADENCE_DECODE(F16, F8E4M3)
+    CADENCE_DECODE(F32, F8E5M2)
+    CADENCE_DECODE(BF16, F8E5M2)
+    CADENCE_DECODE(F16, F8E5M2)
 #undef CADENCE_DECODE
     return BAD_DTYPE;
 }
@@ -1320,12 +1491,14 @@ int cadence_rotary(void* x, int64_t tokens, int heads, int head_dim, int64_t x_s
 // kv_dtype [slots, kv_heads, head_dim]; slots: [tokens] int64. See rotary_write_kv_all.
 int cadence_rotary_write_kv(const void* qkv, int64_t tokens, int64_t x_stride, int heads,
                             int kv_heads, int head_dim, const void* cos, const void* sin,
-                            void* q_out, void* k_cache, void* v_cache, const int64_t* slots,
-                            int dtype, int kv_dtype, int num_threads) {
+                            void* q_out, void* k_cache, void* v_cache, float* k_scale,
+                            float* v_scale, const int64_t* slots, int dtype, int kv_dtype,
+                            int num_threads) {
 #define CADENCE_WRITE(DT, KT)                                                              \
     if (dtype == DT && kv_dtype == KT) {                                                   \
         rotary_write_kv_all<DT, KT>(qkv, tokens, x_stride, heads, kv_heads, head_dim, cos, \
-                                    sin, q_out, k_cache, v_cache, slots, num_threads);     \
+                                    sin, q_out, k_cache, v_cache, k_scale, v_scale, slots, \
+                                    num_threads);                                          \
         return OK;                                                                         \
     }
     CADENCE_WRITE(F32, F32)
@@ -1335,6 +1508,15 @@ int cadence_rotary_write_kv(const void* qkv, int64_t tokens, int64_t x_stride, i
     CADENCE_WRITE(F32, F16)
     CADENCE_WRITE(BF16, F32)
     CADENCE_WRITE(F16, F32)
+    CADENCE_WRITE(F32, I8)
+    CADENCE_WRITE(BF16, I8)
+    CADENCE_WRITE(F16, I8)
+    CADENCE_WRITE(F32, F8E4M3)
+    CADENCE_WRITE(BF16, F8E4M3)
+    CADENCE_WRITE(F16, F8E4M3)
+    CADENCE_WRITE(F32, F8E5M2)
+    CADENCE_WRITE(BF16, F8E5M2)
+    CADENCE_WRITE(F16, F8E5M2)
 #undef CADENCE_WRITE
     return BAD_DTYPE;
 }
@@ -1344,7 +1526,8 @@ int cadence_rotary_write_kv(const void* qkv, int64_t tokens, int64_t x_stride, i
 // cadence_paged_decode_attention of q_out into out.
 int cadence_decode_layer_attention(const void* qkv, int64_t x_stride, const void* cos,
                                    const void* sin, void* q_out, void* out, void* k_cache,
-                                   void* v_cache, const int64_t* slots,
+                                   void* v_cache, float* k_scale, float* v_scale,
+                                   const int64_t* slots,
                                    const int64_t* block_tables, int64_t table_stride,
                                    const int64_t* context_lens, int64_t num_seqs, int num_heads,
                                    int num_kv_heads, int head_dim, int block_size, float scale,
@@ -1352,9 +1535,11 @@ int cadence_decode_layer_attention(const void* qkv, int64_t x_stride, const void
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return BAD_HEADS;
     const int written = cadence_rotary_write_kv(qkv, num_seqs, x_stride, num_heads, num_kv_heads,
                                                 head_dim, cos, sin, q_out, k_cache, v_cache,
-                                                slots, dtype, kv_dtype, num_threads);
+                                                k_scale, v_scale, slots, dtype, kv_dtype,
+                                                num_threads);
     if (written != 0) return written;
-    return cadence_paged_decode_attention(q_out, out, k_cache, v_cache, block_tables,
+    return cadence_paged_decode_attention(q_out, out, k_cache, v_cache, k_scale, v_scale,
+                                          block_tables,
                                           table_stride, context_lens, num_seqs, num_heads,
                                           num_kv_heads, head_dim, block_size, scale, window,
                                           dtype, kv_dtype, num_threads);

@@ -10,8 +10,10 @@
 
 namespace cadence_kernels {
 
-// The element types an entry point takes, by code.
-enum DType : int { F32 = 0, BF16 = 1, F16 = 2 };
+// The element types an entry point takes, by code. The last three are the quantized KV
+// cache's (cadence/kv_format.py): int8 with a float32 scale per (slot, KV head), and the
+// two fp8 formats with one float32 scale per layer.
+enum DType : int { F32 = 0, BF16 = 1, F16 = 2, I8 = 3, F8E4M3 = 4, F8E5M2 = 5 };
 
 // What an entry point returns (the shim names each in its error).
 enum Status : int { OK = 0, BAD_HEADS = 1, BAD_DTYPE = 2 };
@@ -23,9 +25,11 @@ extern "C" {
 // q, out: [num_seqs, num_heads, head_dim] of q_dtype; caches of kv_dtype: [num_blocks,
 // block_size, num_kv_heads, head_dim]; block_tables: [num_seqs, table_stride] int64;
 // context_lens: [num_seqs] int64 (keys visible to each query, itself included).
-// window <= 0: no sliding window.
+// window <= 0: no sliding window. k_scale/v_scale: an int8 cache's [num_blocks, block_size,
+// num_kv_heads] scales, an fp8 cache's one layer scale, unused (may be null) for a float one.
 int cadence_paged_decode_attention(const void* q, void* out, const void* k_cache,
-                                   const void* v_cache, const int64_t* block_tables,
+                                   const void* v_cache, const float* k_scale,
+                                   const float* v_scale, const int64_t* block_tables,
                                    int64_t table_stride, const int64_t* context_lens,
                                    int64_t num_seqs, int num_heads, int num_kv_heads,
                                    int head_dim, int block_size, float scale, int64_t window,
@@ -53,17 +57,20 @@ int cadence_rotary(void* x, int64_t tokens, int heads, int head_dim, int64_t x_s
 
 // qkv: [tokens, x_stride] of dtype (q heads | k heads | v heads per row); cos/sin:
 // [tokens, head_dim] of dtype; q_out: [tokens, heads, head_dim] of dtype; caches of
-// kv_dtype [slots, kv_heads, head_dim]; slots: [tokens] int64.
+// kv_dtype [slots, kv_heads, head_dim]; slots: [tokens] int64; k_scale/v_scale as in
+// cadence_paged_decode_attention (an int8 cache's are written, an fp8 cache's read).
 int cadence_rotary_write_kv(const void* qkv, int64_t tokens, int64_t x_stride, int heads,
                             int kv_heads, int head_dim, const void* cos, const void* sin,
-                            void* q_out, void* k_cache, void* v_cache, const int64_t* slots,
-                            int dtype, int kv_dtype, int num_threads);
+                            void* q_out, void* k_cache, void* v_cache, float* k_scale,
+                            float* v_scale, const int64_t* slots, int dtype, int kv_dtype,
+                            int num_threads);
 
 // cadence_rotary_write_kv for num_seqs new tokens (one per sequence, q_out their rotated
 // queries), then cadence_paged_decode_attention of q_out into out.
 int cadence_decode_layer_attention(const void* qkv, int64_t x_stride, const void* cos,
                                    const void* sin, void* q_out, void* out, void* k_cache,
-                                   void* v_cache, const int64_t* slots,
+                                   void* v_cache, float* k_scale, float* v_scale,
+                                   const int64_t* slots,
                                    const int64_t* block_tables, int64_t table_stride,
                                    const int64_t* context_lens, int64_t num_seqs, int num_heads,
                                    int num_kv_heads, int head_dim, int block_size, float scale,

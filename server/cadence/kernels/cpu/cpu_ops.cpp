@@ -12,8 +12,8 @@
 // checks read a tensor's metadata without a Python object per size.
 //
 //     paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
-//                            sliding_window=None) -> out
-//     paged_decode_attention.out(..., sliding_window, out!)
+//                            sliding_window=None, k_scale=None, v_scale=None) -> out
+//     paged_decode_attention.out(..., sliding_window, out!, k_scale=None, v_scale=None)
 //     greedy_logprobs(logits) -> (ids, logprobs)
 //     rms_norm(x, weight, eps) -> out
 //     rms_norm.out(x, weight, eps, out!)
@@ -22,11 +22,15 @@
 //     silu_mul(x) -> out
 //     silu_mul.out(x, out!)
 //     rotary_(x!, cos, sin)
-//     rotary_write_kv(qkv, heads, kv_heads, cos, sin, k_cache!, v_cache!, slot_mapping) -> q
-//     rotary_write_kv.out(..., slot_mapping, q_out!)
+//     rotary_write_kv(qkv, heads, kv_heads, cos, sin, k_cache!, v_cache!, slot_mapping,
+//                     k_scale!=None, v_scale!=None) -> q
+//     rotary_write_kv.out(..., slot_mapping, q_out!, k_scale!=None, v_scale!=None)
 //     decode_layer_attention.out(qkv, heads, kv_heads, cos, sin, k_cache!, v_cache!,
 //                                slot_mapping, block_tables, context_lens, scale,
-//                                sliding_window, q_out!, out!)
+//                                sliding_window, q_out!, out!, k_scale!=None, v_scale!=None)
+//
+// k_scale/v_scale: an int8 or fp8 cache's scales (cadence/kv_format.py), None for a float
+// cache.
 //
 // The out= and in-place variants return nothing (the flat decode step writes its reused
 // buffers with them); the functional ones return new tensors. The outputs are positional
@@ -149,11 +153,20 @@ int code(ScalarType t) {
     switch (t) {
         case ScalarType::BFloat16: return cadence_kernels::BF16;
         case ScalarType::Half: return cadence_kernels::F16;
+        case ScalarType::Char: return cadence_kernels::I8;
+        case ScalarType::Float8_e4m3fn: return cadence_kernels::F8E4M3;
+        case ScalarType::Float8_e5m2: return cadence_kernels::F8E5M2;
         default: return cadence_kernels::F32;  // the checks admit no other
     }
 }
 
 int threads() { return at::get_num_threads(); }
+
+// A quantized cache's scales as the kernels take them (null for a float cache; the checks
+// made them float32 and, per slot, contiguous).
+float* scale_ptr(const std::optional<Tensor>& scale) {
+    return scale ? scale->mutable_data_ptr<float>() : nullptr;
+}
 
 int64_t as_int(const SymInt& size) { return size.expect_int(); }
 
@@ -169,9 +182,12 @@ enum class Impl { CPU, Meta };
 
 // ---- paged decode attention --------------------------------------------------------------
 
+using Scale = std::optional<Tensor>;
+
 void attend(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
             const Tensor& block_tables, const Tensor& context_lens, double scale,
-            std::optional<int64_t> window, const Tensor& out, const AttentionSizes& sizes) {
+            std::optional<int64_t> window, const Tensor& out, const AttentionSizes& sizes,
+            const Scale& k_scale, const Scale& v_scale) {
     const int64_t seqs = as_int(sizes.seqs);
     if (seqs == 0) return;
     const auto q_packed = q.expect_contiguous();
@@ -180,7 +196,8 @@ void attend(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
     const Kernels& k = kernels();
     const int status = k.paged_decode_attention(
         q_packed->const_data_ptr(), out.mutable_data_ptr(), k_cache.const_data_ptr(),
-        v_cache.const_data_ptr(), tables->const_data_ptr<int64_t>(), tables->stride(0),
+        v_cache.const_data_ptr(), scale_ptr(k_scale), scale_ptr(v_scale),
+        tables->const_data_ptr<int64_t>(), tables->stride(0),
         lens->const_data_ptr<int64_t>(), seqs, as_int(sizes.heads), as_int(sizes.kv_heads),
         as_int(sizes.head_dim), as_int(sizes.block_size), static_cast<float>(scale),
         window.value_or(0), code(q.scalar_type()), code(k_cache.scalar_type()), threads());
@@ -190,7 +207,8 @@ void attend(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
 template <Impl I>
 Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                               const Tensor& block_tables, const Tensor& context_lens,
-                              double scale, std::optional<int64_t> window) {
+                              double scale, std::optional<int64_t> window,
+                              const Scale& k_scale, const Scale& v_scale) {
     constexpr const char* op = "paged_decode_attention";
     if constexpr (I == Impl::Meta) {
         on_cpu(op, {{"q", &q}, {"k_cache", &k_cache}, {"v_cache", &v_cache},
@@ -198,10 +216,11 @@ Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache, const Tens
     }
     const auto sizes =
         checks::paged_decode_attention(op, q, k_cache, v_cache, block_tables, context_lens,
-                                            nullptr);
+                                            nullptr, k_scale, v_scale);
     Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
     if constexpr (I == Impl::CPU) {
-        attend(q, k_cache, v_cache, block_tables, context_lens, scale, window, out, sizes);
+        attend(q, k_cache, v_cache, block_tables, context_lens, scale, window, out, sizes,
+               k_scale, v_scale);
     }
     return out;
 }
@@ -209,7 +228,8 @@ Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache, const Tens
 template <Impl I>
 void paged_decode_attention_out(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                                 const Tensor& block_tables, const Tensor& context_lens,
-                                double scale, std::optional<int64_t> window, const Tensor& out) {
+                                double scale, std::optional<int64_t> window, const Tensor& out,
+                                const Scale& k_scale, const Scale& v_scale) {
     constexpr const char* op = "paged_decode_attention.out";
     if constexpr (I == Impl::Meta) {
         on_cpu(op, {{"q", &q}, {"k_cache", &k_cache}, {"v_cache", &v_cache},
@@ -218,9 +238,10 @@ void paged_decode_attention_out(const Tensor& q, const Tensor& k_cache, const Te
     }
     const auto sizes =
         checks::paged_decode_attention(op, q, k_cache, v_cache, block_tables, context_lens,
-                                            &out);
+                                            &out, k_scale, v_scale);
     if constexpr (I == Impl::CPU) {
-        attend(q, k_cache, v_cache, block_tables, context_lens, scale, window, out, sizes);
+        attend(q, k_cache, v_cache, block_tables, context_lens, scale, window, out, sizes,
+               k_scale, v_scale);
     }
 }
 
@@ -358,7 +379,8 @@ void rotary_(const Tensor& x, const Tensor& cos, const Tensor& sin) {
 
 void write_kv(const Tensor& qkv, int64_t heads, int64_t kv_heads, const Tensor& cos,
               const Tensor& sin, const Tensor& k_cache, const Tensor& v_cache,
-              const Tensor& slot_mapping, const Tensor& q_out, const WriteKvSizes& sizes) {
+              const Tensor& slot_mapping, const Tensor& q_out, const WriteKvSizes& sizes,
+              const Scale& k_scale, const Scale& v_scale) {
     const auto cos_packed = cos.expect_contiguous();
     const auto sin_packed = sin.expect_contiguous();
     const auto slots = slot_mapping.expect_contiguous();
@@ -367,25 +389,27 @@ void write_kv(const Tensor& qkv, int64_t heads, int64_t kv_heads, const Tensor& 
         qkv.const_data_ptr(), as_int(sizes.tokens), qkv.stride(0), heads, kv_heads,
         as_int(sizes.head_dim), cos_packed->const_data_ptr(), sin_packed->const_data_ptr(),
         q_out.mutable_data_ptr(), k_cache.mutable_data_ptr(), v_cache.mutable_data_ptr(),
-        slots->const_data_ptr<int64_t>(), code(qkv.scalar_type()), code(k_cache.scalar_type()),
-        threads());
+        scale_ptr(k_scale), scale_ptr(v_scale), slots->const_data_ptr<int64_t>(),
+        code(qkv.scalar_type()), code(k_cache.scalar_type()), threads());
     check_status(k, status, "cadence_rotary_write_kv");
 }
 
 template <Impl I>
 Tensor rotary_write_kv(const Tensor& qkv, int64_t heads, int64_t kv_heads, const Tensor& cos,
                        const Tensor& sin, const Tensor& k_cache, const Tensor& v_cache,
-                       const Tensor& slot_mapping) {
+                       const Tensor& slot_mapping, const Scale& k_scale, const Scale& v_scale) {
     constexpr const char* op = "rotary_write_kv";
     if constexpr (I == Impl::Meta) {
         on_cpu(op, {{"qkv", &qkv}, {"cos", &cos}, {"sin", &sin}, {"k_cache", &k_cache},
                     {"v_cache", &v_cache}, {"slot_mapping", &slot_mapping}});
     }
     const auto sizes = checks::rotary_write_kv(op, qkv, heads, kv_heads, cos, sin, k_cache,
-                                                    v_cache, slot_mapping, nullptr);
+                                                    v_cache, slot_mapping, nullptr, k_scale,
+                                                    v_scale);
     Tensor q_out = at::empty_symint({sizes.tokens, heads, sizes.head_dim}, qkv.options());
     if constexpr (I == Impl::CPU) {
-        write_kv(qkv, heads, kv_heads, cos, sin, k_cache, v_cache, slot_mapping, q_out, sizes);
+        write_kv(qkv, heads, kv_heads, cos, sin, k_cache, v_cache, slot_mapping, q_out, sizes,
+                 k_scale, v_scale);
     }
     return q_out;
 }
@@ -393,16 +417,19 @@ Tensor rotary_write_kv(const Tensor& qkv, int64_t heads, int64_t kv_heads, const
 template <Impl I>
 void rotary_write_kv_out(const Tensor& qkv, int64_t heads, int64_t kv_heads, const Tensor& cos,
                          const Tensor& sin, const Tensor& k_cache, const Tensor& v_cache,
-                         const Tensor& slot_mapping, const Tensor& q_out) {
+                         const Tensor& slot_mapping, const Tensor& q_out, const Scale& k_scale,
+                         const Scale& v_scale) {
     constexpr const char* op = "rotary_write_kv.out";
     if constexpr (I == Impl::Meta) {
         on_cpu(op, {{"qkv", &qkv}, {"cos", &cos}, {"sin", &sin}, {"k_cache", &k_cache},
                     {"v_cache", &v_cache}, {"slot_mapping", &slot_mapping}, {"q_out", &q_out}});
     }
     const auto sizes = checks::rotary_write_kv(op, qkv, heads, kv_heads, cos, sin, k_cache,
-                                                    v_cache, slot_mapping, &q_out);
+                                                    v_cache, slot_mapping, &q_out, k_scale,
+                                                    v_scale);
     if constexpr (I == Impl::CPU) {
-        write_kv(qkv, heads, kv_heads, cos, sin, k_cache, v_cache, slot_mapping, q_out, sizes);
+        write_kv(qkv, heads, kv_heads, cos, sin, k_cache, v_cache, slot_mapping, q_out, sizes,
+                 k_scale, v_scale);
     }
 }
 
@@ -412,7 +439,8 @@ void decode_layer_attention_out(const Tensor& qkv, int64_t heads, int64_t kv_hea
                                 const Tensor& v_cache, const Tensor& slot_mapping,
                                 const Tensor& block_tables, const Tensor& context_lens,
                                 double scale, std::optional<int64_t> window,
-                                const Tensor& q_out, const Tensor& out) {
+                                const Tensor& q_out, const Tensor& out, const Scale& k_scale,
+                                const Scale& v_scale) {
     constexpr const char* op = "decode_layer_attention.out";
     if constexpr (I == Impl::Meta) {
         on_cpu(op, {{"qkv", &qkv}, {"cos", &cos}, {"sin", &sin}, {"k_cache", &k_cache},
@@ -422,7 +450,8 @@ void decode_layer_attention_out(const Tensor& qkv, int64_t heads, int64_t kv_hea
     }
     const auto sizes = checks::decode_layer_attention(op, qkv, heads, kv_heads, cos, sin,
                                                            k_cache, v_cache, slot_mapping,
-                                                           block_tables, context_lens, q_out, out);
+                                                           block_tables, context_lens, q_out, out,
+                                                           k_scale, v_scale);
     if constexpr (I == Impl::CPU) {
         const int64_t seqs = as_int(sizes.tokens);
         if (seqs == 0) return;
@@ -435,8 +464,8 @@ void decode_layer_attention_out(const Tensor& qkv, int64_t heads, int64_t kv_hea
         const int status = k.decode_layer_attention(
             qkv.const_data_ptr(), qkv.stride(0), cos_packed->const_data_ptr(),
             sin_packed->const_data_ptr(), q_out.mutable_data_ptr(), out.mutable_data_ptr(),
-            k_cache.mutable_data_ptr(), v_cache.mutable_data_ptr(),
-            slots->const_data_ptr<int64_t>(), tables->const_data_ptr<int64_t>(),
+            k_cache.mutable_data_ptr(), v_cache.mutable_data_ptr(), scale_ptr(k_scale),
+            scale_ptr(v_scale), slots->const_data_ptr<int64_t>(), tables->const_data_ptr<int64_t>(),
             tables->stride(0), lens->const_data_ptr<int64_t>(), seqs, heads, kv_heads,
             as_int(sizes.head_dim), as_int(sizes.block_size), static_cast<float>(scale),
             window.value_or(0), code(qkv.scalar_type()), code(k_cache.scalar_type()), threads());
@@ -457,11 +486,16 @@ void decode_layer_attention_out(const Tensor& qkv, int64_t heads, int64_t kv_hea
 #define CADENCE_WRITE_KV                                                                   \
     "Tensor qkv, int heads, int kv_heads, Tensor cos, Tensor sin, Tensor(a!) k_cache, "    \
     "Tensor(b!) v_cache, Tensor slot_mapping"
+// A quantized cache's scales, last and optional so that a float cache's calls stay as they
+// were: read by the attention, written (int8) by the cache writes.
+#define CADENCE_READ_SCALES ", Tensor? k_scale=None, Tensor? v_scale=None"
+#define CADENCE_WRITE_SCALES ", Tensor(e!)? k_scale=None, Tensor(f!)? v_scale=None"
 
 // A fragment: other libraries may add operators to the `cadence` namespace too.
 TORCH_LIBRARY_FRAGMENT(cadence, m) {
-    m.def("paged_decode_attention(" CADENCE_ATTENTION "=None) -> Tensor");
-    m.def("paged_decode_attention.out(" CADENCE_ATTENTION ", Tensor(a!) out) -> ()");
+    m.def("paged_decode_attention(" CADENCE_ATTENTION "=None" CADENCE_READ_SCALES ") -> Tensor");
+    m.def("paged_decode_attention.out(" CADENCE_ATTENTION ", Tensor(a!) out" CADENCE_READ_SCALES
+          ") -> ()");
     m.def("greedy_logprobs(Tensor logits) -> (Tensor, Tensor)");
     m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
     m.def("rms_norm.out(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");
@@ -472,11 +506,12 @@ TORCH_LIBRARY_FRAGMENT(cadence, m) {
     m.def("silu_mul(Tensor x) -> Tensor");
     m.def("silu_mul.out(Tensor x, Tensor(a!) out) -> ()");
     m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
-    m.def("rotary_write_kv(" CADENCE_WRITE_KV ") -> Tensor");
-    m.def("rotary_write_kv.out(" CADENCE_WRITE_KV ", Tensor(c!) q_out) -> ()");
+    m.def("rotary_write_kv(" CADENCE_WRITE_KV CADENCE_WRITE_SCALES ") -> Tensor");
+    m.def("rotary_write_kv.out(" CADENCE_WRITE_KV ", Tensor(c!) q_out" CADENCE_WRITE_SCALES
+          ") -> ()");
     m.def("decode_layer_attention.out(" CADENCE_WRITE_KV
           ", Tensor block_tables, Tensor context_lens, float scale, int? sliding_window, "
-          "Tensor(c!) q_out, Tensor(d!) out) -> ()");
+          "Tensor(c!) q_out, Tensor(d!) out" CADENCE_WRITE_SCALES ") -> ()");
     // No tensors: these run whatever the dispatch keys (a catch-all kernel).
     m.def("_select_kernels(str isa, str path) -> ()", TORCH_FN(cadence_ops::select_kernels));
     m.def("_selected_kernels() -> str", TORCH_FN(cadence_ops::selected_kernels));

@@ -23,6 +23,7 @@
 
 #include <array>
 #include <initializer_list>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -90,6 +91,12 @@ inline bool is_kernel_dtype(ScalarType t) {
     return t == ScalarType::Float || t == ScalarType::BFloat16 || t == ScalarType::Half;
 }
 
+// The quantized KV cache's element types (cadence/kv_format.py): any activations read them.
+inline bool is_quantized_cache(ScalarType t) {
+    return t == ScalarType::Char || t == ScalarType::Float8_e4m3fn ||
+           t == ScalarType::Float8_e5m2;
+}
+
 // Whether t is, or stands for, a CPU tensor: read from its dispatch keys, not its device,
 // because FakeTensor runs the Meta implementation with every tensor reporting the meta
 // device while its keys keep the backend of the device it stands for.
@@ -141,7 +148,11 @@ inline CacheSizes cache(const char* op, ScalarType dtype, const Tensor& k_cache,
             c10::str("contiguous, shaped and typed as k_cache (", describe(k_cache), ")"),
             v_cache);
     }
-    if (!is_kernel_dtype(kv_dtype)) bad(op, "k_cache", "float32, bfloat16 or float16", k_cache);
+    if (is_quantized_cache(kv_dtype)) return {shape[1], shape[2], shape[3]};
+    if (!is_kernel_dtype(kv_dtype)) {
+        bad(op, "k_cache", "float32, bfloat16, float16, int8, float8_e4m3fn or float8_e5m2",
+            k_cache);
+    }
     if (kv_dtype != dtype && dtype != ScalarType::Float && kv_dtype != ScalarType::Float) {
         fail(op, "no kernel for ", dtype_name(dtype), " activations over a ",
              dtype_name(kv_dtype),
@@ -149,6 +160,36 @@ inline CacheSizes cache(const char* op, ScalarType dtype, const Tensor& k_cache,
              "float32");
     }
     return {shape[1], shape[2], shape[3]};
+}
+
+// A quantized cache's scales, float32: int8's [blocks, block_size, kv_heads] contiguous
+// (one per slot and KV head), fp8's one element (the layer's); a float cache takes none.
+inline void cache_scales(const char* op, const Tensor& k_cache,
+                         const std::optional<Tensor>& k_scale,
+                         const std::optional<Tensor>& v_scale) {
+    const ScalarType kv_dtype = k_cache.scalar_type();
+    if (!is_quantized_cache(kv_dtype)) {
+        if (k_scale || v_scale) {
+            fail(op, "k_scale and v_scale are for an int8 or fp8 cache, not a ",
+                 dtype_name(kv_dtype), " one");
+        }
+        return;
+    }
+    const auto shape = k_cache.sym_sizes();
+    const bool per_slot = kv_dtype == ScalarType::Char;
+    const std::string want =
+        per_slot ? c10::str("a contiguous torch.float32 [", shape[0], ", ", shape[1], ", ",
+                            shape[2], "] (the int8 cache's scale per slot and KV head)")
+                 : std::string("a torch.float32 tensor of one element (the layer's scale)");
+    for (const auto& [name, t] : {std::pair{"k_scale", &k_scale}, std::pair{"v_scale", &v_scale}}) {
+        if (!*t) fail(op, name, " must be given with a ", dtype_name(kv_dtype), " cache: ", want);
+        const Tensor& x = **t;
+        const bool ok = x.scalar_type() == ScalarType::Float &&
+                        (per_slot ? x.sym_sizes().equals({shape[0], shape[1], shape[2]}) &&
+                                        x.is_contiguous()
+                                  : x.sym_numel() == 1);
+        if (!ok) bad(op, name, want, x);
+    }
 }
 
 // cos and sin [tokens, (1,) head_dim] in the activations' dtype.
@@ -186,13 +227,16 @@ struct AttentionSizes {
 inline AttentionSizes paged_decode_attention(const char* op, const Tensor& q,
                                              const Tensor& k_cache, const Tensor& v_cache,
                                              const Tensor& block_tables,
-                                             const Tensor& context_lens, const Tensor* out) {
+                                             const Tensor& context_lens, const Tensor* out,
+                                             const std::optional<Tensor>& k_scale,
+                                             const std::optional<Tensor>& v_scale) {
     const auto shape = q.sym_sizes();
     const ScalarType dtype = q.scalar_type();
     if (shape.size() != 3 || !is_kernel_dtype(dtype)) {
         bad(op, "q", "float32, bfloat16 or float16 [seqs, heads, head_dim]", q);
     }
     auto [block_size, kv_heads, head_dim] = cache(op, dtype, k_cache, v_cache);
+    cache_scales(op, k_cache, k_scale, v_scale);
     if (shape[2] != head_dim || shape[1] % kv_heads != 0) {
         bad(op, "q", c10::str("[seqs, a multiple of ", kv_heads, " heads, ", head_dim, "]"), q);
     }
@@ -280,7 +324,9 @@ struct WriteKvSizes {
 inline WriteKvSizes rotary_write_kv(const char* op, const Tensor& qkv, int64_t heads,
                                     int64_t kv_heads, const Tensor& cos, const Tensor& sin,
                                     const Tensor& k_cache, const Tensor& v_cache,
-                                    const Tensor& slot_mapping, const Tensor* q_out) {
+                                    const Tensor& slot_mapping, const Tensor* q_out,
+                                    const std::optional<Tensor>& k_scale,
+                                    const std::optional<Tensor>& v_scale) {
     const auto shape = qkv.sym_sizes();
     const ScalarType dtype = qkv.scalar_type();
     if (shape.size() != 2 || qkv.sym_strides()[1] != 1 || !is_kernel_dtype(dtype)) {
@@ -290,6 +336,7 @@ inline WriteKvSizes rotary_write_kv(const char* op, const Tensor& qkv, int64_t h
             qkv);
     }
     auto [block_size, cache_kv_heads, head_dim] = cache(op, dtype, k_cache, v_cache);
+    cache_scales(op, k_cache, k_scale, v_scale);
     if (heads <= 0) fail(op, "heads must be positive, got ", heads);
     if (cache_kv_heads != kv_heads) {
         fail(op, "kv_heads must be the cache's ", cache_kv_heads, ", got ", kv_heads);
@@ -322,9 +369,11 @@ inline WriteKvSizes decode_layer_attention(const char* op, const Tensor& qkv, in
                                            const Tensor& v_cache, const Tensor& slot_mapping,
                                            const Tensor& block_tables,
                                            const Tensor& context_lens, const Tensor& q_out,
-                                           const Tensor& out) {
+                                           const Tensor& out,
+                                           const std::optional<Tensor>& k_scale,
+                                           const std::optional<Tensor>& v_scale) {
     WriteKvSizes sizes = rotary_write_kv(op, qkv, heads, kv_heads, cos, sin, k_cache, v_cache,
-                                         slot_mapping, &q_out);
+                                         slot_mapping, &q_out, k_scale, v_scale);
     if (heads % kv_heads != 0) {
         fail(op, "heads (", heads, ") must be a multiple of kv_heads (", kv_heads, ")");
     }
