@@ -37,3 +37,19 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     assert not actual.isnan().any(), "unwritten (poisoned) elements in the output"
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
+
+
+def quantized_cache(
+    cache: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A float cache as `dtype` stores it (`cadence.kv_format`), with its scales: int8's per
+    slot and KV head, fp8's one for the layer (its largest value maps to a quarter of
+    the format's range); a float dtype's cache converted, no scales."""
+    from cadence.kv_format import quantize_fp8, quantize_int8
+
+    if dtype == torch.int8:
+        return quantize_int8(cache)
+    if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        scale = (cache.abs().max() * 4 / torch.finfo(dtype).max).float().reshape(1)
+        return quantize_fp8(cache, scale, dtype), scale
+    return cache.to(dtype), None

@@ -11,7 +11,7 @@ import pytest
 import torch
 from cadence.kernels import cpu
 from cadence.layers.kernel_ops import TORCH_OPS, LayerOps, bind, cpu_ops
-from kernel_cases import assert_close, paged_cache, poisoned
+from kernel_cases import assert_close, paged_cache, poisoned, quantized_cache
 
 pytestmark = pytest.mark.usefixtures("cpu_isa")
 
@@ -81,6 +81,40 @@ def test_paged_decode_attention_reads_only_the_table_rows_it_owns(dtype, garbage
     assert torch.isfinite(out).all() and out.abs().max() < 10
     ref = cpu.paged_decode_attention_ref(q, clean_k, clean_v, tables, lens, 0.125)
     assert_close(out, ref, dtype)  # as if the garbage were not there
+
+
+QUANTIZED = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.mark.parametrize("kv_dtype", QUANTIZED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("block_size", "heads", "kv_heads", "head_dim"), [(16, 9, 3, 64),
+                         (8, 4, 4, 128), (32, 16, 2, 80), (16, 4, 2, 48)])  # fmt: skip
+def test_paged_decode_attention_over_a_quantized_cache_matches_reference(
+    kv_dtype, dtype, block_size, heads, kv_heads, head_dim
+):
+    """The kernel reads an int8 or fp8 cache with its scales as the reference reads it
+    (in float32, the elements times their scales); head_dim 48 takes the generic path
+    on every instruction set."""
+    k_float, v_float, tables = paged_cache(LENS, block_size, kv_heads, head_dim, torch.float32, 9)
+    (k_cache, k_scale), (v_cache, v_scale) = (
+        quantized_cache(k_float.cpu() * 3, kv_dtype),
+        quantized_cache(v_float.cpu(), kv_dtype),
+    )
+    tables = tables.cpu().long()
+    q = torch.randn(len(LENS), heads, head_dim, generator=torch.Generator().manual_seed(7))
+    q = q.to(dtype)
+    lens = torch.tensor(LENS)
+    for window in (None, 20):
+        out = poisoned(tuple(q.shape), dtype).cpu()
+        cpu.paged_decode_attention(
+            q, k_cache, v_cache, tables, lens, head_dim**-0.5, window, out=out,
+            k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
+        ref = cpu.paged_decode_attention_ref(
+            q, k_cache, v_cache, tables, lens, head_dim**-0.5, window, k_scale, v_scale
+        )
+        assert_close(out, ref, dtype)
 
 
 def test_paged_decode_attention_rejects_what_it_cannot_run():
@@ -218,3 +252,59 @@ def test_rotary_write_kv_matches_the_reference(dtype, kv_dtype, head_dim, heads,
     others[slots] = False
     assert torch.equal(flat_k[others], k_ref.view(96, -1)[others])
     assert torch.equal(flat_v[others], v_ref.view(96, -1)[others])
+
+
+@pytest.mark.parametrize("kv_dtype", QUANTIZED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_rotary_write_kv_into_a_quantized_cache_stores_the_torch_definitions_bits(
+    kv_dtype, dtype, head_dim
+):
+    """The kernel's rotated keys and copied values, quantized as it writes them, are the
+    bits `cadence.kv_format` gives for what it writes into a cache of the activations'
+    dtype (int8 with its scales); every other slot and scale untouched."""
+    from cadence.kv_format import quantize
+
+    g = torch.Generator().manual_seed(head_dim)
+    heads, kv_heads, tokens = 9, 3, 7
+    angles = torch.rand(tokens, 1, head_dim, generator=g) * 6
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g) * 4).to(dtype)
+    qkv[0, heads * head_dim] = 1e-6  # an fp8 subnormal in the first key
+    slots = torch.randperm(96, generator=g)[:tokens]
+    shape = (6, 16, kv_heads, head_dim)
+    k_float, v_float = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+    cpu.rotary_write_kv(qkv, heads, kv_heads, cos, sin, k_float, v_float, slots)
+    k_cache, k_scale = quantized_cache(torch.randn(shape, generator=g), kv_dtype)
+    v_cache, v_scale = quantized_cache(torch.randn(shape, generator=g), kv_dtype)
+    before = [t.clone() for t in (k_cache, v_cache, k_scale, v_scale)]
+    cpu.rotary_write_kv(
+        qkv, heads, kv_heads, cos, sin, k_cache, v_cache, slots, k_scale=k_scale, v_scale=v_scale
+    )
+    others = torch.ones(96, dtype=torch.bool)
+    others[slots] = False
+    for new, cache, scale, (old_cache, old_scale) in (
+        (k_float, k_cache, k_scale, before[0::2]),
+        (v_float, v_cache, v_scale, before[1::2]),
+    ):
+        rows = cache.view(96, kv_heads, head_dim)
+        want, want_scales = quantize(
+            new.view(96, kv_heads, head_dim)[slots], _format(kv_dtype), scale
+        )
+        assert torch.equal(rows[slots].view(torch.uint8), want.view(torch.uint8))
+        assert torch.equal(
+            rows[others].view(torch.uint8),
+            old_cache.view(96, kv_heads, head_dim)[others].view(torch.uint8),
+        )
+        if want_scales is not None:
+            assert torch.equal(scale.view(96, kv_heads)[slots], want_scales)
+            assert torch.equal(
+                scale.view(96, kv_heads)[others], old_scale.view(96, kv_heads)[others]
+            )
+
+
+def _format(dtype: torch.dtype):
+    from cadence.kv_format import kv_format
+
+    names = {torch.int8: "int8", torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
+    return kv_format(names[dtype])

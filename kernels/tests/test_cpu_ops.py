@@ -16,7 +16,7 @@ import pytest
 import torch
 from cadence.kernels import cpu
 from cadence.kernels.cpu import ops as cpu_ops
-from kernel_cases import paged_cache
+from kernel_cases import paged_cache, quantized_cache
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 # The operators exist once the kernels are selected, and the cases below name them.
@@ -28,6 +28,9 @@ F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 DTYPES = [F32, BF16, F16]
 # (activations, cache): every pairing the attention and cache-write kernels are built for
 PAIRS = [(F32, F32), (BF16, BF16), (F16, F16), (F32, BF16), (F32, F16), (BF16, F32), (F16, F32)]
+# quantized caches (cadence.kv_format), which any activations read, with their scales
+I8, E4M3, E5M2 = torch.int8, torch.float8_e4m3fn, torch.float8_e5m2
+QUANTIZED_PAIRS = [(F32, I8), (BF16, I8), (F16, E4M3), (BF16, E5M2)]
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 64, 16
 LENS = [1, 17, 5]  # one token, across a block boundary, within one
 
@@ -36,13 +39,24 @@ def _generator() -> torch.Generator:
     return torch.Generator().manual_seed(0)
 
 
+def _caches(k: torch.Tensor, v: torch.Tensor, kv_dtype: torch.dtype) -> dict[str, Any]:
+    """The caches (and scales, for a quantized one) from float ones."""
+    (k_cache, k_scale), (v_cache, v_scale) = (
+        quantized_cache(k, kv_dtype),
+        quantized_cache(v, kv_dtype),
+    )
+    caches = {"k_cache": k_cache, "v_cache": v_cache}
+    if k_scale is not None:
+        caches.update(k_scale=k_scale, v_scale=v_scale)
+    return caches
+
+
 def _attention_args(dtype: torch.dtype, kv_dtype: torch.dtype) -> dict[str, Any]:
-    k_cache, v_cache, tables = paged_cache(LENS, BLOCK, KV_HEADS, HEAD_DIM, kv_dtype, seed=1)
+    k_cache, v_cache, tables = paged_cache(LENS, BLOCK, KV_HEADS, HEAD_DIM, F32, seed=1)
     q = torch.randn(len(LENS), HEADS, HEAD_DIM, generator=_generator()).to(dtype)
     return {
         "q": q,
-        "k_cache": k_cache.cpu(),
-        "v_cache": v_cache.cpu(),
+        **_caches(k_cache.cpu(), v_cache.cpu(), kv_dtype),
         "block_tables": tables.cpu().long(),
         "context_lens": torch.tensor(LENS),
         "scale": HEAD_DIM**-0.5,
@@ -60,8 +74,11 @@ def _write_kv_args(dtype: torch.dtype, kv_dtype: torch.dtype, tokens: int) -> di
         "kv_heads": KV_HEADS,
         "cos": angles.cos().to(dtype),
         "sin": angles.sin().to(dtype),
-        "k_cache": torch.randn(6, BLOCK, KV_HEADS, HEAD_DIM, generator=g).to(kv_dtype),
-        "v_cache": torch.randn(6, BLOCK, KV_HEADS, HEAD_DIM, generator=g).to(kv_dtype),
+        **_caches(
+            torch.randn(6, BLOCK, KV_HEADS, HEAD_DIM, generator=g),
+            torch.randn(6, BLOCK, KV_HEADS, HEAD_DIM, generator=g),
+            kv_dtype,
+        ),
         "slot_mapping": torch.randperm(6 * BLOCK, generator=g)[:tokens],
     }
 
@@ -72,8 +89,7 @@ def _decode_layer_args(dtype: torch.dtype, kv_dtype: torch.dtype) -> dict[str, A
     blocks = attention["block_tables"]
     last = torch.tensor(LENS) - 1  # the new token's slot: the last of each sequence
     args.update(
-        k_cache=attention["k_cache"],
-        v_cache=attention["v_cache"],
+        {k: v for k, v in attention.items() if k.endswith(("_cache", "_scale"))},
         slot_mapping=blocks.gather(1, (last // BLOCK).unsqueeze(1)).squeeze(1) * BLOCK
         + last % BLOCK,
         block_tables=blocks,
@@ -105,7 +121,7 @@ def _cases() -> list[Any]:
     """(operator, its arguments by name) for every operator and dtype pairing."""
     cases: list[tuple[Any, dict[str, Any]]] = []
     q_shape = (len(LENS), HEADS, HEAD_DIM)
-    for dtype, kv_dtype in PAIRS:
+    for dtype, kv_dtype in PAIRS + QUANTIZED_PAIRS:
         cases += [
             (OPS.paged_decode_attention.default, _attention_args(dtype, kv_dtype)),
             (
@@ -177,7 +193,11 @@ def _name(op: Any) -> str:
 
 @pytest.mark.parametrize(("op", "args"), _cases())
 def test_opcheck(op, args):
-    torch.library.opcheck(op, _in_order(op, args))
+    fp8 = any(getattr(v, "dtype", None) in (E4M3, E5M2) for v in args.values())
+    # test_schema compares the tensors around the call with arithmetic torch lacks for
+    # float8 ("mul_cpu_reduced_float"); the int8 cases cover the same schemas with it
+    utils = ("test_faketensor", "test_aot_dispatch_dynamic") if fp8 else None
+    torch.library.opcheck(op, _in_order(op, args), **({"test_utils": utils} if utils else {}))
 
 
 def test_every_operator_has_an_opcheck_case():
@@ -206,6 +226,11 @@ def _bad_cases() -> list[Any]:
     rotary = {"x": head[:, :HEADS], "cos": _empty(3, 1, HEAD_DIM, dtype=BF16)}
     rotary["sin"] = rotary["cos"]
     strided = k_cache.transpose(1, 2).contiguous().transpose(1, 2)  # k_cache's shape, not packed
+    int8_attention = {**_attention_args(BF16, I8), "out": None}
+    fp8_write = {
+        **_write_kv_args(F32, E4M3, 3),
+        "q_out": _empty(3, HEADS, HEAD_DIM, dtype=F32),
+    }
     cases = [
         (OPS.paged_decode_attention.out, {"q": attention["q"].double()}, "q must be float32"),
         (
@@ -265,6 +290,26 @@ def _bad_cases() -> list[Any]:
         ),
         (OPS.decode_layer_attention.out, {"out": _empty(3, HEADS, 32, dtype=BF16)}, "out must be"),
         (OPS.greedy_logprobs.default, {"logits": torch.randn(2, 10).half()}, "logits must be"),
+        (
+            OPS.paged_decode_attention.out,
+            {"k_scale": torch.ones(1), "v_scale": torch.ones(1)},
+            "k_scale and v_scale are for an int8 or fp8 cache, not a torch.bfloat16 one",
+        ),
+        (
+            OPS.paged_decode_attention.default,
+            {**int8_attention, "v_scale": None},
+            "v_scale must be given with a torch.int8 cache",
+        ),
+        (
+            OPS.paged_decode_attention.default,
+            {**int8_attention, "k_scale": int8_attention["k_scale"][:, :8]},
+            r"k_scale must be a contiguous torch.float32 \[\d+, 16, 2\]",
+        ),
+        (
+            OPS.rotary_write_kv.out,
+            {**fp8_write, "k_scale": torch.ones(2)},
+            "k_scale must be a torch.float32 tensor of one element",
+        ),
     ]
     bases = {
         "paged_decode_attention.out": attention,
@@ -318,24 +363,28 @@ def test_add_rms_norm_in_place_gives_the_functional_bits(dtype):
 
 
 @pytest.mark.usefixtures("cpu_isa")
-@pytest.mark.parametrize(("dtype", "kv_dtype"), PAIRS)
+@pytest.mark.parametrize(("dtype", "kv_dtype"), PAIRS + QUANTIZED_PAIRS)
 def test_decode_layer_attention_is_the_cache_write_then_the_attention(dtype, kv_dtype):
     args = _decode_layer_args(dtype, kv_dtype)
     k_cache, v_cache = args["k_cache"].clone(), args["v_cache"].clone()
+    k_scale, v_scale = (args[n].clone() if n in args else None for n in ("k_scale", "v_scale"))
     q = OPS.rotary_write_kv(
         args["qkv"], HEADS, KV_HEADS, args["cos"], args["sin"], k_cache, v_cache,
-        args["slot_mapping"],
+        args["slot_mapping"], k_scale, v_scale,
     )  # fmt: skip
     expected = OPS.paged_decode_attention(
-        q, k_cache, v_cache, args["block_tables"], args["context_lens"], args["scale"], 4
-    )
+        q, k_cache, v_cache, args["block_tables"], args["context_lens"], args["scale"], 4,
+        k_scale, v_scale,
+    )  # fmt: skip
     q_out = _empty(len(LENS), HEADS, HEAD_DIM, dtype=dtype)
     out = _empty(len(LENS), HEADS, HEAD_DIM, dtype=dtype)
     op = OPS.decode_layer_attention.out
     op(*_in_order(op, {**args, "q_out": q_out, "out": out}))
     assert torch.equal(q_out, q)
     assert torch.equal(out, expected)
-    assert torch.equal(args["k_cache"], k_cache) and torch.equal(args["v_cache"], v_cache)
+    for name, mine in (("k_cache", k_cache), ("v_cache", v_cache), ("k_scale", k_scale)):
+        if mine is not None:
+            assert torch.equal(args[name].view(torch.uint8), mine.view(torch.uint8))
 
 
 def test_the_operators_call_the_selected_instruction_sets_library(cpu_isa):

@@ -34,7 +34,14 @@ LLAMA_VARIANTS = [
 
 
 def _caches(engine) -> list[torch.Tensor]:
-    return [t.clone() for a in engine.model.attention_layers() for t in (a.k_cache, a.v_cache)]
+    """Every layer's caches and, for a quantized cache, int8's per-token scales, as bytes
+    (torch.equal has no float8 kernel)."""
+    held = []
+    for a in engine.model.attention_layers():
+        held += [a.k_cache.view(torch.uint8).clone(), a.v_cache.view(torch.uint8).clone()]
+        if a.k_scale is not None and a.k_scale.numel() > 1:
+            held += [a.k_scale.clone(), a.v_scale.clone()]
+    return held
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -43,6 +50,23 @@ def test_flat_step_gives_the_generic_forwards_bits(
     name, dtype, model_dirs, engine_for, monkeypatch
 ):
     engine = engine_for(model_dirs(name), num_blocks=64, dtype=dtype)
+    _check_flat_against_generic(engine, monkeypatch)
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("name", ["llama_9_heads_3_kv", "mistral_window"])
+def test_flat_step_over_a_quantized_cache_gives_the_generic_forwards_bits(
+    name, kv, model_dirs, engine_for, monkeypatch
+):
+    """The C++ cache write quantizes as the torch write does (cadence.kv_format): the
+    same stored bytes and scales, hence the same attention and hidden states."""
+    engine = engine_for(model_dirs(name), num_blocks=64, dtype="bfloat16", kv_cache_dtype=kv)
+    _check_flat_against_generic(engine, monkeypatch)
+
+
+def _check_flat_against_generic(engine, monkeypatch) -> None:
+    """Mixed steps, chunks over a cached prefix, then decode-only steps: the flat step's
+    hidden states and cache contents are the generic forward's, step by step."""
     assert isinstance(engine.runner, LlamaCpuFlatRunner)
     generic_runner = ModelRunner(engine.model, engine.attention_backend)
     taken: list[int] = []
