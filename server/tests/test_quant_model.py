@@ -19,9 +19,10 @@ from shard_helpers import MiniRouter
 
 PROMPT = list(range(3, 20))
 DECODES = 6
-# Largest |logit difference| between the quantized kernels and dequantize-then-float,
-# relative to the largest |logit|: float32 summation order only.
-KERNEL_PATH_TOL = 1e-4
+# RMS logit difference between the quantized kernels and dequantize-then-float, relative
+# to the RMS logit: the CPU kernels compute in bfloat16 (inputs, scales and zeros rounded
+# to it) where the float32 model does not; measured up to 0.016 (int4, no float copy).
+KERNEL_PATH_BOUND = 0.03
 # RMS logit error relative to the float model's RMS logit, on these tiny random models
 # (weights N(0, 0.15), chaotic enough that int4 g32 measures 0.38; a one-level shift
 # measures 2.2, int8 0.03).
@@ -64,8 +65,7 @@ def test_a_quantized_source_computes_the_dequantized_models_logits(
     source = QuantizedCopy(model_dirs(name), method)
     got, engine = served(model_dirs(name), source, quantize_keep_float=keep_float)
     expected, _ = served(dequantized_copy(source, tmp_path / "dequantized"))
-    scale = float(expected.abs().max())
-    torch.testing.assert_close(got, expected, atol=KERNEL_PATH_TOL * scale, rtol=0)
+    assert _rms_error(got, expected) < KERNEL_PATH_BOUND
     q = engine.quantization
     assert q["source"] == "test copy " + method
     assert q["float_kept"] is (keep_float == "on")

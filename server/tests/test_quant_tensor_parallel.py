@@ -7,11 +7,13 @@ so 2 ranks give 1 rank's logits, on every rank."""
 from __future__ import annotations
 
 import pytest
-import torch
 from quant_tp_worker import engine_for_case, run_group
 from tp_worker import scripted_logits
 
-TOL = 1e-4  # relative to the largest |logit|: summation order only
+# RMS logit difference relative to the RMS logit: the kernels answer in bfloat16, so a
+# row-parallel rank's partial sum is rounded before the all-reduce where one rank rounds
+# the whole sum (a slicing error would be of the order of 1).
+BOUND = 0.02
 
 CASES = [  # (name, model, method, int4 group, how)
     ("int8_uneven_heads", "llama_9_heads_3_kv", "int8", 0, "source"),
@@ -40,7 +42,5 @@ def test_two_ranks_give_one_ranks_logits(index, cases, two_ranks):
     for rank, results in enumerate(two_ranks):
         for rid in (1, 2):
             got, expected = results[case[0]][rid], single[rid]
-            scale = float(expected.abs().max())
-            torch.testing.assert_close(
-                got, expected, atol=TOL * scale, rtol=0, msg=f"rank {rank} request {rid}"
-            )
+            error = (got - expected).pow(2).mean().sqrt() / expected.pow(2).mean().sqrt()
+            assert error < BOUND, f"rank {rank} request {rid}: {error:.4f}"

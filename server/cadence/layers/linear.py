@@ -84,7 +84,8 @@ class LinearBase(nn.Module):
         part = self.part(shard_id)
         src = read_part(loaded, part, is_bias=param.dim() == 1)
         what = f"{type(self).__name__}" + ("" if shard_id is None else f" part {shard_id}")
-        _copy(param.data.narrow(0, part.offset, src.shape[0]), src, what)
+        size = param.shape[0] if part.rows is None else part.rows[1]
+        _copy(param.data.narrow(0, part.offset, size), src, what)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return product(self, x, self.bias)

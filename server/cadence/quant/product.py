@@ -68,9 +68,9 @@ def make_kernel(weight: QuantizedWeight, dtype: torch.dtype, device: torch.devic
         return triton_kernels.kernel_for(weight, dtype, device)
     from cadence.quant.cpu_kernels import Int4CpuKernel, Int8CpuKernel
 
-    if isinstance(weight, Int8Weight):
-        return Int8CpuKernel(weight, dtype)
-    return Int4CpuKernel(weight, dtype)
+    if isinstance(weight, Int8Weight):  # (the CPU kernels run in bfloat16 whatever `dtype`)
+        return Int8CpuKernel(weight)
+    return Int4CpuKernel(weight)
 
 
 class QuantizedProduct:

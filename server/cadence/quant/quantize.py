@@ -41,13 +41,14 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> Int4Weight:
 def group_size_for(in_features: int, requested: int) -> int:
     """The group size a linear of `in_features` inputs is quantized with: `requested`
     when it divides them, else the largest power of two below it that does (SmolLM2's
-    576-wide inputs take 64 under the default 128), at least 16."""
+    576-wide inputs take 64 under the default 128), at least 32 (the CPU kernel's
+    smallest)."""
     group = requested
-    while group >= 16:
+    while group >= 32:
         if in_features % group == 0:
             return group
         group //= 2
     raise ValueError(
         f"{in_features} input columns have no int4 group of {requested} or a power of two "
-        "below it down to 16"
+        "below it down to 32"
     )

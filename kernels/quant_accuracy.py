@@ -1,0 +1,76 @@
+"""What each quantization costs in accuracy on a real model: perplexity on the bench
+corpus and agreement of the greedy next token with the float model, for int8 and int4
+(groups 32/64/128), with the LM head quantized or kept float.
+
+The weights are quantized with cadence's quantizers and dequantized back into a
+transformers model (the kernels compute exactly that product: server/tests/
+test_quant_model.py), so this measures the formats, not the kernels.
+
+    python kernels/quant_accuracy.py [--model ~/.cache/cadence/models/SmolLM2-135M-Instruct]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from cadence.model_source import default_model_dir
+from cadence.quant.quantize import group_size_for, quantize_int4, quantize_int8
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+CORPUS = Path(__file__).resolve().parents[1] / "server/cadence/bench/corpus.txt"
+VARIANTS = [("int8", 0), ("int4", 32), ("int4", 64), ("int4", 128)]
+
+
+def quantized_copy(model: torch.nn.Module, fmt: str, group: int, head: bool) -> None:
+    """Replaces every linear weight (the LM head when `head`) by its dequantized value."""
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if not isinstance(module, torch.nn.Linear) or (name == "lm_head" and not head):
+                continue
+            w = module.weight
+            if name == "lm_head" and head:  # tied: give the head its own weight
+                module.weight = torch.nn.Parameter(w.detach().clone(), requires_grad=False)
+                w = module.weight
+            q = (
+                quantize_int8(w)
+                if fmt == "int8"
+                else quantize_int4(w, group_size_for(w.shape[1], group))
+            )
+            w.copy_(q.dequantize(w.dtype))
+
+
+def evaluate(model: torch.nn.Module, ids: torch.Tensor) -> tuple[float, torch.Tensor]:
+    with torch.no_grad():
+        logits = model(ids).logits[0, :-1].float()
+    nll = torch.nn.functional.cross_entropy(logits, ids[0, 1:])
+    return float(nll.exp()), logits.argmax(-1)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default=str(default_model_dir()))
+    a = p.parse_args()
+    torch.manual_seed(0)
+    ids = AutoTokenizer.from_pretrained(a.model)(CORPUS.read_text(), return_tensors="pt")[
+        "input_ids"
+    ]
+    load = lambda: AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()  # noqa: E731
+    ppl, greedy = evaluate(load(), ids)
+    print(f"{ids.shape[1]} tokens; float32: perplexity {ppl:.3f}")
+    for fmt, group in VARIANTS:
+        for head in (False, True):
+            model = load()
+            quantized_copy(model, fmt, group, head)
+            q_ppl, q_greedy = evaluate(model, ids)
+            same = float((q_greedy == greedy).float().mean())
+            name = fmt if fmt == "int8" else f"{fmt} g{group}"
+            print(
+                f"{name:>9} head {'quantized' if head else 'float    '}: perplexity "
+                f"{q_ppl:.3f} ({(q_ppl / ppl - 1) * 100:+.2f}%), greedy token agrees {same:.1%}"
+            )
+
+
+if __name__ == "__main__":
+    main()
