@@ -44,8 +44,9 @@ TINY = dict(
     pad_token_id=2,
 )
 
-# Each test model's GGUF types by Hugging Face name (every other 2-D tensor F32, norms F32),
-# mixing both int4 types, Q8_0 and a K-quant, F16 and BF16, as llama.cpp's mixes do.
+# Each test model's GGUF types by Hugging Face name (every other tensor F32), mixing both
+# int4 types, Q8_0 and a K-quant, F16 and BF16, as llama.cpp's mixes do; llama's layer 0
+# q/k/v and qwen2's layer 1 gate/up mix int4 with other types in one fused layer.
 LLAMA_TYPES = {
     "model.embed_tokens.weight": Q.Q8_0,
     "model.layers.0.self_attn.q_proj.weight": Q.Q4_1,
@@ -55,8 +56,8 @@ LLAMA_TYPES = {
     "model.layers.0.mlp.gate_proj.weight": Q.Q4_0,
     "model.layers.0.mlp.up_proj.weight": Q.Q4_1,
     "model.layers.0.mlp.down_proj.weight": Q.Q6_K,
-    "model.layers.1.self_attn.q_proj.weight": Q.F16,
-    "model.layers.1.self_attn.k_proj.weight": Q.Q4_1,
+    "model.layers.1.self_attn.q_proj.weight": Q.Q4_1,
+    "model.layers.1.self_attn.k_proj.weight": Q.Q4_0,
     "model.layers.1.self_attn.v_proj.weight": Q.Q4_1,
     "model.layers.1.self_attn.o_proj.weight": Q.BF16,
     "model.layers.1.mlp.gate_proj.weight": Q.Q4_1,
@@ -77,11 +78,19 @@ QWEN2_TYPES = {
     "model.layers.1.self_attn.v_proj.weight": Q.Q4_1,
     "model.layers.1.self_attn.o_proj.weight": Q.Q4_1,
     "model.layers.1.mlp.gate_proj.weight": Q.Q4_0,
-    "model.layers.1.mlp.up_proj.weight": Q.Q4_1,
+    "model.layers.1.mlp.up_proj.weight": Q.F16,
     "model.layers.1.mlp.down_proj.weight": Q.Q4_1,
     "lm_head.weight": Q.Q4_0,
 }
 ARCHS = {"llama": LLAMA_TYPES, "qwen2": QWEN2_TYPES}
+# The int4 tensors served as float: their fused layer has parts of other types.
+DEMOTED = {
+    "llama": {
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+    },
+    "qwen2": {"model.layers.1.mlp.gate_proj.weight"},
+}
 
 
 def tiny_model(arch: str) -> PreTrainedModel:

@@ -21,7 +21,8 @@ from cadence.quant.checkpoints import GGUF_WEIGHTS, open_quantized_checkpoint
 from cadence.quant.formats import Int4Weight
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader
-from gguf_helpers import ARCHS, gguf_rotary_heads, permute_rotary, tiny_model, write_gguf
+from gguf_helpers import ARCHS, DEMOTED, gguf_rotary_heads, permute_rotary, tiny_model, write_gguf
+from shard_helpers import MiniRouter
 from transformers import PreTrainedModel
 
 INT4 = (Q.Q4_0, Q.Q4_1)
@@ -43,6 +44,11 @@ class Written:
             for name, tensor in self.model.state_dict().items()
             if not (name == "lm_head.weight" and self.model.config.tie_word_embeddings)
         }
+
+    @property
+    def int4_names(self) -> set[str]:
+        """The HF names served as int4: Q4_0/Q4_1, unless their fused layer mixes types."""
+        return {n for n, t in self.types.items() if t in INT4} - DEMOTED[self.arch]
 
     def qtype(self, hf_name: str) -> Q:
         return self.types.get(hf_name, Q.F32)
@@ -76,7 +82,7 @@ def source(written: Written) -> GGUFSource:
 
 def test_int4_linears_are_the_gguf_blocks_exactly(written: Written, source: GGUFSource) -> None:
     linears = dict(source.quantized_linears())
-    assert set(linears) == {n for n, t in written.types.items() if t in INT4}
+    assert set(linears) == written.int4_names
     for name, weight in linears.items():
         assert isinstance(weight, Int4Weight), name
         assert weight.group_size == 32 and weight.perm is None
@@ -95,8 +101,7 @@ def test_int4_linears_are_the_gguf_blocks_exactly(written: Written, source: GGUF
 
 def test_float_tensors_are_the_gguf_values(written: Written, source: GGUFSource) -> None:
     floats = dict(source.float_tensors())
-    quantized = {n for n, t in written.types.items() if t in INT4}
-    assert set(floats) == set(written.original) - quantized
+    assert set(floats) == set(written.original) - written.int4_names
     assert "model.embed_tokens.weight" in floats  # a lookup: float whatever its type
     for name, tensor in floats.items():
         assert tensor.dtype == torch.float32, name
@@ -104,8 +109,9 @@ def test_float_tensors_are_the_gguf_values(written: Written, source: GGUFSource)
         original = written.original[name]
         if (cast := FLOAT_CASTS.get(written.qtype(name))) is not None:
             assert torch.equal(tensor, original.to(cast).float()), name
-        elif written.qtype(name) == Q.Q8_0:
-            assert (tensor - original).abs().max() <= original.abs().max() / 127, name
+        elif written.qtype(name) in (Q.Q8_0, *INT4):
+            step = original.abs().max() / (127 if written.qtype(name) == Q.Q8_0 else 7)
+            assert (tensor - original).abs().max() <= step, name
 
 
 def test_weights_equal_transformers_gguf_loader(written: Written, source: GGUFSource) -> None:
@@ -226,3 +232,51 @@ def test_commands_serve_a_gguf_path_and_convert_beside_it(
     assert capsys.readouterr().out.strip() == str(copy)
     assert (copy / "model.safetensors").is_file() and not (copy / GGUF_WEIGHTS).exists()
     assert (served / GGUF_WEIGHTS).is_symlink()  # the float copy left the served folder alone
+
+
+PROMPT = list(range(3, 20))
+DECODES = 6
+# |logit difference| between cadence's int4 kernels and transformers running the
+# dequantized weights, relative to the largest |logit|: float32 summation order only.
+LOGITS_TOL = 1e-4
+
+
+def _served_logits(engine) -> torch.Tensor:
+    """A prefill of PROMPT, then DECODES decode steps with forced tokens: every row."""
+    router = MiniRouter(engine, seed=1)
+    rows = [router.logits_step(joined=[router.join(1, PROMPT)], forced={1: 5})[1]]
+    for t in range(DECODES):
+        rows.append(router.logits_step(continuing=[router.cont(1)], forced={1: 7 + t})[1])
+    return torch.cat(rows)
+
+
+def _transformers_logits(written: Written) -> torch.Tensor:
+    """transformers' GGUF loader (its own dequantization and q/k unpermutation) running
+    the same tokens."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = AutoConfig.from_pretrained(str(written.path.parent), gguf_file=written.path.name)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    state = load_gguf_checkpoint(str(written.path), return_tensors=True, model_to_load=model)
+    model.load_state_dict(state["tensors"], strict=not config.tie_word_embeddings)
+    tokens = PROMPT + [5] + [7 + t for t in range(DECODES - 1)]
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0]
+
+
+@pytest.mark.parametrize("keep_float", ["on", "off"])
+def test_engine_serves_the_gguf_as_transformers_runs_it(
+    written: Written, source: GGUFSource, keep_float: str, engine_for, tmp_path: Path
+) -> None:
+    engine = engine_for(gguf_folder(written.path, tmp_path / "m"), quantize_keep_float=keep_float)
+    got = _served_logits(engine)
+    expected = _transformers_logits(written)
+    scale = float(expected.abs().max())
+    torch.testing.assert_close(got, expected, atol=LOGITS_TOL * scale, rtol=0)
+    assert engine.quantization["source"] == source.description
+    assert engine.quantization["float_kept"] is (keep_float == "on")
+    layers = engine.model.model.layers
+    assert layers[1].self_attn.qkv_proj.quantized is not None  # all int4 in both files
+    assert (layers[0].self_attn.qkv_proj.quantized is None) == (written.arch == "llama")
+    assert (layers[1].mlp.gate_up_proj.quantized is None) == (written.arch == "qwen2")

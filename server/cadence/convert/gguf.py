@@ -18,6 +18,7 @@ from loguru import logger
 
 from cadence.convert.gguf_blocks import INT4_TYPES, int4_from_blocks
 from cadence.convert.gguf_names import gguf_to_hf_names, hf_checkpoint_names
+from cadence.models.llama import LlamaForCausalLM
 from cadence.quant.formats import Int4Weight
 
 # general.architecture -> the transformers class of the same model.
@@ -60,7 +61,7 @@ class GGUFModel:
     """A Llama or Qwen2 GGUF checkpoint opened read-only (memory-mapped)."""
 
     def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
+        self.path = Path(path).resolve()  # a model folder's weights.gguf: the file it links
         self.reader = GGUFReader(self.path)
         self.arch = self.field("general.architecture")
         if self.arch not in ARCHITECTURES:
@@ -182,31 +183,62 @@ class GGUFModel:
             yield name, self.float_tensor(tensor).to(dtype)
 
 
-def serves_int4(tensor: ReaderTensor) -> bool:
-    """Q4_0/Q4_1 linears go to the int4 kernel as they are; embeddings stay float."""
+def _int4_type(tensor: ReaderTensor) -> bool:
+    """Q4_0/Q4_1 linears can go to the int4 kernel as they are; embeddings stay float."""
     return tensor.tensor_type in INT4_TYPES and tensor.name != EMBEDDING
+
+
+def fused_layer(hf_name: str) -> str:
+    """The layer cadence's Llama fuses this checkpoint tensor into (q/k/v into one
+    product, gate/up into another), else the tensor's own name."""
+    for part, (fused, _) in LlamaForCausalLM.packed_modules.items():
+        if f".{part}." in hf_name:
+            return hf_name.replace(f".{part}.", f".{fused}.")
+    return hf_name
 
 
 class GGUFSource:
     """A GGUF file as a `cadence.quant.checkpoints.QuantizedSource`: Q4_0/Q4_1 linears as
     `Int4Weight` (group 32) read straight from the blocks; everything else as float32
     (Q8_0's one scale per 32 values fits no per-channel int8 format, so it is dequantized,
-    exactly; K-quants and other types are dequantized by gguf's reference code)."""
+    exactly; K-quants and other types are dequantized by gguf's reference code).
+
+    A fused layer is one product, int4 or float: when llama.cpp stored its parts in
+    different types (say q and k in Q4_0, v in Q5_1), its int4 parts are dequantized too.
+    """
 
     def __init__(self, path: str | Path) -> None:
         self.model = GGUFModel(path)
+        self.int4_names = self._int4_names()  # GGUF names of the tensors served as int4
         self.description = self._describe()
+
+    def _int4_names(self) -> set[str]:
+        layers: dict[str, list[ReaderTensor]] = {}
+        for name, tensor in self.model.hf_tensor_items():
+            layers.setdefault(fused_layer(name), []).append(tensor)
+        names: set[str] = set()
+        for layer, parts in layers.items():
+            if all(_int4_type(t) for t in parts):
+                names.update(t.name for t in parts)
+            elif any(_int4_type(t) for t in parts):
+                logger.info(
+                    "{}: {} mixes {}: served as float32",
+                    self.model.path.name,
+                    layer,
+                    ", ".join(f"{t.name} {t.tensor_type.name}" for t in parts),
+                )
+        return names
 
     def _describe(self) -> str:
         """ "gguf Q4_1", or e.g. "gguf Q4_0, Q6_K as float" when some linears are served
-        dequantized; logs those."""
+        dequantized; logs those. (The embedding is a float table whatever its type.)"""
         int4: Counter[str] = Counter()
         as_float: Counter[str] = Counter()
         for _, tensor in self.model.hf_tensor_items():
             kind = tensor.tensor_type.name
-            if serves_int4(tensor):
+            if tensor.name in self.int4_names:
                 int4[kind] += 1
-            elif tensor.tensor_type not in FLOAT_TYPES and tensor.name != EMBEDDING:
+            elif tensor.name != EMBEDDING and tensor.tensor_type not in (*INT4_TYPES, *FLOAT_TYPES):
                 as_float[kind] += 1
         for kind, count in as_float.items():
             logger.info(
@@ -221,10 +253,10 @@ class GGUFSource:
 
     def float_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in self.model.hf_tensor_items():
-            if not serves_int4(tensor):
+            if tensor.name not in self.int4_names:
                 yield name, self.model.float_tensor(tensor)
 
     def quantized_linears(self) -> Iterator[tuple[str, Int4Weight]]:
         for name, tensor in self.model.hf_tensor_items():
-            if serves_int4(tensor):
+            if tensor.name in self.int4_names:
                 yield name, self.model.int4_tensor(tensor)
