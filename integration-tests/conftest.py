@@ -138,9 +138,22 @@ def smollm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launched
 
 @pytest.fixture(scope="session")
 def smollm_dir() -> str:
+    """The folder `cadence launch` serves the embedded GGUF from (config, tokenizer,
+    weights.gguf)."""
     from cadence.model_source import resolve_model
 
     return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def smollm_float_dir(smollm_dir: str) -> str:
+    """The embedded GGUF's weights dequantized into float32 safetensors, for transformers:
+    the values the served int4 weights stand for, exactly."""
+    from cadence.convert import convert_gguf
+    from cadence.quant.checkpoints import GGUF_WEIGHTS
+
+    served = Path(smollm_dir)
+    return str(convert_gguf(served / GGUF_WEIGHTS, served.with_name(f"{served.name}-float32")))
 
 
 @pytest.fixture
@@ -172,13 +185,13 @@ def greedy_ids(client: httpx.Client, text: str, max_new_tokens: int) -> list[int
 
 
 @pytest.fixture(scope="session")
-def transformers_reference(smollm_dir: str) -> tuple[list[str], list[list[int]], int]:
+def transformers_reference(smollm_float_dir: str) -> tuple[list[str], list[list[int]], int]:
     """Chat prompts rendered with the model's template, and transformers' greedy continuations."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(smollm_dir)
-    model = AutoModelForCausalLM.from_pretrained(smollm_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(smollm_float_dir)
+    model = AutoModelForCausalLM.from_pretrained(smollm_float_dir, dtype=torch.float32).eval()
     texts, outputs = [], []
     for prompt in CHAT_PROMPTS:
         text = tokenizer.apply_chat_template(

@@ -70,8 +70,8 @@ def server_no_ff(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedS
 
 
 @pytest.fixture(scope="module")
-def reference(smollm_dir: str) -> ConstrainedReference:
-    return ConstrainedReference(smollm_dir)
+def reference(smollm_float_dir: str) -> ConstrainedReference:
+    return ConstrainedReference(smollm_float_dir)
 
 
 def chat_text(reference: ConstrainedReference, prompt: str) -> str:

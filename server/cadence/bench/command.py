@@ -80,8 +80,8 @@ def _add_accuracy_parser(inner: Any) -> None:
     a.add_argument("--model-id", help="model folder or .gguf (default: the embedded model)")
     a.add_argument(
         "--reference-dir",
-        help="float checkpoint transformers reads (default: the model folder; for a GGUF "
-        "file, `cadence convert` it first)",
+        help="float checkpoint transformers reads (default: the model folder; for a GGUF, "
+        "its float32 copy, made once beside the folder that serves it)",
     )
     a.add_argument("--variants", default=ACCURACY_VARIANTS, help="comma-separated")
     a.add_argument("--tokens", type=int, default=1024, help="teacher-forced text length")

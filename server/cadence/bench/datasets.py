@@ -37,11 +37,12 @@ class BenchRequest:
 
 
 def load_tokenizer(path: str | None) -> Tokenizer:
-    """A model folder or tokenizer.json; None: the embedded SmolLM2 model's."""
+    """A model folder or tokenizer.json; None: the embedded SmolLM2 model's (its folder
+    made first if no server has made it yet)."""
     if path is None:
-        from cadence.model_source import default_model_dir
+        from cadence.model_source import resolve_model
 
-        path = str(default_model_dir())
+        path = resolve_model(None)
     p = Path(path)
     return Tokenizer.from_file(str(p / "tokenizer.json" if p.is_dir() else p))
 

@@ -13,11 +13,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
+if TYPE_CHECKING:  # finding out what a folder holds stays free of torch (the launcher does)
+    import torch
 
-from cadence.quant.formats import QuantizedWeight
+    from cadence.quant.formats import QuantizedWeight
 
 GGUF_WEIGHTS = "weights.gguf"  # in a model folder: the GGUF file whose weights it serves
 
