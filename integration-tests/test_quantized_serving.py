@@ -52,19 +52,19 @@ def dequantized_folder(float_dir: Path, method: str, out: Path) -> Path:
 
 @pytest.fixture(scope="module", params=["int8", "int4"])
 def quantized(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, smollm_dir: str
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, smollm_float_dir: str
 ) -> Iterator[tuple[str, LaunchedServer, Path]]:
     method = request.param
     tmp = tmp_path_factory.mktemp(f"quantized-{method}")
     server = launch(
         tmp,
-        *("--model-id", smollm_dir, *FLOAT32, "--kv-cache-memory", "256MiB"),
+        *("--model-id", smollm_float_dir, *FLOAT32, "--kv-cache-memory", "256MiB"),
         *("--quantize", method, "--quantize-group-size", str(GROUP)),
         # every product through the quantized kernel, so one oracle covers prefill too
         # (the kernel is slow at prefill-sized products: smaller chunks keep warm-up short)
         *("--quantize-keep-float", "off", "--max-batch-tokens", "512"),
     )
-    oracle = dequantized_folder(Path(smollm_dir), method, tmp / "oracle")
+    oracle = dequantized_folder(Path(smollm_float_dir), method, tmp / "oracle")
     yield method, server, oracle
     assert stop(server) == 0, server.log()
 
@@ -101,7 +101,7 @@ def oracle_logprobs(model, ids: list[int], head: torch.Tensor | None = None) -> 
 
 
 def test_logprobs_and_greedy_choices_are_transformers_on_the_dequantized_weights(
-    quantized, smollm_dir: str
+    quantized, smollm_float_dir: str
 ) -> None:
     """Every prompt and generated token's logprob within the bfloat16 compute's bound of
     transformers on the dequantized weights, and every greedy choice its top token up to
@@ -111,7 +111,7 @@ def test_logprobs_and_greedy_choices_are_transformers_on_the_dequantized_weights
     method, server, oracle = quantized
     tokenizer = AutoTokenizer.from_pretrained(oracle)
     model = AutoModelForCausalLM.from_pretrained(oracle, dtype=torch.float32).eval()
-    original = AutoModelForCausalLM.from_pretrained(smollm_dir, dtype=torch.float32).eval()
+    original = AutoModelForCausalLM.from_pretrained(smollm_float_dir, dtype=torch.float32).eval()
     head = roundtrip(model.lm_head.weight.detach(), method)
     info = httpx.get(f"{server.url}/info").json()["quantization"]
     crossover = int(info["quantized_max_rows"].split(": ")[1].split()[0])
