@@ -40,7 +40,7 @@ class ShardConfig:
     cpu_threads: int = 0  # compute threads on CPU; 0: torch's default (every core it may use)
     cpu_cores: str = ""  # cores to pin the process to, comma-separated; "": no pinning
     quantize: str | None = None  # "int8" | "int4": quantize a float checkpoint's linears
-    quantize_group_size: int = 128  # int4 group size (32, 64, 128)
+    quantize_group_size: int = 32  # int4 group size (32, 64, 128); docs/quantization.md
     quantize_keep_float: str = "auto"  # "auto" | "on" | "off": float copy for large products
 
 

@@ -29,17 +29,24 @@ def quantize(w: torch.Tensor, method: str, group_size: int) -> QuantizedWeight:
 
 
 class QuantizedCopy:
-    """A float checkpoint served as a quantized source: every linear quantized whole.
-    `shift_levels` moves every int4 weight by that many quantization levels (a wrong
-    centring), for the tests that show their bound catches one."""
+    """A float checkpoint served as a quantized source: every linear quantized whole,
+    the LM head as `head_method` (default: as the others). `shift_levels` moves every
+    int4 weight by that many quantization levels (a wrong centring), for the tests that
+    show their bound catches one."""
 
     def __init__(
-        self, model_dir: str | Path, method: str, group_size: int = 32, shift_levels: int = 0
+        self,
+        model_dir: str | Path,
+        method: str,
+        group_size: int = 32,
+        shift_levels: int = 0,
+        head_method: str | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
         (path,) = self.model_dir.glob("*.safetensors")
         self.tensors = load_file(str(path))
         self.method, self.group_size, self.shift_levels = method, group_size, shift_levels
+        self.head_method = head_method or method
         self.description = f"test copy {method}"
 
     def float_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -50,7 +57,8 @@ class QuantizedCopy:
     def quantized_linears(self) -> Iterator[tuple[str, QuantizedWeight]]:
         for name, t in self.tensors.items():
             if is_linear(name):
-                w = quantize(t, self.method, self.group_size)
+                method = self.head_method if name == "lm_head.weight" else self.method
+                w = quantize(t, method, self.group_size)
                 if self.shift_levels and isinstance(w, Int4Weight):
                     w.zero += self.shift_levels * w.scale
                 yield name, w

@@ -7,9 +7,13 @@ the float product's blocked GEMM (oneDNN, weight prepacked) computes faster than
 kernels' dequantize-as-you-go loops. A layer holding both takes the quantized kernel up
 to the crossover and the float weight above it.
 
-`DEFAULTS` were measured on an AMD EPYC (Zen 4, AVX-512 BF16, 2 cores) over SmolLM2-135M's
-shapes (`kernels/quant_linear_bench.py`); that bench writes the table for the machine it
-runs on to `<cache dir>/quant_crossover.json`, which shards read instead when present.
+`DEFAULTS` were measured on a 2-core AMD EPYC with AVX-512 BF16 over a whole
+SmolLM2-135M step's products (`kernels/quant_linear_bench.py`, docs/quantization.md), the
+float32 rows also with torch, oneDNN and MKL held to AVX2; the bench writes the table for
+the machine it runs on to `<cache dir>/quant_crossover.json`, which shards read instead
+when present. Torch's bfloat16 kernels change blocking above 4 rows (their time nearly
+doubles from 4 to 6), which is where bfloat16's crossover sits; against float32 products,
+twice as slow as bfloat16 ones, they win further.
 """
 
 from __future__ import annotations
@@ -25,14 +29,15 @@ FORMATS = ("int8", "int4")
 
 # (format, activation dtype, ISA) -> most rows the quantized kernel serves.
 DEFAULTS: dict[tuple[str, str, str], int] = {
-    ("int8", "bfloat16", "avx512_bf16"): 8,
-    ("int4", "bfloat16", "avx512_bf16"): 8,
+    ("int8", "bfloat16", "avx512_bf16"): 4,
+    ("int4", "bfloat16", "avx512_bf16"): 4,
     ("int8", "float32", "avx512_bf16"): 8,
     ("int4", "float32", "avx512_bf16"): 8,
-    ("int8", "float32", "avx512"): 8,
-    ("int4", "float32", "avx512"): 8,
-    ("int8", "float32", "avx2"): 8,
+    ("int8", "float32", "avx2"): 4,
     ("int4", "float32", "avx2"): 8,
+    # not measured (no such CPU here): AVX2's, the narrower of the two
+    ("int8", "float32", "avx512"): 4,
+    ("int4", "float32", "avx512"): 8,
 }
 FALLBACK_ROWS = 4  # a combination nobody measured: decode-sized batches only
 

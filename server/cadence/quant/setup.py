@@ -26,7 +26,7 @@ KEEP_FLOAT_MEMORY_SHARE = 0.5
 @dataclass(frozen=True, slots=True)
 class QuantizeConfig:
     method: str | None = None  # "int8" | "int4": quantize a float checkpoint at load
-    group_size: int = 128  # int4 group (smaller where a layer's input does not divide)
+    group_size: int = 32  # int4 group (smaller where a layer's input does not divide)
     keep_float: str = "auto"  # one of cadence.config.KEEP_FLOAT_CHOICES
 
 
@@ -90,7 +90,7 @@ def apply(
     elif cfg.method:
         quantize_model(model, cfg.method, cfg.group_size, dispatch)
         description = f"{cfg.method} at load" + (
-            f" (group {cfg.group_size})" if cfg.method == "int4" else ""
+            f" (group {cfg.group_size}, LM head int8)" if cfg.method == "int4" else ""
         )
     else:
         return {}
