@@ -112,7 +112,7 @@ def test_logprobs_and_greedy_choices_are_transformers_on_the_dequantized_weights
     tokenizer = AutoTokenizer.from_pretrained(oracle)
     model = AutoModelForCausalLM.from_pretrained(oracle, dtype=torch.float32).eval()
     original = AutoModelForCausalLM.from_pretrained(smollm_float_dir, dtype=torch.float32).eval()
-    head = roundtrip(model.lm_head.weight.detach(), method)
+    head = roundtrip(model.lm_head.weight.detach(), "int8")  # --quantize: the head is int8
     info = httpx.get(f"{server.url}/info").json()["quantization"]
     crossover = int(info["quantized_max_rows"].split(": ")[1].split()[0])
     worst, worst_original = 0.0, 0.0
@@ -145,7 +145,8 @@ def test_info_and_metrics_say_the_weights_are_quantized(quantized) -> None:
     method, server, _ = quantized
     info = httpx.get(f"{server.url}/info").json()
     quant = info["quantization"]
-    expected = "int8" if method == "int8" else f"int4 g{GROUP}"
+    # the LM head is int8 whatever --quantize says (int4 cost it 3.8% perplexity)
+    expected = "int8" if method == "int8" else f"int4 g{GROUP}, int8"
     assert quant["weights"] == expected
     assert quant["float_copy"] == "none"
     assert quant["source"].startswith(f"{method} at load")
