@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from cadence.model_source import default_model_dir
 
 
 def free_port() -> int:
@@ -36,6 +37,18 @@ class LaunchedServer:
 # float32 weights and KV cache (by default the cache is bfloat16 under float32 weights on
 # CPU): the tests that compare against transformers in float32 pin both
 FLOAT32 = ("--dtype", "float32", "--kv-cache-dtype", "float32")
+
+
+def smollm_float_copy() -> Path:
+    """Where the embedded GGUF's float32 copy is made: beside the folder serving the GGUF."""
+    served = default_model_dir()
+    return served.with_name(f"{served.name}-float32")
+
+
+# The embedded SmolLM2 with its GGUF's weights dequantized into float32, and a float32 KV
+# cache: what the tests that compare token for token with transformers serve. (Served as
+# it is, its int4 products compute in bfloat16: test_cpu_paths checks that default.)
+SMOLLM_FLOAT32 = ("--model-id", str(smollm_float_copy()), *FLOAT32)
 
 
 def launch(
@@ -128,9 +141,9 @@ def wait_for(happened: Callable[[], bool], timeout: float, what: str) -> float:
 
 @pytest.fixture(scope="session")
 def smollm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedServer]:
-    """The embedded SmolLM2-135M-Instruct in float32, as `cadence launch` serves it."""
+    """The embedded SmolLM2-135M-Instruct in float32 (its GGUF's float copy)."""
     tmp = tmp_path_factory.mktemp("smollm")
-    server = launch(tmp, *FLOAT32, "--kv-cache-memory", "512MiB")
+    server = launch(tmp, *SMOLLM_FLOAT32, "--kv-cache-memory", "512MiB")
     yield server
     code = stop(server)
     assert code == 0, f"launcher exited with {code} on SIGTERM:\n{server.log()}"
@@ -145,15 +158,14 @@ def smollm_dir() -> str:
     return resolve_model(None)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="session", autouse=True)
 def smollm_float_dir(smollm_dir: str) -> str:
-    """The embedded GGUF's weights dequantized into float32 safetensors, for transformers:
-    the values the served int4 weights stand for, exactly."""
+    """The embedded GGUF's weights dequantized into float32 safetensors (SMOLLM_FLOAT32's
+    folder, and transformers' reference): the values its int4 weights stand for, exactly."""
     from cadence.convert import convert_gguf
     from cadence.quant.checkpoints import GGUF_WEIGHTS
 
-    served = Path(smollm_dir)
-    return str(convert_gguf(served / GGUF_WEIGHTS, served.with_name(f"{served.name}-float32")))
+    return str(convert_gguf(Path(smollm_dir) / GGUF_WEIGHTS, smollm_float_copy()))
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """`cadence launch` on every CPU kernel path this machine runs: the default picks the
-best instruction set and the dtype for it and says so in /info, a forced path serves the
-same greedy tokens as transformers, and a path that cannot run is refused at start."""
+best instruction set and the dtype for it and says so in /info, and serves the embedded
+GGUF as it is; a forced path serves the same greedy tokens as transformers (on the GGUF's
+float copy), and a path that cannot run is refused at start."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import httpx
 import pytest
 from cadence.kernels.cpu import isa
 
-from conftest import FLOAT32, LaunchedServer, greedy_ids, launch, stop
+from conftest import SMOLLM_FLOAT32, LaunchedServer, greedy_ids, launch, stop
 
 PROMPTS = 4  # of test_fidelity's chat prompts, 64 greedy tokens each
 
@@ -38,6 +39,20 @@ def test_the_default_launch_runs_the_best_kernels_this_cpu_has(default_server) -
     assert f"kernels: isa {best}; attention C++ {best}" in log  # the shard's one line
 
 
+def test_the_default_launch_serves_the_embedded_gguf_as_it_is(default_server) -> None:
+    quantization = httpx.get(f"{default_server.url}/info").json()["quantization"]
+    assert quantization["source"] == "gguf Q4_1"
+    assert quantization["weights"] == "int4 g32"
+    body = {
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 16,
+        "temperature": 0,
+    }
+    response = httpx.post(f"{default_server.url}/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    assert "Paris" in response.json()["choices"][0]["message"]["content"]
+
+
 @pytest.mark.parametrize("cpu_isa", isa.ISAS)
 def test_each_kernel_path_serves_transformers_greedy_tokens(
     cpu_isa: str,
@@ -49,7 +64,7 @@ def test_each_kernel_path_serves_transformers_greedy_tokens(
         pytest.skip(f"this CPU lacks {', '.join(lacking)}")
     server = launch(
         tmp_path_factory.mktemp(cpu_isa),
-        *("--cpu-isa", cpu_isa, *FLOAT32),
+        *("--cpu-isa", cpu_isa, *SMOLLM_FLOAT32),
         *("--kv-cache-memory", "128MiB"),
     )
     try:
@@ -74,7 +89,7 @@ def test_without_a_compiler_it_serves_through_torch(
     env = os.environ | {"CXX": "no-such-compiler", "CADENCE_KERNEL_CACHE": str(tmp / "none")}
     server = launch(
         tmp,
-        *FLOAT32,
+        *SMOLLM_FLOAT32,
         *("--kv-cache-memory", "64MiB"),
         env=env,
     )

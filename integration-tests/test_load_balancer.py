@@ -23,7 +23,7 @@ from lb import Haproxy, HaproxyMissing, haproxy_binary, start_haproxy, stop_hapr
 from load import COMPLETE, ERROR, Answer, Load, generate
 
 from conftest import (
-    FLOAT32,
+    SMOLLM_FLOAT32,
     LaunchedServer,
     launch,
     metrics,
@@ -44,7 +44,7 @@ CONCURRENCY = 16
 ONE_THREAD = os.environ | {"OMP_NUM_THREADS": "1"}
 
 
-REPLICA_FLAGS = (*FLOAT32, "--kv-cache-memory", "64MiB", "--shutdown-timeout", "120")
+REPLICA_FLAGS = (*SMOLLM_FLOAT32, "--kv-cache-memory", "64MiB", "--shutdown-timeout", "120")
 
 
 @dataclass

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import CHAT_PROMPTS, FLOAT32, LaunchedServer, greedy_ids, launch, stop
+from conftest import CHAT_PROMPTS, FLOAT32, SMOLLM_FLOAT32, LaunchedServer, greedy_ids, launch, stop
 
 NEW_TOKENS = 32
 
@@ -23,7 +23,7 @@ def two_shards(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedSer
     tmp = tmp_path_factory.mktemp("smollm-tp2")
     server = launch(
         tmp,
-        *("--num-shard", "2", *FLOAT32, "--kv-cache-memory", "256MiB"),
+        *("--num-shard", "2", *SMOLLM_FLOAT32, "--kv-cache-memory", "256MiB"),
         "--check-rank-agreement",
     )
     yield server

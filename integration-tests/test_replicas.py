@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import FLOAT32, NEW_TOKENS, LaunchedServer, greedy_ids, launch, stop
+from conftest import NEW_TOKENS, SMOLLM_FLOAT32, LaunchedServer, greedy_ids, launch, stop
 
 KILL_DEADLINE = 5.0  # seconds for the router to stop sending to a dead replica
 
@@ -25,7 +25,7 @@ KILL_DEADLINE = 5.0  # seconds for the router to stop sending to a dead replica
 @pytest.fixture(scope="module")
 def two_replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedServer]:
     tmp = tmp_path_factory.mktemp("replicas")
-    server = launch(tmp, "--replicas", "2", *FLOAT32, "--kv-cache-memory", "256MiB")
+    server = launch(tmp, "--replicas", "2", *SMOLLM_FLOAT32, "--kv-cache-memory", "256MiB")
     yield server
     code = stop(server)
     assert code == 0, f"launcher exited with {code} on SIGTERM:\n{server.log()}"

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from conftest import FLOAT32, LaunchedServer, launch, stop
+from conftest import SMOLLM_FLOAT32, LaunchedServer, launch, stop
 
 MAX_NEW = 24
 BLOCK = 16
@@ -83,7 +83,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedServ
     """A roomy cache, no prefix caching, prompt chunks of 256 tokens."""
     server = launch(
         tmp_path_factory.mktemp("ref"),
-        *(*FLOAT32, "--kv-cache-memory", "256MiB", "--no-prefix-caching"),
+        *(*SMOLLM_FLOAT32, "--kv-cache-memory", "256MiB", "--no-prefix-caching"),
         *("--max-prefill-chunk", "256", "--max-input-tokens", "4000"),
         *("--max-total-tokens", "4096"),
     )
@@ -95,7 +95,7 @@ def small_cache(tmp_path_factory: pytest.TempPathFactory, *extra: str) -> Launch
     # ~42 blocks of 16 tokens (0.7 MiB each in float32): the 64 requests need 3x that.
     return launch(
         tmp_path_factory.mktemp("small"),
-        *(*FLOAT32, "--kv-cache-memory", "30MiB", "--max-waiting-requests", "64"),
+        *(*SMOLLM_FLOAT32, "--kv-cache-memory", "30MiB", "--max-waiting-requests", "64"),
         *extra,
     )
 
@@ -112,7 +112,7 @@ def cached(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedServer]
     """Prefix caching on (the default), room for every request's blocks."""
     server = launch(
         tmp_path_factory.mktemp("cached"),
-        *FLOAT32,
+        *SMOLLM_FLOAT32,
         "--kv-cache-memory",
         "128MiB",
     )

@@ -23,7 +23,7 @@ from constrained_reference import (
     regex_grammar,
 )
 
-from conftest import FLOAT32, LaunchedServer, launch, stop
+from conftest import SMOLLM_FLOAT32, LaunchedServer, launch, stop
 
 PERSON = {
     "type": "object",
@@ -60,7 +60,7 @@ def server_no_ff(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedS
     """The same model with every constrained token sampled (no fast-forward)."""
     server = launch(
         tmp_path_factory.mktemp("no-ff"),
-        *FLOAT32,
+        *SMOLLM_FLOAT32,
         "--kv-cache-memory",
         "256MiB",
         "--no-grammar-fast-forward",

@@ -236,9 +236,14 @@ def test_commands_serve_a_gguf_path_and_convert_beside_it(
 
 PROMPT = list(range(3, 20))
 DECODES = 6
-# |logit difference| between cadence's int4 kernels and transformers running the
-# dequantized weights, relative to the largest |logit|: float32 summation order only.
-LOGITS_TOL = 1e-4
+# Rows served by float products (the float copy of the int4 weights, kept for prefill):
+# |logit difference| from transformers on the dequantized weights, relative to the
+# largest |logit|; float32 summation order only.
+FLOAT_PATH_TOL = 1e-4
+# Every row, int4 kernels included: RMS logit difference relative to the RMS logit. The
+# CPU int4 kernels compute in bfloat16: measured up to 0.011 here; llama's int4 q/k rows
+# left in llama.cpp's order measure 0.25, a Q4_1 zero without its 8 d above 1.
+KERNEL_PATH_BOUND = 0.03
 
 
 def _served_logits(engine) -> torch.Tensor:
@@ -272,8 +277,13 @@ def test_engine_serves_the_gguf_as_transformers_runs_it(
     engine = engine_for(gguf_folder(written.path, tmp_path / "m"), quantize_keep_float=keep_float)
     got = _served_logits(engine)
     expected = _transformers_logits(written)
-    scale = float(expected.abs().max())
-    torch.testing.assert_close(got, expected, atol=LOGITS_TOL * scale, rtol=0)
+    rms = float((got - expected).pow(2).mean().sqrt() / expected.pow(2).mean().sqrt())
+    assert rms < KERNEL_PATH_BOUND
+    if keep_float == "on":  # the prompt's rows are more than the int4 kernels take
+        assert engine.quantization["crossover"]["int4"]["rows"] < len(PROMPT)
+        prefill, reference = got[: len(PROMPT)], expected[: len(PROMPT)]
+        atol = FLOAT_PATH_TOL * float(reference.abs().max())
+        torch.testing.assert_close(prefill, reference, atol=atol, rtol=0)
     assert engine.quantization["source"] == source.description
     assert engine.quantization["float_kept"] is (keep_float == "on")
     layers = engine.model.model.layers
