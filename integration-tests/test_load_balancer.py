@@ -44,7 +44,11 @@ CONCURRENCY = 16
 ONE_THREAD = os.environ | {"OMP_NUM_THREADS": "1"}
 
 
-REPLICA_FLAGS = (*SMOLLM_FLOAT32, "--kv-cache-memory", "64MiB", "--shutdown-timeout", "120")
+REPLICA_FLAGS = (
+    *SMOLLM_FLOAT32,
+    *("--served-model-name", "HuggingFaceTB/SmolLM2-135M-Instruct"),
+    *("--kv-cache-memory", "64MiB", "--shutdown-timeout", "120"),
+)
 
 
 @dataclass

@@ -14,9 +14,17 @@ from quantized_checkpoints import awq_config, gptq_config, write_dequantized, wr
 from shard_helpers import MiniRouter, hf_logits
 from transformers import AutoModelForCausalLM
 
-# Largest |logit difference| relative to the largest |logit|: float32 summation order
-# only (the engine serves float32 here; the weights are the same numbers).
+# Largest |logit difference| relative to the largest |logit| where the float copy (the
+# dequantized weights) serves: float32 summation order only.
 TOL = 1e-4
+# RMS logit error relative to the oracle's RMS logit where the quantized CPU kernels
+# serve: they compute in bfloat16 (see test_quant_model.py's KERNEL_PATH_BOUND).
+KERNEL_PATH_BOUND = 0.03
+
+
+def _rms_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
+
 
 CASES = {
     "gptq_v1_sym_g32": gptq_config(group_size=32),
@@ -61,14 +69,21 @@ def test_served_logits_equal_transformers_on_the_dequantized_weights(
     oracle = AutoModelForCausalLM.from_pretrained(tmp_path / "oracle", dtype=torch.float32).eval()
     tokens = torch.randint(3, 256, (24,), generator=torch.Generator().manual_seed(1)).tolist()
     ref = hf_logits(oracle, tokens)[:-1]
-    # the test has teeth: quantization moved the logits well beyond the tolerance
-    original = AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.float32).eval()
+    # the test has teeth: quantization moved the logits well beyond both bounds
+    original = hf_logits(
+        AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.float32).eval(), tokens
+    )[:-1]
     scale = float(ref.abs().max())
-    assert (hf_logits(original, tokens)[:-1] - ref).abs().max() > 100 * TOL * scale
+    assert (original - ref).abs().max() > 100 * TOL * scale
 
     engine = engine_for(tmp_path / "quantized", quantize_keep_float=keep_float)
     ours = _prefill_then_decode(engine, tokens, 16)
-    torch.testing.assert_close(ours, ref, atol=TOL * scale, rtol=0)
+    if keep_float == "on":  # the 16 prefill rows: the float copy, exactly
+        torch.testing.assert_close(ours[:16], ref[:16], atol=TOL * scale, rtol=0)
+    assert _rms_error(ours, ref) < KERNEL_PATH_BOUND
+    # and nearer the checkpoint's numbers than the float model it was made from (int8
+    # per channel moves these logits by ~3% RMS, int4 by far more)
+    assert _rms_error(ours, ref) < 0.5 * _rms_error(original, ref)
     served = engine.quantization
     assert served["source"] == DESCRIPTIONS[case]
     assert served["float_kept"] is (keep_float == "on")

@@ -161,8 +161,8 @@ def test_info_fields_say_what_is_quantized_and_how(model_dirs, served):
     _, engine = served(model_dir, quantize="int4", quantize_group_size=32, quantize_keep_float="on")
     fields = engine.quantization_fields()
     rows = engine.quantization["crossover"]["int4"]["rows"]
-    assert fields["weights"] == "int4 g32"
-    assert fields["source"] == "int4 at load (group 32)"
+    assert fields["weights"] == "int4 g32, int8"  # the LM head is int8
+    assert fields["source"] == "int4 at load (group 32, LM head int8)"
     assert fields["float_copy"] == "kept"
     assert fields["quantized_max_rows"].startswith(f"int4: {rows} (")
     assert all(isinstance(v, str) for v in engine.info().quantization.values())
