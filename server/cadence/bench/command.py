@@ -66,7 +66,9 @@ def add_bench_parser(sub: Any) -> None:
 
 
 # `cadence bench accuracy --variants` names (cadence.bench.accuracy.VARIANTS).
-ACCURACY_VARIANTS = "served,bfloat16,int8,int4,int4-g128,kv-bfloat16,kv-int8,kv-fp8_e4m3,kv-fp8_e5m2"
+ACCURACY_VARIANTS = (
+    "served,bfloat16,int8,int4,int4-g128,kv-bfloat16,kv-int8,kv-fp8_e4m3,kv-fp8_e5m2"
+)
 
 
 def _add_accuracy_parser(inner: Any) -> None:
