@@ -145,6 +145,16 @@ class MiniRouter:
         return out
 
 
+def prefill_then_decode_logits(engine: Engine, tokens: list[int], prompt_len: int) -> torch.Tensor:
+    """Logits of tokens[:-1]: a prefill of `prompt_len`, then one decode per token."""
+    router = MiniRouter(engine)
+    first = router.join(1, tokens[:prompt_len])
+    got = [router.logits_step(joined=[first], forced={1: tokens[prompt_len]})[1]]
+    for t in tokens[prompt_len + 1 :]:
+        got.append(router.logits_step(continuing=[router.cont(1)], forced={1: t})[1])
+    return torch.cat(got)
+
+
 def allowed_tokens(
     rid: int, tokens: Iterable[int], vocab: int, words: int | None = None
 ) -> shard_pb2.AllowedTokens:

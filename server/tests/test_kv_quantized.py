@@ -22,7 +22,7 @@ from cadence.kv_scales import (
     write_scales_file,
 )
 from cadence.layers.attention import Attention
-from shard_helpers import MiniRouter
+from shard_helpers import MiniRouter, prefill_then_decode_logits
 
 QUANTIZED = ["int8", "fp8_e4m3", "fp8_e5m2"]
 # Largest |attention output - float cache's| over unit-normal keys, values and queries:
@@ -311,15 +311,6 @@ def test_each_backend_writes_the_bits_the_torch_definition_stores(make_backend, 
 # ---- a model's logits -----------------------------------------------------------------------
 
 
-def _logits(engine, tokens: list[int], prompt_len: int) -> torch.Tensor:
-    router = MiniRouter(engine)
-    first = router.join(1, tokens[:prompt_len])
-    got = [router.logits_step(joined=[first], forced={1: tokens[prompt_len]})[1]]
-    for t in tokens[prompt_len + 1 :]:
-        got.append(router.logits_step(continuing=[router.cont(1)], forced={1: t})[1])
-    return torch.cat(got)
-
-
 @pytest.mark.parametrize(
     ("backend", "name"),
     # every format on the CPU default (the flat Llama step and its C++ cache writes); the
@@ -334,10 +325,12 @@ def test_a_models_logits_with_a_quantized_cache_stay_near_a_float_caches(
     over the quantized one (the cpu backend serving through the flat Llama step)."""
     path = model_dirs("llama_9_heads_3_kv")
     tokens = torch.randint(3, 256, (31,), generator=torch.Generator().manual_seed(1)).tolist()
-    ref = _logits(engine_for(path, attention_backend=backend, kv_cache_dtype="float32"), tokens, 21)
+    ref = prefill_then_decode_logits(
+        engine_for(path, attention_backend=backend, kv_cache_dtype="float32"), tokens, 21
+    )
     engine = engine_for(path, attention_backend=backend, kv_cache_dtype=name)
     assert engine.kv is not None and engine.kv.blocks.dtype == kv_format(name).storage
-    got = _logits(engine, tokens, 21)
+    got = prefill_then_decode_logits(engine, tokens, 21)
     error = (got - ref).abs().max()
     assert 0 < error < LOGIT_BOUND[name]
     if name == "int8":

@@ -8,7 +8,7 @@ import torch
 from cadence.config import ShardConfig
 from cadence.models import load_model
 from cadence.shard.engine import Engine
-from shard_helpers import MiniRouter, hf_logits
+from shard_helpers import MiniRouter, hf_logits, prefill_then_decode_logits
 
 TOL = 1e-4
 
@@ -137,16 +137,6 @@ def test_sharded_checkpoints_load_through_their_index(model_dirs, hf_model, tmp_
         assert torch.equal(a, b), name
 
 
-def _prefill_then_decode(engine: Engine, tokens: list[int], prompt_len: int) -> torch.Tensor:
-    """Logits of tokens[:-1]: a prefill of `prompt_len`, then one decode per token."""
-    router = MiniRouter(engine)
-    first = router.join(1, tokens[:prompt_len])
-    got = [router.logits_step(joined=[first], forced={1: tokens[prompt_len]})[1]]
-    for t in tokens[prompt_len + 1 :]:
-        got.append(router.logits_step(continuing=[router.cont(1)], forced={1: t})[1])
-    return torch.cat(got)
-
-
 @pytest.mark.parametrize(
     ("variant", "no_window"),
     [
@@ -161,7 +151,7 @@ def test_the_sliding_window_changes_the_logits(variant, no_window, model_dirs, e
     path = model_dirs(variant)
     full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **no_window)
     tokens = torch.randint(3, 256, (31,), generator=torch.Generator().manual_seed(1)).tolist()
-    ours = _prefill_then_decode(engine_for(path), tokens, 21)
+    ours = prefill_then_decode_logits(engine_for(path), tokens, 21)
     unwindowed = hf_logits(full.eval(), tokens)[:30]
     assert (ours[8:] - unwindowed[8:]).abs().max() > 0.1  # beyond the window of 8
 
@@ -189,7 +179,7 @@ def test_dtypes_match_transformers_in_the_same_dtype(variant, dtype, kv_dtype, t
     assert {p.dtype for p in engine.model.parameters()} == {getattr(torch, dtype)}
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
     tokens = torch.randint(3, 256, (31,), generator=torch.Generator().manual_seed(1)).tolist()
-    ours = _prefill_then_decode(engine, tokens, 21)
+    ours = prefill_then_decode_logits(engine, tokens, 21)
     ref = hf_logits(hf, tokens)[:30]
     torch.testing.assert_close(ours, ref, atol=tol, rtol=0)
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))

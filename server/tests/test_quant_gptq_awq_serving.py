@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 from quantized_checkpoints import awq_config, gptq_config, write_dequantized, write_quantized
-from shard_helpers import MiniRouter, hf_logits
+from shard_helpers import hf_logits, prefill_then_decode_logits
 from transformers import AutoModelForCausalLM
 
 # Largest |logit difference| relative to the largest |logit| where the float copy (the
@@ -42,15 +42,6 @@ DESCRIPTIONS = {
 }
 
 
-def _prefill_then_decode(engine: Any, tokens: list[int], prompt_len: int) -> torch.Tensor:
-    router = MiniRouter(engine)
-    first = router.join(1, tokens[:prompt_len])
-    got = [router.logits_step(joined=[first], forced={1: tokens[prompt_len]})[1]]
-    for t in tokens[prompt_len + 1 :]:
-        got.append(router.logits_step(continuing=[router.cont(1)], forced={1: t})[1])
-    return torch.cat(got)
-
-
 @pytest.mark.parametrize("keep_float", ["on", "off"])  # off: every product quantized
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_served_logits_equal_transformers_on_the_dequantized_weights(
@@ -77,7 +68,7 @@ def test_served_logits_equal_transformers_on_the_dequantized_weights(
     assert (original - ref).abs().max() > 100 * TOL * scale
 
     engine = engine_for(tmp_path / "quantized", quantize_keep_float=keep_float)
-    ours = _prefill_then_decode(engine, tokens, 16)
+    ours = prefill_then_decode_logits(engine, tokens, 16)
     if keep_float == "on":  # the 16 prefill rows: the float copy, exactly
         torch.testing.assert_close(ours[:16], ref[:16], atol=TOL * scale, rtol=0)
     assert _rms_error(ours, ref) < KERNEL_PATH_BOUND
