@@ -735,6 +735,7 @@ impl Scheduler {
                     num_compute: n as u32,
                     new_blocks: table[seq.blocks_sent..].to_vec(),
                     forced_tokens: seq.token_ids[forced_from..].to_vec(),
+                    ..Default::default()
                 });
             } else {
                 step.joined.push(pb::NewRequest {
