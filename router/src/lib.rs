@@ -33,6 +33,7 @@ pub mod request_id;
 pub mod request_scope;
 pub mod scheduler;
 pub mod server;
+pub mod speculative;
 pub mod stop;
 pub mod telemetry;
 #[cfg(test)]

@@ -13,6 +13,8 @@ use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+use crate::speculative::SpecDecodeMetrics;
+
 /// Latency buckets in seconds, 1 ms to 2 min.
 const SECONDS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
@@ -41,7 +43,7 @@ struct HistogramData {
 }
 
 impl Histogram {
-    fn new(bounds: &'static [f64]) -> Self {
+    pub(crate) fn new(bounds: &'static [f64]) -> Self {
         Self {
             bounds,
             inner: Mutex::new(HistogramData {
@@ -60,7 +62,7 @@ impl Histogram {
         d.count += 1;
     }
 
-    fn render(&self, out: &mut String, name: &str, help: &str, labels: &str) {
+    pub(crate) fn render(&self, out: &mut String, name: &str, help: &str, labels: &str) {
         let d = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
         let mut cumulative = 0;
@@ -132,6 +134,8 @@ pub struct Metrics {
     pub forward_time: Histogram,
     /// The labels of `cadence_quantization_info` (set once the shards have answered).
     quantization: std::sync::OnceLock<String>,
+    /// Speculative decoding's series, once it is on.
+    speculative: std::sync::OnceLock<SpecDecodeMetrics>,
 }
 
 impl Metrics {
@@ -170,6 +174,7 @@ impl Metrics {
             step_time: Histogram::new(SECONDS),
             forward_time: Histogram::new(SECONDS),
             quantization: std::sync::OnceLock::new(),
+            speculative: std::sync::OnceLock::new(),
         }
     }
 
@@ -182,6 +187,18 @@ impl Metrics {
             .map(|(k, v)| format!(",{k}=\"{}\"", v.replace('\\', "\\\\").replace('"', "\\\"")))
             .collect();
         let _ = self.quantization.set(labels);
+    }
+
+    /// Turns speculative decoding's series on, with a per-position counter for each of
+    /// up to `num_speculative_tokens` proposals; only the first call counts.
+    pub fn enable_speculative(&self, num_speculative_tokens: usize) -> &SpecDecodeMetrics {
+        self.speculative
+            .get_or_init(|| SpecDecodeMetrics::new(num_speculative_tokens))
+    }
+
+    /// Speculative decoding's series, when on.
+    pub fn speculative(&self) -> Option<&SpecDecodeMetrics> {
+        self.speculative.get()
     }
 
     /// Replica `i`'s queue and KV gauges.
@@ -375,6 +392,9 @@ impl Metrics {
         }
         load::render_replicas(&mut out, &l, &self.replicas);
         gateway::render(&mut out, &self.model, load);
+        if let Some(speculative) = self.speculative.get() {
+            speculative.render(&mut out, &self.model);
+        }
         if let Some(labels) = self.quantization.get() {
             out.push_str(
                 "# HELP cadence_quantization_info How weights and KV cache are stored (labels); always 1.\n\
