@@ -22,6 +22,19 @@ pub enum BatchingArg {
     None,
 }
 
+/// `--speculative`: who proposes the tokens a step verifies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum SpeculativeArg {
+    /// Prompt lookup: the tokens that followed the latest earlier occurrence of the
+    /// request's last n tokens (free: computed by the router).
+    Ngram,
+    /// The shards' draft model (`--draft-model-id`).
+    Draft,
+    /// Benchmarking only: arbitrary tokens the shards accept at the rate they are given
+    /// (`--speculative-acceptance`); the output is not the model's.
+    Synthetic,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum LogFormat {
     Text,
@@ -132,6 +145,29 @@ pub struct Args {
     /// sampling: sample every token under its mask instead.
     #[arg(long, env = "CADENCE_NO_GRAMMAR_FAST_FORWARD")]
     pub no_grammar_fast_forward: bool,
+
+    /// Speculative decoding: who proposes tokens for each decode to verify in one forward
+    /// (off unless set). Exact for every sampler; switched off per step under load.
+    #[arg(long, env = "CADENCE_SPECULATIVE", value_enum)]
+    pub speculative: Option<SpeculativeArg>,
+
+    /// Speculative decoding: most tokens proposed per request and step (each request's own
+    /// number adapts to how many of its proposals are accepted).
+    #[arg(long, env = "CADENCE_NUM_SPECULATIVE_TOKENS", default_value_t = 4)]
+    pub num_speculative_tokens: usize,
+
+    /// N-gram proposals: the shortest suffix looked up.
+    #[arg(long, env = "CADENCE_NGRAM_MIN", default_value_t = 1)]
+    pub ngram_min: usize,
+
+    /// N-gram proposals: the longest suffix looked up (longer matches are preferred).
+    #[arg(long, env = "CADENCE_NGRAM_MAX", default_value_t = 4)]
+    pub ngram_max: usize,
+
+    /// Speculative decoding: proposals are added to a step only while it holds at most this
+    /// many tokens; 0 = the shards' measured threshold (or their device's default).
+    #[arg(long, env = "CADENCE_SPECULATIVE_MAX_STEP_TOKENS", default_value_t = 0)]
+    pub speculative_max_step_tokens: usize,
 
     /// When waiting requests join: continuous (every step), dynamic (a batch forms when
     /// --max-batch-size requests wait or --batch-timeout-ms passes), static (a batch forms
@@ -375,6 +411,32 @@ impl Args {
         };
         c.batch_timeout = std::time::Duration::from_millis(self.batch_timeout_ms);
         c
+    }
+
+    /// Checks the speculative decoding flags against each other and what the shards
+    /// offer (`draft_model`: the shards' draft model, "" without one).
+    pub fn check_speculative(&self, draft_model: &str) -> Result<(), String> {
+        let Some(method) = self.speculative else {
+            return Ok(());
+        };
+        if self.num_speculative_tokens == 0 || self.num_speculative_tokens > 16 {
+            return Err(format!(
+                "--num-speculative-tokens ({}) must be in 1..=16",
+                self.num_speculative_tokens
+            ));
+        }
+        if self.ngram_min == 0 || self.ngram_min > self.ngram_max {
+            return Err(format!(
+                "--ngram-min ({}) must be at least 1 and at most --ngram-max ({})",
+                self.ngram_min, self.ngram_max
+            ));
+        }
+        if method == SpeculativeArg::Draft && draft_model.is_empty() {
+            return Err("--speculative draft needs the shards to run a draft model \
+                        (--draft-model-id)"
+                .into());
+        }
+        Ok(())
     }
 }
 

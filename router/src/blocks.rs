@@ -254,6 +254,24 @@ impl BlockManager {
         table.blocks.len()
     }
 
+    /// Cuts `id`'s table to its first `keep` blocks and releases the rest, last first:
+    /// the blocks that held only rejected speculative tokens (never hashed, so they go
+    /// back to the free list). Returns how many were released.
+    pub fn truncate(&mut self, id: RequestId, keep: usize) -> usize {
+        let Some(table) = self.tables.get_mut(&id) else {
+            return 0;
+        };
+        if table.blocks.len() <= keep {
+            return 0;
+        }
+        let dropped = table.blocks.split_off(keep);
+        table.hashes.truncate(keep);
+        for &block in dropped.iter().rev() {
+            self.release(block);
+        }
+        dropped.len()
+    }
+
     /// A child sharing every block of `parent` (parallel samples of one prompt).
     pub fn fork(&mut self, parent: RequestId, child: RequestId) {
         assert!(!self.holds(child), "fork into a request that holds blocks");

@@ -55,13 +55,13 @@ use tokio::net::TcpListener;
 use tokio::task::JoinError;
 
 use crate::access::Access;
-use crate::args::Args;
+use crate::args::{Args, SpeculativeArg};
 use crate::chat::ChatTemplate;
 use crate::client::ShardClient;
 use crate::constraints::{Compiler, MaskShape};
 use crate::detokenize::TokenizerInfo;
 use crate::error::RouterError;
-use crate::infer::{Infer, LoopConfig};
+use crate::infer::{Infer, LoopConfig, SpeculativeConfig, SpeculativeMethod};
 use crate::readiness::{HealthProbe, Readiness};
 use crate::server::{AppState, Info};
 use crate::telemetry::Telemetry;
@@ -164,6 +164,9 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
         quantization = ?info.quantization,
         "shards ready"
     );
+    args.check_speculative(&info.draft_model)
+        .map_err(RouterError::Args)?;
+    let speculative = speculative_config(&args, info);
     let served_model_name = args.served_model_name();
     let app_info = Info {
         model_id: args.model_id.clone(),
@@ -185,6 +188,7 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
         replicas: groups.len(),
         kernels: info.kernels.clone().into_iter().collect(),
         quantization: info.quantization.clone().into_iter().collect(),
+        speculative: speculative_info(speculative.as_ref(), info),
         version: env!("CARGO_PKG_VERSION"),
         router: "cadence",
     };
@@ -203,14 +207,18 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
         .iter()
         .zip(&caches)
         .map(|(shards, &cache)| {
+            let mut scheduler = args.scheduler_config(cache);
+            scheduler.speculative_max_step_tokens =
+                speculative.as_ref().map_or(0, |s| s.max_step_tokens);
             let config = LoopConfig {
-                scheduler: args.scheduler_config(cache),
+                scheduler,
                 eos_token_ids: info.eos_token_ids.clone(),
                 max_waiting_requests: args.max_waiting_requests,
                 served_model_name: served_model_name.clone(),
                 async_scheduling: !args.no_async_scheduling,
                 mask_shape: mask_shape.clone(),
                 grammar_fast_forward: !args.no_grammar_fast_forward,
+                speculative,
             };
             (shards.clone(), config)
         })
@@ -249,6 +257,60 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
     serve_until_drained(listener, app, &infer, shutdown_timeout).await?;
     tracing::info!("shut down");
     Ok(())
+}
+
+/// Speculative decoding's settings from the flags and the shards' threshold (None: off).
+fn speculative_config(args: &Args, info: &pb::InfoResponse) -> Option<SpeculativeConfig> {
+    let method = match args.speculative? {
+        SpeculativeArg::Ngram => SpeculativeMethod::Ngram,
+        SpeculativeArg::Draft => SpeculativeMethod::Draft,
+        SpeculativeArg::Synthetic => SpeculativeMethod::Synthetic,
+    };
+    let max_step_tokens = match args.speculative_max_step_tokens {
+        0 => info.speculative_max_step_tokens as usize,
+        n => n,
+    };
+    Some(SpeculativeConfig {
+        method,
+        max_tokens: args.num_speculative_tokens,
+        ngram_min: args.ngram_min,
+        ngram_max: args.ngram_max,
+        max_step_tokens,
+    })
+}
+
+/// `/info`'s `speculative`: empty when off.
+fn speculative_info(
+    config: Option<&SpeculativeConfig>,
+    info: &pb::InfoResponse,
+) -> std::collections::BTreeMap<String, String> {
+    let Some(c) = config else {
+        return Default::default();
+    };
+    let source = if c.max_step_tokens == info.speculative_max_step_tokens as usize {
+        info.speculative_threshold_source.clone()
+    } else {
+        "--speculative-max-step-tokens".to_string()
+    };
+    let mut out: std::collections::BTreeMap<String, String> = [
+        ("method", c.method.as_str().to_string()),
+        ("num_speculative_tokens", c.max_tokens.to_string()),
+        ("max_step_tokens", c.max_step_tokens.to_string()),
+        ("threshold_source", source),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    match c.method {
+        SpeculativeMethod::Ngram => {
+            out.insert("ngram".into(), format!("{}..{}", c.ngram_min, c.ngram_max));
+        }
+        SpeculativeMethod::Draft => {
+            out.insert("draft_model".into(), info.draft_model.clone());
+        }
+        SpeculativeMethod::Synthetic => {}
+    }
+    out
 }
 
 /// Checks one shard group's `Info` answers against each other and its size.

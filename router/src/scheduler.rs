@@ -27,6 +27,16 @@
 //! itself): when the running requests are short of blocks nothing is scheduled ahead, and
 //! the ordinary schedule, once the step in flight is applied, preempts. A request at its
 //! token limit is not scheduled past it.
+//!
+//! Speculative decoding: a decoding request may carry a `Proposal` (tokens the router's
+//! n-gram lookup found, or a number of tokens for the shard's draft model to propose). Once
+//! everything else is planned, proposals are added to the planned decodes, oldest first,
+//! while the step stays within `speculative_max_step_tokens` (past it, verifying costs more
+//! than it is likely to gain), the token budget and the free blocks allow, and never past a
+//! request's token limit. The request computes 1 + k tokens; only the first (its sampled
+//! token) counts as computed until the answer says how many proposals were accepted
+//! (`verified`), and only verified tokens enter the prefix cache. The blocks the rejected
+//! proposals took are released then; the shards cut the table the same way.
 
 use std::time::{Duration, Instant};
 
@@ -56,6 +66,41 @@ pub enum Batching {
     Static,
     /// One request at a time.
     None,
+}
+
+/// What a decoding request proposes to follow its sampled token at its next step
+/// (speculative decoding), set by the batching loop before each schedule.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Proposal {
+    #[default]
+    None,
+    /// Tokens the router proposes (n-gram lookup, or the synthetic benchmark proposer).
+    Tokens(Vec<u32>),
+    /// This many tokens for the shard's draft model to propose.
+    Draft(usize),
+}
+
+impl Proposal {
+    fn len(&self) -> usize {
+        match self {
+            Proposal::None => 0,
+            Proposal::Tokens(t) => t.len(),
+            Proposal::Draft(k) => *k,
+        }
+    }
+
+    /// The first `k` proposals.
+    fn take(self, k: usize) -> Proposal {
+        match self {
+            Proposal::None => Proposal::None,
+            _ if k == 0 => Proposal::None,
+            Proposal::Tokens(mut t) => {
+                t.truncate(k);
+                Proposal::Tokens(t)
+            }
+            Proposal::Draft(n) => Proposal::Draft(n.min(k)),
+        }
+    }
 }
 
 /// The scheduler's view of one request.
@@ -93,6 +138,11 @@ pub struct Sequence {
     /// Trailing tokens of `token_ids` the router appended without the shards sampling
     /// them (forced by a grammar); sent with its next continuing step.
     pub forced_unsent: usize,
+    /// Speculative decoding: what it proposes at its next decode (consumed by the schedule).
+    pub proposal: Proposal,
+    /// Proposals in the step in flight, computed but not yet verified: the shards' answer
+    /// says how many of them count (`Scheduler::verified`).
+    pub verifying: usize,
     /// Member of the batch being formed or run (dynamic and static batching).
     in_batch: bool,
 }
@@ -118,6 +168,8 @@ impl Sequence {
             pending: 0,
             max_new_tokens: usize::MAX,
             forced_unsent: 0,
+            proposal: Proposal::None,
+            verifying: 0,
             in_batch: false,
         }
     }
@@ -129,6 +181,16 @@ impl Sequence {
     /// Tokens to compute before it samples: the known ones, and the pending one.
     fn remaining(&self) -> usize {
         self.token_ids.len() + self.pending - self.num_computed
+    }
+
+    /// It decodes at the next step (it has sampled, the token is known, nothing is forced
+    /// or pending): what a proposal can follow.
+    pub fn decodes_next(&self) -> bool {
+        self.on_shard
+            && self.pending == 0
+            && self.forced_unsent == 0
+            && self.remaining() == 1
+            && !self.at_limit()
     }
 
     /// Its last allowed token is known or pending: nothing more to compute.
@@ -151,6 +213,9 @@ pub struct SchedulerConfig {
     pub prefix_caching: bool,
     pub batching: Batching,
     pub batch_timeout: Duration,
+    /// Speculative decoding: proposals are added to a step only while it holds at most this
+    /// many tokens (0: no speculation).
+    pub speculative_max_step_tokens: usize,
 }
 
 impl SchedulerConfig {
@@ -172,6 +237,7 @@ impl SchedulerConfig {
             prefix_caching: true,
             batching: Batching::Continuous,
             batch_timeout: Duration::from_millis(50),
+            speculative_max_step_tokens: 0,
         }
     }
 }
@@ -199,6 +265,13 @@ pub struct Schedule {
     pub prefix_hits: usize,
     /// Nothing may run before then (a dynamic batch waiting for its timeout).
     pub wake_at: Option<Instant>,
+    /// Requests whose proposals go into this step (speculative decoding), and how many
+    /// proposed tokens they carry in all.
+    pub speculating: usize,
+    pub proposed_tokens: usize,
+    /// Requests with a proposal left without it because the step was past
+    /// `speculative_max_step_tokens` (the load switch).
+    pub speculation_off: usize,
 }
 
 #[derive(Debug)]
@@ -221,6 +294,8 @@ pub struct Scheduler {
 struct Planned {
     id: RequestId,
     n: usize,
+    /// Proposals among the `n` tokens (speculative decoding): all but the first.
+    proposal: Proposal,
 }
 
 /// The step being built: who computes how many tokens, the block moves it carries, the
@@ -377,6 +452,37 @@ impl Scheduler {
         }
     }
 
+    /// Sets what running request `id` proposes at its next decode (speculative decoding);
+    /// the next schedule uses it or drops it.
+    pub fn propose(&mut self, id: RequestId, proposal: Proposal) {
+        if let Some(i) = self.running_index(id) {
+            self.running[i].proposal = proposal;
+        }
+    }
+
+    /// The shards verified the proposals `id` carried in the step just answered: `accepted`
+    /// of them (leading) count as computed, and the blocks past its computed tokens (held
+    /// for the rejected ones) are released, as the shards cut the table. Call before
+    /// `append_tokens` brings the tokens. Err when the answer does not fit what was sent.
+    pub fn verified(&mut self, id: RequestId, accepted: usize) -> Result<(), String> {
+        let Some(i) = self.running_index(id) else {
+            return Ok(()); // finished or cancelled meanwhile
+        };
+        let seq = &mut self.running[i];
+        if accepted > seq.verifying {
+            return Err(format!(
+                "{accepted} proposals accepted of the {} sent",
+                seq.verifying
+            ));
+        }
+        seq.num_computed += accepted;
+        seq.verifying = 0;
+        let keep = self.blocks.blocks_for(seq.num_computed);
+        self.blocks.truncate(id, keep);
+        seq.blocks_sent = seq.blocks_sent.min(keep);
+        Ok(())
+    }
+
     /// A parallel sample of running request `parent` with id `child` (greater than every
     /// id so far): it shares every block of the parent and joins at the next step; the
     /// first write into a shared partial block copies it. A child forked from a parent
@@ -397,6 +503,7 @@ impl Scheduler {
         seq.blocks_sent = 0;
         seq.sampling.seed = seed;
         seq.prompt_logprobs = false;
+        seq.proposal = Proposal::None;
         // The parent's sample (pending until applied) is its own, not the child's.
         seq.pending = 0;
         if seq.remaining() == 0 {
@@ -462,6 +569,7 @@ impl Scheduler {
         }
         seq.on_shard = false;
         seq.blocks_sent = 0;
+        seq.proposal = Proposal::None;
         seq.num_preemptions += 1;
         if swap {
             draft.out.swapped_out.push(seq.id);
@@ -522,7 +630,11 @@ impl Scheduler {
     /// enters the full blocks they complete in the prefix cache (hit-able once the step
     /// has run).
     fn plan_tokens(&mut self, draft: &mut Draft, id: RequestId, n: usize) {
-        draft.plan.push(Planned { id, n });
+        draft.plan.push(Planned {
+            id,
+            n,
+            proposal: Proposal::None,
+        });
         draft.budget -= n;
         let i = self
             .running_index(id)
@@ -557,7 +669,56 @@ impl Scheduler {
         if !draft.preempted() {
             self.admit(now, &mut draft);
         }
+        // 4. Proposals onto the planned decodes, while the step stays small.
+        self.add_proposals(&mut draft);
         self.build_step(draft)
+    }
+
+    /// Adds each planned decode's proposal (oldest first) while the step stays within
+    /// `speculative_max_step_tokens` and the budget, the request's token limit and the free
+    /// blocks allow (no copy, no preemption for a proposal). Every request's proposal is
+    /// consumed: the loop sets a fresh one before each schedule.
+    fn add_proposals(&mut self, draft: &mut Draft) {
+        let limit = self.config.speculative_max_step_tokens;
+        let mut total: usize = draft.plan.iter().map(|p| p.n).sum();
+        for p in 0..draft.plan.len() {
+            let id = draft.plan[p].id;
+            let i = self
+                .running_index(id)
+                .expect("planned requests are running");
+            let seq = &mut self.running[i];
+            let proposal = std::mem::take(&mut seq.proposal);
+            let eligible = draft.plan[p].n == 1
+                && seq.on_shard
+                && seq.pending == 0
+                && seq.forced_unsent == 0
+                && seq.remaining() == 1;
+            if limit == 0 || !eligible || proposal.len() == 0 {
+                continue;
+            }
+            let room = seq
+                .max_new_tokens
+                .saturating_sub(seq.num_generated() + 1)
+                .min(draft.budget);
+            let wanted = proposal.len().min(room);
+            let k = wanted.min(limit.saturating_sub(total));
+            if k < wanted && k == 0 {
+                draft.out.speculation_off += 1;
+            }
+            let from = seq.num_computed;
+            if k == 0
+                || self.blocks.copies_needed(id, from, from + 1 + k) > 0
+                || !self.blocks.grow_to(id, from + 1 + k)
+            {
+                continue;
+            }
+            draft.budget -= k;
+            total += k;
+            draft.plan[p].n += k;
+            draft.plan[p].proposal = proposal.take(k);
+            draft.out.speculating += 1;
+            draft.out.proposed_tokens += k;
+        }
     }
 
     /// Decides the next step while the previous one runs: see the module documentation.
@@ -569,6 +730,10 @@ impl Scheduler {
         }
         let now = Instant::now();
         let mut draft = self.begin_step();
+        // Proposals follow the last token, which is pending here: none ahead.
+        for seq in &mut self.running {
+            seq.proposal = Proposal::None;
+        }
         // 1. and 2. as `schedule_at`, except that nothing is preempted ahead: a request
         //    short of blocks waits for the next step.
         let mut starved = false;
@@ -722,7 +887,8 @@ impl Scheduler {
             ..Default::default()
         };
         self.step_id += 1;
-        for Planned { id, n } in plan {
+        for Planned { id, n, proposal } in plan {
+            let proposed = proposal.len();
             let i = self
                 .running_index(id)
                 .expect("planned requests are running");
@@ -730,13 +896,19 @@ impl Scheduler {
             let seq = &mut self.running[i];
             if seq.on_shard {
                 let forced_from = seq.token_ids.len() - seq.forced_unsent;
-                step.continuing.push(pb::ContinuingRequest {
+                let mut continuing = pb::ContinuingRequest {
                     id,
                     num_compute: n as u32,
                     new_blocks: table[seq.blocks_sent..].to_vec(),
                     forced_tokens: seq.token_ids[forced_from..].to_vec(),
                     ..Default::default()
-                });
+                };
+                match proposal {
+                    Proposal::None => {}
+                    Proposal::Tokens(tokens) => continuing.proposed_tokens = tokens,
+                    Proposal::Draft(k) => continuing.num_draft_tokens = k as u32,
+                }
+                step.continuing.push(continuing);
             } else {
                 step.joined.push(pb::NewRequest {
                     id,
@@ -756,7 +928,9 @@ impl Scheduler {
             }
             seq.forced_unsent = 0;
             seq.blocks_sent = table.len();
-            seq.num_computed += n;
+            // Proposals count as computed only once verified.
+            seq.num_computed += n - proposed;
+            seq.verifying = proposed;
             out.num_tokens += n;
             if seq.num_computed == seq.token_ids.len() + seq.pending {
                 out.samples.push(id);
@@ -901,7 +1075,8 @@ impl Scheduler {
         let bs = self.blocks.block_size();
         for seq in &self.running {
             let held = self.blocks.table(seq.id).len();
-            if held * bs < seq.num_computed || held > self.blocks.blocks_for(seq.num_computed) {
+            let unverified = seq.num_computed + seq.verifying;
+            if held * bs < unverified || held > self.blocks.blocks_for(unverified) {
                 return Err(format!(
                     "request {} computed {} tokens in {held} blocks",
                     seq.id, seq.num_computed

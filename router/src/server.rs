@@ -56,6 +56,10 @@ pub struct Info {
     /// formats), `kv_cache_dtype`, and with quantized weights `source`, `float_copy`,
     /// `quantized_max_rows`.
     pub quantization: std::collections::BTreeMap<String, String>,
+    /// Speculative decoding, empty when off: `method`, `num_speculative_tokens`,
+    /// `max_step_tokens` (the load switch's threshold) and where it came from
+    /// (`threshold_source`), `draft_model`, `ngram` (`min..max`).
+    pub speculative: std::collections::BTreeMap<String, String>,
     pub version: &'static str,
     pub router: &'static str,
 }

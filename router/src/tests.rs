@@ -20,7 +20,7 @@ use crate::client::{Backend, ShardHealth};
 use crate::constraints::{tok_env, Compiler, MaskShape};
 use crate::detokenize::testing;
 use crate::error::ShardError;
-use crate::infer::{Infer, LoopConfig};
+use crate::infer::{Infer, LoopConfig, SpeculativeConfig, SpeculativeMethod};
 use crate::pb;
 use crate::readiness::{HealthProbe, Readiness};
 use crate::scheduler::SchedulerConfig;
@@ -33,6 +33,8 @@ mod lifecycle;
 mod replicas;
 /// The request id from HTTP to the shard.
 mod request_ids;
+/// Proposals verified in one forward (speculative decoding).
+mod speculative;
 
 /// The grammar compiler over the test tokenizer.
 fn testing_constraints() -> Constraints {
@@ -101,6 +103,9 @@ struct FakeState {
     forced: usize,
     /// The `request_id` of every request that joined, in order.
     joined_request_ids: Vec<String>,
+    /// Speculative decoding: proposals verified, and accepted.
+    proposed: usize,
+    accepted: usize,
 }
 
 /// What the fake answers to `Health`.
@@ -148,19 +153,59 @@ impl FakeShard {
     }
 
     fn next_token(&self, r: &FakeRequest) -> u32 {
+        self.token_after(r, &r.tokens)
+    }
+
+    /// The token the fake samples after `tokens` (a prefix of `r`'s).
+    fn token_after(&self, r: &FakeRequest, tokens: &[u32]) -> u32 {
         match &self.script {
             Script::Hash | Script::Seeded => {
                 let mut h: u64 = 0xcbf29ce484222325;
                 if matches!(self.script, Script::Seeded) {
                     h = (h ^ r.seed).wrapping_mul(0x100000001b3);
                 }
-                for &t in &r.tokens {
+                for &t in tokens {
                     h = (h ^ t as u64).wrapping_mul(0x100000001b3);
                 }
                 b'a' as u32 + (h % 26) as u32
             }
-            Script::Fixed(tokens) => tokens[(r.tokens.len() - r.prompt_len) % tokens.len()],
+            Script::Fixed(fixed) => fixed[(tokens.len() - r.prompt_len) % fixed.len()],
         }
+    }
+
+    /// The fake draft model's proposals after `r`'s tokens: the model's own tokens, except
+    /// at every third position, where it is off by one (so some are rejected).
+    fn draft(&self, r: &FakeRequest, k: usize) -> Vec<u32> {
+        let mut tokens = r.tokens.clone();
+        for _ in 0..k {
+            let mut t = self.token_after(r, &tokens);
+            if tokens.len().is_multiple_of(3) {
+                t += 1;
+            }
+            tokens.push(t);
+        }
+        tokens.split_off(r.tokens.len())
+    }
+
+    /// Verifies request `r`'s `k` proposals (its last `k` known tokens, after the last
+    /// sampled one) as the shards do, greedily: the accepted ones and the model's own next
+    /// token; cuts its tokens, computed count and blocks to the verified ones.
+    fn verify(&self, r: &mut FakeRequest, k: usize) -> (Vec<u32>, usize) {
+        let first = r.tokens.len() - k; // index of the first proposal
+        let mut out = Vec::new();
+        for j in 0..=k {
+            let token = self.token_after(r, &r.tokens[..first + j]);
+            out.push(token);
+            if j == k || token != r.tokens[first + j] {
+                break;
+            }
+        }
+        let accepted = out.len() - 1;
+        r.tokens.truncate(first + accepted);
+        r.computed = first + accepted;
+        r.blocks.truncate(r.computed.div_ceil(BLOCK_SIZE));
+        r.tokens.push(*out.last().expect("one token at least"));
+        (out, accepted)
     }
 
     /// `token` if the mask allows it, else the next allowed id above it (wrapping).
@@ -219,12 +264,31 @@ impl FakeShard {
             .iter()
             .map(|j| (j.id, j.num_compute as usize))
             .collect();
+        let mut speculating: HashMap<u64, usize> = HashMap::new();
         for c in &req.continuing {
             match s.requests.get_mut(&c.id) {
                 Some(r) => {
                     r.blocks.extend(&c.new_blocks);
                     r.tokens.extend(&c.forced_tokens);
                     s.forced += c.forced_tokens.len();
+                    let k = c.proposed_tokens.len() + c.num_draft_tokens as usize;
+                    if k > 0 {
+                        if r.computed + 1 != r.tokens.len() || !c.forced_tokens.is_empty() {
+                            v.push(format!("request {} speculates but does not decode", c.id));
+                        }
+                        if c.num_compute as usize != 1 + k {
+                            v.push(format!(
+                                "request {}: {k} proposals in {}",
+                                c.id, c.num_compute
+                            ));
+                        }
+                        let proposals = match c.num_draft_tokens as usize {
+                            0 => c.proposed_tokens.clone(),
+                            n => self.draft(r, n),
+                        };
+                        r.tokens.extend(proposals);
+                        speculating.insert(c.id, k);
+                    }
                 }
                 None => v.push(format!("continuing unknown request {}", c.id)),
             }
@@ -273,6 +337,21 @@ impl FakeShard {
             s.prompt_computed += r.prompt_len.saturating_sub(r.computed).min(n);
             let done = r.computed + n == r.tokens.len();
             let mask = req.allowed.iter().find(|a| a.id == id);
+            if let Some(&k) = speculating.get(&id) {
+                let r = s.requests.get_mut(&id).unwrap();
+                let (tokens, accepted) = self.verify(r, k);
+                s.proposed += k;
+                s.accepted += accepted;
+                generations.push(pb::Generation {
+                    id,
+                    logprobs: vec![-0.5; tokens.len()],
+                    token_ids: tokens,
+                    num_proposed: k as u32,
+                    num_accepted: accepted as u32,
+                    ..Default::default()
+                });
+                continue;
+            }
             let token = done.then(|| Self::masked(self.next_token(r), mask));
             let r = s.requests.get_mut(&id).unwrap();
             r.computed += n;
@@ -408,6 +487,8 @@ struct Setup {
     stall_timeout: Duration,
     /// Shard groups behind the router (`--replicas`), each a fake like `shard`.
     replicas: usize,
+    /// Speculative decoding (`--speculative`).
+    speculative: Option<SpeculativeConfig>,
 }
 
 fn setup(script: Script) -> Setup {
@@ -420,6 +501,7 @@ fn setup(script: Script) -> Setup {
         served_model_name: "test-model".into(),
         stall_timeout: Duration::from_secs(5),
         replicas: 1,
+        speculative: None,
     }
 }
 
@@ -486,6 +568,19 @@ impl Setup {
         self
     }
 
+    /// Speculative decoding by `method`, up to `k` proposals per request, while a step
+    /// holds at most `max_step_tokens` tokens.
+    fn speculative(mut self, method: SpeculativeMethod, k: usize, max_step_tokens: usize) -> Self {
+        self.speculative = Some(SpeculativeConfig {
+            method,
+            max_tokens: k,
+            ngram_min: 1,
+            ngram_max: 3,
+            max_step_tokens,
+        });
+        self
+    }
+
     /// How long each step takes (so requests stay in flight a while).
     fn step_delay(mut self, delay: Duration) -> Self {
         self.shard.delay = delay;
@@ -502,6 +597,7 @@ impl Setup {
             served_model_name,
             stall_timeout,
             replicas,
+            speculative,
         } = self;
         let limits = Limits {
             max_input_tokens: 48,
@@ -532,6 +628,7 @@ impl Setup {
             replicas,
             kernels: [("isa".to_string(), "scalar".to_string())].into(),
             quantization: [("weights".to_string(), "float32".to_string())].into(),
+            speculative: Default::default(),
             version: "test",
             router: "cadence",
         };
@@ -541,13 +638,15 @@ impl Setup {
             model_id: "test-model".into(),
             constraints: testing_constraints(),
         };
+        let mut scheduler = SchedulerConfig::new(
+            MAX_BATCH_TOKENS,
+            MAX_BATCH_SIZE,
+            shard.num_blocks,
+            BLOCK_SIZE,
+        );
+        scheduler.speculative_max_step_tokens = speculative.map_or(0, |s| s.max_step_tokens);
         let config = LoopConfig {
-            scheduler: SchedulerConfig::new(
-                MAX_BATCH_TOKENS,
-                MAX_BATCH_SIZE,
-                shard.num_blocks,
-                BLOCK_SIZE,
-            ),
+            scheduler,
             eos_token_ids: vec![testing::eos_id()],
             max_waiting_requests: max_waiting,
             served_model_name,
@@ -557,6 +656,7 @@ impl Setup {
                 eos: vec![testing::eos_id()].into(),
             },
             grammar_fast_forward: true,
+            speculative,
         };
         let fakes: Vec<FakeShard> = std::iter::once(shard.clone())
             .chain((1..replicas).map(|_| {

@@ -15,6 +15,7 @@ use super::handle::Admission;
 use super::output::Entry;
 use super::progress::StepClock;
 use super::siblings::Sibling;
+use super::speculation::{Speculation, SpeculativeConfig};
 use crate::blocks::RequestId;
 use crate::client::Backend;
 use crate::constraints::MaskShape;
@@ -40,6 +41,8 @@ pub struct LoopConfig {
     pub mask_shape: MaskShape,
     /// Append the tokens a grammar forces without sampling them.
     pub grammar_fast_forward: bool,
+    /// Speculative decoding (None: off).
+    pub speculative: Option<SpeculativeConfig>,
 }
 
 /// What the loop shares with the HTTP side.
@@ -57,6 +60,8 @@ pub(super) struct InFlight {
     num_tokens: usize,
     /// Requests the shards sample a token for.
     samples: Vec<RequestId>,
+    /// Requests whose proposals it verifies.
+    speculating: usize,
     sent: Instant,
     answer: JoinHandle<Result<pb::StepResponse, ShardError>>,
     /// The traced requests' prefill chunks in it (`spans`), ended by its answer.
@@ -80,6 +85,8 @@ pub(super) struct Loop<B> {
     async_scheduling: bool,
     pub(super) mask_shape: MaskShape,
     pub(super) fast_forward: bool,
+    /// Speculative decoding's proposers (None: off).
+    pub(super) speculation: Option<Speculation>,
     /// The oldest step sent and not yet applied.
     pub(super) in_flight: Option<InFlight>,
 }
@@ -99,6 +106,9 @@ pub(super) async fn run<B: Backend>(
         drain,
     } = shared;
     load.kv_blocks_total.set(config.scheduler.num_blocks as f64);
+    if let Some(speculative) = &config.speculative {
+        metrics.enable_speculative(speculative.max_tokens);
+    }
     load.kv_block_size.set(config.scheduler.block_size as f64);
     let mut lp = Loop {
         backend: Arc::new(backend),
@@ -115,6 +125,7 @@ pub(super) async fn run<B: Backend>(
         async_scheduling: config.async_scheduling,
         mask_shape: config.mask_shape,
         fast_forward: config.grammar_fast_forward,
+        speculation: config.speculative.map(Speculation::new),
         in_flight: None,
     };
     // The loop's future holds `lp` and `rx`: dropped here when the cut wins, so the
@@ -208,6 +219,9 @@ impl<B: Backend> Loop<B> {
     /// Drops a request everywhere: blocks now, shard state at the next step.
     pub(super) fn retire(&mut self, id: RequestId) -> Option<Entry> {
         self.scheduler.finish(id);
+        if let Some(speculation) = self.speculation.as_mut() {
+            speculation.forget(id);
+        }
         self.start_siblings(id, false);
         self.entries.remove(&id)
     }
@@ -225,6 +239,9 @@ impl<B: Backend> Loop<B> {
     /// asynchronous scheduling allows, then applies the answer of the one in flight.
     async fn iterate(&mut self) {
         if self.in_flight.is_none() {
+            if let Some(speculation) = self.speculation.as_mut() {
+                speculation.propose(&mut self.scheduler);
+            }
             let schedule = self.scheduler.schedule();
             match self.send(schedule).await {
                 Some(step) => {
@@ -242,8 +259,19 @@ impl<B: Backend> Loop<B> {
         // Siblings fork from their first sample's state as of its first token: no step
         // may be scheduled past that before it is applied. A constrained request's mask
         // needs its previous token, so none is scheduled ahead while one is in the loop.
+        // Proposals follow the tokens the step in flight brings: while a step verifies some,
+        // or the next could carry some, nothing is scheduled ahead.
+        let speculating = self.in_flight.as_ref().is_some_and(|s| s.speculating > 0)
+            || self
+                .speculation
+                .as_ref()
+                .is_some_and(|s| s.may_speculate(&self.scheduler));
         let mut next = None;
-        if self.async_scheduling && self.siblings.is_empty() && !self.any_constrained() {
+        if self.async_scheduling
+            && self.siblings.is_empty()
+            && !self.any_constrained()
+            && !speculating
+        {
             let schedule = self.scheduler.schedule_ahead();
             next = self.send(schedule).await;
             self.wake_at = None; // decided again once the step in flight is applied
@@ -301,6 +329,7 @@ impl<B: Backend> Loop<B> {
             step_id,
             num_tokens: schedule.num_tokens,
             samples: schedule.samples,
+            speculating: schedule.speculating,
             sent,
             answer: tokio::spawn(answer),
             prefill_spans,
@@ -342,6 +371,43 @@ impl<B: Backend> Loop<B> {
         masks
     }
 
+    /// Applies the verification of the proposals `generation`'s request carried, if any:
+    /// the accepted ones count as computed, the rest's blocks go back. False (and the
+    /// request failed) when the answer does not fit what was sent.
+    fn verify(&mut self, generation: &pb::Generation) -> bool {
+        let id = generation.id;
+        let (proposed, accepted) = (
+            generation.num_proposed as usize,
+            generation.num_accepted as usize,
+        );
+        let sent = self.scheduler.get(id).map_or(0, |s| s.verifying);
+        let fits =
+            proposed == sent && accepted <= proposed && generation.token_ids.len() == accepted + 1;
+        let applied = if fits {
+            self.scheduler.verified(id, accepted)
+        } else {
+            Err(format!(
+                "{} tokens answering {proposed} proposals ({accepted} accepted) where {sent} \
+                 were sent",
+                generation.token_ids.len()
+            ))
+        };
+        if let Err(message) = applied {
+            let message = format!("the shard's speculative answer is inconsistent: {message}");
+            self.fail(id, InferError::Generation(message));
+            return false;
+        }
+        if proposed > 0 {
+            if let Some(m) = self.metrics.speculative() {
+                m.record_verification(proposed, accepted);
+            }
+            if let Some(speculation) = self.speculation.as_mut() {
+                speculation.verified(id, proposed, accepted);
+            }
+        }
+        true
+    }
+
     /// Waits for a step's answer and applies it; false when the step failed (every
     /// request in flight failed with it, and the shards are cleared before the next).
     async fn apply_step(&mut self, step: InFlight) -> bool {
@@ -352,6 +418,7 @@ impl<B: Backend> Loop<B> {
             sent,
             answer,
             prefill_spans,
+            ..
         } = step;
         let answer = match answer.await {
             Ok(answer) => answer,
@@ -382,6 +449,9 @@ impl<B: Backend> Loop<B> {
                         continue;
                     }
                     sampled.insert(generation.id);
+                    if !self.verify(&generation) {
+                        continue;
+                    }
                     self.apply(generation);
                 }
                 for id in samples {

@@ -12,7 +12,8 @@
 //! for N's tokens. The shards run steps in the order sent, so they go from N to N + 1
 //! without waiting for the router, and the router's work and the round trip overlap the
 //! forward. A request that ends at step N (EOS, a stop string) has one more token computed
-//! by N + 1, which is dropped.
+//! by N + 1, which is dropped. With speculative decoding, a step is not scheduled ahead
+//! while proposals are possible: they follow the token the step in flight samples.
 //!
 //! - `handle`: `Infer`, what the HTTP side holds; `Infer::submit` is the one way in.
 //! - `balance`: which replica (shard group and its loop) a new request goes to.
@@ -20,6 +21,7 @@
 //! - `siblings`: a request's `best_of` samples, forked from the first.
 //! - `output`: sampled tokens turned into text and events; ends of requests.
 //! - `step_metrics`: what the loop records per schedule and per step.
+//! - `speculation`: speculative decoding's proposers, one per eligible request.
 //! - `spans`: each request's trace spans (queue, prefill chunks, decode) when traced.
 //! - `progress`: when the loop started waiting for the step in flight (for `/ready`).
 //! - `events`: what a handler receives; `samples`: those events gathered, and ranked.
@@ -33,6 +35,7 @@ mod progress;
 mod samples;
 mod siblings;
 mod spans;
+mod speculation;
 mod step_metrics;
 
 pub use batching_loop::LoopConfig;
@@ -40,3 +43,4 @@ pub use events::{End, EventResult, FinishReason, Token, TokenEvent};
 pub use handle::{Infer, Submitted};
 pub use progress::StepClock;
 pub use samples::{best_first, collect, Sample};
+pub use speculation::{Method as SpeculativeMethod, SpeculativeConfig};

@@ -154,6 +154,9 @@ impl<B: Backend> Loop<B> {
             return;
         }
         self.scheduler.append_tokens(id, &accepted);
+        if let Some(speculation) = self.speculation.as_mut() {
+            speculation.extend(id, &accepted);
+        }
         self.fast_forward(id);
     }
 

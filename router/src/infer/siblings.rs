@@ -91,6 +91,12 @@ impl<B: Backend> Loop<B> {
                 "queued"
             );
             if index == 0 {
+                // Proposals need one sample (siblings fork from shared blocks) and no
+                // grammar (its mask exists only for the next position).
+                let eligible = request.best_of == 1 && request.grammar.is_none();
+                if let (Some(speculation), true) = (self.speculation.as_mut(), eligible) {
+                    speculation.start(id, &seq.token_ids);
+                }
                 self.scheduler.add(seq);
                 self.entries.insert(id, entry);
             } else {

@@ -11,6 +11,9 @@ impl<B> Loop<B> {
         m.preemptions_swap.add(schedule.swapped_out.len() as u64);
         m.prefix_queries.add(schedule.prefix_queried as u64);
         m.prefix_hits.add(schedule.prefix_hits as u64);
+        if let (Some(spec), true) = (m.speculative(), schedule.speculation_off > 0) {
+            spec.record_step_off();
+        }
         if let Some(step) = &schedule.step {
             let size = step.joined.len() + step.continuing.len();
             if size > 0 {

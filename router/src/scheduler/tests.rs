@@ -539,8 +539,14 @@ impl KvModel {
             self.reqs.insert(j.id, state);
             rows.push((j.id, j.num_compute as usize));
         }
+        let mut speculating = HashMap::new();
         for c in &req.continuing {
-            self.reqs.get_mut(&c.id).unwrap().2.extend(&c.new_blocks);
+            let r = self.reqs.get_mut(&c.id).unwrap();
+            r.2.extend(&c.new_blocks);
+            r.0.extend(&c.proposed_tokens);
+            if !c.proposed_tokens.is_empty() {
+                speculating.insert(c.id, accepted_of(req, c.id));
+            }
             rows.push((c.id, c.num_compute as usize));
         }
         for (id, n) in rows {
@@ -553,6 +559,13 @@ impl KvModel {
             }
             let r = self.reqs.get_mut(&id).unwrap();
             r.1 += n;
+            if let Some(&accepted) = speculating.get(&id) {
+                // The proposals past the accepted ones are dropped, and so are their blocks.
+                let proposed = n - 1;
+                r.1 -= proposed - accepted;
+                r.0.truncate(r.1);
+                r.2.truncate(r.1.div_ceil(bs));
+            }
             if r.1 == r.0.len() {
                 r.0.push(1000 + id as u32);
             }
@@ -699,4 +712,233 @@ fn a_block_completed_by_a_pending_token_is_cached_once_the_token_is_known() {
     assert_eq!(out.prefix_hits, 4);
     let joined = &out.step.as_ref().unwrap().joined[0];
     assert_eq!((joined.id, joined.num_cached), (1, 4));
+}
+
+// -- speculative decoding ---------------------------------------------------------------
+
+/// One request past its prefill (prompt of `prompt_len`, its first token 1000 applied),
+/// on a scheduler whose steps take proposals while they hold at most `max_step_tokens`.
+fn decoding(prompt_len: usize, max_step_tokens: usize, num_blocks: usize) -> Scheduler {
+    let mut config = setup(64, 8, num_blocks).prefix_caching().config;
+    config.speculative_max_step_tokens = max_step_tokens;
+    let mut s = Scheduler::new(config);
+    s.add(seq(0, prompt_len));
+    step(&mut s);
+    s
+}
+
+fn proposed(out: &Schedule) -> Vec<(u64, Vec<u32>)> {
+    let step = out.step.as_ref().unwrap();
+    step.continuing
+        .iter()
+        .map(|c| (c.id, c.proposed_tokens.clone()))
+        .collect()
+}
+
+#[test]
+fn a_proposal_is_computed_with_the_decode_and_counts_once_verified() {
+    let mut s = decoding(3, 16, 100);
+    s.propose(0, Proposal::Tokens(vec![7, 8, 9]));
+    let out = s.schedule();
+    assert_eq!(computes(&out), vec![(0, 4)]);
+    assert_eq!(proposed(&out), vec![(0, vec![7, 8, 9])]);
+    assert_eq!((out.speculating, out.proposed_tokens), (1, 3));
+    assert_eq!(out.samples, vec![0]);
+    // The sampled token is computed; the proposals wait for the answer, in two blocks.
+    let seq = s.get(0).unwrap();
+    assert_eq!((seq.num_computed, seq.verifying), (4, 3));
+    assert_eq!(s.blocks().table(0).len(), 2);
+    s.check_invariants().unwrap();
+    // Two accepted: the answer brings them and the model's own third token.
+    s.verified(0, 2).unwrap();
+    assert!(s.append_tokens(0, &[7, 8, 5]));
+    let seq = s.get(0).unwrap();
+    assert_eq!((seq.num_computed, seq.verifying), (6, 0));
+    assert_eq!(seq.token_ids[3..], [1000, 7, 8, 5]);
+    s.check_invariants().unwrap();
+    // Unproposed, the next step decodes the one token known and not computed.
+    assert_eq!(computes(&s.schedule()), vec![(0, 1)]);
+}
+
+#[test]
+fn rejected_proposals_give_their_blocks_back_and_both_sides_cut_the_table() {
+    // A 4-token prompt fills block 0; its token and three proposals take block 1 and 2.
+    let mut s = decoding(7, 16, 100);
+    s.propose(0, Proposal::Tokens(vec![7, 8, 9, 10]));
+    let out = s.schedule();
+    assert_eq!(computes(&out), vec![(0, 5)]);
+    assert_eq!(s.blocks().table(0).len(), 3);
+    let used = s.blocks().num_used();
+    s.verified(0, 0).unwrap();
+    s.append_tokens(0, &[5]);
+    // Computed: 8 tokens = 2 blocks; the third held only a rejected proposal.
+    assert_eq!(s.blocks().table(0).len(), 2);
+    assert_eq!(s.blocks().num_used(), used - 1);
+    s.check_invariants().unwrap();
+    // The next step sends the request's next block afresh: the shard cut its table too.
+    let next = s.schedule();
+    let c = &next.step.as_ref().unwrap().continuing[0];
+    assert_eq!((c.num_compute, c.new_blocks.len()), (1, 1));
+    assert!(s.verified(0, 1).is_err(), "nothing was proposed");
+}
+
+#[test]
+fn the_load_threshold_trims_proposals_oldest_first_and_counts_who_went_without() {
+    let mut config = setup(64, 8, 100).config;
+    config.speculative_max_step_tokens = 5;
+    let mut s = Scheduler::new(config);
+    for id in 0..3 {
+        s.add(seq(id, 2));
+    }
+    step(&mut s);
+    for id in 0..3 {
+        s.propose(id, Proposal::Tokens(vec![7, 8, 9]));
+    }
+    let out = s.schedule();
+    // Three decodes leave room for two proposals: the oldest takes both.
+    assert_eq!(computes(&out), vec![(0, 3), (1, 1), (2, 1)]);
+    assert_eq!(out.speculation_off, 2);
+    // Off: no proposals at all.
+    let mut config = setup(64, 8, 100).config;
+    config.speculative_max_step_tokens = 0;
+    let mut s = Scheduler::new(config);
+    s.add(seq(0, 2));
+    step(&mut s);
+    s.propose(0, Proposal::Draft(3));
+    assert_eq!(computes(&s.schedule()), vec![(0, 1)]);
+}
+
+#[test]
+fn proposals_stop_at_the_token_limit_and_draft_counts_are_sent_as_such() {
+    let mut s = decoding(3, 16, 100);
+    s.running[0].max_new_tokens = 3; // one generated: two more, the last one sampled
+    s.propose(0, Proposal::Draft(4));
+    let out = s.schedule();
+    assert_eq!(computes(&out), vec![(0, 2)]);
+    let c = &out.step.as_ref().unwrap().continuing[0];
+    assert_eq!((c.num_draft_tokens, c.proposed_tokens.len()), (1, 0));
+    s.verified(0, 1).unwrap();
+    s.append_tokens(0, &[7, 8]);
+    assert_eq!(s.get(0).unwrap().num_generated(), 3);
+    assert!(s.schedule().step.is_none(), "at its limit");
+}
+
+#[test]
+fn a_block_full_of_unverified_proposals_is_cached_only_once_verified() {
+    let mut s = decoding(3, 16, 100);
+    // Position 3 is the sampled token; the proposals fill positions 4..8 (block 1).
+    s.propose(0, Proposal::Tokens(vec![7, 8, 9, 10]));
+    s.schedule();
+    s.schedule_ahead(); // a later schedule marks the step's blocks ready
+    let probe = vec![100, 101, 102, 1000, 7, 8, 9, 10, 1];
+    let m = s.blocks().match_prefix(&probe, chain_seed(""));
+    assert_eq!(m.blocks.len(), 1, "block 0 holds verified tokens only");
+    s.verified(0, 4).unwrap();
+    s.append_tokens(0, &[7, 8, 9, 10, 11]);
+    s.schedule();
+    let m = s.blocks().match_prefix(&probe, chain_seed(""));
+    assert_eq!(m.blocks.len(), 2, "block 1 is verified now");
+}
+
+#[test]
+fn preemption_drops_a_requests_proposal() {
+    // Two 4-token prompts in 3 blocks: the next decode preempts the latest arrival.
+    let mut config = setup(64, 8, 3).config;
+    config.speculative_max_step_tokens = 16;
+    let mut s = Scheduler::new(config);
+    s.add(seq(0, 4));
+    s.add(seq(1, 4));
+    step(&mut s);
+    s.propose(0, Proposal::Tokens(vec![7]));
+    s.propose(1, Proposal::Tokens(vec![7]));
+    let out = s.schedule();
+    assert_eq!(out.preempted, vec![1]);
+    assert_eq!(s.get(1).unwrap().proposal, Proposal::None);
+    s.check_invariants().unwrap();
+}
+
+/// The KV model's view of speculative steps: every proposal equal to the stand-in
+/// shard's token (`1000 + id`) is accepted, up to the first that is not.
+fn accepted_of(req: &pb::StepRequest, id: u64) -> usize {
+    let c = req.continuing.iter().find(|c| c.id == id).unwrap();
+    c.proposed_tokens
+        .iter()
+        .take_while(|&&t| t == 1000 + id as u32)
+        .count()
+}
+
+#[test]
+fn random_workloads_with_proposals_match_the_kv_model_and_never_pass_limits() {
+    let mut rng = StdRng::seed_from_u64(17);
+    for round in 0..150 {
+        let mut builder = setup(
+            rng.random_range(4..40),
+            rng.random_range(1..6),
+            rng.random_range(8..30),
+        );
+        if rng.random_bool(0.7) {
+            builder = builder.prefix_caching();
+        }
+        if rng.random_bool(0.5) {
+            builder = builder.swap(rng.random_range(0..40));
+        }
+        let mut config = builder.config;
+        config.speculative_max_step_tokens = rng.random_range(1..24);
+        let mut s = Scheduler::new(config);
+        let mut model = KvModel::default();
+        let (mut next_id, mut done) = (0u64, 0u64);
+        for _ in 0..600 {
+            if next_id < 16 && rng.random_bool(0.3) {
+                let len = rng.random_range(1..14);
+                let prompt: Vec<u32> = (0..len).map(|_| rng.random_range(0..2)).collect();
+                let mut q = seq_of(next_id, prompt);
+                q.max_new_tokens = rng.random_range(1..12);
+                s.add(q);
+                next_id += 1;
+            }
+            let ids: Vec<u64> = s
+                .running()
+                .iter()
+                .filter(|q| q.decodes_next())
+                .map(|q| q.id)
+                .collect();
+            for id in ids {
+                let k = rng.random_range(0..5);
+                let tokens = (0..k)
+                    .map(|_| {
+                        if rng.random_bool(0.6) {
+                            1000 + id as u32
+                        } else {
+                            7
+                        }
+                    })
+                    .collect();
+                s.propose(id, Proposal::Tokens(tokens));
+            }
+            let out = s.schedule();
+            if let Some(req) = &out.step {
+                model.apply(req, BLOCK_SIZE);
+            }
+            for &id in &out.samples {
+                let accepted = match &out.step {
+                    Some(req) if s.get(id).unwrap().verifying > 0 => accepted_of(req, id),
+                    _ => 0,
+                };
+                if s.get(id).unwrap().verifying > 0 {
+                    s.verified(id, accepted).unwrap();
+                }
+                s.append_tokens(id, &vec![1000 + id as u32; accepted + 1]);
+                let q = s.get(id).unwrap();
+                assert!(q.num_generated() <= q.max_new_tokens, "round {round}");
+                if q.num_generated() == q.max_new_tokens {
+                    s.finish(id);
+                    done += 1;
+                }
+            }
+            assert!(out.failed.is_empty());
+            s.check_invariants().unwrap();
+        }
+        assert_eq!(done, next_id, "every request should finish (round {round})");
+        assert_eq!(s.blocks().num_used(), 0);
+    }
 }

@@ -56,7 +56,8 @@ impl SpecDecodeMetrics {
         self.accepted_length.observe((1 + accepted) as f64);
     }
 
-    /// A step that would have carried proposals but was past the load threshold.
+    /// A step that left a request's proposals out (some or all) because the step was past
+    /// the load threshold.
     pub fn record_step_off(&self) {
         self.steps_off.add(1);
     }
@@ -106,7 +107,7 @@ impl SpecDecodeMetrics {
         let name = "cadence_spec_decode_steps_off_total";
         let _ = writeln!(
             out,
-            "# HELP {name} Steps that carried no proposals because the step was past the speculative threshold.\n\
+            "# HELP {name} Steps that left proposals out because the step was past the speculative threshold (the load switch).\n\
              # TYPE {name} counter\n{name}{{{cadence}}} {}",
             self.steps_off.get()
         );

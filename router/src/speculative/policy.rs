@@ -94,40 +94,6 @@ impl AcceptanceTracker {
     }
 }
 
-/// The proposals granted in one step, in the order of the candidates.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StepProposals {
-    pub per_request: Vec<usize>,
-    /// Some candidate wanted proposals but the step was already at the threshold, so
-    /// none got any (counted by `cadence_spec_decode_steps_off_total`).
-    pub switched_off: bool,
-}
-
-/// Splits the room left under `max_step_tokens` by a step already planning
-/// `planned_tokens` among the candidates (oldest first, each with the k it wants): each
-/// gets its k while room lasts, the one that reaches the threshold what is left, the rest
-/// 0, so the step never passes the threshold because of proposals.
-pub fn split_step_budget(
-    planned_tokens: usize,
-    max_step_tokens: usize,
-    wanted: &[usize],
-) -> StepProposals {
-    let mut room = max_step_tokens.saturating_sub(planned_tokens);
-    let per_request: Vec<usize> = wanted
-        .iter()
-        .map(|&k| {
-            let granted = k.min(room);
-            room -= granted;
-            granted
-        })
-        .collect();
-    let switched_off = wanted.iter().any(|&k| k > 0) && per_request.iter().all(|&k| k == 0);
-    StepProposals {
-        per_request,
-        switched_off,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -232,25 +198,5 @@ mod tests {
             assert!(steps < 1000, "never recovered");
         }
         assert!(steps > PROBE_AFTER_ZEROS as usize);
-    }
-
-    #[test]
-    fn the_step_budget_goes_to_the_oldest_candidates_first() {
-        // 100 planned, threshold 110: room for 10.
-        let split = split_step_budget(100, 110, &[4, 4, 4, 4]);
-        assert_eq!(split.per_request, [4, 4, 2, 0]);
-        assert!(!split.switched_off);
-        // A candidate wanting none takes nothing from the room.
-        let split = split_step_budget(100, 106, &[0, 4, 3]);
-        assert_eq!(split.per_request, [0, 4, 2]);
-        // At or past the threshold: nobody proposes, and the step counts as switched off.
-        for planned in [110, 500] {
-            let split = split_step_budget(planned, 110, &[4, 1]);
-            assert_eq!(split.per_request, [0, 0]);
-            assert!(split.switched_off);
-        }
-        // Nobody wanted proposals: not a switch-off.
-        assert!(!split_step_budget(500, 110, &[0, 0]).switched_off);
-        assert!(!split_step_budget(500, 110, &[]).switched_off);
     }
 }
