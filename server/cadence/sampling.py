@@ -264,13 +264,14 @@ def processed_logprobs(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     return _log_distribution(_biased_and_penalized(_constrained(logits, b), b), b)
 
 
-def draw(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """One token per row by inverse CDF: the first whose cumulative probability passes
-    the row's uniform (float64) times the row's total mass."""
-    cdf = logprobs.double().exp().cumsum(dim=-1)
+def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of `probs` [R, vocab] (float64 weights, not necessarily
+    normalized) by inverse CDF: the first whose cumulative weight passes the row's uniform
+    times the row's total."""
+    cdf = probs.cumsum(dim=-1)
     target = uniforms.unsqueeze(1) * cdf[:, -1:]
     drawn = torch.searchsorted(cdf, target, right=True).squeeze(1)
-    return drawn.clamp(max=logprobs.shape[1] - 1)
+    return drawn.clamp(max=probs.shape[1] - 1)
 
 
 def sample(
@@ -294,7 +295,7 @@ def sample(
     logprobs = _log_distribution(logits, b)
     ids = logits.argmax(dim=-1)
     if b.any_sample:
-        drawn = draw(logprobs, uniform_noise(b.seeds, b.positions))
+        drawn = draw(logprobs.double().exp(), uniform_noise(b.seeds, b.positions))
         ids = torch.where(b.params[:, DO_SAMPLE].bool(), drawn, ids)
     chosen = logprobs.gather(1, ids.unsqueeze(1)).squeeze(1)
     top_ids = top_logprobs = None
