@@ -344,3 +344,16 @@ def test_a_draft_that_is_the_target_is_always_accepted_and_decodes_as_the_target
             r = request_of[slot]
             computed[r] += 1 + got[r].accepted[step]
             assert count == computed[r]
+
+
+def test_two_ranks_verify_as_one_rank_does(model_dirs, engine_for, tmp_path):
+    from tp_worker import run_group, speculative_generations
+
+    path = model_dirs("llama_gqa")
+    alone = speculative_generations(engine_for(path))
+    assert [a for *_, a in alone] == [2] * 6  # two of three proposals right, every step
+    for rank, results in enumerate(run_group(2, [str(path)], tmp_path, "float32", "speculative")):
+        got = results["llama_gqa"]["speculative"]
+        assert [(r, t, a) for r, t, _, a in got] == [(r, t, a) for r, t, _, a in alone], rank
+        for (*_, lps, _), (*_, ref, _) in zip(got, alone, strict=True):
+            assert lps == pytest.approx(ref, abs=TOL)

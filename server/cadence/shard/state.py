@@ -320,7 +320,7 @@ class BatchState:
             masked = set(plan.allowed_ids) & (set(plan.proposals) | {i for i, _ in plan.drafts})
             if masked:
                 raise StepError(
-                    f"allowed: request {min(masked)} has proposals (a mask covers one token)"
+                    f"allowed: request {min(masked)} has proposals (a mask constrains one position)"
                 )
         return plan
 
