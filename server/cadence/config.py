@@ -42,6 +42,9 @@ class ShardConfig:
     quantize: str | None = None  # "int8" | "int4": quantize a float checkpoint's linears
     quantize_group_size: int = 32  # int4 group size (32, 64, 128); docs/quantization.md
     quantize_keep_float: str = "auto"  # "auto" | "on" | "off": float copy for large products
+    # speculative decoding, benchmarks only: the share of the router's proposals accepted
+    # regardless of the model (0: verify them against the model)
+    speculative_acceptance: float = 0.0
 
 
 def default_of(cls: type, name: str) -> Any:

@@ -13,6 +13,9 @@ uniform number from an integer hash of the two, turned into a token by inverse-C
 over the row's processed distribution. It does not depend on which other requests share
 the batch, and costs one cumsum instead of a noise tensor over the vocabulary.
 
+`processed_logprobs` gives the whole distribution each row draws from (what speculative
+verification compares a draft's distribution with); `sample` draws from the same.
+
 Per-request parameters live in a float32 row of `NUM_PARAMS` columns, built once when a
 request joins (`param_row`) and kept by the batch state.
 """
@@ -122,11 +125,16 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """One float64 uniform in [0, 1) per row, a pure function of (seed, position)."""
+def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, salt: int = 0) -> torch.Tensor:
+    """One float64 uniform in [0, 1) per row, a pure function of (seed, position, salt).
+    The sampler's draw uses salt 0; other uses of randomness at the same position (the
+    speculative verifiers' coins) take their own salt, so their uniforms are independent
+    of the draw's."""
     h = _mix32((seeds & _MASK32) ^ 0x9E3779B9)
     h = _mix32(h ^ ((seeds >> 32) & _MASK32))
     h = _mix32(h ^ (positions & _MASK32))
+    if salt:
+        h = _mix32(h ^ salt)
     lo = _mix32(h ^ 0x85EBCA6B)
     bits = ((h >> 11) << 32) | lo  # 53 random bits
     return bits.double() / float(1 << 53)
@@ -220,15 +228,59 @@ def _warp(x: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     return x
 
 
+def _constrained(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """`logits` with each constrained row's disallowed tokens at -inf."""
+    if b.allowed_rows is None:
+        return logits
+    assert b.allowed_words is not None
+    return mask_disallowed(logits, b.allowed_rows, b.allowed_words)
+
+
+def _biased_and_penalized(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """A float32 copy of `logits` with the logit bias added and the penalties applied."""
+    logits = logits.float()
+    if b.bias_rows is not None:
+        logits = logits.index_put((b.bias_rows, b.bias_ids), b.bias_values, accumulate=True)
+    if PENALTY in b.features:
+        logits = apply_penalties(logits, b)
+    return logits
+
+
+def _log_distribution(penalized: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """Log-probs of what each row draws from: greedy rows the penalized log-softmax,
+    sampling rows the warped one."""
+    logprobs = penalized.log_softmax(dim=-1)
+    if b.any_sample:
+        warped = _warp(penalized, b).log_softmax(dim=-1)
+        do_sample = b.params[:, DO_SAMPLE].bool().unsqueeze(1)
+        logprobs = torch.where(do_sample, warped, logprobs)
+    return logprobs
+
+
+def processed_logprobs(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """[R, vocab] float32 log-probs of the distribution each row's token is drawn from
+    (mask, bias, penalties, and for sampling rows the warpers); a greedy row's argmax is
+    its greedy pick."""
+    return _log_distribution(_biased_and_penalized(_constrained(logits, b), b), b)
+
+
+def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of `probs` [R, vocab] (float64 weights, not necessarily
+    normalized) by inverse CDF: the first whose cumulative weight passes the row's uniform
+    times the row's total."""
+    cdf = probs.cumsum(dim=-1)
+    target = uniforms.unsqueeze(1) * cdf[:, -1:]
+    drawn = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    return drawn.clamp(max=probs.shape[1] - 1)
+
+
 def sample(
     logits: torch.Tensor, b: SamplingBatch, greedy_kernel: GreedyFn | None = None
 ) -> SampleOutput:
     """logits: [R, vocab] of the rows that sample this step. `greedy_kernel` (the shard's
     bound `LayerOps.greedy`) serves all-greedy batches without top-n alternatives; it
     reads masked rows' -inf entries as probability 0."""
-    if b.allowed_rows is not None:
-        assert b.allowed_words is not None
-        logits = mask_disallowed(logits, b.allowed_rows, b.allowed_words)
+    logits = _constrained(logits, b)
     greedy = not b.any_sample and b.max_top_n == 0
     unchanged = b.bias_rows is None and PENALTY not in b.features
     if greedy and unchanged and greedy_kernel is not None:
@@ -236,25 +288,15 @@ def sample(
         # float32 copy and no log_softmax row
         ids, chosen = greedy_kernel(logits)
         return SampleOutput(ids, chosen, None, None)
-    logits = logits.float()
-    if b.bias_rows is not None:
-        logits = logits.index_put((b.bias_rows, b.bias_ids), b.bias_values, accumulate=True)
-    if PENALTY in b.features:
-        logits = apply_penalties(logits, b)
+    logits = _biased_and_penalized(logits, b)
     if greedy and greedy_kernel is not None:
         ids, chosen = greedy_kernel(logits)
         return SampleOutput(ids, chosen, None, None)
-    logprobs = logits.log_softmax(dim=-1)
+    logprobs = _log_distribution(logits, b)
     ids = logits.argmax(dim=-1)
     if b.any_sample:
-        warped = _warp(logits, b).log_softmax(dim=-1)
-        cdf = warped.double().exp().cumsum(dim=-1)
-        target = uniform_noise(b.seeds, b.positions).unsqueeze(1) * cdf[:, -1:]
-        drawn = torch.searchsorted(cdf, target, right=True).squeeze(1)
-        drawn = drawn.clamp(max=logits.shape[1] - 1)
-        do_sample = b.params[:, DO_SAMPLE].bool()
-        ids = torch.where(do_sample, drawn, ids)
-        logprobs = torch.where(do_sample.unsqueeze(1), warped, logprobs)
+        drawn = draw(logprobs.double().exp(), uniform_noise(b.seeds, b.positions))
+        ids = torch.where(b.params[:, DO_SAMPLE].bool(), drawn, ids)
     chosen = logprobs.gather(1, ids.unsqueeze(1)).squeeze(1)
     top_ids = top_logprobs = None
     if b.max_top_n > 0:

@@ -83,7 +83,60 @@ def constrained_generations(engine: object) -> list[tuple[int, int, float]]:
     return [(g.id, g.token_ids[0], g.logprobs[0]) for s in steps for g in s.generations]
 
 
-SCRIPTS = {"logits": scripted_logits, "constrained": constrained_generations}
+def speculative_generations(engine: object) -> list[tuple[int, list[int], list[float], int]]:
+    """(request, tokens, logprobs, accepted) of every generation of a scripted run with
+    proposals: request 1 (greedy) and request 2 (seeded sampling with a repetition
+    penalty) decode with 3 proposals a step, the first two of them what a run without
+    proposals generated there (recorded first), the third wrong."""
+    from cadence.pb import shard_pb2
+    from shard_helpers import MiniRouter
+
+    p1, _, p2, _ = script_tokens()
+    prompts = {1: p1, 2: p2}
+    seeded = shard_pb2.SamplingParams(
+        do_sample=True, temperature=1.1, repetition_penalty=1.3, seed=5
+    )
+    samplings = {1: shard_pb2.SamplingParams(), 2: seeded}
+
+    def start() -> MiniRouter:
+        engine.clear_cache()  # type: ignore[attr-defined]
+        router = MiniRouter(engine, seed=4)  # type: ignore[arg-type]
+        router.step(joined=[router.join(r, p, sampling=samplings[r]) for r, p in prompts.items()])
+        return router
+
+    plain = start()
+    for _ in range(DECODES):
+        plain.step(continuing=[plain.cont(1), plain.cont(2)])
+    truth = {r: plain.reqs[r].tokens[len(p) :] for r, p in prompts.items()}
+    router = start()
+    got = []
+    for _ in range(3):
+        conts = []
+        for r, p in prompts.items():
+            req = router.reqs[r]
+            n = len(req.tokens) - len(p)
+            proposals = truth[r][n : n + 2] + [(truth[r][n + 2] + 1) % 256]
+            new = router._blocks_for(req, req.computed + 4)
+            conts.append(
+                shard_pb2.ContinuingRequest(
+                    id=r, num_compute=4, new_blocks=new, proposed_tokens=proposals
+                )
+            )
+        for g in router.step(continuing=conts).generations:
+            req = router.reqs[g.id]  # the router keeps what was verified, and its blocks
+            req.computed += 1 + g.num_accepted
+            keep = -(-req.computed // router.bs)
+            router.free += req.blocks[keep:]
+            del req.blocks[keep:]
+            got.append((g.id, list(g.token_ids), list(g.logprobs), g.num_accepted))
+    return got
+
+
+SCRIPTS = {
+    "logits": scripted_logits,
+    "constrained": constrained_generations,
+    "speculative": speculative_generations,
+}
 
 
 def run_rank(

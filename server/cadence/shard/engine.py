@@ -1,14 +1,16 @@
 """The shard's engine: loads the model, chooses once what computes its steps (attention
 backend, per-op kernels, model runner: `cadence.shard.backends`), sizes and allocates the
 KV cache (Warmup), and runs one Step: apply the diff, one forward over every scheduled
-token, sample (under a constrained request's allowed-token mask, when the step has one)."""
+token, sample (under a constrained request's allowed-token mask, when the step has one).
+A step with speculative rows has the draft model propose first (when asked), takes the
+logits at every proposal's position and verifies them (`cadence.speculative.verify`)."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -33,12 +35,17 @@ from cadence.layers.packed import pack_linear_weights
 from cadence.models import load_model, read_config, to_dtype
 from cadence.pb import shard_pb2
 from cadence.quant.setup import QuantizeConfig
-from cadence.sampling import TOP_N, SampleOutput, SamplingBatch, sample
+from cadence.sampling import DO_SAMPLE, TOP_N, SampleOutput, SamplingBatch, sample
 from cadence.shard import backends
 from cadence.shard.kernel_report import kernel_paths, log_line
 from cadence.shard.kv_budget import CudaBudget, cpu_kv_budget, default_fraction
 from cadence.shard.memory import PeakMeter, available_bytes, cuda_reading
 from cadence.shard.state import BatchState, ForwardBatch, StepPlan
+from cadence.speculative.threshold import speculative_threshold
+from cadence.speculative.verify import Verified, expand, verify
+
+if TYPE_CHECKING:
+    from cadence.speculative.draft import DraftModel, DraftProposals
 
 MiB = 1 << 20
 
@@ -132,6 +139,7 @@ class Engine:
         self.runner = backends.model_runner(self.model, self.attention_backend)
         self.kv: KVCache | None = None
         self.state: BatchState | None = None
+        self.draft: DraftModel | None = None  # proposes for ContinuingRequest.num_draft_tokens
         # Cumulative counts of what the forward passes computed (HealthResponse).
         self.computed_tokens_total = 0
         self.steps_run = 0  # steps with rows since warm-up
@@ -160,6 +168,7 @@ class Engine:
 
     def info(self) -> shard_pb2.InfoResponse:
         c, m = self.config, self.model.config
+        max_step_tokens, source = speculative_threshold(self.device)
         return shard_pb2.InfoResponse(
             model_id=self.cfg.model_id or self.cfg.model_dir,
             model_type=c.get("model_type", ""),
@@ -173,6 +182,9 @@ class Engine:
             eos_token_ids=_eos_ids(self.cfg.model_dir, c),
             kernels=self.kernels,
             quantization=self.quantization_fields(),
+            draft_model=self.draft.name if self.draft is not None else "",
+            speculative_max_step_tokens=max_step_tokens,
+            speculative_threshold_source=source,
         )
 
     def quantization_fields(self) -> dict[str, str]:
@@ -277,6 +289,7 @@ class Engine:
         self.steps_run += 1
         wedge_if_asked(self.steps_run)
         started = time.perf_counter_ns()
+        drafted = self._propose(plan, state) if plan.drafts else None
         batch = state.prepare(plan.rows)
         hidden = self.forward(batch)
         if state.prompt_logprobs:
@@ -285,7 +298,11 @@ class Engine:
         self.computed_tokens_total += batch.num_tokens
         self.prompt_tokens_computed_total += batch.num_prompt_tokens
         generations: list[shard_pb2.Generation] = []
-        if batch.sample_rows.numel():
+        if batch.num_proposed is not None:
+            generations = self._verify(batch, plan, state, hidden, drafted)
+            if state.prompt_logprobs:
+                self._attach_prompt_logprobs(batch, state, generations)
+        elif batch.sample_rows.numel():
             logits = self.model.compute_logits(hidden[batch.sample_tokens.to(self.device)])
             sb = self._on_device(state.sampling_batch(batch, plan))
             out = sample(logits, sb, self.ops.greedy)
@@ -302,21 +319,108 @@ class Engine:
             computed_tokens=batch.num_tokens,
         )
 
-    @staticmethod
-    def apply(req: shard_pb2.StepRequest, state: BatchState, kv: KVCache) -> StepPlan:
+    def apply(self, req: shard_pb2.StepRequest, state: BatchState, kv: KVCache) -> StepPlan:
         """Validates the diff, then applies it in the contract's order: drop `removed`,
         swap-out, swap-in, block copies, add `joined`, extend `continuing` tables and append
-        their forced tokens. The plan keeps the step's allowed-token masks for sampling."""
-        plan = state.validate(req, host_blocks_limit=4 * kv.num_blocks)
+        their forced tokens and the router's proposals. The plan keeps the step's
+        allowed-token masks for sampling and the requests the draft model proposes for."""
+        plan = state.validate(
+            req, host_blocks_limit=4 * kv.num_blocks, draft_model=self.draft is not None
+        )
         state.remove(plan.removed)
         # Swap-out first: the router may hand the blocks it frees to this very step.
         kv.swap_out([c.src for c in req.swap_out], [c.dst for c in req.swap_out])
         kv.swap_in([c.src for c in req.swap_in], [c.dst for c in req.swap_in])
         kv.copy_blocks([c.src for c in req.copies], [c.dst for c in req.copies])
         state.join(plan.joined)
+        if self.draft is not None and plan.joined:  # a reused slot's draft KV is stale
+            self.draft.forget([state.slot_of[r.id] for r in plan.joined])
         state.extend_blocks(list(req.continuing))
         state.append_forced(list(req.continuing))
+        state.append_proposed(plan.proposals)
         return plan
+
+    def _propose(self, plan: StepPlan, state: BatchState) -> DraftProposals:
+        """The draft model's proposals for the plan's draft rows, appended to their tokens."""
+        assert self.draft is not None
+        rows = [(state.slot_of[i], k) for i, k in plan.drafts]
+        sampling = self._on_device(state.sampling_rows(torch.tensor([s for s, _ in rows])))
+        drafted = self.draft.propose(state, rows, sampling)
+        assert [len(t) for t in drafted.tokens] == [k for _, k in plan.drafts]
+        state.append_proposed({i: t for (i, _), t in zip(plan.drafts, drafted.tokens, strict=True)})
+        return drafted
+
+    def _verify(
+        self,
+        batch: ForwardBatch,
+        plan: StepPlan,
+        state: BatchState,
+        hidden: torch.Tensor,
+        drafted: DraftProposals | None,
+    ) -> list[shard_pb2.Generation]:
+        """Verifies a speculative step's sampling rows, commits what they keep and answers
+        them. Router proposals are sampled and matched (or accepted at the set rate, for
+        benchmarks); draft proposals too in greedy rows, and rejection-sampled against the
+        draft's distributions in sampling rows."""
+        assert batch.num_proposed is not None and batch.verify_tokens is not None
+        k = batch.num_proposed
+        logits = self.model.compute_logits(hidden[batch.verify_tokens.to(self.device)])
+        sb = state.sampling_batch(batch, plan)
+        top_n = sb.params[:, TOP_N].long().tolist()
+        ids = [batch.ids[r] for r in batch.sample_rows.tolist()]
+        synthetic = torch.tensor([i in plan.proposals for i in ids], dtype=torch.bool)
+        if self.cfg.speculative_acceptance <= 0:
+            synthetic[:] = False
+        rejection = torch.zeros(len(ids), dtype=torch.bool)
+        q = None
+        if drafted is not None and drafted.q_logprobs is not None:
+            # each draft row's q rows, found by request id (propose saw the plan's order)
+            starts, at = 0, {}
+            for i, n in plan.drafts:
+                at[i] = torch.arange(starts, starts + n)
+                starts += n
+            rejection = torch.tensor([i in at for i in ids]) & sb.params[:, DO_SAMPLE].bool()
+            picked = [at[i] for i, r in zip(ids, rejection.tolist(), strict=True) if r]
+            if picked:
+                q = drafted.q_logprobs[torch.cat(picked).to(drafted.q_logprobs.device)]
+        v = verify(
+            logits, self._on_device(expand(sb, k)), k, state.proposals_of(batch), synthetic,
+            self.cfg.speculative_acceptance, rejection, q, self.ops.greedy,
+        )  # fmt: skip
+        state.commit_verified(batch, v.tokens, v.accepted)
+        if self.draft is not None and plan.drafts:
+            slots = [state.slot_of[i] for i, _ in plan.drafts]
+            self.draft.accepted(slots, state.computed[slots].tolist())
+        return self._verified_generations(ids, k, v, top_n)
+
+    @staticmethod
+    def _verified_generations(
+        ids: list[int], num_proposed: torch.Tensor, v: Verified, top_n: list[int]
+    ) -> list[shard_pb2.Generation]:
+        """One Generation per sampling row: its 1 + accepted tokens, their logprobs and top
+        alternatives, and the proposal counts."""
+        tokens, logprobs = v.tokens.tolist(), v.logprobs.tolist()
+        top_ids = top_lps = None
+        if v.top_ids is not None and v.top_logprobs is not None:
+            top_ids, top_lps = v.top_ids.tolist(), v.top_logprobs.tolist()
+        gens, start = [], 0
+        for i, k, a, n in zip(ids, num_proposed.tolist(), v.accepted.tolist(), top_n, strict=True):
+            end = start + 1 + a
+            g = shard_pb2.Generation(
+                id=i,
+                token_ids=tokens[start:end],
+                logprobs=logprobs[start:end],
+                num_proposed=k,
+                num_accepted=a,
+            )
+            if top_ids is not None and top_lps is not None and n > 0:
+                g.top_tokens.extend(
+                    shard_pb2.TopTokens(ids=top_ids[t][:n], logprobs=top_lps[t][:n])
+                    for t in range(start, end)
+                )
+            gens.append(g)
+            start = end
+        return gens
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """One forward over the flat batch -> hidden states [T, hidden]."""

@@ -15,6 +15,14 @@ count them as output, and computed like any known token (by this step's `num_com
 a later one's). An `allowed` mask per constrained request that samples this step is
 checked here (`StepPlan.allowed_*`) and applied by the sampler before anything else.
 
+Speculative decoding adds proposals: tokens that may follow a decoding request's last
+sampled token t (at position p), from the router (`proposed_tokens`) or the shard's draft
+model (`num_draft_tokens`). They are appended after t like forced tokens and computed in
+the same forward (num_compute = 1 + k); `prepare` then lists the 1 + k positions whose
+logits verification needs, and `commit_verified` keeps t, the a accepted proposals and
+the model's next token (computed = p + 1 + a), cutting the block table to the blocks the
+computed tokens fill.
+
 `StepPlan` is the validated diff; `BatchState.prepare` turns it into flat forward inputs
 with vectorized tensor ops (a handful of Python operations per request, none per token).
 """
@@ -73,6 +81,10 @@ class ForwardBatch:
     sample_tokens: torch.Tensor  # [R] their last token's index in the flat batch
     sampling: SamplingBatch | None = None
     num_prompt_tokens: int = 0  # tokens at positions < their request's prompt_len
+    # speculative steps only (None otherwise): proposals per sampling row [R], and the
+    # flat indices of each sampling row's 1 + k verified positions, rows in order [sum(1 + k)]
+    num_proposed: torch.Tensor | None = None
+    verify_tokens: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -98,6 +110,21 @@ class StepPlan:
     # [M, ceil(vocab / 32)] int32, zero-padded (the tail is disallowed); None without any
     allowed_ids: list[int] = field(default_factory=list)
     allowed_words: torch.Tensor | None = None
+    # speculative rows: the router's proposals by request id, and (id, k) of the
+    # requests whose k proposals the draft model makes
+    proposals: dict[int, list[int]] = field(default_factory=dict)
+    drafts: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def speculative(self) -> bool:
+        return bool(self.proposals or self.drafts)
+
+
+def offsets_within(counts: torch.Tensor) -> torch.Tensor:
+    """[sum(counts)]: 0..n-1 for each group of n in `counts`, groups in order."""
+    total = int(counts.sum())
+    group_starts = torch.cumsum(counts, 0) - counts
+    return torch.arange(total) - torch.repeat_interleave(group_starts, counts, output_size=total)
 
 
 def _grown(t: torch.Tensor, rows: int, cols: int = 0) -> torch.Tensor:
@@ -139,6 +166,7 @@ class BatchState:
         # sparse per-request extras, only for the requests that ask for them
         self.logit_bias: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # slot -> ids, values
         self.prompt_logprobs: dict[int, PromptLogprobs] = {}  # slot -> accumulated so far
+        self.proposed: dict[int, int] = {}  # slot -> proposals appended for the step in flight
         self.free = list(range(capacity - 1, -1, -1))
 
     def __len__(self) -> int:
@@ -153,14 +181,18 @@ class BatchState:
         self.request_ids.clear()
         self.logit_bias.clear()
         self.prompt_logprobs.clear()
+        self.proposed.clear()
         self.slot_features.clear()
         self.features.clear()
         self.free = list(range(self.tokens.shape[0] - 1, -1, -1))
 
     # -- validation ---------------------------------------------------------------
 
-    def validate(self, req: shard_pb2.StepRequest, host_blocks_limit: int) -> StepPlan:
-        """Checks the whole diff against the current state without changing anything."""
+    def validate(
+        self, req: shard_pb2.StepRequest, host_blocks_limit: int, draft_model: bool = False
+    ) -> StepPlan:
+        """Checks the whole diff against the current state without changing anything.
+        `draft_model`: whether this shard has one (for `num_draft_tokens`)."""
         nb = self.num_blocks
         plan = StepPlan(removed=list(req.removed))
         held = set(self.slot_of) - set(plan.removed)
@@ -235,6 +267,8 @@ class BatchState:
                     f"request {c.id}: forced_tokens token id {max(c.forced_tokens)} >= vocab",
                     request_id=self.request_id(c.id),
                 )
+            if c.proposed_tokens or c.num_draft_tokens:
+                self._check_proposals(c, plan, draft_model)
             if c.num_compute > 0:
                 plan.rows.append((c.id, c.num_compute))
                 cont.append(c)
@@ -245,17 +279,36 @@ class BatchState:
             n = torch.tensor([c.num_compute for c in cont])
             blocks = torch.tensor([len(c.new_blocks) for c in cont])
             known = self.seq_lens[slots]
-            if any(c.forced_tokens for c in cont):
-                known = known + torch.tensor([len(c.forced_tokens) for c in cont])
+            if any(c.forced_tokens for c in cont) or plan.speculative:
+                known = known + torch.tensor(
+                    [
+                        len(c.forced_tokens) + len(c.proposed_tokens) + c.num_draft_tokens
+                        for c in cont
+                    ]
+                )
             end = self.computed[slots] + n
             bad = (end > known) | (end > (self.num_block_ids[slots] + blocks) * bs)
             if bool(bad.any()):
                 c = cont[int(bad.nonzero()[0, 0])]
                 raise StepError(
                     f"request {c.id}: num_compute {c.num_compute} exceeds its known tokens "
-                    "(with its forced_tokens) or its blocks",
+                    "(with its forced or proposed tokens) or its blocks",
                     request_id=self.request_id(c.id),
                 )
+            if plan.speculative:
+                # proposals follow a token sampled by the request's previous step: the
+                # only one it knows that is not computed
+                speculating = torch.tensor(
+                    [bool(c.proposed_tokens or c.num_draft_tokens) for c in cont]
+                )
+                bad = speculating & (self.computed[slots] != self.seq_lens[slots] - 1)
+                if bool(bad.any()):
+                    c = cont[int(bad.nonzero()[0, 0])]
+                    raise StepError(
+                        f"request {c.id}: proposals need a decoding request (every known "
+                        "token computed but the last sampled one)",
+                        request_id=self.request_id(c.id),
+                    )
         if req.allowed:  # the requests that sample this step may have a mask
             sampling = {
                 r.id for r in req.joined if 0 < r.num_compute == len(r.token_ids) - r.num_cached
@@ -264,7 +317,37 @@ class BatchState:
                 samples = (end == known).tolist()
                 sampling.update(c.id for c, s in zip(cont, samples, strict=True) if s)
             plan.allowed_ids, plan.allowed_words = self._allowed(req.allowed, held, sampling)
+            masked = set(plan.allowed_ids) & (set(plan.proposals) | {i for i, _ in plan.drafts})
+            if masked:
+                raise StepError(
+                    f"allowed: request {min(masked)} has proposals (a mask constrains one position)"
+                )
         return plan
+
+    def _check_proposals(
+        self, c: shard_pb2.ContinuingRequest, plan: StepPlan, draft_model: bool
+    ) -> None:
+        """One continuing request's proposals (the checks that need no state), entered in
+        `plan`."""
+
+        def fail(message: str) -> StepError:
+            return StepError(f"request {c.id}: {message}", request_id=self.request_id(c.id))
+
+        if c.proposed_tokens and c.num_draft_tokens:
+            raise fail("proposed_tokens and num_draft_tokens together")
+        if c.forced_tokens:
+            raise fail("proposals (proposed_tokens / num_draft_tokens) with forced_tokens")
+        k = len(c.proposed_tokens) or c.num_draft_tokens
+        if c.num_compute != 1 + k:
+            raise fail(f"num_compute {c.num_compute} is not 1 + {k} proposals")
+        if c.num_draft_tokens:
+            if not draft_model:
+                raise fail("num_draft_tokens without a draft model on this shard")
+            plan.drafts.append((c.id, k))
+            return
+        if max(c.proposed_tokens) >= self.vocab_size:
+            raise fail(f"proposed_tokens token id {max(c.proposed_tokens)} >= vocab")
+        plan.proposals[c.id] = list(c.proposed_tokens)
 
     def _allowed(
         self, allowed: Sequence[shard_pb2.AllowedTokens], held: set[int], sampling: set[int]
@@ -379,16 +462,28 @@ class BatchState:
     def append_forced(self, continuing: list[shard_pb2.ContinuingRequest]) -> None:
         """Appends each continuing request's forced tokens to its known tokens (after its
         prompt: generated tokens), to be computed by this step or a later one."""
-        forced = [c for c in continuing if c.forced_tokens]
-        if not forced:
-            return
-        slots = [self.slot_of[c.id] for c in forced]
+        forced = {c.id: list(c.forced_tokens) for c in continuing if c.forced_tokens}
+        if forced:
+            self._append(forced)
+
+    def append_proposed(self, proposals: dict[int, list[int]]) -> None:
+        """Appends proposals (request id -> tokens) after each request's last sampled
+        token, to be computed and verified by this step, and remembers how many."""
+        if proposals:
+            slots = self._append(proposals)
+            self.proposed.update(zip(slots, (len(t) for t in proposals.values()), strict=True))
+
+    def _append(self, tokens: dict[int, list[int]]) -> list[int]:
+        """Appends tokens (request id -> tokens) to the requests' known tokens; returns
+        their slots."""
+        slots = [self.slot_of[i] for i in tokens]
         lens = self.seq_lens[slots].tolist()
-        ends = [n + len(c.forced_tokens) for n, c in zip(lens, forced, strict=True)]
+        ends = [n + len(t) for n, t in zip(lens, tokens.values(), strict=True)]
         self.tokens = _grown(self.tokens, self.tokens.shape[0], max(ends) + 1)
-        for slot, c, start, end in zip(slots, forced, lens, ends, strict=True):
-            self.tokens[slot, start:end] = torch.tensor(c.forced_tokens)
+        for slot, t, start, end in zip(slots, tokens.values(), lens, ends, strict=True):
+            self.tokens[slot, start:end] = torch.tensor(t)
         self.seq_lens[slots] = torch.tensor(ends)
+        return slots
 
     def _reserve(self, n: int) -> None:
         have = self.tokens.shape[0]
@@ -436,6 +531,14 @@ class BatchState:
         prefill_blocks = -(-max(lens[num_decode:], default=0) // bs)
         max_blocks = max(decode_blocks, prefill_blocks)
         sample_rows = (context_lens == self.seq_lens[slots]).nonzero().squeeze(1)
+        sample_tokens = query_start[1:][sample_rows] - 1
+        num_proposed = verify_tokens = None
+        if self.proposed:
+            sample_slots = slots[sample_rows].tolist()
+            num_proposed = torch.tensor([self.proposed.get(s, 0) for s in sample_slots])
+            counts = num_proposed + 1
+            starts = torch.repeat_interleave(sample_tokens - num_proposed, counts)
+            verify_tokens = starts + offsets_within(counts)
         return ForwardBatch(
             ids=ids,
             slots=slots,
@@ -453,14 +556,25 @@ class BatchState:
             prefill_blocks=prefill_blocks,
             prefill_from_start=lens[num_decode:] == counts[num_decode:],
             sample_rows=sample_rows,
-            sample_tokens=query_start[1:][sample_rows] - 1,
+            sample_tokens=sample_tokens,
             num_prompt_tokens=int((positions < self.prompt_lens[token_slot]).sum()),
+            num_proposed=num_proposed,
+            verify_tokens=verify_tokens,
         )
 
     def sampling_batch(self, batch: ForwardBatch, plan: StepPlan | None = None) -> SamplingBatch:
         """The sampling inputs of the batch's sampling rows; with the allowed-token masks
         of `plan` (the validated step the batch was prepared from) when it has some."""
-        slots = batch.slots[batch.sample_rows]
+        b = self.sampling_rows(batch.slots[batch.sample_rows])
+        if plan is not None and plan.allowed_words is not None:
+            row_of = {batch.ids[r]: i for i, r in enumerate(batch.sample_rows.tolist())}
+            b.allowed_rows = torch.tensor([row_of[i] for i in plan.allowed_ids])
+            b.allowed_words = plan.allowed_words
+        return b
+
+    def sampling_rows(self, slots: torch.Tensor) -> SamplingBatch:
+        """The sampling inputs of the requests in `slots` for the token after their known
+        ones (no allowed-token masks)."""
         params = self.params[slots]
         features = frozenset(f for f, c in self.features.items() if c > 0)
         penalties = PENALTY in features
@@ -477,10 +591,6 @@ class BatchState:
                 bias_rows = torch.cat([torch.full_like(b[0], i) for i, b in biased])
                 bias_ids = torch.cat([b[0] for _, b in biased])
                 bias_values = torch.cat([b[1] for _, b in biased])
-        allowed_rows = None
-        if plan is not None and plan.allowed_words is not None:
-            row_of = {batch.ids[r]: i for i, r in enumerate(batch.sample_rows.tolist())}
-            allowed_rows = torch.tensor([row_of[i] for i in plan.allowed_ids])
         return SamplingBatch(
             params=params,
             seeds=self.seeds[slots],
@@ -494,8 +604,6 @@ class BatchState:
             bias_rows=bias_rows,
             bias_ids=bias_ids,
             bias_values=bias_values,
-            allowed_rows=allowed_rows,
-            allowed_words=plan.allowed_words if allowed_rows is not None else None,
         )
 
     def commit(self, batch: ForwardBatch, sampled: torch.Tensor) -> None:
@@ -508,3 +616,39 @@ class BatchState:
         self.tokens = _grown(self.tokens, self.tokens.shape[0], int(lens.max()) + 1)
         self.tokens[slots, lens] = sampled.to(self.tokens.device)
         self.seq_lens[slots] = lens + 1
+
+    def proposals_of(self, batch: ForwardBatch) -> torch.Tensor:
+        """[sum k]: the proposals of the batch's sampling rows, rows in order (the last k
+        of each row's known tokens)."""
+        assert batch.num_proposed is not None
+        k = batch.num_proposed
+        slots = batch.slots[batch.sample_rows]
+        rows = torch.repeat_interleave(torch.arange(len(k)), k)
+        first = self.seq_lens[slots] - k
+        return self.tokens[slots[rows], first[rows] + offsets_within(k)]
+
+    def commit_verified(
+        self, batch: ForwardBatch, tokens: torch.Tensor, accepted: torch.Tensor
+    ) -> None:
+        """After a speculative step's verification: `accepted` [R] proposals kept per
+        sampling row (0 for rows without), `tokens` [sum(1 + accepted)] the rows' answers
+        s_0..s_a in row order. Each row keeps its tokens up to its last sampled one (p),
+        then its answer; its computed count becomes p + 1 + a and a row that proposed cuts
+        its block table to the blocks those tokens fill."""
+        assert batch.num_proposed is not None
+        self.computed[batch.slots] = batch.context_lens
+        slots = batch.slots[batch.sample_rows]
+        proposed = batch.num_proposed
+        after_t = self.seq_lens[slots] - proposed  # p + 1
+        computed = after_t + accepted
+        self.computed[slots] = computed
+        counts = accepted + 1
+        rows = torch.repeat_interleave(torch.arange(len(slots)), counts)
+        positions = after_t[rows] + offsets_within(counts)
+        self.tokens = _grown(self.tokens, self.tokens.shape[0], int(positions.max()) + 1)
+        self.tokens[slots[rows], positions] = tokens.to(self.tokens.device)
+        self.seq_lens[slots] = after_t + counts
+        bs = self.block_size
+        cut = torch.minimum(self.num_block_ids[slots], (computed + bs - 1) // bs)
+        self.num_block_ids[slots] = torch.where(proposed > 0, cut, self.num_block_ids[slots])
+        self.proposed.clear()
