@@ -24,6 +24,7 @@ from cadence.config import (
     GROUP_SIZES,
     KEEP_FLOAT_CHOICES,
     QUANTIZE_METHODS,
+    SPECULATIVE_METHODS,
     LaunchConfig,
     ShardConfig,
     default_of,
@@ -83,6 +84,28 @@ KEEP_FLOAT_HELP = (
     "quantized kernels win at (prefill), at the cost of its memory (auto: on CPU while the "
     "copies fit in half the available memory; off on a GPU)"
 )
+DRAFT_MODEL_HELP = (
+    "the draft model of --speculative draft: a local folder or .gguf file of a smaller model "
+    "with the target's tokenizer, run on the same device; it proposes the next tokens and "
+    "the target verifies them in one forward. Its KV cache shares the target's blocks "
+    "(each block holds both), so the KV memory holds fewer tokens"
+)
+DRAFT_QUANTIZE_HELP = (
+    "quantize the draft model's linear weights at load, as --quantize does the target's "
+    "(with the target's own folder as the draft: its int8 or int4 twin)"
+)
+ACCEPTANCE_HELP = (
+    "benchmarking only, with --speculative synthetic: the chance that each proposal (after "
+    "accepted ones) is accepted; the output is then NOT the model's"
+)
+SPECULATIVE_HELP = (
+    "speculative decoding: tokens proposed for a request are verified in the target's "
+    "forward, exactly (the output is the one without it). ngram: proposals looked up in "
+    "the request's own tokens; draft: drafted by --draft-model-id on each shard; synthetic: "
+    "benchmarking only, arbitrary proposals accepted at --speculative-acceptance. Off for "
+    "requests with n > 1, a grammar or prompt logprobs, and for steps past "
+    "--speculative-max-step-tokens (default: off)"
+)
 CPU_KERNELS_HELP = "serve through the C++ CPU kernels where they apply (off: torch everywhere)"
 T = TypeVar("T")
 Add = Callable[..., None]
@@ -108,6 +131,13 @@ def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text} is negative")
+    return value
+
+
+def _probability(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text} is not in [0, 1]")
     return value
 
 
@@ -150,6 +180,9 @@ def _add_shard_flags(p: argparse.ArgumentParser, add: Add, config: type) -> None
     add("--quantize", choices=QUANTIZE_METHODS, help=QUANTIZE_HELP)
     add("--quantize-group-size", type=int, choices=GROUP_SIZES, help=GROUP_SIZE_HELP)
     add("--quantize-keep-float", choices=KEEP_FLOAT_CHOICES, help=KEEP_FLOAT_HELP)
+    add("--draft-model-id", help=DRAFT_MODEL_HELP)
+    add("--draft-quantize", choices=QUANTIZE_METHODS, help=DRAFT_QUANTIZE_HELP)
+    add("--speculative-acceptance", type=_probability, help=ACCEPTANCE_HELP)
 
 
 def _launch_parser(sub: Any) -> None:
@@ -197,6 +230,7 @@ def _launch_parser(sub: Any) -> None:
     add("--api-key-file", help="file of accepted API keys, one per line")
     add("--cors-allow-origin", help="CORS origins allowed (comma-separated, or *)")
     _add_scheduler_flags(p, add)
+    _add_speculative_flags(add)
     add(
         "--grammar-compile-timeout-ms",
         type=_positive_int,
@@ -293,6 +327,35 @@ def _add_scheduler_flags(p: argparse.ArgumentParser, add: Add) -> None:
     )
 
 
+def _add_speculative_flags(add: Add) -> None:
+    """The router's speculative decoding flags (the shards' are with the shard flags)."""
+    add("--speculative", choices=SPECULATIVE_METHODS, help=SPECULATIVE_HELP)
+    add(
+        "--num-speculative-tokens",
+        type=_positive_int,
+        help="most tokens proposed for one request in one step (fewer while its proposals "
+        "are rarely accepted)",
+    )
+    add(
+        "--ngram-min",
+        type=_positive_int,
+        help="--speculative ngram: the shortest suffix of a request's tokens looked up earlier "
+        "in them",
+    )
+    add(
+        "--ngram-max",
+        type=_positive_int,
+        help="--speculative ngram: the longest suffix looked up (the longest match proposes)",
+    )
+    add(
+        "--speculative-max-step-tokens",
+        type=_non_negative_int,
+        help="proposals are added to a step only while it holds at most this many tokens, "
+        "past which verifying them costs more than they save (0: the shards' threshold, "
+        "measured by `cadence bench` or their device's default)",
+    )
+
+
 def _serve_parser(sub: Any) -> None:
     p = sub.add_parser("serve", help="run one model shard (gRPC on a unix socket)")
     add = _adder(p, ShardConfig)
@@ -380,7 +443,10 @@ def _run_serve(args: argparse.Namespace) -> int:
     from cadence.model_source import resolve_model
     from cadence.shard.server import serve
 
-    cfg = config_from(args, ShardConfig, model_dir=resolve_model(args.model_id))
+    draft = resolve_model(args.draft_model_id) if args.draft_model_id else ""
+    cfg = config_from(
+        args, ShardConfig, model_dir=resolve_model(args.model_id), draft_model_id=draft
+    )
     serve(resolve_cpu_choices(cfg))
     return 0
 

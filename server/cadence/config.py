@@ -13,6 +13,7 @@ from typing import Any
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 QUANTIZE_METHODS = ("int8", "int4")
+SPECULATIVE_METHODS = ("ngram", "draft", "synthetic")
 GROUP_SIZES = (32, 64, 128)
 KEEP_FLOAT_CHOICES = ("auto", "on", "off")
 
@@ -45,6 +46,8 @@ class ShardConfig:
     # speculative decoding, benchmarks only: the share of the router's proposals accepted
     # regardless of the model (0: verify them against the model)
     speculative_acceptance: float = 0.0
+    draft_model_id: str = ""  # speculative decoding's draft model folder; "": none
+    draft_quantize: str | None = None  # "int8" | "int4": the draft's linears quantized at load
 
 
 def default_of(cls: type, name: str) -> Any:
@@ -99,6 +102,9 @@ class LaunchConfig:
     quantize: str | None = _shard("quantize")
     quantize_group_size: int = _shard("quantize_group_size")
     quantize_keep_float: str = _shard("quantize_keep_float")
+    draft_model_id: str = _shard("draft_model_id")  # launch resolves it like model_id
+    draft_quantize: str | None = _shard("draft_quantize")
+    speculative_acceptance: float = _shard("speculative_acceptance")
     log_format: str = _shard("log_format")
     # The router's, by the same names (the API key goes by environment instead).
     memory_fraction: float | None = _router()
@@ -128,3 +134,10 @@ class LaunchConfig:
     no_grammar_fast_forward: bool = _router(False)
     no_prefix_caching: bool = _router(False)
     check_rank_agreement: bool = _router(False)  # the router compares every rank's step answer
+    # speculative decoding (docs/speculative.md): who proposes, how many, and up to which
+    # step size the router adds proposals (0: the shard's measured or default threshold)
+    speculative: str | None = _router()  # one of SPECULATIVE_METHODS; None: off
+    num_speculative_tokens: int | None = _router()
+    ngram_min: int | None = _router()
+    ngram_max: int | None = _router()
+    speculative_max_step_tokens: int | None = _router()

@@ -99,6 +99,9 @@ def shard_argv(cfg: LaunchConfig, model_dir: str, slot: ShardSlot) -> list[str]:
         *("--quantize-group-size", str(cfg.quantize_group_size)),
         *("--quantize-keep-float", cfg.quantize_keep_float),
         *(("--kv-cache-scales", cfg.kv_cache_scales) if cfg.kv_cache_scales else ()),
+        *(("--draft-model-id", cfg.draft_model_id) if cfg.draft_model_id else ()),
+        *(("--draft-quantize", cfg.draft_quantize) if cfg.draft_quantize else ()),
+        *("--speculative-acceptance", str(cfg.speculative_acceptance)),
         *("--log-format", cfg.log_format),
     ]
 
@@ -146,6 +149,21 @@ def async_scheduling(cfg: LaunchConfig) -> bool:
     return cfg.async_scheduling == "on"
 
 
+def check_speculative(cfg: LaunchConfig) -> None:
+    """The router's --speculative and the shards' draft flags must agree: a draft model
+    nobody asks for would only take memory, and `draft` without one has nothing to run."""
+    if cfg.speculative == "draft" and not cfg.draft_model_id:
+        raise LaunchError("--speculative draft needs --draft-model-id (the draft model)")
+    if cfg.draft_model_id and cfg.speculative != "draft":
+        raise LaunchError(
+            "--draft-model-id is only used with --speculative draft: add it or drop the draft"
+        )
+    if cfg.draft_quantize and not cfg.draft_model_id:
+        raise LaunchError("--draft-quantize needs --draft-model-id and --speculative draft")
+    if cfg.speculative_acceptance and cfg.speculative != "synthetic":
+        raise LaunchError("--speculative-acceptance is only used with --speculative synthetic")
+
+
 C = TypeVar("C")  # LaunchConfig or ShardConfig: both have device, dtype, cpu_isa
 
 
@@ -176,6 +194,7 @@ def launch(cfg: LaunchConfig) -> int:
     from cadence.kernels.cpu import isa
     from cadence.model_source import resolve_model
 
+    check_speculative(cfg)
     cfg = resolve_cpu_choices(cfg)
     logger.info(
         "CPU {!r} runs {}: kernels for {}, {} weights",
@@ -188,6 +207,8 @@ def launch(cfg: LaunchConfig) -> int:
         cfg = replace(cfg, master_port=_free_port())
 
     model_dir = resolve_model(cfg.model_id)
+    if cfg.draft_model_id:  # once here, not by every shard (a GGUF's folder is made once)
+        cfg = replace(cfg, draft_model_id=resolve_model(cfg.draft_model_id))
     own_dir = cfg.uds_dir is None
     uds_dir = Path(cfg.uds_dir or tempfile.mkdtemp(prefix="cadence-"))
     uds_dir.mkdir(parents=True, exist_ok=True)
