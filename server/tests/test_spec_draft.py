@@ -48,11 +48,16 @@ def _processed_logprobs_available(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(sampling, "processed_logprobs", _processed_logprobs, raising=False)
 
 
-def _draft_beside(engine: Engine, model_dir: Path, kv_cache_dtype: str = "") -> DraftModel:
+def _draft_beside(
+    engine: Engine,
+    model_dir: Path | str,
+    kv_cache_dtype: str = "",
+    quantize: QuantizeConfig | None = None,
+) -> DraftModel:
     """A draft on the engine's device, kernels and attention backend, its cache allocated."""
     assert engine.kv is not None
     draft = DraftModel(
-        str(model_dir), engine.dtype, engine.device, QuantizeConfig(), engine.ops,
+        str(model_dir), engine.dtype, engine.device, quantize or QuantizeConfig(), engine.ops,
         engine.attention_backend, target_vocab_size=engine.model.config.vocab_size,
         block_size=engine.block_size,
         kv_format=kv_format(kv_cache_dtype) if kv_cache_dtype else engine.kv_format,
@@ -300,6 +305,47 @@ def test_an_all_greedy_batch_reports_no_distributions(
     spec = Speculation(engine, _draft_beside(engine, model_dirs(OTHER_DRAFT)))
     spec.join({0: (_prompt(11, 5), GREEDY), 1: (_prompt(12, 5), PENALIZED)})
     assert spec.propose_with_q({0: 2, 1: 3})[1] is None
+
+
+@pytest.mark.parametrize("source", ["int8", "int4", "gguf"])
+def test_a_quantized_or_gguf_draft_proposes_what_its_folder_serves(
+    source: str,
+    model_dirs: Callable[[str], Path],
+    engine_for: Callable[..., Engine],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--draft-quantize, and a .gguf --draft-model-id resolved as --model-id is: the
+    proposals are the greedy continuation of a plain engine serving the same folder with
+    the same quantization."""
+    if source == "gguf":
+        from cadence.model_source import resolve_model
+        from gguf_helpers import tiny_model, write_gguf
+
+        monkeypatch.setenv("CADENCE_CACHE_DIR", str(tmp_path))
+        files = {}
+        for arch in ("llama", "qwen2"):  # one vocabulary: the helpers' tokenizer's
+            files[arch] = tmp_path / f"tiny-{arch}.gguf"
+            write_gguf(arch, tiny_model(arch), files[arch])
+        target, draft_dir = (resolve_model(str(files[a])) for a in ("llama", "qwen2"))
+    else:
+        target, draft_dir = str(model_dirs(TARGET)), str(model_dirs(OTHER_DRAFT))
+    # no float copy: int4's products of few rows and of many would round differently
+    quantize = QuantizeConfig(None if source == "gguf" else source, keep_float="off")
+    engine = engine_for(target)
+    draft = _draft_beside(engine, draft_dir, quantize=quantize)
+    assert draft.model.quantization
+    draft_alone = engine_for(
+        draft_dir, quantize=quantize.method, quantize_keep_float=quantize.keep_float
+    )
+    spec = Speculation(engine, draft)
+    prompt = _prompt(13, 21)
+    spec.join({0: (prompt, GREEDY)})
+    for accepted in (1, 3):
+        proposals = spec.propose({0: 4})[0]
+        context = spec.context(0)
+        assert proposals == _continuation(draft_alone, context, len(prompt), GREEDY, 4)
+        spec.commit(0, proposals[:accepted] + [(proposals[accepted] + 1) % 256])
 
 
 def test_a_draft_of_another_vocabulary_is_refused(
