@@ -77,6 +77,7 @@ class Speculation:
     accepted proposals and the model's next token) as the verification makes it."""
 
     def __init__(self, engine: Engine, draft: DraftModel) -> None:
+        self.engine = engine
         self.router = MiniRouter(engine)
         self.draft = draft
         assert engine.state is not None
@@ -105,6 +106,7 @@ class Speculation:
             state.extend_blocks([shard_pb2.ContinuingRequest(id=rid, new_blocks=new)])
         ids = list(ks)
         sb = state.sampling_batch(state.prepare([(i, 1) for i in ids]))
+        sb = self.engine._on_device(sb)  # noqa: SLF001 (as the engine's step moves it)
         out = self.draft.propose(state, [(state.slot_of[i], ks[i]) for i in ids], sb)
         assert [len(t) for t in out.tokens] == list(ks.values())
         return dict(zip(ids, out.tokens, strict=True)), out.q_logprobs
@@ -246,7 +248,7 @@ def _reference_q(
     assert state is not None
     rows = []
     for d in proposals:
-        sb = state.sampling_batch(state.prepare([(0, 1)]))
+        sb = engine._on_device(state.sampling_batch(state.prepare([(0, 1)])))  # noqa: SLF001
         logits = router.logits_step(continuing=[router.cont(0)], forced={0: d})[0][-1:]
         rows.append(sampling.processed_logprobs(logits, sb))
     router.step(removed=[router.remove(0)])
@@ -270,13 +272,14 @@ def test_sampling_rows_are_drawn_from_the_distributions_they_report(
     ks = {0: 4, 1: 2, 2: 4, 3: 4, 4: 3}
     proposals, q = spec.propose_with_q(ks)
     assert q is not None and q.shape == (sum(ks.values()), 256) and q.dtype == torch.float32
+    q = q.cpu()
     start = 0
     for i, k in ks.items():  # each request's own first sampled token ends its context
         rows = q[start : start + k]
         start += k
         context = spec.context(i)
         expected = _reference_q(draft_alone, context, len(prompt), params[i], proposals[i])
-        torch.testing.assert_close(rows, expected, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(rows, expected.cpu(), atol=2e-5, rtol=1e-5)
         # each proposal lies where its distribution has mass
         assert bool(rows.gather(1, torch.tensor(proposals[i]).unsqueeze(1)).isfinite().all())
     for i in (0, 3, 4):  # the draw: an inverse CDF at a uniform of (seed, position, salt)
