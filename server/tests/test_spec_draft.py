@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from cadence import sampling
 from cadence.kv_format import kv_format
 from cadence.pb import shard_pb2
 from cadence.quant.setup import QuantizeConfig
-from cadence.sampling import DO_SAMPLE, PENALTY, SamplingBatch, apply_penalties, uniform_noise
+from cadence.sampling import processed_logprobs, uniform_noise
 from cadence.shard.engine import Engine
 from cadence.shard.state import BatchState
 from cadence.speculative.draft import DraftModel
@@ -25,27 +24,6 @@ TARGET, OTHER_DRAFT = "llama_gqa", "qwen2"  # both of vocabulary 256
 GREEDY = shard_pb2.SamplingParams()
 PENALIZED = shard_pb2.SamplingParams(repetition_penalty=1.8, frequency_penalty=0.7)
 BIASED = shard_pb2.SamplingParams(logit_bias={5: 4.0, 17: 3.0, 200: -50.0})
-
-
-def _processed_logprobs(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
-    """The sampler's processed distribution, until cadence.sampling has its own: bias and
-    penalties, then the warpers for sampling rows, as log-probs."""
-    logits = logits.float()
-    if b.bias_rows is not None:
-        logits = logits.index_put((b.bias_rows, b.bias_ids), b.bias_values, accumulate=True)
-    if PENALTY in b.features:
-        logits = apply_penalties(logits, b)
-    logprobs = logits.log_softmax(dim=-1)
-    if b.any_sample:
-        warped = sampling._warp(logits, b).log_softmax(dim=-1)  # noqa: SLF001
-        logprobs = torch.where(b.params[:, DO_SAMPLE].bool().unsqueeze(1), warped, logprobs)
-    return logprobs
-
-
-@pytest.fixture(autouse=True)
-def _processed_logprobs_available(monkeypatch: pytest.MonkeyPatch) -> None:
-    if not hasattr(sampling, "processed_logprobs"):
-        monkeypatch.setattr(sampling, "processed_logprobs", _processed_logprobs, raising=False)
 
 
 def _draft_beside(
@@ -105,9 +83,11 @@ class Speculation:
             new = self.router._blocks_for(r, len(r.tokens) + k)  # noqa: SLF001
             state.extend_blocks([shard_pb2.ContinuingRequest(id=rid, new_blocks=new)])
         ids = list(ks)
-        sb = state.sampling_batch(state.prepare([(i, 1) for i in ids]))
-        sb = self.engine._on_device(sb)  # noqa: SLF001 (as the engine's step moves it)
-        out = self.draft.propose(state, [(state.slot_of[i], ks[i]) for i in ids], sb)
+        slots = [state.slot_of[i] for i in ids]
+        # the sampling inputs of the token after each one's known ones, as the engine's
+        # step gives them (on its device)
+        sb = self.engine._on_device(state.sampling_rows(torch.tensor(slots)))  # noqa: SLF001
+        out = self.draft.propose(state, [(s, ks[i]) for s, i in zip(slots, ids, strict=True)], sb)
         assert [len(t) for t in out.tokens] == list(ks.values())
         return dict(zip(ids, out.tokens, strict=True)), out.q_logprobs
 
@@ -250,7 +230,7 @@ def _reference_q(
     for d in proposals:
         sb = engine._on_device(state.sampling_batch(state.prepare([(0, 1)])))  # noqa: SLF001
         logits = router.logits_step(continuing=[router.cont(0)], forced={0: d})[0][-1:]
-        rows.append(sampling.processed_logprobs(logits, sb))
+        rows.append(processed_logprobs(logits, sb))
     router.step(removed=[router.remove(0)])
     return torch.cat(rows)
 
@@ -283,10 +263,11 @@ def test_sampling_rows_are_drawn_from_the_distributions_they_report(
         # each proposal lies where its distribution has mass
         assert bool(rows.gather(1, torch.tensor(proposals[i]).unsqueeze(1)).isfinite().all())
     for i in (0, 3, 4):  # the draw: an inverse CDF at a uniform of (seed, position, salt)
-        seed = torch.tensor([params[i].seed ^ DRAFT_SALT])
+        seed = torch.tensor([params[i].seed])
         cdf = q[sum(list(ks.values())[:i]) :][: ks[i]].double().exp().cumsum(dim=-1)
         for j, d in enumerate(proposals[i]):
-            u = uniform_noise(seed, torch.tensor([len(prompt) + 1 + j])) * cdf[j, -1]
+            position = torch.tensor([len(prompt) + 1 + j])
+            u = uniform_noise(seed, position, DRAFT_SALT) * cdf[j, -1]
             assert int(torch.searchsorted(cdf[j], u, right=True)) == d
     greedy = _continuation(draft_alone, spec.context(1), len(prompt), GREEDY, 2)
     assert proposals[1] == greedy
@@ -376,3 +357,60 @@ def test_the_draft_kv_bytes_per_block_are_its_own_cache_in_the_targets_format(
     block = engine.block_size
     assert draft.bytes_per_block == 2 * 2 * block * 2 * (16 * element + scales)
     assert tuple(draft.kv.blocks.shape) == (2, 2, 24, block, 2, 16)
+
+
+def _speculative_decode(
+    engine: Engine, prompts: dict[int, list[int]], params: dict[int, shard_pb2.SamplingParams],
+    n: int, k: int,
+) -> tuple[dict[int, list[int]], dict[int, list[tuple[int, int]]]]:  # fmt: skip
+    """`n` tokens per request through Engine.step, each decode asking the engine's draft
+    for up to `k` proposals as the router does (never past `n`), the blocks the rejected
+    proposals were written to returned after each answer. The generated tokens, and the
+    (proposed, accepted) counts of each step."""
+    router = MiniRouter(engine)
+    router.step(joined=[router.join(i, p, sampling=params[i]) for i, p in prompts.items()])
+    counts: dict[int, list[tuple[int, int]]] = {i: [] for i in prompts}
+    generated = {i: lambda i=i: len(router.reqs[i].tokens) - len(prompts[i]) for i in prompts}
+    while live := [i for i in prompts if generated[i]() < n]:
+        conts, before = [], {}
+        for i in live:
+            r, ask = router.reqs[i], min(k, n - generated[i]() - 1)
+            before[i] = r.computed
+            new = router._blocks_for(r, r.computed + 1 + ask)  # noqa: SLF001
+            conts.append(shard_pb2.ContinuingRequest(
+                id=i, num_compute=1 + ask, new_blocks=new, num_draft_tokens=ask
+            ))  # fmt: skip
+        for g in router.step(continuing=conts).generations:
+            r = router.reqs[g.id]
+            r.computed = before[g.id] + 1 + g.num_accepted
+            keep = -(-r.computed // router.bs)
+            router.free += r.blocks[keep:]
+            del r.blocks[keep:]
+            counts[g.id].append((g.num_proposed, g.num_accepted))
+    return {i: router.reqs[i].tokens[len(p) :] for i, p in prompts.items()}, counts
+
+
+@pytest.mark.parametrize("draft_name", [TARGET, OTHER_DRAFT])
+def test_engine_steps_with_the_draft_decode_as_the_target_alone(
+    draft_name: str, model_dirs: Callable[[str], Path], engine_for: Callable[..., Engine]
+) -> None:
+    """Greedy rows through the engine's speculative step (the draft proposes, the target
+    verifies): the target's own tokens, whatever the draft; all of them accepted when the
+    draft is the target's weights."""
+    path = model_dirs(TARGET)
+    prompts = {0: _prompt(14, 5), 1: _prompt(15, 19), 2: _prompt(16, 9)}
+    params = {0: GREEDY, 1: PENALIZED, 2: BIASED}
+    engine = engine_for(path)
+    engine.draft = _draft_beside(engine, model_dirs(draft_name))
+    got, counts = _speculative_decode(engine, prompts, params, 12, 4)
+    reference = MiniRouter(engine_for(path))
+    reference.step(joined=[reference.join(i, p, sampling=params[i]) for i, p in prompts.items()])
+    for _ in range(11):
+        reference.step(continuing=[reference.cont(i) for i in prompts])
+    for i, p in prompts.items():
+        assert got[i] == reference.reqs[i].tokens[len(p) :], i
+        if draft_name == TARGET:  # 1 + 4 + 1 + 4 + 1 + 1 tokens
+            assert counts[i] == [(4, 4), (4, 4), (0, 0)], i
+    if draft_name == OTHER_DRAFT:  # its proposals were rejected, some accepted
+        steps = [c for i in prompts for c in counts[i]]
+        assert any(a < k for k, a in steps) and any(a > 0 for _, a in steps)

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from cadence import sampling as sampling_ops
 from cadence.attention_backends import AttentionBackend
 from cadence.kv_cache import KVCache, bytes_per_block
 from cadence.kv_format import KVFormat
@@ -25,11 +24,11 @@ from cadence.layers.kernel_ops import LayerOps
 from cadence.layers.packed import pack_linear_weights
 from cadence.models import load_model
 from cadence.quant.setup import QuantizeConfig
-from cadence.sampling import DO_SAMPLE, SamplingBatch
+from cadence.sampling import DO_SAMPLE, SamplingBatch, processed_logprobs
 from cadence.shard import backends
 from cadence.shard.state import BatchState
 from cadence.speculative.draft_batch import draft_batch
-from cadence.speculative.draft_sampling import draw, step_sampling
+from cadence.speculative.draft_sampling import draft_tokens, step_sampling
 
 
 @dataclass(slots=True)
@@ -180,8 +179,8 @@ class DraftModel:
                 logits = self.model.compute_logits(hidden)
             rows = active.to(device)
             b = step_sampling(sampling, rows, drafted[rows, :j])
-            logprobs = sampling_ops.processed_logprobs(logits, b)
-            drafted[rows, j] = draw(logprobs, b)
+            logprobs = processed_logprobs(logits, b)
+            drafted[rows, j] = draft_tokens(logprobs, b)
             if keep_q:
                 q_steps.append(logprobs)
             active = active[ks[active] > j + 1]

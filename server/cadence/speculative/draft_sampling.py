@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from cadence.sampling import DO_SAMPLE, SamplingBatch, uniform_noise
+from cadence.sampling import DO_SAMPLE, SamplingBatch, draw, uniform_noise
 
-# Mixed into the seed of a draft draw, so its uniform is not the one the target's
-# sampler (and the verification) uses for the same position.
-DRAFT_SALT = 0x5DEECE66D
+# The salt of a draft draw's uniform: not the sampler's draw (0) nor one of the
+# verifiers' coins (cadence.speculative.verify: 1..3) at the same position.
+DRAFT_SALT = 4
 
 
 def step_sampling(b: SamplingBatch, rows: torch.Tensor, drafted: torch.Tensor) -> SamplingBatch:
@@ -53,13 +53,11 @@ def step_sampling(b: SamplingBatch, rows: torch.Tensor, drafted: torch.Tensor) -
     )
 
 
-def draw(logprobs: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+def draft_tokens(logprobs: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     """One token per row of the processed log-probs [R, V]: the argmax for greedy rows,
-    an inverse-CDF draw with the salted uniform of (seed, position) for sampling rows."""
+    an inverse-CDF draw at the salted uniform of (seed, position) for sampling rows."""
     ids = logprobs.argmax(dim=-1)
     if not b.any_sample:
         return ids
-    cdf = logprobs.double().exp().cumsum(dim=-1)
-    u = uniform_noise(b.seeds ^ DRAFT_SALT, b.positions).unsqueeze(1) * cdf[:, -1:]
-    drawn = torch.searchsorted(cdf, u, right=True).squeeze(1).clamp(max=logprobs.shape[1] - 1)
+    drawn = draw(logprobs.double().exp(), uniform_noise(b.seeds, b.positions, DRAFT_SALT))
     return torch.where(b.params[:, DO_SAMPLE].bool(), drawn, ids)
