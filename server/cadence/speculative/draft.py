@@ -135,9 +135,8 @@ class DraftModel:
             raise ValueError("a draft row asks for no proposal")
         self._reserve(max(slots) + 1)
         last = state.seq_lens[slots] - 1  # p: the last known token's position
-        starts = torch.minimum(self.computed[slots], last).tolist()
-        counts = (last + 1).tolist()
-        counts = [end - start for start, end in zip(starts, counts, strict=True)]
+        first = torch.minimum(self.computed[slots], last)  # the first the cache lacks
+        starts, counts = first.tolist(), (last + 1 - first).tolist()
         seqs = [state.tokens[s, a : a + n] for s, a, n in zip(slots, starts, counts, strict=True)]
         batch = draft_batch(state.block_tables, self.block_size, slots, starts, counts, self.device)
         input_ids = torch.cat([seqs[i] for i in batch.order.tolist()]).to(self.device)
@@ -167,17 +166,16 @@ class DraftModel:
         q_steps: list[torch.Tensor] = []  # per draft step j: [rows drafting, vocab]
         active = torch.arange(num_rows)
         for j in range(most):
+            rows = active.to(device)
             if j > 0:  # one forward of each active row's latest proposal, at p + j
                 batch = draft_batch(
                     state.block_tables, self.block_size,
                     [slots[i] for i in active.tolist()], (last[active] + j).tolist(),
                     [1] * len(active), self.device,
                 )  # fmt: skip
-                rows = active.to(device)
                 input_ids = drafted[rows, j - 1].to(self.device)
                 hidden = self.runner.forward(batch.layout, input_ids, batch.positions)
                 logits = self.model.compute_logits(hidden)
-            rows = active.to(device)
             b = step_sampling(sampling, rows, drafted[rows, :j])
             logprobs = processed_logprobs(logits, b)
             drafted[rows, j] = draft_tokens(logprobs, b)
