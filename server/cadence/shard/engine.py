@@ -139,7 +139,10 @@ class Engine:
         self.runner = backends.model_runner(self.model, self.attention_backend)
         self.kv: KVCache | None = None
         self.state: BatchState | None = None
-        self.draft: DraftModel | None = None  # proposes for ContinuingRequest.num_draft_tokens
+        # proposes for ContinuingRequest.num_draft_tokens; its KV blocks ride on the target's
+        self.draft: DraftModel | None = self._load_draft(cfg)
+        if self.draft is not None:
+            self.bytes_per_block += self.draft.bytes_per_block
         # Cumulative counts of what the forward passes computed (HealthResponse).
         self.computed_tokens_total = 0
         self.steps_run = 0  # steps with rows since warm-up
@@ -445,7 +448,8 @@ class Engine:
         if self.device.type == "cpu":
             return b
         names = ("params", "seeds", "positions", "history", "seq_lens", "prompt_lens")
-        for name in (*names, "allowed_rows", "allowed_words"):
+        extras = ("bias_rows", "bias_ids", "bias_values", "allowed_rows", "allowed_words")
+        for name in (*names, *extras):
             t = getattr(b, name)
             if t is not None:
                 setattr(b, name, t.to(self.device, non_blocking=True))
@@ -537,12 +541,36 @@ class Engine:
         for i, layer in enumerate(self.attention):
             layer.k_cache, layer.v_cache = self.kv.layer(i)
             layer.k_scale, layer.v_scale = self.kv.scales(i)
+        if self.draft is not None:
+            self.draft.allocate(num_blocks)
         vocab = self.model.config.vocab_size
         self.state = BatchState(
             self.block_size, num_blocks, vocab, capacity=max(16, max_batch_size)
         )
 
+    def _load_draft(self, cfg: ShardConfig) -> DraftModel | None:
+        """The draft model of `--draft-model-id` on this device, with the target's kernels,
+        attention backend, block size and KV format (None without one)."""
+        if not cfg.draft_model_id:
+            return None
+        from cadence.speculative.draft import DraftModel
+
+        keep_float = cfg.quantize_keep_float
+        quantize = QuantizeConfig(cfg.draft_quantize, cfg.quantize_group_size, keep_float)
+        draft = DraftModel(
+            cfg.draft_model_id, self.dtype, self.device, quantize, self.ops,
+            self.attention_backend, target_vocab_size=self.model.config.vocab_size,
+            block_size=cfg.block_size, kv_format=self.kv_format, pack_weights=cfg.cpu_kernels,
+        )  # fmt: skip
+        logger.info(
+            f"draft model {draft.name}: {draft.bytes_per_block} KV bytes per block"
+            + (f", {cfg.draft_quantize}" if cfg.draft_quantize else "")
+        )
+        return draft
+
     def _release_cache(self) -> None:
+        if self.draft is not None:
+            self.draft.release()
         self.kv, self.state = None, None
         for layer in self.attention:
             layer.k_cache = layer.v_cache = torch.empty(0)
@@ -618,6 +646,8 @@ class Engine:
         self._allocate(scratch_blocks, max_batch_size)
         assert self.kv is not None and self.state is not None
         scratch = self.kv.nbytes
+        if self.draft is not None:
+            scratch += scratch_blocks * self.draft.bytes_per_block
         try:
             with PeakMeter(self.device) as meter, torch.inference_mode():
                 step = shard_pb2.StepRequest(joined=joined, allowed=allowed)

@@ -96,14 +96,15 @@ class DraftModel:
         for i, layer in enumerate(self.attention):
             layer.k_cache, layer.v_cache = self.kv.layer(i)
             layer.k_scale, layer.v_scale = self.kv.scales(i)
-        self.computed.zero_()
+        # a fresh tensor: the old one may be an inference tensor (grown inside a step)
+        self.computed = torch.zeros_like(self.computed)
 
     def release(self) -> None:
         self.kv = None
         for layer in self.attention:
             layer.k_cache = layer.v_cache = torch.empty(0)
             layer.k_scale = layer.v_scale = None
-        self.computed.zero_()
+        self.computed = torch.zeros_like(self.computed)
 
     def forget(self, slots: list[int]) -> None:
         """The slots hold new requests: nothing of theirs is in the draft cache."""
