@@ -1,0 +1,202 @@
+"""Speculative decoding through `cadence launch`: with n-gram proposals and with a draft
+model (the target's own weights; a random tiny model of the same vocabulary), greedy
+output is transformers' token for token, seeded sampling with penalties answers as the
+server without speculation does, proposals are really made and accepted (/metrics), and
+an OpenAI client's stream carries every token of the multi-token steps."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from conftest import (
+    NEW_TOKENS,
+    SMOLLM_FLOAT32,
+    LaunchedServer,
+    greedy_ids,
+    launch,
+    metrics,
+    stop,
+)
+
+# The load switch must not interfere: one request at a time, up to 4 proposals.
+SPECULATIVE = ("--num-speculative-tokens", "4", "--speculative-max-step-tokens", "64")
+# A passage the model is asked to copy: where prompt lookup finds its proposals.
+PASSAGE = (
+    "The old lighthouse stood at the edge of the harbour for two hundred years. Every night "
+    "its keeper climbed the hundred and twelve steps, trimmed the wick and wound the clock "
+    "that turned the great lens, and every morning he wrote the weather in a leather book."
+)
+
+
+def spec_counts(url: str) -> tuple[float, float, float]:
+    """(verifications, proposed tokens, accepted tokens) so far."""
+    m = metrics(url)
+
+    def total(name: str) -> float:
+        return sum(v for k, v in m.items() if k.startswith(f"vllm:spec_decode_num_{name}_total{{"))
+
+    return total("drafts"), total("draft_tokens"), total("accepted_tokens")
+
+
+def copy_prompt(tokenizer_dir: str) -> str:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    message = {"role": "user", "content": f"Repeat the following text exactly:\n\n{PASSAGE}"}
+    return tokenizer.apply_chat_template([message], tokenize=False, add_generation_prompt=True)
+
+
+def transformers_greedy(model_dir: str, text: str, new_tokens: int) -> list[int]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    input_ids = tokenizer(text, return_tensors="pt").input_ids
+    with torch.inference_mode():
+        out = model.generate(input_ids, max_new_tokens=new_tokens, do_sample=False, num_beams=1)
+    ids = out[0, input_ids.shape[1] :].tolist()
+    eos = tokenizer.eos_token_id
+    return ids[: ids.index(eos) + 1] if eos in ids else ids
+
+
+def assert_greedy_equals_transformers(
+    server: LaunchedServer, reference: tuple[list[str], list[list[int]], int]
+) -> None:
+    texts, expected, eos_id = reference
+    with httpx.Client(base_url=server.url, timeout=300) as client:
+        for text, want in zip(texts[:4], expected[:4], strict=True):
+            want = want[: want.index(eos_id) + 1] if eos_id in want else want
+            assert greedy_ids(client, text, NEW_TOKENS) == want, text
+
+
+@pytest.fixture(scope="module")
+def ngram_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedServer]:
+    tmp = tmp_path_factory.mktemp("spec-ngram")
+    server = launch(tmp, *SMOLLM_FLOAT32, "--speculative", "ngram", *SPECULATIVE)
+    yield server
+    assert stop(server) == 0, server.log()
+
+
+def test_ngram_greedy_output_is_transformers_and_proposals_are_accepted(
+    ngram_server: LaunchedServer,
+    transformers_reference: tuple[list[str], list[list[int]], int],
+    smollm_float_dir: str,
+) -> None:
+    info = httpx.get(f"{ngram_server.url}/info").json()["speculative"]
+    assert info["method"] == "ngram" and info["max_step_tokens"] == "64", info
+    assert_greedy_equals_transformers(ngram_server, transformers_reference)
+    before = spec_counts(ngram_server.url)
+    text = copy_prompt(smollm_float_dir)
+    with httpx.Client(base_url=ngram_server.url, timeout=300) as client:
+        ours = greedy_ids(client, text, 64)
+    assert ours == transformers_greedy(smollm_float_dir, text, 64)
+    drafts, proposed, accepted = (
+        a - b for a, b in zip(spec_counts(ngram_server.url), before, strict=True)
+    )
+    # Copying a passage: most proposals are the passage's next tokens.
+    assert drafts > 0 and accepted > proposed / 2, (drafts, proposed, accepted)
+    assert accepted > 20, "fewer steps than tokens"
+
+
+def test_an_openai_stream_carries_every_token_of_the_accepted_runs(
+    ngram_server: LaunchedServer, smollm_server: LaunchedServer
+) -> None:
+    def stream(url: str) -> list[str]:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        chunks = client.chat.completions.create(
+            model="smollm",
+            messages=[{"role": "user", "content": f"Repeat exactly:\n\n{PASSAGE}"}],
+            max_tokens=60,
+            temperature=0,
+            stream=True,
+        )
+        return [c.choices[0].delta.content or "" for c in chunks if c.choices]
+
+    with_spec, without = stream(ngram_server.url), stream(smollm_server.url)
+    assert "".join(with_spec) == "".join(without)
+    assert "lighthouse" in "".join(with_spec)
+
+
+def test_seeded_sampling_with_penalties_answers_as_without_speculation(
+    ngram_server: LaunchedServer, smollm_server: LaunchedServer
+) -> None:
+    body = {
+        "inputs": f"Repeat exactly: {PASSAGE}\n",
+        "parameters": {
+            "max_new_tokens": 48,
+            "do_sample": True,
+            "seed": 11,
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "top_k": 40,
+            "repetition_penalty": 1.1,
+            "frequency_penalty": 0.2,
+            "details": True,
+            "decoder_input_details": False,
+        },
+    }
+
+    def answer(url: str) -> tuple[str, list[int]]:
+        v = httpx.post(f"{url}/generate", json=body, timeout=300).json()
+        return v["generated_text"], [t["id"] for t in v["details"]["tokens"]]
+
+    before = spec_counts(ngram_server.url)
+    assert answer(ngram_server.url) == answer(smollm_server.url)
+    assert spec_counts(ngram_server.url)[0] > before[0], "no step carried proposals"
+
+
+def random_draft(folder: Path, like: str) -> Path:
+    """A random two-layer Llama with the served model's vocabulary and tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = json.loads((Path(like) / "config.json").read_text())
+    torch.manual_seed(0)
+    tiny = LlamaConfig(
+        vocab_size=config["vocab_size"], hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=config["max_position_embeddings"],
+        bos_token_id=config.get("bos_token_id"), eos_token_id=config.get("eos_token_id"),
+    )  # fmt: skip
+    LlamaForCausalLM(tiny).save_pretrained(folder, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(like) / name, folder / name)
+    return folder
+
+
+@pytest.mark.parametrize("draft", ["same-weights", "random"])
+def test_a_draft_model_changes_the_steps_not_the_greedy_output(
+    draft: str,
+    tmp_path_factory: pytest.TempPathFactory,
+    transformers_reference: tuple[list[str], list[list[int]], int],
+    smollm_float_dir: str,
+) -> None:
+    tmp = tmp_path_factory.mktemp(f"spec-draft-{draft}")
+    folder = (
+        smollm_float_dir
+        if draft == "same-weights"
+        else str(random_draft(tmp / "m", smollm_float_dir))
+    )
+    server = launch(
+        tmp, *SMOLLM_FLOAT32, "--speculative", "draft", "--draft-model-id", folder, *SPECULATIVE
+    )
+    try:
+        assert httpx.get(f"{server.url}/info").json()["speculative"]["draft_model"]
+        assert_greedy_equals_transformers(server, transformers_reference)
+        drafts, proposed, accepted = spec_counts(server.url)
+        assert drafts > 0
+        if draft == "same-weights":
+            # The target proposing to itself: every proposal is its own greedy token.
+            assert accepted == proposed, (proposed, accepted)
+        else:
+            assert accepted < proposed / 4, (proposed, accepted)
+    finally:
+        assert stop(server) == 0, server.log()
