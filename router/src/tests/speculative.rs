@@ -119,7 +119,7 @@ async fn streams_carry_every_token_of_an_accepted_run_in_order() {
 }
 
 #[tokio::test]
-async fn concurrent_requests_with_proposals_answer_as_alone_and_blocks_come_back() {
+async fn concurrent_requests_with_proposals_answer_as_alone_through_preemption() {
     let script = Script::Fixed(ids("lo la lo la lo"));
     let h = setup(script.clone())
         .speculative(SpeculativeMethod::Ngram, 4, 12)
