@@ -10,6 +10,7 @@ import pytest
 from cadence.cli import build_parser, config_from, main
 from cadence.config import LaunchConfig, ShardConfig
 from cadence.launcher import LaunchError, check_speculative, router_argv, shard_argv, shard_slots
+from cadence.logs import setup_logging
 
 
 @pytest.fixture(autouse=True)
@@ -101,8 +102,11 @@ def test_launch_refuses_draft_flags_that_do_not_go_together(
 def test_launch_stops_at_start_on_a_draft_without_speculative_draft(
     capfd: pytest.CaptureFixture[str],
 ) -> None:
-    assert main(["launch", "--draft-model-id", "/nowhere"]) == 2
-    assert "--speculative draft" in capfd.readouterr().err
+    try:
+        assert main(["launch", "--draft-model-id", "/nowhere"]) == 2
+        assert "--speculative draft" in capfd.readouterr().err
+    finally:
+        setup_logging("text")  # main() pointed loguru at this test's captured stderr
 
 
 @pytest.mark.parametrize("value", ["-0.1", "1.5"])

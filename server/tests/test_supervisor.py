@@ -16,6 +16,7 @@ import pytest
 from cadence import launcher
 from cadence.launcher import LaunchConfig, launch
 from cadence.supervisor import ChildExited, Stopped, Supervisor
+from loguru import logger
 
 PY = sys.executable
 
@@ -51,7 +52,7 @@ def test_child_output_is_forwarded_line_by_line(capfd: pytest.CaptureFixture[str
     script = "import sys\nprint('to stdout')\nprint('to stderr', file=sys.stderr)"
     child = supervisor.start("echo", [PY, "-c", script])
     child.proc.wait()
-    child.drain()
+    child.drain(timeout=30)  # a loaded machine may be slow to schedule the pump threads
     out, err = capfd.readouterr()
     assert "[echo] to stdout" in out and "[echo] to stderr" in err
     supervisor.stop()
@@ -66,11 +67,17 @@ def test_json_logs_wrap_a_childs_foreign_lines_and_pass_its_json_lines(
         'print(\'{"component": "shard", "message": "own"}\')\n'
         "print('UserWarning: a library speaks', file=sys.stderr)"
     )
-    child = supervisor.start("replica-1-shard-0", [PY, "-c", script])
-    child.proc.wait()
-    child.drain()
-    out, err = capfd.readouterr()
-    supervisor.stop()
+    # only the child's lines: the supervisor's own log goes wherever an earlier test left
+    # loguru's sink
+    logger.disable("cadence.supervisor")
+    try:
+        child = supervisor.start("replica-1-shard-0", [PY, "-c", script])
+        child.proc.wait()
+        child.drain(timeout=30)  # a loaded machine may be slow to schedule the pump threads
+        out, err = capfd.readouterr()
+        supervisor.stop()
+    finally:
+        logger.enable("cadence.supervisor")
     assert json.loads(out) == {"component": "shard", "message": "own"}  # unchanged
     wrapped = json.loads(err)
     assert list(wrapped) == ["timestamp", "level", "component", "rank", "target", "message"] + [
