@@ -48,8 +48,10 @@ def add_bench_parser(sub: Any) -> None:
     add_workload_flags(p)
     p.set_defaults(run=run_bench_command, log_format="text")
     inner = p.add_subparsers(dest="bench_command", metavar="experiment")
-    e = inner.add_parser("experiment", help="run serving experiments E1-E4 into docs/experiments")
-    e.add_argument("name", choices=("E1", "E2", "E3", "E4"))
+    e = inner.add_parser(
+        "experiment", help="run serving experiments E1-E4 and E6 into docs/experiments"
+    )
+    e.add_argument("name", choices=("E1", "E2", "E3", "E4", "E6"))
     _flag(
         e,
         "--scale",
