@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from cadence.bench.runner import RunConfig
 
 BACKENDS = ("tgi", "openai")
-DATASETS = ("random", "sharegpt-like", "capped-exponential", "jsonl")
+DATASETS = ("random", "sharegpt-like", "capped-exponential", "grounded", "jsonl")
 
 
 def length_range(text: str) -> tuple[int, int]:
@@ -48,8 +48,10 @@ def add_bench_parser(sub: Any) -> None:
     add_workload_flags(p)
     p.set_defaults(run=run_bench_command, log_format="text")
     inner = p.add_subparsers(dest="bench_command", metavar="experiment")
-    e = inner.add_parser("experiment", help="run serving experiments E1-E4 into docs/experiments")
-    e.add_argument("name", choices=("E1", "E2", "E3", "E4"))
+    e = inner.add_parser(
+        "experiment", help="run serving experiments E1-E4 and E6 into docs/experiments"
+    )
+    e.add_argument("name", choices=("E1", "E2", "E3", "E4", "E6"))
     _flag(
         e,
         "--scale",
@@ -139,14 +141,14 @@ def add_workload_flags(p: argparse.ArgumentParser) -> None:
         "--input-len",
         type=length_range,
         default="320",
-        help="random/capped-exponential prompt tokens: N or LOW:HIGH",
+        help="random/capped-exponential/grounded prompt tokens: N or LOW:HIGH",
     )
     _flag(
         d,
         "--output-len",
         type=length_range,
         default="128",
-        help="random: output tokens, N or LOW:HIGH",
+        help="random/grounded: output tokens, N or LOW:HIGH",
     )
     _flag(d, "--output-cap", type=int, default=512, help="capped-exponential: largest output")
     _flag(
@@ -189,7 +191,9 @@ def add_workload_flags(p: argparse.ArgumentParser) -> None:
 def build_dataset(args: argparse.Namespace) -> list[BenchRequest]:
     from cadence.bench.datasets import (
         capped_exponential_dataset,
+        grounded_dataset,
         jsonl_dataset,
+        load_chat_renderer,
         load_tokenizer,
         random_dataset,
         sharegpt_like_dataset,
@@ -205,6 +209,9 @@ def build_dataset(args: argparse.Namespace) -> list[BenchRequest]:
         return capped_exponential_dataset(
             tok, n, args.input_len[0], args.output_cap, args.output_mean, args.seed
         )
+    if args.dataset_name == "grounded":
+        render = load_chat_renderer(args.tokenizer)
+        return grounded_dataset(tok, render, n, args.input_len, args.output_len, args.seed)
     if not args.dataset_path:
         raise SystemExit("--dataset-name jsonl needs --dataset-path")
     return jsonl_dataset(tok, args.dataset_path, n)

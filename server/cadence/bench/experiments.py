@@ -1,4 +1,4 @@
-"""`cadence bench experiment E1|E2|E3|E4`: launch cadence in each configuration an
+"""`cadence bench experiment E1|E2|E3|E4|E6`: launch cadence in each configuration an
 experiment needs (docs/experiments/README.md says what each measures), run its workload,
 write `docs/experiments/<E>.md` (the command, the table, a summary computed from the
 numbers) and PNG plots beside it.
@@ -640,7 +640,15 @@ def e4(scale: Scale, out: Path, server_args: list[str], scale_name: str) -> None
     (out / "E4.md").write_text(text)
 
 
-EXPERIMENTS = {"E1": e1, "E2": e2, "E3": e3, "E4": e4}
+def e6(scale: Scale, out: Path, server_args: list[str], scale_name: str) -> None:
+    """Speculative decoding's speed-up against acceptance (its own module, which uses this
+    one's helpers)."""
+    from cadence.bench.speculative_experiment import e6 as run_e6
+
+    run_e6(scale, out, server_args, scale_name)
+
+
+EXPERIMENTS = {"E1": e1, "E2": e2, "E3": e3, "E4": e4, "E6": e6}
 
 
 def run_experiment(
