@@ -1,5 +1,5 @@
 """Where speculative decoding stops paying on this machine: the most tokens a step may
-hold while it costs at most `--max-ratio` times a one-token decode step.
+hold while proposals still speed it up.
 
 Builds the shard's engine in process for the served model (by default the embedded model
 as `cadence launch` serves it: the same dtype and kernels), prefills `--context`-token
@@ -7,10 +7,14 @@ requests, then times real steps: B requests each decoding one token (k = 0), and
 requests each verifying k proposed tokens (B * (1 + k) tokens; random proposals, so
 nearly all are rejected, which costs what accepted ones do). Configurations are
 interleaved over `--rounds` so a burst of load elsewhere hits them alike; the fastest
-step of each counts. The threshold is the largest token count up to which every measured
-step stays within the ratio. `--write` stores it with the table in
-`<cache dir>/speculative.json`, which shards read at start (`speculative_threshold`,
-InfoResponse.speculative_max_step_tokens) and the router's load switch applies.
+step of each counts. Speculating B requests with k proposals each pays when the tokens it
+is expected to yield, B * E(k) with E(k) = (1 - a^(k+1)) / (1 - a) at a reference
+acceptance rate a (`--acceptance`, 0.7), outrun its cost: gain = E(k) * t(B, 0) / t(B, k).
+The threshold is the largest step, B * (1 + k) tokens, whose gain is at least `--min-gain`
+(1.1); past it the step is compute-bound and proposals cost more than they bring.
+`--write` stores it with the table in `<cache dir>/speculative.json`, which shards read at
+start (`speculative_threshold`, InfoResponse.speculative_max_step_tokens) and the router's
+load switch applies.
 
     PYTHONPATH=server python kernels/spec_threshold_bench.py [--model-id DIR] [--write]
 """
@@ -135,16 +139,23 @@ def time_steps(
     return best
 
 
-def threshold(times: dict[tuple[int, int], float], max_ratio: float) -> int:
-    """The largest token count up to which every measured step takes at most `max_ratio`
-    times the one-token step (B = 1, k = 0); at least 1."""
-    base = times[(1, 0)]
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens one verification of k proposals yields when each is accepted with
+    probability `acceptance` (given the ones before it were): 1 + a + ... + a^k."""
+    return sum(acceptance**j for j in range(k + 1))
+
+
+def threshold(
+    times: dict[tuple[int, int], float], acceptance: float = 0.7, min_gain: float = 1.1
+) -> int:
+    """The most tokens, B * (1 + k), of a measured step whose proposals still pay: its
+    expected speed-up E(k) * t(B, 0) / t(B, k) over the B plain decodes is at least
+    `min_gain`; at least 1 (no speculation) when none does."""
     found = 1
-    for tokens in sorted({b * (1 + k) for b, k in times}):
-        at_most = [ms for (b, k), ms in times.items() if b * (1 + k) <= tokens]
-        if max(at_most) > max_ratio * base:
-            break
-        found = tokens
+    for (b, k), ms in times.items():
+        plain = times.get((b, 0))
+        if k > 0 and plain is not None and expected_tokens(acceptance, k) * plain / ms >= min_gain:
+            found = max(found, b * (1 + k))
     return found
 
 
@@ -185,7 +196,8 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=128, help="prompt tokens per request")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=4, help="timed steps per pair and round")
-    p.add_argument("--max-ratio", type=float, default=1.25)
+    p.add_argument("--acceptance", type=float, default=0.7, help="reference acceptance rate")
+    p.add_argument("--min-gain", type=float, default=1.1, help="least expected speed-up")
     p.add_argument("--write", action="store_true", help="store the threshold in the cache")
     return p.parse_args(argv)
 
@@ -214,11 +226,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     times = time_steps(requests, pairs, a.rounds, a.steps)
     print_table(times)
-    found = threshold(times, a.max_ratio)
-    print(f"most tokens per step within {a.max_ratio}x a one-token step: {found}")
+    found = threshold(times, a.acceptance, a.min_gain)
+    print(
+        f"largest step whose proposals gain >= {a.min_gain}x at acceptance {a.acceptance}: "
+        f"{found} tokens"
+    )
     result = {
         "max_step_tokens": found,
-        "max_ratio": a.max_ratio,
+        "acceptance": a.acceptance,
+        "min_gain": a.min_gain,
         "step_ms": {str(t): round(ms, 3) for t, ms in step_ms_by_tokens(times).items()},
         "device": engine.device.type,
         "isa": isa_name,

@@ -28,14 +28,18 @@ def bench() -> ModuleType:
     return module
 
 
-def test_threshold_is_where_the_first_step_size_exceeds_the_ratio(bench: ModuleType) -> None:
-    times = {(1, 0): 10.0, (1, 1): 11.0, (2, 0): 11.5, (2, 1): 13.0, (1, 4): 12.0}
-    # 4 tokens (B=2, k=1) costs 1.3x: 2 is the last size every step of which is within
-    # 1.25x, though 5 tokens (B=1, k=4) happened to be measured faster.
-    assert bench.threshold(times, 1.25) == 2
-    assert bench.threshold(times, 1.3) == 5
-    assert bench.threshold({(1, 0): 10.0, (1, 1): 20.0}, 1.25) == 1
-    assert bench.step_ms_by_tokens(times) == {1: 10.0, 2: 11.5, 4: 13.0, 5: 12.0}
+def test_threshold_is_the_largest_step_whose_proposals_still_pay(bench: ModuleType) -> None:
+    assert bench.expected_tokens(0.5, 0) == 1.0
+    assert bench.expected_tokens(0.5, 3) == pytest.approx(1.875)
+    # Weight-bound at one and two requests, compute-bound at eight.
+    times = {(1, 0): 10.0, (1, 4): 12.0, (2, 0): 11.0, (2, 3): 16.0, (8, 0): 20.0, (8, 1): 40.0}
+    # gains at a = 0.7: (1, 4) 2.77 * 10 / 12 = 2.3; (2, 3) 2.53 * 11 / 16 = 1.74;
+    # (8, 1) 1.7 * 20 / 40 = 0.85: the largest step that pays holds 2 * 4 tokens
+    assert bench.threshold(times) == 8
+    assert bench.threshold(times, acceptance=0.9, min_gain=1.6) == 8
+    assert bench.threshold(times, acceptance=0.3, min_gain=1.1) == 5
+    assert bench.threshold({(1, 0): 10.0, (1, 1): 20.0}) == 1
+    assert bench.step_ms_by_tokens(times) == {1: 10.0, 2: 11.0, 5: 12.0, 8: 20.0, 16: 40.0}
     assert bench.configurations((1, 4), (0, 1, 8), 9) == [(1, 0), (1, 1), (4, 0), (4, 1), (1, 8)]
 
 
@@ -72,13 +76,13 @@ def test_write_stores_the_threshold_the_shard_reads(
     path = tmp_path / "speculative.json"
     stored = json.loads(path.read_text())
     assert stored == json.loads(json.dumps(result))
-    assert set(stored) >= {"max_step_tokens", "max_ratio", "step_ms", "device", "isa", "dtype"}
-    assert stored["max_ratio"] == 1.25 and stored["device"] == "cpu"
+    assert set(stored) >= {"max_step_tokens", "acceptance", "step_ms", "device", "isa", "dtype"}
+    assert stored["acceptance"] == 0.7 and stored["device"] == "cpu"
     assert stored["dtype"] == "float32" and stored["model"] == model.name
     # B in {1, 2} times 1 + k in {1, 2, 4}
     assert sorted(map(int, stored["step_ms"])) == [1, 2, 4, 8]
     rows = {(c["batch"], c["k"]): c["ms"] for c in stored["configurations"]}
-    assert stored["max_step_tokens"] == bench.threshold(rows, 1.25)
+    assert stored["max_step_tokens"] == bench.threshold(rows)
     assert speculative_threshold(torch.device("cpu")) == (
         stored["max_step_tokens"],
         f"measured {path}",
