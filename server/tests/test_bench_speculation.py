@@ -76,14 +76,22 @@ def test_proposal_cost_is_fitted_from_unaccepted_runs() -> None:
 
 
 def test_every_speculative_launch_keeps_the_load_switch_out_of_the_way() -> None:
-    runs = plan_runs((0.0, 0.5), "/models/m")
+    runs = plan_runs((0.0, 0.5), "/models/m", "/models/m-float32")
     assert runs[0].label == "off" and runs[0].flags == []
     assert [(r.k, r.set_acceptance) for r in runs if r.label == "synthetic"] == [
         (k, a) for k in KS for a in (0.0, 0.5)
     ]
     for r in runs[1:]:
+        if r.label == "off float":
+            assert "--speculative" not in r.flags
+            continue
         at = r.flags.index("--speculative-max-step-tokens")
         assert int(r.flags[at + 1]) == MAX_STEP_TOKENS >= 1 + max(KS)
-    drafts = [r for r in runs if r.label.startswith("draft")]
-    assert all(r.flags[r.flags.index("--draft-model-id") + 1] == "/models/m" for r in drafts)
-    assert drafts[1].flags[-2:] == ["--draft-quantize", "int4"]
+    draft, twin = [r for r in runs if r.label.startswith("draft")]
+    assert draft.flags[draft.flags.index("--draft-model-id") + 1] == "/models/m"
+    # the int4 twin drafts for the float copy, and is compared with it served alone
+    assert twin.flags[twin.flags.index("--draft-model-id") + 1] == "/models/m-float32"
+    assert twin.flags[twin.flags.index("--model-id") + 1] == "/models/m-float32"
+    assert twin.flags[-2:] == ["--draft-quantize", "int4"] and twin.baseline == "off float"
+    off_float = next(r for r in runs if r.label == "off float")
+    assert off_float.flags == ["--model-id", "/models/m-float32", "--dtype", "bfloat16"]

@@ -50,13 +50,16 @@ PASSES = 2
 
 @dataclass(slots=True)
 class Run:
-    label: str  # "off", "synthetic", "n-gram", "draft", "draft int4"
+    label: str  # "off", "off float", "synthetic", "n-gram", "draft", "draft int4"
     flags: list[str]
     k: int = 0  # most proposals per step (0: off)
     set_acceptance: float | None = None  # synthetic's A
     result: dict[str, Any] = field(default_factory=dict)
     counts: SpecCounts = field(default_factory=SpecCounts)
     error: str = ""
+    # the run without speculation it is compared to (the int4 twin's target is the float
+    # model: the embedded one is int4 already)
+    baseline: str = "off"
 
     @property
     def tok_s(self) -> float:
@@ -96,6 +99,18 @@ def _served_folder(server_args: list[str]) -> str:
     return resolve_model(model_id)
 
 
+def _float_copy(folder: str) -> str:
+    """The served model as float32 safetensors: itself, or for a GGUF folder its
+    dequantized copy (made once, beside it, as `cadence convert` makes it)."""
+    from cadence.convert import convert_gguf
+    from cadence.quant.checkpoints import GGUF_WEIGHTS
+
+    gguf = Path(folder) / GGUF_WEIGHTS
+    if not gguf.exists():
+        return folder
+    return str(convert_gguf(gguf, Path(folder).with_name(f"{Path(folder).name}-float32")))
+
+
 def _failure(message: str) -> str:
     """The last error line of the launch's log (`LaunchedServer` names it after "see ")."""
     log = Path(message.rpartition("see ")[2])
@@ -104,8 +119,15 @@ def _failure(message: str) -> str:
     return errors[-1].split("Error: ", 1)[1] if errors else message
 
 
-def plan_runs(acceptances: tuple[float, ...], folder: str) -> list[Run]:
-    """Every launch of E6, the baseline first."""
+def speedup(run: Run, runs: list[Run]) -> float:
+    """`run`'s output tok/s over its baseline's (0 when that did not run)."""
+    base = next(r for r in runs if r.label == run.baseline).tok_s
+    return run.tok_s / base if base else 0.0
+
+
+def plan_runs(acceptances: tuple[float, ...], folder: str, float_folder: str) -> list[Run]:
+    """Every launch of E6, the baseline first. The int4 twin drafts for the model's float
+    copy served in bfloat16 (`float_folder`), against that target without speculation."""
     spec = ["--speculative-max-step-tokens", str(MAX_STEP_TOKENS)]
     runs = [Run("off", [])]
     for k in KS:
@@ -117,7 +139,11 @@ def plan_runs(acceptances: tuple[float, ...], folder: str) -> list[Run]:
     draft = ["--speculative", "draft", "--draft-model-id", folder, *real]
     runs.append(Run("n-gram", ["--speculative", "ngram", *real], REAL_K))
     runs.append(Run("draft", draft, REAL_K))
-    runs.append(Run("draft int4", [*draft, "--draft-quantize", "int4"], REAL_K))
+    target = ["--model-id", float_folder, "--dtype", "bfloat16"]
+    runs.append(Run("off float", target, baseline="off float"))
+    twin = [*target, "--speculative", "draft", "--draft-model-id", float_folder, *real]
+    twin += ["--draft-quantize", "int4"]
+    runs.append(Run("draft int4", twin, REAL_K, baseline="off float"))
     return runs
 
 
@@ -130,7 +156,8 @@ def e6(scale: Scale, out: Path, server_args: list[str], scale_name: str) -> None
     maker = GroundedPromptMaker(tok, load_chat_renderer(None), np.random.default_rng(6))
     requests = [BenchRequest(maker.make(input_len)[0], input_len, output_len) for _ in range(num)]
     folder = _served_folder(server_args)
-    runs = plan_runs(acceptances, folder)
+    float_folder = _float_copy(folder)
+    runs = plan_runs(acceptances, folder, float_folder)
     load_before = os.getloadavg()[0]  # the machine may be shared: the doc says how busy
     for run in runs:
         try:
@@ -140,7 +167,7 @@ def e6(scale: Scale, out: Path, server_args: list[str], scale_name: str) -> None
                 lambda url, run=run: _one_at_a_time(url, requests, run),
             )
         except (RuntimeError, TimeoutError) as err:
-            if run.label in ("off", "synthetic"):
+            if run.label in ("off", "off float", "synthetic"):
                 raise
             run.error = _failure(str(err))  # a real proposer that cannot run here
     off = runs[0].tok_s
@@ -178,8 +205,11 @@ def _describe(
         "before it were accepted: the real cost of verification at a set acceptance), then "
         f"with the real proposers at `--num-speculative-tokens {REAL_K}` (the router adapts "
         "each request's k to its acceptance): `--speculative ngram`, `--speculative draft "
-        f"--draft-model-id {folder}` (the served model as its own draft) and the same with "
-        f"`--draft-quantize int4`. Every speculative launch has "
+        f"--draft-model-id {folder}` (the served model as its own draft), and its int4 twin: "
+        "the served model's float copy in bfloat16 drafted for by the same weights "
+        "quantized at load (`--draft-quantize int4`), against that float target without "
+        "speculation (`off float`; the embedded model is int4 already). Every speculative "
+        "launch has "
         f"`--speculative-max-step-tokens {MAX_STEP_TOKENS}`, so the load switch never drops "
         "a proposal at concurrency 1.\n\n"
         "Measured acceptance `a`: the per-proposal acceptance whose expected tokens per "
@@ -203,7 +233,10 @@ def _table(runs: list[Run], off: float, cost: float) -> str:
         "TPOT speed-up | theory c=0 | theory fitted c | steps off |"
     )
     lines = [head, "|" + "---|" * 15]
-    off_tpot = runs[0].result.get("mean_tpot_ms", 0.0)
+
+    def tpot_of(label: str) -> float:
+        return next(r for r in runs if r.label == label).result.get("mean_tpot_ms", 0.0)
+
     for r in runs:
         if r.error:
             lines.append(f"| {r.label} | {r.k} | - | did not start: {r.error} |" + " - |" * 11)
@@ -227,8 +260,10 @@ def _table(runs: list[Run], off: float, cost: float) -> str:
             f"{c.accepted_share:.3f}" if c.drafts else "-",
             f"{a:.3f}" if c.drafts else "-",
             f"{c.tokens_per_verification:.2f}" if c.drafts else "-",
-            f"{r.tok_s / off:.2f}" if off else "-",
-            f"{off_tpot / r.result['mean_tpot_ms']:.2f}" if r.result.get("mean_tpot_ms") else "-",
+            f"{speedup(r, runs):.2f}",
+            f"{tpot_of(r.baseline) / r.result['mean_tpot_ms']:.2f}"
+            if r.result.get("mean_tpot_ms")
+            else "-",
             *theory,
             f"{c.steps_off:.0f}",
         ]
@@ -260,7 +295,7 @@ def _plot(runs: list[Run], off: float, cost: float, path: Path) -> None:
         if r.label in REAL_MARKERS and not r.error and r.counts.drafts:
             axes[0].plot(
                 [r.acceptance],
-                [r.tok_s / off],
+                [speedup(r, runs)],
                 REAL_MARKERS[r.label],
                 color="black",
                 markersize=9,
@@ -307,6 +342,8 @@ def _summary(runs: list[Run], off: float, cost: float) -> str:
             f"\n- {r.label}: measured a = {r.acceptance:.3f} (accepted ÷ proposed "
             f"{r.counts.accepted_share:.3f}, mean k {r.counts.mean_k:.2f}, "
             f"{r.counts.tokens_per_verification:.2f} tokens per verification), "
-            f"{r.tok_s / off:.2f}× the run without speculation.\n"
+            f"{speedup(r, runs):.2f}× the run without speculation"
+            + (" of the float target" if r.baseline != "off" else "")
+            + ".\n"
         )
     return text

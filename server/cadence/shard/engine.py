@@ -389,6 +389,7 @@ class Engine:
         v = verify(
             logits, self._on_device(expand(sb, k)), k, state.proposals_of(batch), synthetic,
             self.cfg.speculative_acceptance, rejection, q, self.ops.greedy,
+            synthetic_keys=torch.tensor(ids, dtype=torch.long),
         )  # fmt: skip
         state.commit_verified(batch, v.tokens, v.accepted)
         if self.draft is not None and plan.drafts:

@@ -175,12 +175,15 @@ def verify(
     rejection: torch.Tensor,
     draft_logprobs: torch.Tensor | None = None,
     greedy_kernel: GreedyFn | None = None,
+    synthetic_keys: torch.Tensor | None = None,
 ) -> Verified:
     """Verifies a step's sampling rows. logits: [sum(1 + k), V] at every verified position
     and `b` its expanded batch (`expand`), rows in order; num_proposed: [R] k per row;
     proposals: [sum k]. Rows are sampled and matched but the `synthetic` [R] bool rows
     (rule synthetic at `synthetic_rate`) and the `rejection` [R] bool rows (rejection
-    sampling against `draft_logprobs`, [sum k of those rows, V])."""
+    sampling against `draft_logprobs`, [sum k of those rows, V]). `synthetic_keys` [R]
+    (the requests' ids) are mixed into the synthetic draws' seeds, so that requests sharing
+    a seed (every greedy one) do not accept alike."""
     k = num_proposed
     counts = k + 1
     starts = group_starts(counts)
@@ -191,7 +194,12 @@ def verify(
     accepted = leading_true(sampled[at] == proposals, k)
     seeds, positions = b.seeds.cpu(), b.positions.cpu()
     if bool(synthetic.any()):
-        by_rate = synthetic_accepted(seeds[at], positions[at], k, synthetic_rate)
+        keyed = (
+            seeds
+            if synthetic_keys is None
+            else seeds ^ torch.repeat_interleave(synthetic_keys, counts)
+        )
+        by_rate = synthetic_accepted(keyed[at], positions[at], k, synthetic_rate)
         accepted = torch.where(synthetic, by_rate, accepted)
     last = sampled[starts + accepted]
     logprobs = out.logprobs
