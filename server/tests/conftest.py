@@ -158,6 +158,6 @@ def make_engine(
     return engine
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def engine_for() -> Callable[..., Engine]:
     return make_engine

@@ -108,11 +108,10 @@ def generate(
 
 
 @pytest.fixture(scope="module")
-def engines(model_dirs) -> Callable[[str], Engine]:
+def engines(model_dirs, engine_for) -> Callable[[str], Engine]:
     """Fresh engines on the tiny llama: "flat" (the C++ kernels, greedy included) or
     "torch" (torch alone, the sampler's own argmax)."""
-    from conftest import make_engine
-
+    make_engine = engine_for
     path = model_dirs("llama_gqa")
 
     def make(runner: str, **config) -> Engine:
