@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 import torch
 from loguru import logger
 
-from cadence.attention_backends.base import SHORT_CHUNK
 from cadence.pb import shard_pb2
 from cadence.sampling import (
     DO_SAMPLE,
@@ -47,6 +46,7 @@ from cadence.sampling import (
     SamplingBatch,
     param_row,
 )
+from cadence.shard.flat_rows import decode_first, flat_rows
 
 
 class StepError(ValueError):
@@ -506,55 +506,39 @@ class BatchState:
 
     def prepare(self, rows: list[tuple[int, int]]) -> ForwardBatch:
         """Flat inputs for the scheduled (request id, num_compute) rows, decode first."""
-        # stable: single-token rows first, then short chunks, then the longer ones
-        rows = sorted(rows, key=lambda r: (r[1] != 1, r[1] > SHORT_CHUNK))
+        rows = [rows[i] for i in decode_first([n for _, n in rows])]
         ids = [i for i, _ in rows]
         counts = [n for _, n in rows]
-        num_decode = sum(1 for n in counts if n == 1)
-        short = [n for n in counts if 1 < n <= SHORT_CHUNK]
         slots = torch.tensor([self.slot_of[i] for i in ids])
-        n = torch.tensor(counts)
-        total = sum(counts)
-        bs = self.block_size
-        query_start = torch.zeros(len(rows) + 1, dtype=torch.long)
-        torch.cumsum(n, 0, out=query_start[1:])
-        row = torch.repeat_interleave(torch.arange(len(rows)), n, output_size=total)
-        start = self.computed[slots]
-        positions = start[row] + torch.arange(total) - query_start[row]
-        token_slot = slots[row]
+        flat = flat_rows(self.block_tables[slots], self.computed[slots], counts, self.block_size)
+        query_start, positions, context_lens = flat.query_start, flat.positions, flat.context_lens
+        token_slot = slots[flat.row]
         input_ids = self.tokens[token_slot, positions]
-        blocks = self.block_tables[token_slot, positions // bs]
-        slot_mapping = blocks * bs + positions % bs
-        context_lens = start + n
-        lens = context_lens.tolist()
-        decode_blocks = -(-max(lens[:num_decode], default=0) // bs)
-        prefill_blocks = -(-max(lens[num_decode:], default=0) // bs)
-        max_blocks = max(decode_blocks, prefill_blocks)
         sample_rows = (context_lens == self.seq_lens[slots]).nonzero().squeeze(1)
         sample_tokens = query_start[1:][sample_rows] - 1
         num_proposed = verify_tokens = None
         if self.proposed:
             sample_slots = slots[sample_rows].tolist()
             num_proposed = torch.tensor([self.proposed.get(s, 0) for s in sample_slots])
-            counts = num_proposed + 1
-            starts = torch.repeat_interleave(sample_tokens - num_proposed, counts)
-            verify_tokens = starts + offsets_within(counts)
+            verified = num_proposed + 1  # positions whose logits each row needs
+            starts = torch.repeat_interleave(sample_tokens - num_proposed, verified)
+            verify_tokens = starts + offsets_within(verified)
         return ForwardBatch(
             ids=ids,
             slots=slots,
             input_ids=input_ids,
             positions=positions,
-            slot_mapping=slot_mapping,
+            slot_mapping=flat.slot_mapping,
             query_start=query_start,
             context_lens=context_lens,
-            block_tables=self.block_tables[slots, :max_blocks],
-            num_decode=num_decode,
-            num_short=len(short),
-            short_tokens=sum(short),
-            max_query_len=max(counts[num_decode:], default=1),
-            decode_blocks=decode_blocks,
-            prefill_blocks=prefill_blocks,
-            prefill_from_start=lens[num_decode:] == counts[num_decode:],
+            block_tables=flat.block_tables,
+            num_decode=flat.num_decode,
+            num_short=flat.num_short,
+            short_tokens=flat.short_tokens,
+            max_query_len=flat.max_query_len,
+            decode_blocks=flat.decode_blocks,
+            prefill_blocks=flat.prefill_blocks,
+            prefill_from_start=flat.prefill_from_start,
             sample_rows=sample_rows,
             sample_tokens=sample_tokens,
             num_prompt_tokens=int((positions < self.prompt_lens[token_slot]).sum()),

@@ -1,0 +1,88 @@
+"""Rows of consecutive tokens laid end to end for one forward: where each token sits in
+its request's blocks, and the shape facts the attention backends dispatch on. The rows
+come decode first (single-token rows, then short chunks, then longer ones), as the
+backends expect. The target's steps (`BatchState.prepare`) and the draft model's forwards
+(`cadence.speculative.draft_batch`) both lay out their rows here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cadence.attention_backends import StepLayout
+from cadence.attention_backends.base import SHORT_CHUNK
+
+
+def decode_first(counts: list[int]) -> list[int]:
+    """The order (indices into `counts`) that puts single-token rows first, then short
+    chunks, then the longer ones; stable within each kind."""
+    return sorted(range(len(counts)), key=lambda i: (counts[i] != 1, counts[i] > SHORT_CHUNK))
+
+
+@dataclass(slots=True)
+class FlatRows:
+    row: torch.Tensor  # [T] each token's row
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T] where each token's key and value are written
+    query_start: torch.Tensor  # [B+1]
+    context_lens: torch.Tensor  # [B]
+    block_tables: torch.Tensor  # [B, blocks spanned by the longest context]
+    num_decode: int
+    num_short: int  # rows after the decodes with 2..SHORT_CHUNK tokens
+    short_tokens: int
+    max_query_len: int
+    decode_blocks: int  # blocks spanned by the longest decode context
+    prefill_blocks: int  # blocks spanned by the longest prefill context
+    prefill_from_start: bool  # every longer row starts at position 0 (no cached prefix)
+
+    def layout(self, block_size: int, device: torch.device) -> StepLayout:
+        return StepLayout(
+            slot_mapping=self.slot_mapping.to(device, non_blocking=True),
+            query_start=self.query_start.to(device, non_blocking=True),
+            context_lens=self.context_lens.to(device, non_blocking=True),
+            block_tables=self.block_tables.to(device, non_blocking=True),
+            block_size=block_size,
+            num_decode=self.num_decode,
+            num_short=self.num_short,
+            short_tokens=self.short_tokens,
+            max_query_len=self.max_query_len,
+            decode_blocks=self.decode_blocks,
+            prefill_blocks=self.prefill_blocks,
+            prefill_from_start=self.prefill_from_start,
+        )
+
+
+def flat_rows(
+    tables: torch.Tensor, starts: torch.Tensor, counts: list[int], block_size: int
+) -> FlatRows:
+    """Row i holds `counts[i]` tokens from position `starts[i]`, written through block
+    table `tables[i]`; the rows already in `decode_first` order."""
+    n = torch.tensor(counts)
+    total = sum(counts)
+    query_start = torch.zeros(len(counts) + 1, dtype=torch.long)
+    torch.cumsum(n, 0, out=query_start[1:])
+    row = torch.repeat_interleave(torch.arange(len(counts)), n, output_size=total)
+    positions = starts[row] + torch.arange(total) - query_start[row]
+    blocks = tables[row, positions // block_size]
+    context_lens = starts + n
+    lens = context_lens.tolist()
+    num_decode = sum(1 for c in counts if c == 1)
+    short = [c for c in counts if 1 < c <= SHORT_CHUNK]
+    decode_blocks = -(-max(lens[:num_decode], default=0) // block_size)
+    prefill_blocks = -(-max(lens[num_decode:], default=0) // block_size)
+    return FlatRows(
+        row=row,
+        positions=positions,
+        slot_mapping=blocks * block_size + positions % block_size,
+        query_start=query_start,
+        context_lens=context_lens,
+        block_tables=tables[:, : max(decode_blocks, prefill_blocks)],
+        num_decode=num_decode,
+        num_short=len(short),
+        short_tokens=sum(short),
+        max_query_len=max(counts[num_decode:], default=1),
+        decode_blocks=decode_blocks,
+        prefill_blocks=prefill_blocks,
+        prefill_from_start=lens[num_decode:] == counts[num_decode:],
+    )
