@@ -239,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "device": engine.device.type,
         "isa": isa_name,
         "dtype": engine.cfg.dtype,
-        "model": engine.cfg.model_id or Path(engine.cfg.model_dir).name,
+        "model": Path(engine.cfg.model_dir).name,  # the folder's name, as the shard compares
         "cpu": isa.cpu_model(),
         "context": a.context,
         "configurations": [

@@ -15,8 +15,16 @@ def test_a_measured_threshold_wins_over_the_default(tmp_path, monkeypatch):
     assert speculative_threshold(cpu) == (DEFAULTS["cpu"], "default (cpu)")
     assert speculative_threshold(cuda) == (DEFAULTS["cuda"], "default (cuda)")
     path = tmp_path / "speculative.json"
-    path.write_text(json.dumps({"max_step_tokens": 40, "device": "a CPU"}))
+    measured = {"max_step_tokens": 40, "device": "cpu", "isa": "avx2", "dtype": "float32"}
+    path.write_text(json.dumps({**measured, "model": "m"}))
     assert speculative_threshold(cpu) == (40, f"measured {path}")
+    assert speculative_threshold(cpu, isa="avx2", dtype="float32", model="m")[0] == 40
+    # measured for another instruction set or dtype: the default applies, and says why
+    threshold, source = speculative_threshold(cpu, isa="avx512_bf16", dtype="float32", model="m")
+    assert threshold == DEFAULTS["cpu"] and "isa avx2" in source, source
+    threshold, source = speculative_threshold(cpu, isa="avx2", dtype="bfloat16", model="m")
+    assert threshold == DEFAULTS["cpu"] and "dtype float32" in source, source
+    assert speculative_threshold(cuda, isa="cuda")[0] == DEFAULTS["cuda"]
 
 
 def test_info_reports_the_threshold_and_no_draft_model(

@@ -171,7 +171,12 @@ class Engine:
 
     def info(self) -> shard_pb2.InfoResponse:
         c, m = self.config, self.model.config
-        max_step_tokens, source = speculative_threshold(self.device)
+        max_step_tokens, source = speculative_threshold(
+            self.device,
+            isa=self.cfg.cpu_isa if self.device.type == "cpu" else self.device.type,
+            dtype=self.cfg.dtype,
+            model=Path(self.cfg.model_dir).name,
+        )
         return shard_pb2.InfoResponse(
             model_id=self.cfg.model_id or self.cfg.model_dir,
             model_type=c.get("model_type", ""),

@@ -26,12 +26,29 @@ def table_path() -> Path:
     return cache_dir() / FILE_NAME
 
 
-def speculative_threshold(device: torch.device, path: Path | None = None) -> tuple[int, str]:
+def speculative_threshold(
+    device: torch.device,
+    path: Path | None = None,
+    *,
+    isa: str = "",
+    dtype: str = "",
+    model: str = "",
+) -> tuple[int, str]:
     """(most tokens per step, where that number came from: "measured <file>" or
-    "default (<device type>)")."""
+    "default (<device type>)"). A measurement applies only to what it measured: when the
+    file names another device, instruction set, dtype or model (folder name) than the
+    ones given, the default applies and the source says why."""
     path = table_path() if path is None else path
-    if path.exists():
-        measured = json.loads(path.read_text()).get("max_step_tokens")
-        if isinstance(measured, int) and measured > 0:
-            return measured, f"measured {path}"
-    return DEFAULTS.get(device.type, DEFAULTS["cpu"]), f"default ({device.type})"
+    default = DEFAULTS.get(device.type, DEFAULTS["cpu"])
+    if not path.exists():
+        return default, f"default ({device.type})"
+    table = json.loads(path.read_text())
+    measured = table.get("max_step_tokens")
+    if not (isinstance(measured, int) and measured > 0):
+        return default, f"default ({device.type})"
+    ours = {"device": device.type, "isa": isa, "dtype": dtype, "model": model}
+    other = {k: table[k] for k, v in ours.items() if v and k in table and table[k] != v}
+    if other:
+        theirs = ", ".join(f"{k} {v}" for k, v in other.items())
+        return default, f"default ({device.type}; {path} measured {theirs})"
+    return measured, f"measured {path}"
