@@ -676,10 +676,13 @@ impl Scheduler {
 
     /// Adds each planned decode's proposal (oldest first) while the step stays within
     /// `speculative_max_step_tokens` and the budget, the request's token limit and the free
-    /// blocks allow (no copy, no preemption for a proposal). Every request's proposal is
-    /// consumed: the loop sets a fresh one before each schedule.
+    /// blocks allow (no copy, no preemption for a proposal). With speculation on, every
+    /// request's proposal is consumed: the loop sets a fresh one before each schedule.
     fn add_proposals(&mut self, draft: &mut Draft) {
         let limit = self.config.speculative_max_step_tokens;
+        if limit == 0 {
+            return; // speculation is off: nobody proposes
+        }
         let mut total: usize = draft.plan.iter().map(|p| p.n).sum();
         for p in 0..draft.plan.len() {
             let id = draft.plan[p].id;
@@ -688,12 +691,7 @@ impl Scheduler {
                 .expect("planned requests are running");
             let seq = &mut self.running[i];
             let proposal = std::mem::take(&mut seq.proposal);
-            let eligible = draft.plan[p].n == 1
-                && seq.on_shard
-                && seq.pending == 0
-                && seq.forced_unsent == 0
-                && seq.remaining() == 1;
-            if limit == 0 || !eligible || proposal.len() == 0 {
+            if draft.plan[p].n != 1 || !seq.decodes_next() || proposal.len() == 0 {
                 continue;
             }
             let room = seq
@@ -702,7 +700,7 @@ impl Scheduler {
                 .min(draft.budget);
             let wanted = proposal.len().min(room);
             let k = wanted.min(limit.saturating_sub(total));
-            if k < wanted && k == 0 {
+            if wanted > 0 && k == 0 {
                 draft.out.speculation_off += 1;
             }
             let from = seq.num_computed;

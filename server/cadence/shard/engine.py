@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 from loguru import logger
 
-from cadence.attention_backends import StepLayout
 from cadence.attention_backends.base import Workspace
 from cadence.config import ShardConfig
 from cadence.heartbeat import HEARTBEAT, wedge_if_asked
@@ -37,6 +36,7 @@ from cadence.pb import shard_pb2
 from cadence.quant.setup import QuantizeConfig
 from cadence.sampling import DO_SAMPLE, TOP_N, SampleOutput, SamplingBatch, sample
 from cadence.shard import backends
+from cadence.shard.flat_rows import step_layout
 from cadence.shard.kernel_report import kernel_paths, log_line
 from cadence.shard.kv_budget import CudaBudget, cpu_kv_budget, default_fraction
 from cadence.shard.memory import PeakMeter, available_bytes, cuda_reading
@@ -434,20 +434,7 @@ class Engine:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """One forward over the flat batch -> hidden states [T, hidden]."""
         d = self.device
-        layout = StepLayout(
-            slot_mapping=batch.slot_mapping.to(d, non_blocking=True),
-            query_start=batch.query_start.to(d, non_blocking=True),
-            context_lens=batch.context_lens.to(d, non_blocking=True),
-            block_tables=batch.block_tables.to(d, non_blocking=True),
-            block_size=self.block_size,
-            num_decode=batch.num_decode,
-            num_short=batch.num_short,
-            short_tokens=batch.short_tokens,
-            max_query_len=batch.max_query_len,
-            decode_blocks=batch.decode_blocks,
-            prefill_blocks=batch.prefill_blocks,
-            prefill_from_start=batch.prefill_from_start,
-        )
+        layout = step_layout(batch, self.block_size, d)
         return self.runner.forward(layout, batch.input_ids.to(d), batch.positions.to(d))
 
     def _on_device(self, b: SamplingBatch) -> SamplingBatch:

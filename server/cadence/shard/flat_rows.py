@@ -7,6 +7,7 @@ backends expect. The target's steps (`BatchState.prepare`) and the draft model's
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -37,20 +38,41 @@ class FlatRows:
     prefill_from_start: bool  # every longer row starts at position 0 (no cached prefix)
 
     def layout(self, block_size: int, device: torch.device) -> StepLayout:
-        return StepLayout(
-            slot_mapping=self.slot_mapping.to(device, non_blocking=True),
-            query_start=self.query_start.to(device, non_blocking=True),
-            context_lens=self.context_lens.to(device, non_blocking=True),
-            block_tables=self.block_tables.to(device, non_blocking=True),
-            block_size=block_size,
-            num_decode=self.num_decode,
-            num_short=self.num_short,
-            short_tokens=self.short_tokens,
-            max_query_len=self.max_query_len,
-            decode_blocks=self.decode_blocks,
-            prefill_blocks=self.prefill_blocks,
-            prefill_from_start=self.prefill_from_start,
-        )
+        return step_layout(self, block_size, device)
+
+
+class LaidOut(Protocol):
+    """What a StepLayout is made from: FlatRows, or the ForwardBatch built from them."""
+
+    slot_mapping: torch.Tensor
+    query_start: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: torch.Tensor
+    num_decode: int
+    num_short: int
+    short_tokens: int
+    max_query_len: int
+    decode_blocks: int
+    prefill_blocks: int
+    prefill_from_start: bool
+
+
+def step_layout(rows: LaidOut, block_size: int, device: torch.device) -> StepLayout:
+    """The attention backends' view of the rows, its tensors on `device`."""
+    return StepLayout(
+        slot_mapping=rows.slot_mapping.to(device, non_blocking=True),
+        query_start=rows.query_start.to(device, non_blocking=True),
+        context_lens=rows.context_lens.to(device, non_blocking=True),
+        block_tables=rows.block_tables.to(device, non_blocking=True),
+        block_size=block_size,
+        num_decode=rows.num_decode,
+        num_short=rows.num_short,
+        short_tokens=rows.short_tokens,
+        max_query_len=rows.max_query_len,
+        decode_blocks=rows.decode_blocks,
+        prefill_blocks=rows.prefill_blocks,
+        prefill_from_start=rows.prefill_from_start,
+    )
 
 
 def flat_rows(
