@@ -28,6 +28,8 @@ from conftest import LaunchedServer, launch, stop
 
 SERVICE_NAME = "cadence-observability-test"
 REQUEST_ID = "obs-test-42"
+FAIRNESS_ID = "tenant-a"  # the inference gateway's per-request headers
+OBJECTIVE = "interactive"
 CALLER_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CALLER_SPAN_ID = "00f067aa0ba902b7"
 TRACEPARENT = f"00-{CALLER_TRACE_ID}-{CALLER_SPAN_ID}-01"
@@ -135,7 +137,12 @@ def server(
 def streamed(server: LaunchedServer) -> tuple[httpx.Headers, dict[str, Any]]:
     """A streamed request with the caller's request id and trace: its response headers
     and the details of its last event."""
-    headers = {"x-request-id": REQUEST_ID, "traceparent": TRACEPARENT}
+    headers = {
+        "x-request-id": REQUEST_ID,
+        "traceparent": TRACEPARENT,
+        "x-gateway-inference-fairness-id": FAIRNESS_ID,
+        "x-gateway-inference-objective": OBJECTIVE,
+    }
     body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 6, "details": True}}
     with httpx.stream(
         "POST", f"{server.url}/generate_stream", json=body, headers=headers, timeout=120
@@ -244,6 +251,8 @@ def test_the_request_is_traced_under_the_callers_trace(
     root_attributes = attributes(root.attributes)
     assert root_attributes["cadence.request_id"] == REQUEST_ID
     assert root_attributes["http.response.status_code"] == 200
+    assert root_attributes["gateway.inference.fairness_id"] == FAIRNESS_ID
+    assert root_attributes["gateway.inference.objective"] == OBJECTIVE
     children = [span for _, span in spans if span.parent_span_id == root.span_id]
     by_name: dict[str, list[Span]] = {}
     for span in children:

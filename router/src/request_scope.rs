@@ -73,16 +73,44 @@ fn server_span(tracer: &SdkTracer, request: &Request, id: &str) -> Context {
     );
     let method = request.method().to_string();
     let parent = telemetry::caller_context(request.headers());
+    let name = format!("{method} {route}");
+    let mut attributes = vec![
+        KeyValue::new("http.request.method", method),
+        KeyValue::new("http.route", route),
+        KeyValue::new("cadence.request_id", id.to_string()),
+    ];
+    attributes.extend(gateway_attributes(request.headers()));
     let span = tracer
-        .span_builder(format!("{method} {route}"))
+        .span_builder(name)
         .with_kind(SpanKind::Server)
-        .with_attributes([
-            KeyValue::new("http.request.method", method),
-            KeyValue::new("http.route", route),
-            KeyValue::new("cadence.request_id", id.to_string()),
-        ])
+        .with_attributes(attributes)
         .start_with_context(tracer, &parent);
     parent.with_span(span)
+}
+
+/// The inference gateway's per-request headers (its fairness id and objective), kept on
+/// the server span. cadence schedules every request alike (no tenants or priorities yet),
+/// so they are recorded for the operator rather than acted on.
+fn gateway_attributes(headers: &axum::http::HeaderMap) -> Vec<KeyValue> {
+    [
+        (
+            "x-gateway-inference-fairness-id",
+            "gateway.inference.fairness_id",
+        ),
+        (
+            "x-gateway-inference-objective",
+            "gateway.inference.objective",
+        ),
+    ]
+    .into_iter()
+    .filter_map(|(header, key)| {
+        let value = headers.get(header)?.to_str().ok()?;
+        Some(KeyValue::new(
+            key,
+            value.chars().take(256).collect::<String>(),
+        ))
+    })
+    .collect()
 }
 
 /// Records the status on the server span; ends it now, or for a stream once its body
