@@ -47,3 +47,49 @@ def decode_attention_ref(
             s[:, pos <= n - 1 - window] = -math.inf
         out[b] = torch.einsum("hn,nhd->hd", s.softmax(-1), v).to(q.dtype)
     return out
+
+
+def lora_shrink_ref(
+    x: torch.Tensor,
+    rows_in: torch.Tensor,
+    a_idx: torch.Tensor,
+    ranks: torch.Tensor,
+    row_adapter: torch.Tensor,
+) -> torch.Tensor:
+    """h [T, Rmax]: for each row t of adapter a, h[t, :R] = x[t] @ Aᵀ with A the rows
+    `rows_in[a_idx[a, :R]]` (R = ranks[a]), in float32, rounded to x's dtype; zero past R
+    and on rows without an adapter. Adapter by adapter: gather, then one matmul."""
+    h = torch.zeros(x.shape[0], a_idx.shape[1], dtype=x.dtype, device=x.device)
+    for a in range(a_idx.shape[0]):
+        rows = (row_adapter == a).nonzero().flatten()
+        rank = int(ranks[a])
+        if rows.numel() == 0 or rank == 0:
+            continue
+        a_mat = rows_in[a_idx[a, :rank].long()].float()  # [R, in]
+        h[rows, :rank] = (x[rows].float() @ a_mat.t()).to(x.dtype)
+    return h
+
+
+def lora_expand_ref_(
+    y: torch.Tensor,
+    h: torch.Tensor,
+    rows_out: torch.Tensor,
+    b_idx: torch.Tensor,
+    piece_ranks: torch.Tensor,
+    rank_start: torch.Tensor,
+    out_offset: int,
+    row_adapter: torch.Tensor,
+) -> None:
+    """In place: for each row t of adapter a, y[t, out_offset : out_offset + out] +=
+    h[t, s : s + r] @ Bᵀ with Bᵀ the rows `rows_out[b_idx[a, :r]]` (r = piece_ranks[a], s
+    = rank_start[a]); the sum in float32, rounded once to y's dtype. Other rows and
+    columns are left as they are."""
+    cols = slice(out_offset, out_offset + rows_out.shape[1])
+    for a in range(b_idx.shape[0]):
+        rows = (row_adapter == a).nonzero().flatten()
+        rank, start = int(piece_ranks[a]), int(rank_start[a])
+        if rows.numel() == 0 or rank == 0:
+            continue
+        b_t = rows_out[b_idx[a, :rank].long()].float()  # [r, out]
+        delta = h[rows, start : start + rank].float() @ b_t
+        y[rows, cols] = (y[rows, cols].float() + delta).to(y.dtype)
