@@ -2,7 +2,7 @@
 a gloo group, loads each model's slice into an Engine, and records the logits of a
 scripted run (a prefill, decodes, a second request joining mid-way) to a file -- or,
 with the "constrained" script, the generations of steps under allowed-token masks and
-forced tokens.
+forced tokens; with "lora", the logits of requests of mixed LoRA adapters.
 
 Kept free of transformers imports so a spawned rank starts fast."""
 
@@ -132,10 +132,19 @@ def speculative_generations(engine: object) -> list[tuple[int, list[int], list[f
     return got
 
 
+def lora_logits(engine: object) -> dict[int, torch.Tensor]:
+    """Every computed token's logits per request of `lora_script`'s run: requests of four
+    LoRA adapters (this rank's slices) and of none mixed in prefill and decode steps."""
+    from lora_script import mixed_run
+
+    return mixed_run(engine, with_adapters=True)[0]
+
+
 SCRIPTS = {
     "logits": scripted_logits,
     "constrained": constrained_generations,
     "speculative": speculative_generations,
+    "lora": lora_logits,
 }
 
 

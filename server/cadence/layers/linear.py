@@ -19,6 +19,7 @@ from cadence.layers.packed import linear
 from cadence.layers.parallel import balanced_split, divide, tp_rank, tp_size
 
 if TYPE_CHECKING:
+    from cadence.lora.apply import LoraHook
     from cadence.quant.product import QuantizedProduct
 
 # A checkpoint tensor: a safetensors slice (indexable, read lazily) or a torch tensor.
@@ -75,6 +76,7 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
         self.packed_weight: torch.Tensor | None = None  # see cadence.layers.packed
         self.quantized: QuantizedProduct | None = None
+        self.lora: LoraHook | None = None  # set by the engine serving adapters
 
     def part(self, shard_id: Any = None) -> Part:
         """This rank's piece of the checkpoint weight (of part `shard_id` of a fused layer)."""
@@ -209,11 +211,18 @@ class RowParallelLinear(LinearBase):
 def product(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`layer`'s x @ weight.T (+ bias): through its quantized weight for the row counts
     that serves (all of them when no float weight is kept), else the float weight
-    (prepacked when it has a packed copy)."""
+    (prepacked when it has a packed copy); plus the LoRA delta of the step's adapters on
+    this layer when it has some (`cadence.lora.apply`; a row-parallel layer's partial
+    output gets its part of it, before the all-reduce)."""
     quantized = layer.quantized
     if quantized is not None and quantized.serves(x.numel() // x.shape[-1]):
-        return quantized(x, bias)
-    return linear(x, layer.weight, bias, layer.packed_weight)
+        y = quantized(x, bias)
+    else:
+        y = linear(x, layer.weight, bias, layer.packed_weight)
+    hook = getattr(layer, "lora", None)
+    if hook is not None and hook.context.step is not None:
+        hook.add_delta_(x, y)
+    return y
 
 
 __all__ = [

@@ -31,11 +31,13 @@ from cadence.kv_scales import (
 )
 from cadence.layers import kernel_ops
 from cadence.layers.packed import pack_linear_weights
+from cadence.lora.pool import PoolShape
 from cadence.models import load_model, read_config, to_dtype
 from cadence.pb import shard_pb2
 from cadence.quant.setup import QuantizeConfig
 from cadence.sampling import DO_SAMPLE, TOP_N, SampleOutput, SamplingBatch, sample
 from cadence.shard import backends
+from cadence.shard.adapters import ShardAdapters
 from cadence.shard.flat_rows import step_layout
 from cadence.shard.kernel_report import kernel_paths, log_line
 from cadence.shard.kv_budget import CudaBudget, cpu_kv_budget, default_fraction
@@ -137,6 +139,12 @@ class Engine:
         self.ops = backends.layer_ops(self.device, self.attention_backend, cpu)
         kernel_ops.bind(self.model, self.ops)
         self.runner = backends.model_runner(self.model, self.attention_backend)
+        # LoRA adapters, paged into the KV pool's blocks (the target model's layers only)
+        slab = cfg.block_size * first.num_kv_heads * first.head_dim
+        slab_bytes = slab * self.kv_format.storage.itemsize
+        self.adapters = ShardAdapters(
+            self.model, self.dtype, PoolShape(len(self.attention), 0, slab_bytes)
+        )
         self.kv: KVCache | None = None
         self.state: BatchState | None = None
         # proposes for ContinuingRequest.num_draft_tokens; its KV blocks ride on the target's
@@ -279,6 +287,7 @@ class Engine:
     def clear_cache(self) -> None:
         if self.state is not None:
             self.state.clear()
+        self.adapters.clear()
 
     def step(self, req: shard_pb2.StepRequest) -> shard_pb2.StepResponse:
         if self.state is None or self.kv is None:
@@ -329,17 +338,20 @@ class Engine:
 
     def apply(self, req: shard_pb2.StepRequest, state: BatchState, kv: KVCache) -> StepPlan:
         """Validates the diff, then applies it in the contract's order: drop `removed`,
-        swap-out, swap-in, block copies, add `joined`, extend `continuing` tables and append
-        their forced tokens and the router's proposals. The plan keeps the step's
-        allowed-token masks for sampling and the requests the draft model proposes for."""
+        swap-out, swap-in, block copies, LoRA adapters out of and into the pool, add
+        `joined`, extend `continuing` tables and append their forced tokens and the
+        router's proposals. The plan keeps the step's allowed-token masks for sampling and
+        the requests the draft model proposes for."""
         plan = state.validate(
             req, host_blocks_limit=4 * kv.num_blocks, draft_model=self.draft is not None
         )
+        self.adapters.check(req, state)
         state.remove(plan.removed)
         # Swap-out first: the router may hand the blocks it frees to this very step.
         kv.swap_out([c.src for c in req.swap_out], [c.dst for c in req.swap_out])
         kv.swap_in([c.src for c in req.swap_in], [c.dst for c in req.swap_in])
         kv.copy_blocks([c.src for c in req.copies], [c.dst for c in req.copies])
+        self.adapters.page(req.adapters_out, req.adapters_in)
         state.join(plan.joined)
         if self.draft is not None and plan.joined:  # a reused slot's draft KV is stale
             self.draft.forget([state.slot_of[r.id] for r in plan.joined])
@@ -432,10 +444,13 @@ class Engine:
         return gens
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """One forward over the flat batch -> hidden states [T, hidden]."""
+        """One forward over the flat batch -> hidden states [T, hidden], each request's
+        rows through its LoRA adapter when it has one."""
         d = self.device
         layout = step_layout(batch, self.block_size, d)
-        return self.runner.forward(layout, batch.input_ids.to(d), batch.positions.to(d))
+        assert self.state is not None
+        with self.adapters.step(batch, self.state):
+            return self.runner.forward(layout, batch.input_ids.to(d), batch.positions.to(d))
 
     def _on_device(self, b: SamplingBatch) -> SamplingBatch:
         if self.device.type == "cpu":
@@ -534,6 +549,7 @@ class Engine:
         for i, layer in enumerate(self.attention):
             layer.k_cache, layer.v_cache = self.kv.layer(i)
             layer.k_scale, layer.v_scale = self.kv.scales(i)
+        self.adapters.attach(self.kv)
         if self.draft is not None:
             self.draft.allocate(num_blocks)
         vocab = self.model.config.vocab_size
@@ -565,6 +581,7 @@ class Engine:
         if self.draft is not None:
             self.draft.release()
         self.kv, self.state = None, None
+        self.adapters.attach(None)
         for layer in self.attention:
             layer.k_cache = layer.v_cache = torch.empty(0)
             layer.k_scale = layer.v_scale = None

@@ -93,13 +93,21 @@ def flat_rows(
     short = [c for c in counts if 1 < c <= SHORT_CHUNK]
     decode_blocks = -(-max(lens[:num_decode], default=0) // block_size)
     prefill_blocks = -(-max(lens[num_decode:], default=0) // block_size)
+    # Entries past a row's blocks are read by the gathering backends (then masked): point
+    # them at its own first block, never at whatever id was left there -- such a block may
+    # hold a LoRA adapter's weights, which read as keys or values can be NaN, and a masked
+    # NaN value still poisons the attention's weighted sum.
+    width = max(decode_blocks, prefill_blocks)
+    spanned = (context_lens + block_size - 1) // block_size
+    past = torch.arange(width) >= spanned.unsqueeze(1)
+    padded_tables = torch.where(past, tables[:, :1], tables[:, :width])
     return FlatRows(
         row=row,
         positions=positions,
         slot_mapping=blocks * block_size + positions % block_size,
         query_start=query_start,
         context_lens=context_lens,
-        block_tables=tables[:, : max(decode_blocks, prefill_blocks)],
+        block_tables=padded_tables,
         num_decode=num_decode,
         num_short=len(short),
         short_tokens=sum(short),

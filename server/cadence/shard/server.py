@@ -24,6 +24,7 @@ from loguru import logger
 from cadence.config import ShardConfig
 from cadence.heartbeat import HEARTBEAT
 from cadence.pb import shard_pb2, shard_pb2_grpc
+from cadence.shard.adapters import AdapterRefused
 from cadence.shard.engine import Engine, init_distributed
 from cadence.shard.steps import StepSession
 
@@ -37,9 +38,14 @@ T = TypeVar("T")
 
 
 class ShardServicer(shard_pb2_grpc.ShardServicer):
-    def __init__(self, engine: Engine, executor: ThreadPoolExecutor) -> None:
+    def __init__(
+        self, engine: Engine, executor: ThreadPoolExecutor, loader: ThreadPoolExecutor
+    ) -> None:
+        """`executor`: the forward thread; `loader`: where LoRA adapters are parsed, beside
+        the steps."""
         self.engine = engine
         self.executor = executor
+        self.loader = loader
         self.session: StepSession | None = None
 
     async def _run(self, context: grpc.aio.ServicerContext, what: str, fn: Callable[[], T]) -> T:
@@ -87,6 +93,31 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
             ),
         )
 
+    async def LoadAdapter(
+        self, request: shard_pb2.LoadAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> shard_pb2.LoadAdapterResponse:
+        adapters = self.engine.adapters
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(
+                self.loader, adapters.load, request.name, request.path
+            )
+        except AdapterRefused as e:
+            logger.warning(f"LoadAdapter refused: {e}")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Exception as e:  # the shard must stay up
+            logger.exception(f"LoadAdapter {request.name} failed")
+            await context.abort(
+                grpc.StatusCode.INTERNAL, f"LoadAdapter failed: {type(e).__name__}: {e}"
+            )
+        raise AssertionError("unreachable")  # abort() raises
+
+    async def DropAdapter(
+        self, request: shard_pb2.DropAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> shard_pb2.DropAdapterResponse:
+        self.engine.adapters.drop(request.name)
+        return shard_pb2.DropAdapterResponse()
+
     async def Steps(
         self,
         requests: AsyncIterator[shard_pb2.StepRequest],
@@ -118,8 +149,11 @@ async def serve_async(cfg: ShardConfig, stop: asyncio.Event | None = None) -> No
     # threads than cores libgomp stops spin-waiting, which made each decode step ~40%
     # slower (kernels/engine_step_profile.py with and without a main-thread team).
     engine = await asyncio.get_running_loop().run_in_executor(executor, Engine, cfg)
+    # parses LoRA adapters (file reads, small tensor work) off the forward thread
+    loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"shard{cfg.rank}-adapters")
     server = grpc.aio.server(options=GRPC_OPTIONS)
-    shard_pb2_grpc.add_ShardServicer_to_server(ShardServicer(engine, executor), server)
+    servicer = ShardServicer(engine, executor, loader)
+    shard_pb2_grpc.add_ShardServicer_to_server(servicer, server)
     Path(cfg.uds_path).parent.mkdir(parents=True, exist_ok=True)
     _remove_socket(cfg.uds_path)  # stale, from a process that did not clean up
     server.add_insecure_port(f"unix://{cfg.uds_path}")
@@ -139,6 +173,7 @@ async def serve_async(cfg: ShardConfig, stop: asyncio.Event | None = None) -> No
         logger.info(f"shard {cfg.rank} stopping")
         await server.stop(grace=1.0)
         executor.shutdown(wait=False, cancel_futures=True)
+        loader.shutdown(wait=False, cancel_futures=True)
         _remove_socket(cfg.uds_path)
         if dist.is_initialized():
             dist.destroy_process_group()

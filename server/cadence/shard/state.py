@@ -167,6 +167,7 @@ class BatchState:
         self.logit_bias: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # slot -> ids, values
         self.prompt_logprobs: dict[int, PromptLogprobs] = {}  # slot -> accumulated so far
         self.proposed: dict[int, int] = {}  # slot -> proposals appended for the step in flight
+        self.adapter_of: dict[int, str] = {}  # slot -> its LoRA adapter, for those with one
         self.free = list(range(capacity - 1, -1, -1))
 
     def __len__(self) -> int:
@@ -182,6 +183,7 @@ class BatchState:
         self.logit_bias.clear()
         self.prompt_logprobs.clear()
         self.proposed.clear()
+        self.adapter_of.clear()
         self.slot_features.clear()
         self.features.clear()
         self.free = list(range(self.tokens.shape[0] - 1, -1, -1))
@@ -398,6 +400,7 @@ class BatchState:
                 self.free.append(slot)
                 self.logit_bias.pop(slot, None)
                 self.prompt_logprobs.pop(slot, None)
+                self.adapter_of.pop(slot, None)
                 self.features.subtract(self.slot_features.pop(slot))
 
     def join(self, joined: list[shard_pb2.NewRequest]) -> None:
@@ -437,6 +440,8 @@ class BatchState:
                 )
             if r.prompt_logprobs:
                 self.prompt_logprobs[slot] = PromptLogprobs()
+            if r.adapter_id:
+                self.adapter_of[slot] = r.adapter_id
         s = torch.tensor(slots)
         self.seq_lens[s] = torch.tensor([len(r.token_ids) for r in joined])
         self.prompt_lens[s] = torch.tensor([r.prompt_len for r in joined])

@@ -1,0 +1,101 @@
+"""Times a decode step of the shard's `Engine.step` on the embedded SmolLM2's float copy
+with and without LoRA adapters: 32 requests decoding together, first on the base model,
+then each with its own rank-8 adapter on q_proj and v_proj (32 distinct adapters, paged
+into the KV pool), then all 32 with one adapter.
+
+    PYTHONPATH=server python kernels/lora_decode_overhead.py [--batch 32] [--rank 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+from cadence.config import ShardConfig
+from cadence.layers.linear import QKVLinear
+from cadence.lora.pool import blocks_needed
+from cadence.lora.weights import AdapterWeights, ExpandPiece, LayerLora
+from cadence.pb import shard_pb2 as pb
+from cadence.shard.engine import Engine
+
+MODEL = Path.home() / ".cache/cadence/models/SmolLM2-135M-Instruct-float32"
+
+
+def qv_adapter(engine: Engine, name: str, rank: int, seed: int) -> AdapterWeights:
+    """A random adapter of `rank` on every layer's q and v projections."""
+    g = torch.Generator().manual_seed(seed)
+    layers = {}
+    for layer_name, m in engine.model.named_modules():
+        if not isinstance(m, QKVLinear):
+            continue
+        q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+        a = (torch.randn(2 * rank, m.in_features, generator=g) * 0.02).to(engine.dtype)
+        b_q = (torch.randn(rank, q, generator=g) * 0.02).to(engine.dtype)
+        b_v = (torch.randn(rank, kv, generator=g) * 0.02).to(engine.dtype)
+        pieces = (ExpandPiece(0, 0, b_q), ExpandPiece(q + kv, rank, b_v))
+        layers[layer_name] = LayerLora(a, pieces)
+    return AdapterWeights(name, "", layers, rank, ("q_proj", "v_proj"))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--prompt", type=int, default=64)
+    p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--dtype", default="bfloat16")
+    a = p.parse_args()
+    engine = Engine(ShardConfig(model_dir=str(MODEL), uds_path="/unused", dtype=a.dtype))
+    engine.warmup(1024, 64, 256 * 1024**2, 0.1)
+    assert engine.kv is not None
+    free = list(range(engine.kv.num_blocks))
+    names = [f"a{i}" for i in range(a.batch)]
+    pages = []
+    for i, name in enumerate(names):
+        weights = qv_adapter(engine, name, a.rank, i)
+        engine.adapters.keep(weights)
+        n = blocks_needed(weights, engine.adapters.shape, engine.dtype)
+        pages.append(pb.AdapterPages(name=name, blocks=[free.pop() for _ in range(n)]))
+    engine.step(pb.StepRequest(adapters_in=pages))
+    print(f"{a.batch} adapters of rank {a.rank} on q, v: {len(pages[0].blocks)} blocks each")
+    per_request = (a.prompt + 2 * a.steps + 16) // 16 + 1
+
+    def run(adapter_of: list[str], first_id: int) -> float:
+        ids = range(first_id, first_id + a.batch)
+        joined = [
+            pb.NewRequest(
+                id=i,
+                token_ids=[(7 * i + j) % 40000 + 100 for j in range(a.prompt)],
+                prompt_len=a.prompt,
+                num_compute=a.prompt,
+                block_table=[free.pop() for _ in range(per_request)],
+                sampling=pb.SamplingParams(),
+                adapter_id=adapter,
+            )
+            for i, adapter in zip(ids, adapter_of, strict=True)
+        ]
+        for k in range(0, a.batch, 8):
+            engine.step(pb.StepRequest(joined=joined[k : k + 8]))
+        decode = pb.StepRequest(continuing=[pb.ContinuingRequest(id=i, num_compute=1) for i in ids])
+        for _ in range(3):
+            engine.step(decode)
+        started = time.perf_counter()
+        for _ in range(a.steps):
+            engine.step(decode)
+        elapsed = (time.perf_counter() - started) / a.steps * 1000
+        engine.step(pb.StepRequest(removed=list(ids)))
+        return elapsed
+
+    base = run([""] * a.batch, 0)
+    distinct = run(names, 1000)
+    shared = run([names[0]] * a.batch, 2000)
+    print(f"decode step, batch {a.batch}, {a.dtype}, {torch.get_num_threads()} threads:")
+    print(f"  no adapter:               {base:.1f} ms")
+    print(f"  {a.batch} distinct adapters:    {distinct:.1f} ms (+{distinct / base - 1:.0%})")
+    print(f"  one adapter for all rows: {shared:.1f} ms (+{shared / base - 1:.0%})")
+
+
+if __name__ == "__main__":
+    main()

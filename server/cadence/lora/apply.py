@@ -1,0 +1,69 @@
+"""The LoRA delta of a linear layer, added by `cadence.layers.linear.product`.
+
+Each of the served model's linear layers gets a `LoraHook` at engine build (the draft
+model's get none: it never applies adapters). The hook reads the engine's `LoraContext`:
+the pool's rows and the step's tables (`LoraStep`, None for a step whose requests use no
+adapter, so a step without adapters costs one attribute test per product). A
+row-parallel layer's delta is added to its partial output, before the all-reduce: its A
+holds this rank's input columns and its B is whole, so the ranks' deltas sum to the
+full one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from cadence.lora.batch import LoraStep
+from cadence.lora.pool import PoolRows
+from cadence.lora.resident import Site, layer_sites
+from cadence.lora.torch_ops import lora_expand_, lora_shrink
+
+
+@dataclass(slots=True)
+class LoraContext:
+    """What the hooks read: the pool (None before the KV cache exists) and the step."""
+
+    pool: PoolRows | None = None
+    step: LoraStep | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LoraHook:
+    name: str
+    site: Site
+    context: LoraContext
+
+    def add_delta_(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y += this layer's LoRA delta for the step's rows of x (y: its base product)."""
+        step, pool = self.context.step, self.context.pool
+        if step is None or pool is None:
+            return
+        kind = step.kinds.get(self.site.kind)
+        layer = self.site.index
+        if kind is None or not kind.a.active[layer]:
+            return
+        x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+        a = kind.a
+        h = lora_shrink(
+            x2, pool.rows(kind.in_features), a.rows[layer], a.ranks[layer],
+            step.row_adapter, step.segments,
+        )  # fmt: skip
+        for piece in kind.pieces:
+            b = piece.index
+            if b.active[layer]:
+                lora_expand_(
+                    y2, h, pool.rows(piece.out_size), b.rows[layer], b.ranks[layer],
+                    b.rank_start[layer], piece.out_offset, step.row_adapter, step.segments,
+                )  # fmt: skip
+
+
+def install(model: nn.Module, context: LoraContext) -> dict[str, Site]:
+    """Gives each linear layer of `model` its hook; returns the layers' sites."""
+    sites = layer_sites(model)
+    modules = dict(model.named_modules())
+    for name, site in sites.items():
+        modules[name].lora = LoraHook(name, site, context)
+    return sites

@@ -1,0 +1,150 @@
+"""The LoRA products of one layer over a step's rows, in torch (any device; the CPU's
+path). Rows are the forward's token rows; `row_adapter[t]` is row t's index into the
+step's adapter list (-1: none, the row is left alone).
+
+An adapter's rows that are many (a prefill chunk) take one gather of its matrices and a
+matmul (`Segments.big`); the others (decode rows of many adapters) one batched gather of
+each row's matrices and a `bmm` (`Segments.small_*`). Products accumulate in float32
+(inside torch's kernels for bfloat16): h comes out in x's dtype, and the expand's delta
+is added to y in float32 and rounded once (as `cadence.kernels.lora` does on CUDA).
+
+Every index in `a_idx` / `b_idx` must name a row of finite numbers, padding and adapters
+of rank 0 included (`cadence.lora.batch` points those at another adapter's rows): the
+pool's other rows are KV bytes read as the compute dtype, possibly NaN, and masking
+multiplies nothing by them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SEGMENT_MIN_ROWS = 8  # an adapter's rows from which they take the gather + matmul path
+
+Rows = slice | torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class Segments:
+    """A step's rows grouped by adapter: the big groups (rows, adapter index) one by one,
+    the rest row by row."""
+
+    big: tuple[tuple[Rows, int], ...]
+    small_rows: torch.Tensor | None  # [n] long
+    small_adapter: torch.Tensor | None  # [n] long: their adapters
+
+
+def group_rows(runs: list[tuple[int, int, int]], device: torch.device | str = "cpu") -> Segments:
+    """Segments from runs (start, count, adapter) of consecutive rows of one adapter (a
+    request's rows; adapter -1 runs are skipped)."""
+    by_adapter: dict[int, list[tuple[int, int]]] = {}
+    for start, count, a in runs:
+        if a >= 0 and count > 0:
+            by_adapter.setdefault(a, []).append((start, count))
+    big: list[tuple[Rows, int]] = []
+    small: list[tuple[int, int, int]] = []
+    for a, spans in by_adapter.items():
+        if sum(n for _, n in spans) < SEGMENT_MIN_ROWS:
+            small += [(s, n, a) for s, n in spans]
+        elif len(spans) == 1:
+            s, n = spans[0]
+            big.append((slice(s, s + n), a))
+        else:
+            rows = torch.cat([torch.arange(s, s + n) for s, n in spans]).to(device)
+            big.append((rows, a))
+    if not small:
+        return Segments(tuple(big), None, None)
+    small_rows = torch.cat([torch.arange(s, s + n) for s, n, _ in small])
+    counts = torch.tensor([n for _, n, _ in small])
+    adapters = torch.repeat_interleave(torch.tensor([a for _, _, a in small]), counts)
+    return Segments(tuple(big), small_rows.to(device), adapters.to(device))
+
+
+def segments_of(row_adapter: torch.Tensor) -> Segments:
+    """Segments from the rows' adapters alone (its runs of equal adapters)."""
+    values = row_adapter.tolist()
+    runs: list[tuple[int, int, int]] = []
+    for t, a in enumerate(values):
+        if runs and runs[-1][2] == a and runs[-1][0] + runs[-1][1] == t:
+            s, n, _ = runs[-1]
+            runs[-1] = (s, n + 1, a)
+        else:
+            runs.append((t, 1, a))
+    return group_rows(runs, row_adapter.device)
+
+
+def lora_shrink(
+    x: torch.Tensor,
+    rows_in: torch.Tensor,
+    a_idx: torch.Tensor,
+    ranks: torch.Tensor,
+    row_adapter: torch.Tensor,
+    segments: Segments | None = None,
+) -> torch.Tensor:
+    """h [T, Rmax] in x's dtype: h[t, j] = x[t] · rows_in[a_idx[a, j]] for a =
+    row_adapter[t] and j < ranks[a], else 0."""
+    seg = segments if segments is not None else segments_of(row_adapter)
+    rmax = a_idx.shape[1]
+    h = x.new_zeros(x.shape[0], rmax)
+    if seg.big:
+        rank = ranks.tolist()
+        for rows, a in seg.big:
+            r = rank[a]
+            if r:
+                h[rows, :r] = x[rows] @ rows_in[a_idx[a, :r]].T
+    if seg.small_rows is not None and seg.small_adapter is not None:
+        rows, adapters = seg.small_rows, seg.small_adapter
+        a_mats = rows_in[a_idx[adapters]]  # [n, Rmax, in]
+        hs = torch.bmm(a_mats, x[rows].unsqueeze(2)).squeeze(2)
+        keep = torch.arange(rmax, device=x.device) < ranks[adapters].unsqueeze(1)
+        h[rows] = torch.where(keep, hs, 0)
+    return h
+
+
+def lora_expand_(
+    y: torch.Tensor,
+    h: torch.Tensor,
+    rows_out: torch.Tensor,
+    b_idx: torch.Tensor,
+    piece_ranks: torch.Tensor,
+    rank_start: torch.Tensor,
+    out_offset: int,
+    row_adapter: torch.Tensor,
+    segments: Segments | None = None,
+) -> None:
+    """y[t, out_offset : out_offset + out] += h[t, rank_start[a] : rank_start[a] + r] @
+    rows_out[b_idx[a, :r]] for a = row_adapter[t] >= 0, r = piece_ranks[a]."""
+    seg = segments if segments is not None else segments_of(row_adapter)
+    target = y.narrow(1, out_offset, rows_out.shape[1])
+    if seg.big:
+        rank, start = piece_ranks.tolist(), rank_start.tolist()
+        for rows, a in seg.big:
+            r, s = rank[a], start[a]
+            if not r:
+                continue
+            _add_(target, rows, _f32(h[rows, s : s + r]) @ _f32(rows_out[b_idx[a, :r]]))
+    if seg.small_rows is not None and seg.small_adapter is not None:
+        rows, adapters = seg.small_rows, seg.small_adapter
+        rp = b_idx.shape[1]
+        j = torch.arange(rp, device=h.device)
+        cols = (rank_start[adapters].unsqueeze(1) + j).clamp(max=h.shape[1] - 1)
+        keep = j < piece_ranks[adapters].unsqueeze(1)
+        hp = torch.where(keep, h[rows].gather(1, cols), 0)  # [n, rp]
+        b_mats = _f32(rows_out[b_idx[adapters]])  # [n, rp, out]
+        _add_(target, rows, torch.bmm(_f32(hp).unsqueeze(1), b_mats).squeeze(1))
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 else t.float()
+
+
+def _add_(target: torch.Tensor, rows: Rows, delta: torch.Tensor) -> None:
+    """target[rows] += delta (float32), rounded once to target's dtype; `rows` distinct."""
+    if target.dtype == torch.float32:
+        if isinstance(rows, slice):
+            target[rows] += delta
+        else:
+            target.index_add_(0, rows, delta)
+    else:
+        target[rows] = (target[rows].float() + delta).to(target.dtype)
