@@ -91,7 +91,10 @@ def test_rows_grouped_for_one_matmul_or_per_row():
     row_adapter = torch.tensor([0, 1, 0, -1] + [2] * SEGMENT_MIN_ROWS + [0] * 2)
     seg = segments_of(row_adapter)
     assert [(rows, a) for rows, a in seg.big] == [(slice(4, 4 + SEGMENT_MIN_ROWS), 2)]
-    assert seg.small_rows is not None and seg.small_adapter is not None
-    got = sorted(zip(seg.small_rows.tolist(), seg.small_adapter.tolist(), strict=True))
+    assert isinstance(seg.small_rows, torch.Tensor) and seg.small_adapter is not None
+    got = list(zip(seg.small_rows.tolist(), seg.small_adapter.tolist(), strict=True))
     n = 4 + SEGMENT_MIN_ROWS
     assert got == [(0, 0), (1, 1), (2, 0), (n, 0), (n + 1, 0)]
+    # decode rows first, then a long chunk: the per-row rows are one slice
+    seg = segments_of(torch.tensor([1, 0, 1] + [2] * SEGMENT_MIN_ROWS + [-1]))
+    assert seg.small_rows == slice(0, 3) and seg.small_adapter.tolist() == [1, 0, 1]
