@@ -1,5 +1,6 @@
-"""LoadAdapter / DropAdapter over the shard's real socket: a refusal is INVALID_ARGUMENT
-with a message naming the path, and the shard goes on serving."""
+"""LoadAdapter / DropAdapter over the shard's real socket: a refusal (no folder, a folder
+without an adapter) is INVALID_ARGUMENT with a message saying why, and the shard goes on
+serving."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from cadence.shard.client import ShardClient
 from shard_helpers import spawn_shard
 
 
-def test_load_adapter_refusal_is_invalid_argument_naming_the_path(model_dirs, tmp_path):
+def test_load_adapter_refusals_are_invalid_argument(model_dirs, tmp_path):
     uds = tmp_path / "shard.sock"
     proc = spawn_shard(model_dirs("llama_gqa"), uds)
     client = ShardClient(str(uds), timeout=60)
@@ -22,6 +23,13 @@ def test_load_adapter_refusal_is_invalid_argument_naming_the_path(model_dirs, tm
             client.stub.LoadAdapter(request, timeout=60)
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert str(missing) in refused.value.details()
+        empty = tmp_path / "empty"  # a folder, but no PEFT adapter in it
+        empty.mkdir()
+        request = shard_pb2.LoadAdapterRequest(name="b", path=str(empty))
+        with pytest.raises(grpc.RpcError) as refused:
+            client.stub.LoadAdapter(request, timeout=60)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "adapter_config.json" in refused.value.details()
         client.stub.DropAdapter(shard_pb2.DropAdapterRequest(name="a"), timeout=60)
         assert client.info().model_type == "llama"  # still serving
     finally:

@@ -21,6 +21,8 @@ from torch import nn
 from cadence.kv_cache import KVCache
 from cadence.lora.apply import LoraContext, install
 from cadence.lora.batch import build_step
+from cadence.lora.peft_adapter import load_peft_adapter
+from cadence.lora.peft_config import AdapterError
 from cadence.lora.pool import AdapterFitError, PoolRows, PoolShape, blocks_needed, page_in
 from cadence.lora.resident import ResidentAdapters
 from cadence.lora.weights import AdapterWeights
@@ -30,13 +32,6 @@ from cadence.shard.state import BatchState, ForwardBatch, StepError
 
 class AdapterRefused(ValueError):
     """LoadAdapter refused: the message says which adapter and why (INVALID_ARGUMENT)."""
-
-
-def parse_peft(name: str, path: str, model: nn.Module, dtype: torch.dtype) -> AdapterWeights:
-    """The PEFT folder's adapter as this rank applies it (`cadence.lora.peft_adapter`)."""
-    from cadence.lora.peft_adapter import load_peft_adapter
-
-    return load_peft_adapter(name, path, model, dtype)
 
 
 class ShardAdapters:
@@ -51,7 +46,6 @@ class ShardAdapters:
         self.resident = ResidentAdapters(self.sites)
         self.host: dict[str, AdapterWeights] = {}
         self._host_lock = threading.Lock()  # LoadAdapter / DropAdapter beside the steps
-        self.parse = parse_peft
 
     # -- host memory (any thread) ---------------------------------------------------
 
@@ -63,10 +57,10 @@ class ShardAdapters:
             raise AdapterRefused(f"adapter {name}: no adapter folder at {path}")
         try:
             with torch.inference_mode():
-                weights = self.parse(name, path, self.model, self.dtype)
+                weights = load_peft_adapter(name, path, self.model, self.dtype)
         except OSError as e:
             raise AdapterRefused(f"adapter {name}: cannot read {path}: {e}") from e
-        except ValueError as e:  # the parser's refusals (AdapterError is a ValueError)
+        except AdapterError as e:
             raise AdapterRefused(str(e)) from e
         return self.keep(weights)
 
