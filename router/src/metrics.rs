@@ -6,8 +6,10 @@
 
 mod gateway;
 mod load;
+mod lora;
 
 pub use load::LoadGauges;
+pub use lora::{LoraMetrics, ReplicaAdapters};
 
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -136,6 +138,8 @@ pub struct Metrics {
     quantization: std::sync::OnceLock<String>,
     /// Speculative decoding's series, once it is on.
     speculative: std::sync::OnceLock<SpecDecodeMetrics>,
+    /// LoRA adapters' series, when any LoRA option is on.
+    lora: std::sync::OnceLock<Arc<LoraMetrics>>,
 }
 
 impl Metrics {
@@ -175,7 +179,14 @@ impl Metrics {
             forward_time: Histogram::new(SECONDS),
             quantization: std::sync::OnceLock::new(),
             speculative: std::sync::OnceLock::new(),
+            lora: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Turns the LoRA series on (the registry keeps its counters); only the first call
+    /// counts.
+    pub fn enable_lora(&self, lora: Arc<LoraMetrics>) {
+        let _ = self.lora.set(lora);
     }
 
     /// How the shards store weights and KV cache (the shards' `InfoResponse.quantization`),
@@ -237,7 +248,7 @@ impl Metrics {
             ),
             (
                 "cadence_kv_blocks_used",
-                "KV blocks referenced by a request.",
+                "KV blocks referenced by a request or holding a paged-in LoRA adapter.",
                 load.kv_blocks_used,
             ),
             (
@@ -394,6 +405,10 @@ impl Metrics {
         gateway::render(&mut out, &self.model, load);
         if let Some(speculative) = self.speculative.get() {
             speculative.render(&mut out, &self.model);
+        }
+        if let Some(lora) = self.lora.get() {
+            let replicas: Vec<&LoadGauges> = self.replicas.iter().map(|r| &**r).collect();
+            lora::render(&mut out, &l, lora, &replicas);
         }
         if let Some(labels) = self.quantization.get() {
             out.push_str(
