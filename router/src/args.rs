@@ -633,7 +633,10 @@ mod tests {
         let names: Vec<&str> = lora.adapters.iter().map(|(n, _)| n.as_str()).collect();
         assert_eq!(names, ["sql", "chat", "math"]);
         assert_eq!(lora.dir.as_deref(), Some(std::path::Path::new("/loras")));
-        assert_eq!((lora.max_cpu_adapters, lora.max_adapters_per_batch), (64, 4));
+        assert_eq!(
+            (lora.max_cpu_adapters, lora.max_adapters_per_batch),
+            (64, 4)
+        );
         assert!(lora.enabled() && !lora.allow_runtime);
         assert_eq!(args.scheduler_config(CACHE).max_adapters_per_batch, 4);
         let err = parse(&["--shard-uds-path", "/s", "--lora-adapters", "sql"]).unwrap_err();

@@ -445,6 +445,43 @@ mod tests {
     }
 
     #[test]
+    fn lora_series_name_every_replicas_adapters_once_under_vllms_info_gauge() {
+        let m = Metrics::with_replicas("m", 2);
+        assert!(!m.render(None).contains("lora"), "off until enabled");
+        let lora = Arc::new(LoraMetrics {
+            max_lora: 4,
+            ..Default::default()
+        });
+        lora.loads.add(3);
+        lora.host.set(3.0);
+        m.enable_lora(lora);
+        let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        m.load(0)
+            .adapters
+            .record(names(&["sql", "chat"]), names(&["math"]));
+        m.load(1).adapters.record(names(&["sql"]), Vec::new());
+        m.load(0).adapters.blocks.set(5.0);
+        m.load(1).adapters.blocks.set(3.0);
+        let text = m.render(None);
+        let info = text
+            .lines()
+            .find(|l| l.starts_with("vllm:lora_requests_info{"))
+            .unwrap();
+        let (labels, stamp) = info.rsplit_once(' ').unwrap();
+        assert_eq!(
+            labels,
+            "vllm:lora_requests_info{max_lora=\"4\",running_lora_adapters=\"chat,sql\",waiting_lora_adapters=\"math\"}"
+        );
+        assert!(
+            stamp.parse::<f64>().unwrap() > 1.0e9,
+            "unix seconds: {stamp}"
+        );
+        assert!(text.contains("cadence_lora_adapter_loads_total{model=\"m\"} 3\n"));
+        assert!(text.contains("cadence_lora_adapter_blocks{model=\"m\"} 8\n"));
+        assert!(text.contains("cadence_lora_adapters_host{model=\"m\"} 3\n"));
+    }
+
+    #[test]
     fn renders_prometheus_text_with_cumulative_buckets_and_the_model_label() {
         let m = Metrics::new("org/m\"x");
         m.load(0).waiting.set(3.0);

@@ -492,6 +492,7 @@ impl Scheduler {
         let users = self.blocks.release_adapter(&seq.adapter_id);
         if users == 0 && self.doomed.contains(&seq.adapter_id) {
             self.blocks.evict_adapter(&seq.adapter_id);
+            self.adapters_out.extend(self.blocks.take_evicted());
         }
     }
 

@@ -30,14 +30,14 @@ use crate::validation::{Constraints, Validation};
 
 /// `/health`, `/ready`, the drain, and what gateways read.
 mod lifecycle;
+/// LoRA adapters: host loads, paging into the KV pool, the HTTP surface.
+mod lora;
 /// Several shard groups behind one router.
 mod replicas;
 /// The request id from HTTP to the shard.
 mod request_ids;
 /// Proposals verified in one forward (speculative decoding).
 mod speculative;
-/// LoRA adapters: host loads, paging into the KV pool, the HTTP surface.
-mod lora;
 
 /// The grammar compiler over the test tokenizer.
 fn testing_constraints() -> Constraints {
@@ -478,14 +478,19 @@ impl FakeShard {
     fn check_adapters(&self, s: &FakeState, holders: &HashMap<u32, usize>, v: &mut Vec<String>) {
         for (id, r) in &s.requests {
             if !r.adapter.is_empty() && !s.paged.contains_key(&r.adapter) {
-                v.push(format!("request {id} runs adapter {} not paged in", r.adapter));
+                v.push(format!(
+                    "request {id} runs adapter {} not paged in",
+                    r.adapter
+                ));
             }
         }
         let mut owner: HashMap<u32, &str> = HashMap::new();
         for (name, blocks) in &s.paged {
             for &b in blocks {
                 if holders.contains_key(&b) {
-                    v.push(format!("adapter {name}'s block {b} is in a request's table"));
+                    v.push(format!(
+                        "adapter {name}'s block {b} is in a request's table"
+                    ));
                 }
                 if let Some(other) = owner.insert(b, name) {
                     v.push(format!("block {b} holds adapters {other} and {name}"));
@@ -879,6 +884,17 @@ impl Harness {
 
     async fn get(&self, path: &str) -> (StatusCode, HeaderMap, String) {
         self.send(get(path)).await
+    }
+
+    async fn get_text(&self, path: &str) -> (StatusCode, String) {
+        let (status, _, text) = self.get(path).await;
+        (status, text)
+    }
+
+    async fn get_json(&self, path: &str) -> (StatusCode, Value) {
+        let (status, text) = self.get_text(path).await;
+        let value = serde_json::from_str(&text).unwrap_or_else(|_| panic!("not JSON: {text}"));
+        (status, value)
     }
 
     async fn post_raw(

@@ -88,7 +88,10 @@ impl BlockManager {
 
     /// Frees an idle adapter's blocks (already off `adapter_lru`) and records its eviction.
     pub(super) fn evict_idle(&mut self, name: &str) {
-        let a = self.adapters.remove(name).expect("an idle adapter is resident");
+        let a = self
+            .adapters
+            .remove(name)
+            .expect("an idle adapter is resident");
         debug_assert_eq!(a.users, 0);
         self.idle_adapter_blocks -= a.blocks.len();
         self.free_adapter_blocks(&a.blocks);

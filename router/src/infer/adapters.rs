@@ -30,7 +30,10 @@ impl<B: Backend> Loop<B> {
                 Status::Unknown => format!("LoRA adapter {name:?} was unloaded"),
             };
             for id in self.scheduler.waiting_for_adapter(&name) {
-                self.fail(id, InferError::Validation(format!("parameters.adapter_id: {why}")));
+                self.fail(
+                    id,
+                    InferError::Validation(format!("parameters.adapter_id: {why}")),
+                );
             }
         }
     }

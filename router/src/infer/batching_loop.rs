@@ -332,7 +332,10 @@ impl<B: Backend> Loop<B> {
             );
         }
         for (id, why) in schedule.refused {
-            self.fail(id, InferError::Validation(format!("parameters.adapter_id: {why}")));
+            self.fail(
+                id,
+                InferError::Validation(format!("parameters.adapter_id: {why}")),
+            );
         }
         if !schedule.preempted.is_empty() || !schedule.swapped_out.is_empty() {
             tracing::info!(

@@ -221,7 +221,9 @@ impl Registry {
             waits.push((name, path, waiting));
         }
         for (name, path, waiting) in waits {
-            let loaded = waiting.await.unwrap_or_else(|_| Err("the load was cut".into()));
+            let loaded = waiting
+                .await
+                .unwrap_or_else(|_| Err("the load was cut".into()));
             if let Err(why) = loaded {
                 return Err(format!(
                     "LoRA adapter {name:?} ({}) was refused: {why}",

@@ -108,7 +108,8 @@ pub async fn load_everywhere(
         }
         return Err(why);
     }
-    let ranks: Vec<pb::LoadAdapterResponse> = answers.into_iter().flat_map(Result::unwrap).collect();
+    let ranks: Vec<pb::LoadAdapterResponse> =
+        answers.into_iter().flat_map(Result::unwrap).collect();
     let mut host = HostAdapter {
         num_blocks: 0,
         max_rank: 0,

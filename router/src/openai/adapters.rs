@@ -32,8 +32,7 @@ pub(super) fn model_adapter(
     let Some(model) = model else {
         return Ok(None);
     };
-    if model == state.info.served_model_name || model == state.info.model_id || model.is_empty()
-    {
+    if model == state.info.served_model_name || model == state.info.model_id || model.is_empty() {
         return Ok(None);
     }
     if adapters.resolve(model) {
@@ -92,9 +91,7 @@ pub async fn load_lora_adapter(
         ));
     };
     if name == state.info.served_model_name || name == state.info.model_id {
-        return Err(invalid_input(format!(
-            "'{name}' is the base model's name"
-        )));
+        return Err(invalid_input(format!("'{name}' is the base model's name")));
     }
     let adapters = state.infer.adapters();
     match adapters.load_runtime(&name, &PathBuf::from(&path)).await {

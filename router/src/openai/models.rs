@@ -37,21 +37,14 @@ pub async fn models(State(state): State<AppState>) -> Json<ModelList> {
         root: state.info.model_id.clone(),
         parent: None,
     }];
-    data.extend(
-        state
-            .infer
-            .adapters()
-            .listed()
-            .into_iter()
-            .map(|a| Model {
-                id: a.name,
-                object: "model",
-                created: 0,
-                owned_by: "cadence",
-                root: a.path.display().to_string(),
-                parent: Some(base.clone()),
-            }),
-    );
+    data.extend(state.infer.adapters().listed().into_iter().map(|a| Model {
+        id: a.name,
+        object: "model",
+        created: 0,
+        owned_by: "cadence",
+        root: a.path.display().to_string(),
+        parent: Some(base.clone()),
+    }));
     Json(ModelList {
         object: "list",
         data,
