@@ -674,6 +674,43 @@ mod tests {
         a.check_invariants().unwrap();
     }
 
+    #[test]
+    fn adapters_take_pool_blocks_all_or_nothing_and_idle_ones_are_evicted_by_last_use() {
+        let mut a = BlockManager::new(10, 2, true);
+        assert!(a.grow_to(1, 6)); // 3 blocks
+        assert_eq!(a.page_in("big", 8), None, "7 free: nothing taken");
+        assert_eq!(a.num_free(), 7);
+        let pages = a.page_in("x", 4).unwrap();
+        assert!(pages.iter().all(|b| !a.table(1).contains(b)));
+        assert_eq!((a.num_used(), a.num_free()), (7, 3));
+        a.check_invariants().unwrap();
+        // Idle: still resident, but its blocks count free.
+        assert_eq!(a.release_adapter("x"), 0);
+        assert_eq!(
+            (a.num_used(), a.num_free(), a.num_adapter_blocks()),
+            (7, 7, 4)
+        );
+        a.check_invariants().unwrap();
+        // A request's prefix released after it: the adapter is older, so it goes first.
+        a.register_full(1, &[1, 2, 3, 4, 5, 6], 6, SEED);
+        a.mark_ready();
+        a.free(1);
+        assert_eq!(a.num_cached(), 3);
+        assert!(a.grow_to(2, 2 * 4)); // 3 free + 1 by eviction
+        assert_eq!(a.take_evicted(), ["x"]);
+        assert_eq!((a.num_cached(), a.num_adapter_blocks()), (3, 0));
+        a.check_invariants().unwrap();
+        // Taken back by a user before eviction: off the LRU, never evicted.
+        let _ = a.page_in("y", 2).unwrap();
+        assert_eq!(a.release_adapter("y"), 0);
+        assert!(a.acquire_adapter("y"));
+        assert!(!a.evict_adapter("y"), "in use");
+        assert!(a.grow_to(3, 2 * 3)); // evicts cached prefix blocks, never "y"
+        assert!(a.take_evicted().is_empty());
+        assert_eq!(a.adapter_users("y"), Some(1));
+        a.check_invariants().unwrap();
+    }
+
     /// The property test: thousands of random operations, the invariant check after each,
     /// and a model of what each request's blocks hold (a matched prefix must hold exactly
     /// the prompt's tokens).

@@ -285,13 +285,17 @@ impl Registry {
     /// Whether requests may name `name`: a registered adapter (not being unloaded), or one
     /// `--lora-dir` holds (registered now, loaded on first use).
     pub fn resolve(&self, name: &str) -> bool {
-        let mut catalog = self.lock();
-        if let Some(entry) = catalog.entries.get(name) {
+        if let Some(entry) = self.lock().entries.get(name) {
             return !entry.removing;
         }
+        // The folder is looked at without the lock held.
         let Some(folder) = self.config.find_in_dir(name) else {
             return false;
         };
+        let mut catalog = self.lock();
+        if let Some(entry) = catalog.entries.get(name) {
+            return !entry.removing; // registered meanwhile
+        }
         catalog.entries.insert(
             name.to_string(),
             Entry {
@@ -491,8 +495,12 @@ impl Registry {
             .collect()
     }
 
-    /// Runs the work decided under the lock, each on its own task.
+    /// Runs the work decided under the lock, each on its own task (none once the runtime
+    /// is gone: the process is ending).
     fn run(self: &Arc<Self>, actions: Vec<Action>) {
+        if actions.is_empty() || tokio::runtime::Handle::try_current().is_err() {
+            return;
+        }
         for action in actions {
             let registry = self.clone();
             match action {
