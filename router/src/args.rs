@@ -169,6 +169,34 @@ pub struct Args {
     #[arg(long, env = "CADENCE_SPECULATIVE_MAX_STEP_TOKENS", default_value_t = 0)]
     pub speculative_max_step_tokens: usize,
 
+    /// LoRA adapters loaded at start, `name=path` (a PEFT folder: adapter_config.json and
+    /// adapter_model.safetensors), comma-separated or repeated; requests name them in
+    /// `parameters.adapter_id` or OpenAI's `model`. One the shards refuse stops the start,
+    /// with their reason.
+    #[arg(long, env = "CADENCE_LORA_ADAPTERS", value_delimiter = ',', value_parser = crate::lora::parse_adapter)]
+    pub lora_adapters: Vec<(String, PathBuf)>,
+
+    /// Folder of LoRA adapters: a request naming an unknown adapter N is served with the
+    /// adapter in DIR/N (when DIR/N/adapter_config.json exists), loaded on first use.
+    #[arg(long, env = "CADENCE_LORA_DIR")]
+    pub lora_dir: Option<PathBuf>,
+
+    /// Most LoRA adapters kept loaded in the shards' host memory; past it the least
+    /// recently used one no request uses and no KV pool holds is dropped (and loaded again
+    /// when a request names it).
+    #[arg(long, env = "CADENCE_MAX_CPU_ADAPTERS", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_cpu_adapters: u32,
+
+    /// Most distinct LoRA adapters in one step's batch; waiting requests for another
+    /// adapter wait (requests behind them may go ahead).
+    #[arg(long, env = "CADENCE_MAX_ADAPTERS_PER_BATCH", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_adapters_per_batch: u32,
+
+    /// Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's runtime adapter
+    /// loading); without it they are 404.
+    #[arg(long, env = "CADENCE_ALLOW_RUNTIME_LORA")]
+    pub allow_runtime_lora: bool,
+
     /// When waiting requests join: continuous (every step), dynamic (a batch forms when
     /// --max-batch-size requests wait or --batch-timeout-ms passes), static (a batch forms
     /// from what waits and runs until its longest member ends), none (one at a time).
@@ -410,7 +438,19 @@ impl Args {
             BatchingArg::None => Batching::None,
         };
         c.batch_timeout = std::time::Duration::from_millis(self.batch_timeout_ms);
+        c.max_adapters_per_batch = self.max_adapters_per_batch as usize;
         c
+    }
+
+    /// The LoRA settings.
+    pub fn lora_config(&self) -> crate::lora::LoraConfig {
+        crate::lora::LoraConfig {
+            adapters: self.lora_adapters.clone(),
+            dir: self.lora_dir.clone(),
+            max_cpu_adapters: self.max_cpu_adapters as usize,
+            max_adapters_per_batch: self.max_adapters_per_batch as usize,
+            allow_runtime: self.allow_runtime_lora,
+        }
     }
 
     /// Checks the speculative decoding flags against each other and what the shards
@@ -572,6 +612,42 @@ mod tests {
         assert_eq!(defaults["--ready-stall-timeout-ms"], "5000");
         assert_eq!(defaults["--shutdown-timeout"], "30");
         assert!(!defaults.contains_key("--served-model-name")); // the model id
+    }
+
+    #[test]
+    fn lora_flags_parse_into_the_lora_settings() {
+        let args = parse(&[
+            "--shard-uds-path",
+            "/s",
+            "--lora-adapters",
+            "sql=/a/sql,chat=/a/chat",
+            "--lora-adapters",
+            "math=/a/math",
+            "--lora-dir",
+            "/loras",
+            "--max-adapters-per-batch",
+            "4",
+        ])
+        .unwrap();
+        let lora = args.lora_config();
+        let names: Vec<&str> = lora.adapters.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["sql", "chat", "math"]);
+        assert_eq!(lora.dir.as_deref(), Some(std::path::Path::new("/loras")));
+        assert_eq!(
+            (lora.max_cpu_adapters, lora.max_adapters_per_batch),
+            (64, 4)
+        );
+        assert!(lora.enabled() && !lora.allow_runtime);
+        assert_eq!(args.scheduler_config(CACHE).max_adapters_per_batch, 4);
+        let err = parse(&["--shard-uds-path", "/s", "--lora-adapters", "sql"]).unwrap_err();
+        assert!(err.to_string().contains("name=path"), "{err}");
+        let plain = parse(&["--shard-uds-path", "/s"]).unwrap();
+        assert!(!plain.lora_config().enabled());
+        let runtime = parse(&["--shard-uds-path", "/s", "--allow-runtime-lora"]).unwrap();
+        assert!(runtime.lora_config().enabled());
+        let defaults: std::collections::HashMap<_, _> = flag_defaults().into_iter().collect();
+        assert_eq!(defaults["--max-cpu-adapters"], "64");
+        assert_eq!(defaults["--max-adapters-per-batch"], "32");
     }
 
     #[test]

@@ -3,10 +3,18 @@
 //! blocks keep their content for later prefix hits.
 //!
 //! Every block is in exactly one of three states:
-//! - **used**: referenced by `refcount > 0` block tables (shared when > 1);
+//! - **used**: referenced by `refcount > 0` block tables (shared when > 1), or holding the
+//!   weights of a paged-in LoRA adapter (refcount 1, never in a table: `adapters`);
 //! - **cached**: refcount 0 but holding the KV of a known full block, reusable by a prefix
 //!   hit and evicted least-recently-used when a fresh block is needed;
 //! - **free**: refcount 0, content meaningless.
+//!
+//! Unified paging (`adapters`): a resident adapter's blocks come from the same free list,
+//! and an adapter no running request uses waits on an LRU list beside the cached prefix
+//! blocks. Both lists are stamped by one clock, so eviction goes by last use across them:
+//! when a fresh block is needed and none is free, the older of the oldest cached prefix
+//! block and the least recently used idle adapter goes (an adapter with all its blocks
+//! at once).
 //!
 //! Prefix caching: a full block is identified by a hash of its token ids chained with the
 //! previous block's hash (so a block hash names the whole prefix up to it), seeded with
@@ -18,9 +26,13 @@
 //! Copy-on-write: a shared block about to be written (a partial block after `fork`) is
 //! first copied into a fresh block; `prepare_write` returns the copy for the Step.
 
+mod adapters;
+
 use std::collections::hash_map::DefaultHasher;
 use std::collections::{BTreeMap, HashMap};
 use std::hash::{Hash, Hasher};
+
+use adapters::ResidentAdapter;
 
 pub type BlockId = u32;
 pub type RequestId = u64;
@@ -71,6 +83,15 @@ pub struct BlockManager {
     pending: Vec<BlockId>,
     tables: HashMap<RequestId, Table>,
     used: usize,
+    /// LoRA adapters paged into the pool, by name.
+    adapters: HashMap<String, ResidentAdapter>,
+    /// Resident adapters no running request uses, by last use (stamped by `clock`, as
+    /// `lru` is), oldest first.
+    adapter_lru: BTreeMap<u64, String>,
+    /// Blocks of the adapters in `adapter_lru` (evictable, so counted free).
+    idle_adapter_blocks: usize,
+    /// Adapters evicted since the last `take_evicted`: the shards must forget them.
+    evicted: Vec<String>,
 }
 
 /// The chain's seed: blocks computed under different adapters never match.
@@ -105,6 +126,10 @@ impl BlockManager {
             pending: Vec::new(),
             tables: HashMap::new(),
             used: 0,
+            adapters: HashMap::new(),
+            adapter_lru: BTreeMap::new(),
+            idle_adapter_blocks: 0,
+            evicted: Vec::new(),
         }
     }
 
@@ -120,12 +145,13 @@ impl BlockManager {
         self.refcounts.len()
     }
 
-    /// Blocks a request can take: free plus cached-and-unused (evictable).
+    /// Blocks a request can take: free plus evictable (cached-and-unused prefix blocks,
+    /// and the blocks of resident adapters no running request uses).
     pub fn num_free(&self) -> usize {
-        self.free.len() + self.lru.len()
+        self.free.len() + self.lru.len() + self.idle_adapter_blocks
     }
 
-    /// Blocks referenced by at least one table.
+    /// Blocks referenced by at least one table or holding a resident adapter.
     pub fn num_used(&self) -> usize {
         self.used
     }
@@ -163,20 +189,38 @@ impl BlockManager {
             .saturating_sub(self.table(id).len())
     }
 
-    /// Takes one block: a free one, else the least recently used cached one.
+    /// Takes one block: a free one, else what eviction frees (`evict_oldest`).
     fn take(&mut self) -> Option<BlockId> {
-        let block = match self.free.pop() {
-            Some(b) => b,
-            None => {
-                let (_, b) = self.lru.pop_first()?;
-                self.uncache(b);
-                b
-            }
-        };
+        while self.free.is_empty() {
+            self.evict_oldest()?;
+        }
+        let block = self.free.pop()?;
         debug_assert_eq!(self.refcounts[block as usize], 0);
         self.refcounts[block as usize] = 1;
         self.used += 1;
         Some(block)
+    }
+
+    /// Frees the least recently used evictable thing: the oldest cached prefix block or the
+    /// least recently used idle adapter, whichever was stamped first. None when nothing is
+    /// evictable.
+    fn evict_oldest(&mut self) -> Option<()> {
+        let prefix = self.lru.first_key_value().map(|(&k, _)| k);
+        let adapter = self.adapter_lru.first_key_value().map(|(&k, _)| k);
+        let prefix_first = match (prefix, adapter) {
+            (None, None) => return None,
+            (Some(p), Some(a)) => p < a,
+            (p, _) => p.is_some(),
+        };
+        if prefix_first {
+            let (_, b) = self.lru.pop_first().expect("it has a first entry");
+            self.uncache(b);
+            self.free.push(b);
+        } else {
+            let (_, name) = self.adapter_lru.pop_first().expect("it has a first entry");
+            self.evict_idle(&name);
+        }
+        Some(())
     }
 
     /// Forgets a block's cached content (it is about to be overwritten).
@@ -449,7 +493,8 @@ impl BlockManager {
         }
     }
 
-    /// Every block is exactly one of used (refcount = number of tables holding it), cached
+    /// Every block is exactly one of used (refcount = number of tables holding it, or 1 for
+    /// an adapter's block), cached
     /// (refcount 0, in the LRU, indexed under its hash) or free (refcount 0, in the free
     /// list, no content); the index and the blocks' hashes agree.
     pub fn check_invariants(&self) -> Result<(), String> {
@@ -466,6 +511,16 @@ impl BlockManager {
                 *refs
                     .get_mut(block as usize)
                     .ok_or_else(|| format!("request {id} holds unknown block {block}"))? += 1;
+            }
+        }
+        // Adapter blocks: one reference each (the adapter's), never in a table.
+        let table_refs = refs.clone();
+        self.check_adapters(&mut refs)?;
+        for (block, (&all, &tables)) in refs.iter().zip(&table_refs).enumerate() {
+            if all != tables && tables > 0 {
+                return Err(format!(
+                    "block {block} holds an adapter and is in a request's table"
+                ));
             }
         }
         let mut place = vec![""; n];
@@ -616,6 +671,43 @@ mod tests {
         assert_eq!(a.num_free(), 1);
         assert_eq!(a.prepare_write(3, 7, 8).unwrap().len(), 1);
         assert_eq!(a.prepare_write(4, 7, 8), None);
+        a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn adapters_take_pool_blocks_all_or_nothing_and_idle_ones_are_evicted_by_last_use() {
+        let mut a = BlockManager::new(10, 2, true);
+        assert!(a.grow_to(1, 6)); // 3 blocks
+        assert_eq!(a.page_in("big", 8), None, "7 free: nothing taken");
+        assert_eq!(a.num_free(), 7);
+        let pages = a.page_in("x", 4).unwrap();
+        assert!(pages.iter().all(|b| !a.table(1).contains(b)));
+        assert_eq!((a.num_used(), a.num_free()), (7, 3));
+        a.check_invariants().unwrap();
+        // Idle: still resident, but its blocks count free.
+        assert_eq!(a.release_adapter("x"), 0);
+        assert_eq!(
+            (a.num_used(), a.num_free(), a.num_adapter_blocks()),
+            (7, 7, 4)
+        );
+        a.check_invariants().unwrap();
+        // A request's prefix released after it: the adapter is older, so it goes first.
+        a.register_full(1, &[1, 2, 3, 4, 5, 6], 6, SEED);
+        a.mark_ready();
+        a.free(1);
+        assert_eq!(a.num_cached(), 3);
+        assert!(a.grow_to(2, 2 * 4)); // 3 free + 1 by eviction
+        assert_eq!(a.take_evicted(), ["x"]);
+        assert_eq!((a.num_cached(), a.num_adapter_blocks()), (3, 0));
+        a.check_invariants().unwrap();
+        // Taken back by a user before eviction: off the LRU, never evicted.
+        let _ = a.page_in("y", 2).unwrap();
+        assert_eq!(a.release_adapter("y"), 0);
+        assert!(a.acquire_adapter("y"));
+        assert!(!a.evict_adapter("y"), "in use");
+        assert!(a.grow_to(3, 2 * 3)); // evicts cached prefix blocks, never "y"
+        assert!(a.take_evicted().is_empty());
+        assert_eq!(a.adapter_users("y"), Some(1));
         a.check_invariants().unwrap();
     }
 

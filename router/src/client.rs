@@ -138,6 +138,11 @@ impl ShardClient {
         self.ranks.len()
     }
 
+    /// Each rank's gRPC client, rank 0 first (the adapter calls, `lora::shards`).
+    pub(crate) fn ranks(&self) -> &[Grpc<Channel>] {
+        &self.ranks
+    }
+
     /// Calls every rank at once; their answers, rank 0 first, or the first failure.
     async fn every_rank<T, F, Fut>(&self, call: F) -> Result<Vec<T>, ShardError>
     where

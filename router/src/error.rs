@@ -109,6 +109,8 @@ pub enum RouterError {
     Shard(#[from] ShardError),
     #[error("the shards disagree with the router: {0}")]
     Mismatch(String),
+    #[error("LoRA: {0}")]
+    Adapter(String),
     #[error("HTTP server: {0}")]
     Io(#[from] std::io::Error),
 }

@@ -22,6 +22,7 @@ pub mod drain;
 pub mod error;
 pub mod infer;
 pub mod logging;
+pub mod lora;
 pub mod metrics;
 pub mod openai;
 pub mod openapi;
@@ -167,6 +168,17 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
     args.check_speculative(&info.draft_model)
         .map_err(RouterError::Args)?;
     let speculative = speculative_config(&args, info);
+    let adapters = lora::Registry::new(
+        args.lora_config(),
+        groups
+            .iter()
+            .map(|g| Arc::new(g.clone()) as Arc<dyn lora::AdapterShards>)
+            .collect(),
+    );
+    adapters
+        .load_at_start()
+        .await
+        .map_err(RouterError::Adapter)?;
     let served_model_name = args.served_model_name();
     let app_info = Info {
         model_id: args.model_id.clone(),
@@ -189,6 +201,7 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
         kernels: info.kernels.clone().into_iter().collect(),
         quantization: info.quantization.clone().into_iter().collect(),
         speculative: speculative_info(speculative.as_ref(), info),
+        lora: None,
         version: env!("CARGO_PKG_VERSION"),
         router: "cadence",
     };
@@ -219,6 +232,7 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
                 mask_shape: mask_shape.clone(),
                 grammar_fast_forward: !args.no_grammar_fast_forward,
                 speculative,
+                adapters: adapters.clone(),
             };
             (shards.clone(), config)
         })

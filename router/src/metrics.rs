@@ -6,8 +6,10 @@
 
 mod gateway;
 mod load;
+mod lora;
 
 pub use load::LoadGauges;
+pub use lora::{LoraMetrics, ReplicaAdapters};
 
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -136,6 +138,8 @@ pub struct Metrics {
     quantization: std::sync::OnceLock<String>,
     /// Speculative decoding's series, once it is on.
     speculative: std::sync::OnceLock<SpecDecodeMetrics>,
+    /// LoRA adapters' series, when any LoRA option is on.
+    lora: std::sync::OnceLock<Arc<LoraMetrics>>,
 }
 
 impl Metrics {
@@ -175,7 +179,14 @@ impl Metrics {
             forward_time: Histogram::new(SECONDS),
             quantization: std::sync::OnceLock::new(),
             speculative: std::sync::OnceLock::new(),
+            lora: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Turns the LoRA series on (the registry keeps its counters); only the first call
+    /// counts.
+    pub fn enable_lora(&self, lora: Arc<LoraMetrics>) {
+        let _ = self.lora.set(lora);
     }
 
     /// How the shards store weights and KV cache (the shards' `InfoResponse.quantization`),
@@ -237,7 +248,7 @@ impl Metrics {
             ),
             (
                 "cadence_kv_blocks_used",
-                "KV blocks referenced by a request.",
+                "KV blocks referenced by a request or holding a paged-in LoRA adapter.",
                 load.kv_blocks_used,
             ),
             (
@@ -395,6 +406,10 @@ impl Metrics {
         if let Some(speculative) = self.speculative.get() {
             speculative.render(&mut out, &self.model);
         }
+        if let Some(lora) = self.lora.get() {
+            let replicas: Vec<&LoadGauges> = self.replicas.iter().map(|r| &**r).collect();
+            lora::render(&mut out, &l, lora, &replicas);
+        }
         if let Some(labels) = self.quantization.get() {
             out.push_str(
                 "# HELP cadence_quantization_info How weights and KV cache are stored (labels); always 1.\n\
@@ -427,6 +442,43 @@ mod tests {
         assert!(text.contains(
             "cadence_quantization_info{model_name=\"m\",source=\"gguf \\\"Q4_1\\\"\",weights=\"int4\"} 1\n"
         ));
+    }
+
+    #[test]
+    fn lora_series_name_every_replicas_adapters_once_under_vllms_info_gauge() {
+        let m = Metrics::with_replicas("m", 2);
+        assert!(!m.render(None).contains("lora"), "off until enabled");
+        let lora = Arc::new(LoraMetrics {
+            max_lora: 4,
+            ..Default::default()
+        });
+        lora.loads.add(3);
+        lora.host.set(3.0);
+        m.enable_lora(lora);
+        let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        m.load(0)
+            .adapters
+            .record(names(&["sql", "chat"]), names(&["math"]));
+        m.load(1).adapters.record(names(&["sql"]), Vec::new());
+        m.load(0).adapters.blocks.set(5.0);
+        m.load(1).adapters.blocks.set(3.0);
+        let text = m.render(None);
+        let info = text
+            .lines()
+            .find(|l| l.starts_with("vllm:lora_requests_info{"))
+            .unwrap();
+        let (labels, stamp) = info.rsplit_once(' ').unwrap();
+        assert_eq!(
+            labels,
+            "vllm:lora_requests_info{max_lora=\"4\",running_lora_adapters=\"chat,sql\",waiting_lora_adapters=\"math\"}"
+        );
+        assert!(
+            stamp.parse::<f64>().unwrap() > 1.0e9,
+            "unix seconds: {stamp}"
+        );
+        assert!(text.contains("cadence_lora_adapter_loads_total{model=\"m\"} 3\n"));
+        assert!(text.contains("cadence_lora_adapter_blocks{model=\"m\"} 8\n"));
+        assert!(text.contains("cadence_lora_adapters_host{model=\"m\"} 3\n"));
     }
 
     #[test]

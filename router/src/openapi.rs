@@ -27,6 +27,8 @@ use crate::validation::{GenerateParameters, GenerateRequest};
         openai::completions,
         openai::chat_completions,
         openai::models,
+        openai::load_lora_adapter,
+        openai::unload_lora_adapter,
     ),
     components(schemas(
         GenerateRequest, GenerateParameters, GenerateResponse, Details, BestOfSequence,
@@ -37,6 +39,7 @@ use crate::validation::{GenerateParameters, GenerateRequest};
         TopLogprob, AssistantMessage, Usage, ModelList, Model, ChatMessage,
         MessageContent, ContentPart, PromptInput, StopInput, StreamOptions, Tool,
         FunctionDefinition, ToolCall, FunctionCall, ToolCallDelta, FunctionDelta, NotReadyBody,
+        LoraInfo, LoadLoraAdapterRequest, UnloadLoraAdapterRequest,
     )),
     modifiers(&BearerAuth),
 )]

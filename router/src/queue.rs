@@ -25,6 +25,16 @@ impl Queue {
         self.entries.front()
     }
 
+    /// The `i`-th in line (0: the front).
+    pub fn get(&self, i: usize) -> Option<&Sequence> {
+        self.entries.get(i)
+    }
+
+    /// Takes the `i`-th in line out (admission may pass over requests ahead of it).
+    pub fn remove_at(&mut self, i: usize) -> Option<Sequence> {
+        self.entries.remove(i)
+    }
+
     pub fn pop_front(&mut self) -> Option<Sequence> {
         self.entries.pop_front()
     }

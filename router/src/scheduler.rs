@@ -37,7 +37,20 @@
 //! token) counts as computed until the answer says how many proposals were accepted
 //! (`verified`), and only verified tokens enter the prefix cache. The blocks the rejected
 //! proposals took are released then; the shards cut the table the same way.
+//!
+//! LoRA adapters (unified paging, `blocks::adapters`): a waiting request whose adapter's
+//! host load has not finished (`Sequence::adapter_blocks` is None) is skipped, keeping its
+//! place, and so is one whose adapter would be one more than `max_adapters_per_batch` in
+//! the running batch. Admitting a request whose adapter is not resident takes the
+//! adapter's blocks as well as its KV blocks (both must fit, or it waits as any request
+//! short of blocks does; admission never preempts) and pages the adapter in with the
+//! step's `adapters_in`. A running request holds a reference on its adapter, released
+//! when it leaves the batch (finished, failed, preempted by recomputation or by swapping);
+//! an adapter nobody uses stays resident until eviction by last use, or until the
+//! adapter is being unloaded (`set_doomed`), and leaves with `adapters_out`. A request
+//! whose adapter and KV cannot fit even in an empty pool is refused (`Schedule::refused`).
 
+use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use crate::blocks::{chain_seed, BlockManager, PrefixMatch, RequestId};
@@ -143,6 +156,9 @@ pub struct Sequence {
     /// Proposals in the step in flight, computed but not yet verified: the shards' answer
     /// says how many of them count (`Scheduler::verified`).
     pub verifying: usize,
+    /// KV-pool blocks its adapter's weights take, known once the adapter's host load has
+    /// finished (`adapter_loaded`); None before that, and without an adapter.
+    pub adapter_blocks: Option<usize>,
     /// Member of the batch being formed or run (dynamic and static batching).
     in_batch: bool,
 }
@@ -170,8 +186,29 @@ impl Sequence {
             forced_unsent: 0,
             proposal: Proposal::None,
             verifying: 0,
+            adapter_blocks: None,
             in_batch: false,
         }
+    }
+
+    fn has_adapter(&self) -> bool {
+        !self.adapter_id.is_empty()
+    }
+
+    /// Its adapter's host load has not finished: it cannot join yet.
+    fn awaits_adapter(&self) -> bool {
+        self.has_adapter() && self.adapter_blocks.is_none()
+    }
+
+    /// Tokens whose KV it holds once it has generated every token it may (its last sampled
+    /// token needs none); without a token limit, its known tokens.
+    fn final_kv_tokens(&self) -> usize {
+        let len = self.token_ids.len();
+        if self.max_new_tokens == usize::MAX {
+            return len;
+        }
+        let left = self.max_new_tokens.saturating_sub(self.num_generated());
+        len + left.saturating_sub(1)
     }
 
     pub fn num_generated(&self) -> usize {
@@ -216,6 +253,8 @@ pub struct SchedulerConfig {
     /// Speculative decoding: proposals are added to a step only while it holds at most this
     /// many tokens (0: no speculation).
     pub speculative_max_step_tokens: usize,
+    /// Most distinct LoRA adapters among the running requests.
+    pub max_adapters_per_batch: usize,
 }
 
 impl SchedulerConfig {
@@ -238,6 +277,7 @@ impl SchedulerConfig {
             batching: Batching::Continuous,
             batch_timeout: Duration::from_millis(50),
             speculative_max_step_tokens: 0,
+            max_adapters_per_batch: 32,
         }
     }
 }
@@ -252,6 +292,9 @@ pub struct Schedule {
     pub samples: Vec<RequestId>,
     /// Requests dropped because they cannot fit in the KV cache even alone.
     pub failed: Vec<RequestId>,
+    /// Requests dropped at admission, and why: with their adapter's weights they could not
+    /// fit in the KV cache even alone.
+    pub refused: Vec<(RequestId, String)>,
     /// Requests preempted by recomputation this step (already back in the queue).
     pub preempted: Vec<RequestId>,
     /// Requests preempted by swapping this step (already back in the queue).
@@ -288,6 +331,10 @@ pub struct Scheduler {
     /// Host blocks read by this step's swap-ins: free once it has run.
     host_released: Vec<u32>,
     step_id: u64,
+    /// Adapters evicted and not yet sent in a step's `adapters_out`.
+    adapters_out: Vec<String>,
+    /// Adapters being unloaded: evicted as soon as no running request uses them.
+    doomed: HashSet<String>,
 }
 
 /// One request's share of the step being built.
@@ -306,7 +353,22 @@ struct Draft {
     copies: Vec<pb::BlockCopy>,
     swap_out: Vec<pb::BlockCopy>,
     swap_in: Vec<pb::BlockCopy>,
+    /// Adapters paged in for the requests this step admits.
+    adapters_in: Vec<pb::AdapterPages>,
     out: Schedule,
+}
+
+/// What became of a waiting request the admission looked at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Admitted {
+    Joined,
+    /// Dropped: with its adapter it can never fit (`Schedule::refused`).
+    Refused,
+    /// Passed over, keeping its place: its adapter is still loading, or would be one
+    /// adapter too many in the batch.
+    Passed,
+    /// Too few blocks (or its prefix is being computed): nothing behind it joins either.
+    Wait,
 }
 
 impl Draft {
@@ -317,6 +379,7 @@ impl Draft {
             copies: Vec::new(),
             swap_out: Vec::new(),
             swap_in: Vec::new(),
+            adapters_in: Vec::new(),
             out: Schedule::default(),
         }
     }
@@ -342,6 +405,8 @@ impl Scheduler {
             host_free: (0..swap).rev().collect(),
             host_released: Vec::new(),
             step_id: 0,
+            adapters_out: Vec::new(),
+            doomed: HashSet::new(),
         }
     }
 
@@ -354,8 +419,81 @@ impl Scheduler {
         self.waiting.push_back(seq);
     }
 
+    /// Requests to run, or adapters whose eviction the shards have yet to learn.
     pub fn has_work(&self) -> bool {
-        !self.running.is_empty() || !self.waiting.is_empty()
+        !self.running.is_empty() || !self.waiting.is_empty() || !self.adapters_out.is_empty()
+    }
+
+    /// The adapters waiting requests name whose host load has not finished, each once.
+    pub fn adapters_awaited(&self) -> Vec<String> {
+        let mut names: Vec<String> = self
+            .waiting
+            .iter()
+            .filter(|s| s.awaits_adapter())
+            .map(|s| s.adapter_id.clone())
+            .collect();
+        names.sort_unstable();
+        names.dedup();
+        names
+    }
+
+    /// Adapter `name` is loaded on the shards' hosts and takes `num_blocks` blocks when
+    /// paged in: the waiting requests that name it may join.
+    pub fn adapter_loaded(&mut self, name: &str, num_blocks: usize) {
+        for seq in self.waiting.iter_mut() {
+            if seq.adapter_id == name && seq.adapter_blocks.is_none() {
+                seq.adapter_blocks = Some(num_blocks);
+            }
+        }
+    }
+
+    /// The waiting requests whose adapter `name` is still to be loaded.
+    pub fn waiting_for_adapter(&self, name: &str) -> Vec<RequestId> {
+        self.waiting
+            .iter()
+            .filter(|s| s.adapter_id == name && s.adapter_blocks.is_none())
+            .map(|s| s.id)
+            .collect()
+    }
+
+    /// The adapters being unloaded: each leaves the pool as soon as no running request
+    /// uses it (now, for those already idle).
+    pub fn set_doomed(&mut self, names: HashSet<String>) {
+        for name in &names {
+            self.blocks.evict_adapter(name);
+        }
+        self.doomed = names;
+        self.adapters_out.extend(self.blocks.take_evicted());
+    }
+
+    /// A request joins the batch with its adapter: a reference on it when resident, else
+    /// it is paged in (its blocks taken, which the admission checked) with this step.
+    fn use_adapter(&mut self, seq: &Sequence, draft: &mut Draft) {
+        if !seq.has_adapter() || self.blocks.acquire_adapter(&seq.adapter_id) {
+            return;
+        }
+        let num_blocks = seq.adapter_blocks.expect("only loaded adapters join");
+        let blocks = self
+            .blocks
+            .page_in(&seq.adapter_id, num_blocks)
+            .expect("the need was checked");
+        draft.adapters_in.push(pb::AdapterPages {
+            name: seq.adapter_id.clone(),
+            blocks,
+        });
+    }
+
+    /// A request left the batch: its reference on its adapter goes, and an adapter being
+    /// unloaded leaves the pool with its last user.
+    fn leave_adapter(&mut self, seq: &Sequence) {
+        if !seq.has_adapter() {
+            return;
+        }
+        let users = self.blocks.release_adapter(&seq.adapter_id);
+        if users == 0 && self.doomed.contains(&seq.adapter_id) {
+            self.blocks.evict_adapter(&seq.adapter_id);
+            self.adapters_out.extend(self.blocks.take_evicted());
+        }
     }
 
     pub fn num_running(&self) -> usize {
@@ -510,6 +648,10 @@ impl Scheduler {
             seq.num_computed -= 1;
         }
         self.blocks.fork(parent, child);
+        if seq.has_adapter() {
+            let resident = self.blocks.acquire_adapter(&seq.adapter_id);
+            debug_assert!(resident, "a running parent's adapter is resident");
+        }
         self.running.push(seq);
         true
     }
@@ -518,7 +660,11 @@ impl Scheduler {
     /// the shards to drop its state at the next step.
     pub fn finish(&mut self, id: RequestId) -> Option<Sequence> {
         let mut seq = match self.running_index(id) {
-            Some(i) => self.running.remove(i),
+            Some(i) => {
+                let seq = self.running.remove(i);
+                self.leave_adapter(&seq);
+                seq
+            }
             None => self.waiting.remove(id)?,
         };
         self.blocks.free(id);
@@ -542,6 +688,9 @@ impl Scheduler {
         }
         self.host_free.append(&mut self.host_released);
         self.blocks.clear_cache();
+        // A new session starts with no adapter paged in on the shards.
+        self.blocks.clear_adapters();
+        self.adapters_out.clear();
         self.removed.clear();
         ids
     }
@@ -549,6 +698,7 @@ impl Scheduler {
     /// Preempts `seq` (already out of `running`): by swapping when asked and the host
     /// pool has room, else by recomputation.
     fn preempt(&mut self, mut seq: Sequence, draft: &mut Draft) {
+        self.leave_adapter(&seq);
         let table = self.blocks.table(seq.id);
         let swap = self.config.preemption == Preemption::Swap
             && seq.on_shard
@@ -863,17 +1013,20 @@ impl Scheduler {
     }
 
     /// The step's diff (4th in the module documentation), when it computes or moves
-    /// anything; else the removals wait for the next real step.
+    /// anything (blocks, or adapters out of the pool); else the removals wait for the next
+    /// real step.
     fn build_step(&mut self, draft: Draft) -> Schedule {
         let Draft {
             plan,
             copies,
             swap_out,
             swap_in,
+            adapters_in,
             mut out,
             ..
         } = draft;
-        if plan.is_empty() && swap_out.is_empty() {
+        self.adapters_out.extend(self.blocks.take_evicted());
+        if plan.is_empty() && swap_out.is_empty() && self.adapters_out.is_empty() {
             return out;
         }
         let mut step = pb::StepRequest {
@@ -882,6 +1035,8 @@ impl Scheduler {
             copies,
             swap_out,
             swap_in,
+            adapters_out: std::mem::take(&mut self.adapters_out),
+            adapters_in,
             ..Default::default()
         };
         self.step_id += 1;
@@ -939,6 +1094,7 @@ impl Scheduler {
     }
 
     fn drop_failed(&mut self, mut seq: Sequence) {
+        self.leave_adapter(&seq);
         self.blocks.free(seq.id);
         self.host_free.append(&mut seq.swapped);
         if seq.on_shard {
@@ -946,22 +1102,23 @@ impl Scheduler {
         }
     }
 
-    /// Whether the batching mode lets the queue's front join now; forms a new batch
-    /// (dynamic, static) when the previous one is done.
-    fn may_admit(&mut self, now: Instant, out: &mut Schedule) -> bool {
-        let Some(front) = self.waiting.front() else {
+    /// Whether the batching mode lets waiting request `i` join now; forms a new batch
+    /// (dynamic, static) from the front of the queue when the previous one is done.
+    fn may_admit(&mut self, i: usize, now: Instant, out: &mut Schedule) -> bool {
+        let Some(seq) = self.waiting.get(i) else {
             return false;
         };
         match self.config.batching {
             Batching::Continuous => true,
             Batching::None => self.running.is_empty(),
             Batching::Dynamic | Batching::Static => {
-                if front.in_batch {
+                if seq.in_batch {
                     return true;
                 }
                 if !self.running.is_empty() {
                     return false;
                 }
+                let front = self.waiting.front().expect("the queue holds `i`");
                 if self.config.batching == Batching::Dynamic
                     && self.waiting.len() < self.config.max_batch_size
                 {
@@ -975,81 +1132,142 @@ impl Scheduler {
                 for seq in self.waiting.iter_mut().take(size) {
                     seq.in_batch = true;
                 }
-                true
+                self.waiting.get(i).is_some_and(|s| s.in_batch)
             }
         }
     }
 
     /// Plans the waiting requests (3rd in the module documentation): in arrival order, as
     /// the batching mode, the budget, the batch size and the free blocks allow; a prompt's
-    /// cached prefix is shared, not computed.
+    /// cached prefix is shared, not computed. Requests whose adapter cannot join yet are
+    /// passed over and keep their place.
     fn admit(&mut self, now: Instant, draft: &mut Draft) {
         let cap = match self.config.batching {
             Batching::None => 1,
             _ => self.config.max_batch_size,
         };
-        while draft.budget > 0 && self.running.len() < cap && self.may_admit(now, &mut draft.out) {
-            let seq = self.waiting.front().expect("may_admit saw it");
-            let id = seq.id;
-            if !seq.swapped.is_empty() {
-                // Swapped out: its blocks come back from the host, then it goes on.
-                let n = self.chunk(seq, draft.budget);
-                let need = self.blocks.blocks_for(seq.num_computed + n);
-                if need > self.blocks.num_free() {
-                    break;
-                }
-                let mut seq = self.waiting.pop_front().expect("front exists");
-                let grown = self.blocks.grow_to(id, seq.num_computed + n);
-                debug_assert!(grown);
-                let table = self.blocks.table(id);
-                for (&src, &dst) in seq.swapped.iter().zip(table) {
-                    draft.swap_in.push(pb::BlockCopy { src, dst });
-                }
-                self.host_released.append(&mut seq.swapped);
-                self.join(seq, n, draft);
-                continue;
+        let mut i = 0;
+        while draft.budget > 0 && self.running.len() < cap && self.may_admit(i, now, &mut draft.out)
+        {
+            match self.admit_at(i, draft) {
+                Admitted::Joined | Admitted::Refused => {}
+                Admitted::Passed => i += 1,
+                Admitted::Wait => break,
             }
-            // Fresh, or preempted by recomputation: prefix cache first.
-            // Prompt logprobs need every prompt position computed: no prefix reuse then.
-            let m = if seq.prompt_logprobs && seq.num_generated() == 0 {
-                PrefixMatch::default()
-            } else {
-                self.blocks
-                    .match_prefix(&seq.token_ids, chain_seed(&seq.adapter_id))
-            };
-            if m.pending {
-                // The step that just ran is computing this prefix: join next step and share
-                // it instead of computing it twice.
-                break;
-            }
-            let cached = m.blocks.len() * self.blocks.block_size();
-            let n = (seq.token_ids.len() - cached).min(draft.budget);
-            let n = match self.config.max_prefill_chunk {
-                0 => n,
-                c if seq.token_ids.len() - cached > 1 => n.min(c),
-                _ => n,
-            };
-            // The whole chunk must fit: a newcomer squeezed into the last free blocks
-            // would only be preempted by the next decode that needs a block.
-            let need = self.blocks.blocks_for(cached + n) - m.blocks.len();
-            if need > self.blocks.num_free() - self.blocks.unused_in(&m) {
-                break;
-            }
-            if self.blocks.caching() {
-                draft.out.prefix_queried += seq.token_ids.len();
-                draft.out.prefix_hits += cached;
-            }
-            let mut seq = self.waiting.pop_front().expect("front exists");
-            self.blocks.adopt_prefix(id, &m);
-            let grown = self.blocks.grow_to(id, cached + n);
-            debug_assert!(grown, "the need was checked");
-            seq.num_computed = cached;
-            if !seq.started {
-                seq.started = true;
-                draft.out.admitted.push(id);
-            }
-            self.join(seq, n, draft);
         }
+    }
+
+    /// Blocks waiting request `seq`'s adapter takes from the free count when it joins
+    /// (its weights' blocks, unless running requests already use it), or why it cannot
+    /// join now.
+    fn adapter_need(&self, seq: &Sequence) -> Result<usize, Admitted> {
+        if !seq.has_adapter() {
+            return Ok(0);
+        }
+        let Some(num_blocks) = seq.adapter_blocks else {
+            return Err(Admitted::Passed); // its host load is not done
+        };
+        match self.blocks.adapter_users(&seq.adapter_id) {
+            Some(users) if users > 0 => Ok(0),
+            resident => {
+                if self.blocks.active_adapters() >= self.config.max_adapters_per_batch {
+                    return Err(Admitted::Passed); // the batch has its share of adapters
+                }
+                // Resident and idle: its blocks leave the evictable count.
+                Ok(resident.map_or(num_blocks, |_| {
+                    self.blocks.adapter_blocks(&seq.adapter_id).len()
+                }))
+            }
+        }
+    }
+
+    /// Admits waiting request `i` if it can join now (see `Admitted`).
+    fn admit_at(&mut self, i: usize, draft: &mut Draft) -> Admitted {
+        let seq = self.waiting.get(i).expect("may_admit saw it");
+        let id = seq.id;
+        let adapter_need = match self.adapter_need(seq) {
+            Ok(n) => n,
+            Err(why) => return why,
+        };
+        let adapter_blocks = seq.adapter_blocks.unwrap_or(0);
+        if seq.has_adapter()
+            && adapter_blocks + self.blocks.blocks_for(seq.final_kv_tokens())
+                > self.blocks.num_blocks()
+        {
+            let seq = self.waiting.remove_at(i).expect("it is there");
+            let message = format!(
+                "adapter {:?} takes {adapter_blocks} KV blocks and the request's tokens {} more, \
+                 but the cache holds {}",
+                seq.adapter_id,
+                self.blocks.blocks_for(seq.final_kv_tokens()),
+                self.blocks.num_blocks()
+            );
+            self.host_free.extend(&seq.swapped);
+            draft.out.refused.push((id, message));
+            return Admitted::Refused;
+        }
+        if !seq.swapped.is_empty() {
+            // Swapped out: its blocks come back from the host, then it goes on.
+            let n = self.chunk(seq, draft.budget);
+            let need = self.blocks.blocks_for(seq.num_computed + n);
+            if need + adapter_need > self.blocks.num_free() {
+                return Admitted::Wait;
+            }
+            let mut seq = self.waiting.remove_at(i).expect("it is there");
+            self.use_adapter(&seq, draft);
+            let grown = self.blocks.grow_to(id, seq.num_computed + n);
+            debug_assert!(grown);
+            let table = self.blocks.table(id);
+            for (&src, &dst) in seq.swapped.iter().zip(table) {
+                draft.swap_in.push(pb::BlockCopy { src, dst });
+            }
+            self.host_released.append(&mut seq.swapped);
+            self.join(seq, n, draft);
+            return Admitted::Joined;
+        }
+        // Fresh, or preempted by recomputation: prefix cache first.
+        // Prompt logprobs need every prompt position computed: no prefix reuse then.
+        let m = if seq.prompt_logprobs && seq.num_generated() == 0 {
+            PrefixMatch::default()
+        } else {
+            self.blocks
+                .match_prefix(&seq.token_ids, chain_seed(&seq.adapter_id))
+        };
+        if m.pending {
+            // The step that just ran is computing this prefix: join next step and share
+            // it instead of computing it twice.
+            return Admitted::Wait;
+        }
+        let cached = m.blocks.len() * self.blocks.block_size();
+        let n = (seq.token_ids.len() - cached).min(draft.budget);
+        let n = match self.config.max_prefill_chunk {
+            0 => n,
+            c if seq.token_ids.len() - cached > 1 => n.min(c),
+            _ => n,
+        };
+        // The whole chunk must fit: a newcomer squeezed into the last free blocks
+        // would only be preempted by the next decode that needs a block.
+        let need = self.blocks.blocks_for(cached + n) - m.blocks.len();
+        if need + adapter_need > self.blocks.num_free() - self.blocks.unused_in(&m) {
+            return Admitted::Wait;
+        }
+        if self.blocks.caching() {
+            draft.out.prefix_queried += seq.token_ids.len();
+            draft.out.prefix_hits += cached;
+        }
+        let mut seq = self.waiting.remove_at(i).expect("it is there");
+        // The matched blocks first, so that paging the adapter in cannot evict them.
+        self.blocks.adopt_prefix(id, &m);
+        self.use_adapter(&seq, draft);
+        let grown = self.blocks.grow_to(id, cached + n);
+        debug_assert!(grown, "the need was checked");
+        seq.num_computed = cached;
+        if !seq.started {
+            seq.started = true;
+            draft.out.admitted.push(id);
+        }
+        self.join(seq, n, draft);
+        Admitted::Joined
     }
 
     /// Puts an admitted request among the running ones, in arrival order, with its
@@ -1059,6 +1277,37 @@ impl Scheduler {
         let pos = self.running.partition_point(|s| s.id < id);
         self.running.insert(pos, seq);
         self.plan_tokens(draft, id, n);
+    }
+
+    /// Every running request's adapter is resident, each resident adapter counts exactly
+    /// the running requests that use it, and the batch holds at most
+    /// `max_adapters_per_batch` of them.
+    fn check_adapters(&self) -> Result<(), String> {
+        let mut users: std::collections::HashMap<&str, usize> = Default::default();
+        for seq in self.running.iter().filter(|s| s.has_adapter()) {
+            *users.entry(seq.adapter_id.as_str()).or_default() += 1;
+        }
+        for (name, &n) in &users {
+            if self.blocks.adapter_users(name) != Some(n) {
+                return Err(format!(
+                    "adapter {name}: {n} running users, resident with {:?}",
+                    self.blocks.adapter_users(name)
+                ));
+            }
+        }
+        for (name, n) in self.blocks.resident_adapters() {
+            if n != users.get(name).copied().unwrap_or(0) {
+                return Err(format!("resident adapter {name} counts {n} users"));
+            }
+        }
+        if users.len() > self.config.max_adapters_per_batch {
+            return Err(format!(
+                "{} adapters in the batch, at most {}",
+                users.len(),
+                self.config.max_adapters_per_batch
+            ));
+        }
+        Ok(())
     }
 
     /// Checks the bookkeeping (tests and debug builds).
@@ -1084,6 +1333,7 @@ impl Scheduler {
                 return Err(format!("running request {} is swapped out", seq.id));
             }
         }
+        self.check_adapters()?;
         let mut host = self.host_free.clone();
         host.extend(&self.host_released);
         for seq in self.waiting.iter() {

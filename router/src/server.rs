@@ -60,8 +60,38 @@ pub struct Info {
     /// `max_step_tokens` (the load switch's threshold) and where it came from
     /// (`threshold_source`), `draft_model`, `ngram` (`min..max`).
     pub speculative: std::collections::BTreeMap<String, String>,
+    /// LoRA adapters, when any LoRA option is on (filled in when /info is asked: adapters
+    /// come and go).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lora: Option<LoraInfo>,
     pub version: &'static str,
     pub router: &'static str,
+}
+
+/// `/info`'s `lora`.
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+pub struct LoraInfo {
+    /// The adapters requests may name, by name.
+    pub adapters: Vec<String>,
+    pub max_cpu_adapters: usize,
+    pub max_adapters_per_batch: usize,
+    /// `--lora-dir`, when set.
+    pub lora_dir: Option<String>,
+    /// `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` are served.
+    pub runtime_loading: bool,
+}
+
+impl LoraInfo {
+    fn of(adapters: &crate::lora::Registry) -> Option<Self> {
+        let config = adapters.config();
+        config.enabled().then(|| Self {
+            adapters: adapters.listed().into_iter().map(|a| a.name).collect(),
+            max_cpu_adapters: config.max_cpu_adapters,
+            max_adapters_per_batch: config.max_adapters_per_batch,
+            lora_dir: config.dir.as_ref().map(|d| d.display().to_string()),
+            runtime_loading: config.allow_runtime,
+        })
+    }
 }
 
 #[derive(Clone)]
@@ -79,11 +109,17 @@ pub struct AppState {
 
 /// Every route, without access control or CORS (see `access::layers`).
 pub fn router(state: AppState) -> Router {
+    let runtime_lora = if state.infer.adapters().config().allow_runtime {
+        crate::openai::lora_routes()
+    } else {
+        Router::new()
+    };
     Router::new()
         .route("/", post(compat_generate))
         .route("/generate", post(generate))
         .route("/generate_stream", post(generate_stream))
         .merge(crate::openai::routes())
+        .merge(runtime_lora)
         // The routes above: each request gets its `x-request-id` and, with traces on, spans.
         .route_layer(axum::middleware::from_fn(crate::request_scope::scope))
         .route("/tokenize", post(tokenize))
@@ -476,7 +512,9 @@ pub async fn ready(State(state): State<AppState>) -> Response {
 
 #[utoipa::path(get, path = "/info", tag = "TGI", responses((status = 200, body = Info)))]
 pub async fn info(State(state): State<AppState>) -> Json<Info> {
-    Json(state.info)
+    let mut info = state.info;
+    info.lora = LoraInfo::of(state.infer.adapters());
+    Json(info)
 }
 
 /// `GET /metrics`: Prometheus text, with the shard-side token counters summed over the

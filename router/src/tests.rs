@@ -21,6 +21,7 @@ use crate::constraints::{tok_env, Compiler, MaskShape};
 use crate::detokenize::testing;
 use crate::error::ShardError;
 use crate::infer::{Infer, LoopConfig, SpeculativeConfig, SpeculativeMethod};
+use crate::lora::{AdapterShards, LoraConfig, Registry, Reply};
 use crate::pb;
 use crate::readiness::{HealthProbe, Readiness};
 use crate::scheduler::SchedulerConfig;
@@ -29,6 +30,8 @@ use crate::validation::{Constraints, Validation};
 
 /// `/health`, `/ready`, the drain, and what gateways read.
 mod lifecycle;
+/// LoRA adapters: host loads, paging into the KV pool, the HTTP surface.
+mod lora;
 /// Several shard groups behind one router.
 mod replicas;
 /// The request id from HTTP to the shard.
@@ -60,6 +63,8 @@ struct FakeRequest {
     seed: u64,
     /// Return the prompt's logprobs with the first token (each -1.0).
     prompt_logprobs: bool,
+    /// Its LoRA adapter ("" = the base model): mixed into its tokens.
+    adapter: String,
 }
 
 /// How the fake picks tokens.
@@ -106,6 +111,44 @@ struct FakeState {
     /// Speculative decoding: proposals verified, and accepted.
     proposed: usize,
     accepted: usize,
+    /// LoRA adapters parsed into host memory (the blocks each takes), and those paged
+    /// into the pool (their blocks).
+    host_adapters: HashMap<String, u32>,
+    paged: HashMap<String, Vec<u32>>,
+    /// LoadAdapter calls answered (refusals included), DropAdapter calls, in order.
+    adapter_loads: Vec<String>,
+    adapter_drops: Vec<String>,
+    /// Adapters paged in and out over every step.
+    pages_in: usize,
+    pages_out: usize,
+    /// The most distinct adapters among the requests one step computed.
+    max_step_adapters: usize,
+}
+
+/// What the fake's LoadAdapter makes of each adapter folder (shared by every replica's
+/// fake, as the folders are).
+#[derive(Clone, Default)]
+struct FakeAdapters {
+    /// Folder -> KV blocks its weights take, or the refusal's message.
+    folders: Arc<Mutex<HashMap<String, Result<u32, String>>>>,
+    /// While true, LoadAdapter waits (a slow load).
+    held: Arc<tokio::sync::watch::Sender<bool>>,
+}
+
+impl FakeAdapters {
+    fn add(&self, folder: &str, num_blocks: u32) {
+        self.folders
+            .lock()
+            .unwrap()
+            .insert(folder.into(), Ok(num_blocks));
+    }
+
+    fn refuse(&self, folder: &str, why: &str) {
+        self.folders
+            .lock()
+            .unwrap()
+            .insert(folder.into(), Err(why.into()));
+    }
 }
 
 /// What the fake answers to `Health`.
@@ -136,6 +179,8 @@ struct FakeShard {
     health: Arc<Mutex<FakeHealth>>,
     /// The forward heartbeats `Health` reports.
     heartbeats: Arc<std::sync::atomic::AtomicU64>,
+    /// The adapter folders LoadAdapter finds.
+    adapters: FakeAdapters,
 }
 
 impl FakeShard {
@@ -149,6 +194,7 @@ impl FakeShard {
             paused: Arc::new(tokio::sync::watch::channel(false).0),
             health: Arc::new(Mutex::new(FakeHealth::Ready)),
             heartbeats: Arc::default(),
+            adapters: FakeAdapters::default(),
         }
     }
 
@@ -163,6 +209,10 @@ impl FakeShard {
                 let mut h: u64 = 0xcbf29ce484222325;
                 if matches!(self.script, Script::Seeded) {
                     h = (h ^ r.seed).wrapping_mul(0x100000001b3);
+                }
+                // An adapter changes the model, so its tokens.
+                for b in r.adapter.bytes() {
+                    h = (h ^ b as u64).wrapping_mul(0x100000001b3);
                 }
                 for &t in tokens {
                     h = (h ^ t as u64).wrapping_mul(0x100000001b3);
@@ -242,6 +292,7 @@ impl FakeShard {
             }
             s.removed.push(*id);
         }
+        self.page(s, &req, &mut v);
         for j in &req.joined {
             s.joined_request_ids.push(j.request_id.clone());
             if s.requests.contains_key(&j.id) {
@@ -256,6 +307,7 @@ impl FakeShard {
                     blocks: j.block_table.clone(),
                     seed: j.sampling.as_ref().map_or(0, |p| p.seed),
                     prompt_logprobs: j.prompt_logprobs,
+                    adapter: j.adapter_id.clone(),
                 },
             );
         }
@@ -305,6 +357,14 @@ impl FakeShard {
             }
         }
         s.max_live_blocks = s.max_live_blocks.max(holders.len());
+        self.check_adapters(s, &holders, &mut v);
+        let step_adapters: std::collections::HashSet<&str> = scheduled
+            .iter()
+            .filter_map(|(id, _)| s.requests.get(id))
+            .filter(|r| !r.adapter.is_empty())
+            .map(|r| r.adapter.as_str())
+            .collect();
+        s.max_step_adapters = s.max_step_adapters.max(step_adapters.len());
         let mut generations = Vec::new();
         let mut computed_tokens = 0;
         for (id, n) in scheduled {
@@ -382,6 +442,105 @@ impl FakeShard {
     }
 }
 
+impl FakeShard {
+    /// The step's adapters out, then in (after swaps and copies, before joins, as the
+    /// contract orders them): only host-loaded adapters are paged in, each once, into
+    /// blocks of the cache, as many as its load said.
+    fn page(&self, s: &mut FakeState, req: &pb::StepRequest, v: &mut Vec<String>) {
+        for name in &req.adapters_out {
+            if s.paged.remove(name).is_none() {
+                v.push(format!("adapter {name} paged out but not in"));
+            }
+            s.pages_out += 1;
+        }
+        for a in &req.adapters_in {
+            match s.host_adapters.get(&a.name) {
+                None => v.push(format!("adapter {} paged in before it was loaded", a.name)),
+                Some(&n) if n as usize != a.blocks.len() => v.push(format!(
+                    "adapter {} takes {n} blocks, paged into {}",
+                    a.name,
+                    a.blocks.len()
+                )),
+                Some(_) => {}
+            }
+            if let Some(&b) = a.blocks.iter().find(|&&b| b as usize >= self.num_blocks) {
+                v.push(format!("adapter {} in block {b} beyond the cache", a.name));
+            }
+            if s.paged.insert(a.name.clone(), a.blocks.clone()).is_some() {
+                v.push(format!("adapter {} paged in twice", a.name));
+            }
+            s.pages_in += 1;
+        }
+    }
+
+    /// After the step's diff: every live request's adapter is paged in, and no block holds
+    /// both an adapter and a request's KV, or two adapters.
+    fn check_adapters(&self, s: &FakeState, holders: &HashMap<u32, usize>, v: &mut Vec<String>) {
+        for (id, r) in &s.requests {
+            if !r.adapter.is_empty() && !s.paged.contains_key(&r.adapter) {
+                v.push(format!(
+                    "request {id} runs adapter {} not paged in",
+                    r.adapter
+                ));
+            }
+        }
+        let mut owner: HashMap<u32, &str> = HashMap::new();
+        for (name, blocks) in &s.paged {
+            for &b in blocks {
+                if holders.contains_key(&b) {
+                    v.push(format!(
+                        "adapter {name}'s block {b} is in a request's table"
+                    ));
+                }
+                if let Some(other) = owner.insert(b, name) {
+                    v.push(format!("block {b} holds adapters {other} and {name}"));
+                }
+            }
+        }
+    }
+}
+
+impl AdapterShards for FakeShard {
+    fn load_adapter(&self, name: &str, path: &str) -> Reply<Vec<pb::LoadAdapterResponse>> {
+        let shard = self.clone();
+        let (name, path) = (name.to_string(), path.to_string());
+        Box::pin(async move {
+            let _ = shard.adapters.held.subscribe().wait_for(|held| !held).await;
+            let found = shard.adapters.folders.lock().unwrap().get(&path).cloned();
+            let mut s = shard.state.lock().unwrap();
+            s.adapter_loads.push(name.clone());
+            let num_blocks = match found {
+                None => return Err(format!("{path}: no adapter_config.json")),
+                Some(Err(why)) => return Err(format!("adapter {name:?}: {why}")),
+                Some(Ok(n)) => n,
+            };
+            if s.host_adapters.insert(name.clone(), num_blocks).is_some() {
+                s.violations.push(format!("adapter {name} loaded twice"));
+            }
+            Ok(vec![pb::LoadAdapterResponse {
+                num_blocks,
+                max_rank: 8,
+                target_modules: vec!["q_proj".into(), "v_proj".into()],
+                bytes: 1 << 20,
+            }])
+        })
+    }
+
+    fn drop_adapter(&self, name: &str) -> Reply<()> {
+        let mut s = self.state.lock().unwrap();
+        if s.paged.contains_key(name) {
+            s.violations
+                .push(format!("adapter {name} dropped while paged in"));
+        }
+        if s.host_adapters.remove(name).is_none() {
+            s.violations
+                .push(format!("adapter {name} dropped but not loaded"));
+        }
+        s.adapter_drops.push(name.to_string());
+        Box::pin(async { Ok(()) })
+    }
+}
+
 impl Backend for FakeShard {
     fn step(
         &self,
@@ -434,6 +593,8 @@ impl Backend for FakeShard {
     fn end_session(&self) {
         let mut s = self.state.lock().unwrap();
         s.requests.clear();
+        // A new session starts with no adapter paged in.
+        s.paged.clear();
         s.broken = false;
         s.session += 1;
     }
@@ -489,6 +650,8 @@ struct Setup {
     replicas: usize,
     /// Speculative decoding (`--speculative`).
     speculative: Option<SpeculativeConfig>,
+    /// The LoRA flags.
+    lora: LoraConfig,
 }
 
 fn setup(script: Script) -> Setup {
@@ -502,6 +665,7 @@ fn setup(script: Script) -> Setup {
         stall_timeout: Duration::from_secs(5),
         replicas: 1,
         speculative: None,
+        lora: LoraConfig::default(),
     }
 }
 
@@ -581,6 +745,19 @@ impl Setup {
         self
     }
 
+    /// The LoRA flags (`--lora-adapters` are loaded by `start`).
+    fn lora(mut self, config: LoraConfig) -> Self {
+        self.lora = config;
+        self
+    }
+
+    /// Builds the harness and loads the `--lora-adapters`, as the router's start does.
+    async fn start(self) -> Result<Harness, String> {
+        let h = self.build();
+        h.infer.adapters().load_at_start().await?;
+        Ok(h)
+    }
+
     /// How long each step takes (so requests stay in flight a while).
     fn step_delay(mut self, delay: Duration) -> Self {
         self.shard.delay = delay;
@@ -598,6 +775,7 @@ impl Setup {
             stall_timeout,
             replicas,
             speculative,
+            lora,
         } = self;
         let limits = Limits {
             max_input_tokens: 48,
@@ -629,6 +807,7 @@ impl Setup {
             kernels: [("isa".to_string(), "scalar".to_string())].into(),
             quantization: [("weights".to_string(), "float32".to_string())].into(),
             speculative: Default::default(),
+            lora: None,
             version: "test",
             router: "cadence",
         };
@@ -645,6 +824,20 @@ impl Setup {
             BLOCK_SIZE,
         );
         scheduler.speculative_max_step_tokens = speculative.map_or(0, |s| s.max_step_tokens);
+        scheduler.max_adapters_per_batch = lora.max_adapters_per_batch;
+        let fakes: Vec<FakeShard> = std::iter::once(shard.clone())
+            .chain((1..replicas).map(|_| {
+                let mut other = FakeShard::new(shard.script.clone(), shard.num_blocks);
+                other.delay = shard.delay;
+                other.adapters = shard.adapters.clone();
+                other
+            }))
+            .collect();
+        let groups = fakes
+            .iter()
+            .map(|f| Arc::new(f.clone()) as Arc<dyn AdapterShards>)
+            .collect();
+        let adapters = Registry::new(lora, groups);
         let config = LoopConfig {
             scheduler,
             eos_token_ids: vec![testing::eos_id()],
@@ -657,14 +850,8 @@ impl Setup {
             },
             grammar_fast_forward: true,
             speculative,
+            adapters,
         };
-        let fakes: Vec<FakeShard> = std::iter::once(shard.clone())
-            .chain((1..replicas).map(|_| {
-                let mut other = FakeShard::new(shard.script.clone(), shard.num_blocks);
-                other.delay = shard.delay;
-                other
-            }))
-            .collect();
         let loops = fakes.iter().map(|f| (f.clone(), config.clone())).collect();
         let infer = Infer::spawn_replicas(loops, validation, max_concurrent);
         let probes = fakes
@@ -697,6 +884,17 @@ impl Harness {
 
     async fn get(&self, path: &str) -> (StatusCode, HeaderMap, String) {
         self.send(get(path)).await
+    }
+
+    async fn get_text(&self, path: &str) -> (StatusCode, String) {
+        let (status, _, text) = self.get(path).await;
+        (status, text)
+    }
+
+    async fn get_json(&self, path: &str) -> (StatusCode, Value) {
+        let (status, text) = self.get_text(path).await;
+        let value = serde_json::from_str(&text).unwrap_or_else(|_| panic!("not JSON: {text}"));
+        (status, value)
     }
 
     async fn post_raw(

@@ -108,7 +108,8 @@ pub struct GenerateParameters {
     /// `{"type": "regex", "value": "<regular expression>"}`.
     #[schema(value_type = Option<Object>)]
     pub grammar: Option<serde_json::Value>,
-    /// The base model's id or null (no adapters are loaded).
+    /// A LoRA adapter's name (`--lora-adapters`, `--lora-dir`, `/v1/load_lora_adapter`);
+    /// the base model's id or null for the base model.
     pub adapter_id: Option<String>,
 }
 
@@ -284,14 +285,11 @@ impl Validation {
             Some(grammar) => Some(tgi_grammar(grammar)?),
             None => extra.constraint.clone(),
         };
+        // The base model, or an adapter's name (which `Infer::submit` resolves).
         let adapter_id = match p.adapter_id.as_deref() {
             None | Some("") => String::new(),
             Some(id) if id == self.model_id => String::new(),
-            Some(id) => {
-                return Err(invalid(format!(
-                    "parameters.adapter_id: unknown adapter {id:?} (no adapters are loaded)"
-                )))
-            }
+            Some(id) => id.to_string(),
         };
         if p.max_new_tokens == Some(0) {
             return Err(invalid(

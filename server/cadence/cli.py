@@ -231,6 +231,7 @@ def _launch_parser(sub: Any) -> None:
     add("--cors-allow-origin", help="CORS origins allowed (comma-separated, or *)")
     _add_scheduler_flags(p, add)
     _add_speculative_flags(add)
+    _add_lora_flags(p, add)
     add(
         "--grammar-compile-timeout-ms",
         type=_positive_int,
@@ -353,6 +354,39 @@ def _add_speculative_flags(add: Add) -> None:
         help="proposals are added to a step only while it holds at most this many tokens, "
         "past which verifying them costs more than they save (0: the shards' threshold, "
         "measured by `cadence bench` or their device's default)",
+    )
+
+
+def _add_lora_flags(p: argparse.ArgumentParser, add: Add) -> None:
+    """The router's LoRA adapter flags (docs/api.md, "LoRA adapters"), forwarded as they are."""
+    add(
+        "--lora-adapters",
+        help="LoRA adapters loaded at start, comma-separated name=path (PEFT folders); "
+        "requests name them in OpenAI's model or TGI's parameters.adapter_id. One the "
+        "shards refuse stops the start, with their reason",
+    )
+    add(
+        "--lora-dir",
+        help="folder of LoRA adapters: a request naming an unknown adapter N gets the one "
+        "in DIR/N (with its adapter_config.json), loaded on first use",
+    )
+    add(
+        "--max-cpu-adapters",
+        type=_positive_int,
+        help="most adapters kept parsed in the shards' host memory; past it the least "
+        "recently used one that no request uses and no KV pool holds is dropped (loaded "
+        "again when named)",
+    )
+    add(
+        "--max-adapters-per-batch",
+        type=_positive_int,
+        help="most distinct adapters in one step; requests for another adapter wait",
+    )
+    add_switch(
+        p,
+        "--allow-runtime-lora",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+        "shapes); without it they are 404",
     )
 
 

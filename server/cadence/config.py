@@ -141,3 +141,11 @@ class LaunchConfig:
     ngram_min: int | None = _router()
     ngram_max: int | None = _router()
     speculative_max_step_tokens: int | None = _router()
+    # LoRA adapters (docs/api.md, "LoRA adapters"): loaded at start (comma-separated
+    # name=path), found in a folder on first use, the shards' host cache and the batch's
+    # bounds, runtime loading
+    lora_adapters: str | None = _router()
+    lora_dir: str | None = _router()
+    max_cpu_adapters: int | None = _router()
+    max_adapters_per_batch: int | None = _router()
+    allow_runtime_lora: bool = _router(False)

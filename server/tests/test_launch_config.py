@@ -73,6 +73,8 @@ def test_every_router_flag_the_launcher_can_pass_is_one_the_router_parses(
     values = {"preemption": "swap", "batching": "dynamic", "memory_fraction": 0.5}
     values |= {"speculative": "ngram"}
     values |= {"api_key_file": "/k", "cors_allow_origin": "*"}
+    values |= {"lora_adapters": "sql=/a/sql,chat=/a/chat", "lora_dir": "/loras"}
+    values |= {"allow_runtime_lora": True}
     cfg = LaunchConfig(
         kv_cache_memory=1 << 20,
         **{
@@ -127,3 +129,18 @@ def test_the_trace_flags_reach_the_router() -> None:
     argv = _router_argv(config_from(args, LaunchConfig))
     assert argv[argv.index("--otlp-endpoint") + 1] == "http://collector:4318"
     assert argv[argv.index("--otlp-service-name") + 1] == "llm"
+
+
+def test_the_lora_flags_reach_the_router() -> None:
+    args = build_parser().parse_args(
+        ["launch", "--lora-adapters", "sql=/a/sql,chat=/a/chat", "--lora-dir", "/loras"]
+        + ["--max-cpu-adapters", "8", "--max-adapters-per-batch", "2", "--allow-runtime-lora"]
+    )
+    argv = _router_argv(config_from(args, LaunchConfig))
+    assert argv[argv.index("--lora-adapters") + 1] == "sql=/a/sql,chat=/a/chat"
+    assert argv[argv.index("--lora-dir") + 1] == "/loras"
+    assert argv[argv.index("--max-cpu-adapters") + 1] == "8"
+    assert argv[argv.index("--max-adapters-per-batch") + 1] == "2"
+    assert "--allow-runtime-lora" in argv
+    plain = _router_argv(LaunchConfig())
+    assert not any("lora" in a or "adapters" in a for a in plain)

@@ -2,7 +2,9 @@
 //! state. It takes new requests, drops those whose client left, schedules, sends each
 //! step to the shards and applies their answer (`output`); a step that fails fails every
 //! request in flight. It records when it waits for a step (`progress`, for `/ready`), and
-//! when a drain is cut it fails every request it still holds and stops.
+//! when a drain is cut it fails every request it still holds and stops. LoRA adapters
+//! (`adapters`): before each schedule it learns which adapters the waiting requests wait
+//! for have loaded, and it tells the registry what its steps page in and out.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -22,6 +24,7 @@ use crate::constraints::MaskShape;
 use crate::detokenize::TokenizerInfo;
 use crate::drain::Drain;
 use crate::error::{InferError, ShardError};
+use crate::lora::{Registry, Residency};
 use crate::metrics::{LoadGauges, Metrics};
 use crate::pb;
 use crate::scheduler::{Schedule, Scheduler, SchedulerConfig};
@@ -43,6 +46,8 @@ pub struct LoopConfig {
     pub grammar_fast_forward: bool,
     /// Speculative decoding (None: off).
     pub speculative: Option<SpeculativeConfig>,
+    /// The LoRA adapter registry, shared by every replica and the HTTP side.
+    pub adapters: Arc<Registry>,
 }
 
 /// What the loop shares with the HTTP side.
@@ -62,6 +67,8 @@ pub(super) struct InFlight {
     samples: Vec<RequestId>,
     /// Requests whose proposals it verifies.
     speculating: usize,
+    /// Adapters it pages out: the shards no longer hold them once it is answered.
+    adapters_out: Vec<String>,
     sent: Instant,
     answer: JoinHandle<Result<pb::StepResponse, ShardError>>,
     /// The traced requests' prefill chunks in it (`spans`), ended by its answer.
@@ -89,6 +96,14 @@ pub(super) struct Loop<B> {
     pub(super) speculation: Option<Speculation>,
     /// The oldest step sent and not yet applied.
     pub(super) in_flight: Option<InFlight>,
+    /// The adapters this replica's steps have paged in, as told to the registry.
+    pub(super) residency: Residency,
+    /// Wakes the loop when an adapter's load ends or an adapter is unloaded.
+    pub(super) adapter_changes: tokio::sync::watch::Receiver<u64>,
+    /// The registry's version last applied (`sync_adapters`).
+    pub(super) adapters_seen: u64,
+    /// Nothing can run until an adapter's load ends (or a request arrives).
+    pub(super) awaiting_adapters: bool,
 }
 
 /// Runs the loop until every handle (`Infer`) is dropped, or until a drain is cut.
@@ -127,6 +142,10 @@ pub(super) async fn run<B: Backend>(
         fast_forward: config.grammar_fast_forward,
         speculation: config.speculative.map(Speculation::new),
         in_flight: None,
+        adapter_changes: config.adapters.subscribe(),
+        residency: Residency::new(config.adapters),
+        adapters_seen: 0,
+        awaiting_adapters: false,
     };
     // The loop's future holds `lp` and `rx`: dropped here when the cut wins, so the
     // requests left can be failed (a step it was waiting for is abandoned).
@@ -143,13 +162,18 @@ impl<B: Backend> Loop<B> {
     /// Takes requests and runs steps until every handle is dropped.
     async fn serve(&mut self, rx: &mut mpsc::UnboundedReceiver<Admission>) {
         loop {
-            // New requests; sleep on the channel only when there is nothing to run (or
-            // nothing before `wake_at`).
-            if !self.scheduler.has_work() && self.in_flight.is_none() {
-                match rx.recv().await {
-                    Some(admission) => self.admit(admission),
-                    None => return,
+            // New requests; sleep on the channel (and the adapters' changes) only when
+            // there is nothing to run (or nothing before `wake_at`).
+            let idle = !self.scheduler.has_work() && self.in_flight.is_none();
+            if idle || std::mem::take(&mut self.awaiting_adapters) {
+                tokio::select! {
+                    admission = rx.recv() => match admission {
+                        Some(admission) => self.admit(admission),
+                        None => return,
+                    },
+                    _ = self.adapter_changes.changed() => {}
                 }
+                self.sync_adapters();
             } else if let Some(at) = self.wake_at.take() {
                 tokio::select! {
                     admission = rx.recv() => match admission {
@@ -192,6 +216,7 @@ impl<B: Backend> Loop<B> {
     /// `error`, and forgets them and their blocks.
     fn fail_all(&mut self, error: InferError) {
         self.scheduler.reset();
+        self.residency.release_all();
         let siblings = self.siblings.drain().flat_map(|(_, s)| s).map(|s| s.entry);
         for mut entry in self.entries.drain().map(|(_, e)| e).chain(siblings) {
             self.metrics.requests_failed.add(1);
@@ -242,6 +267,7 @@ impl<B: Backend> Loop<B> {
             if let Some(speculation) = self.speculation.as_mut() {
                 speculation.propose(&mut self.scheduler);
             }
+            self.sync_adapters();
             let schedule = self.scheduler.schedule();
             match self.send(schedule).await {
                 Some(step) => {
@@ -249,7 +275,10 @@ impl<B: Backend> Loop<B> {
                     self.progress.waiting();
                 }
                 None => {
-                    // Only preemptions happened, or a dynamic batch is filling.
+                    // Only preemptions happened, a dynamic batch is filling, or the
+                    // waiting requests wait for their adapters' loads.
+                    self.awaiting_adapters = self.scheduler.num_running() == 0
+                        && !self.scheduler.adapters_awaited().is_empty();
                     self.record_state();
                     tokio::task::yield_now().await;
                     return;
@@ -272,6 +301,7 @@ impl<B: Backend> Loop<B> {
             && !self.any_constrained()
             && !speculating
         {
+            self.sync_adapters();
             let schedule = self.scheduler.schedule_ahead();
             next = self.send(schedule).await;
             self.wake_at = None; // decided again once the step in flight is applied
@@ -301,6 +331,12 @@ impl<B: Backend> Loop<B> {
                 InferError::Generation("the request does not fit in the KV cache".into()),
             );
         }
+        for (id, why) in schedule.refused {
+            self.fail(
+                id,
+                InferError::Validation(format!("parameters.adapter_id: {why}")),
+            );
+        }
         if !schedule.preempted.is_empty() || !schedule.swapped_out.is_empty() {
             tracing::info!(
                 recomputed = ?schedule.preempted,
@@ -322,6 +358,9 @@ impl<B: Backend> Loop<B> {
         }
         let prefill_spans = self.prefill_spans(&step);
         self.scheduler.expect_samples(&schedule.samples);
+        self.residency
+            .paged_in(step.adapters_in.iter().map(|a| a.name.as_str()));
+        let adapters_out = step.adapters_out.clone();
         let step_id = step.step_id;
         // Handed to the shards now, in step_id order (the spawned task only waits).
         let answer = self.backend.step(step);
@@ -330,6 +369,7 @@ impl<B: Backend> Loop<B> {
             num_tokens: schedule.num_tokens,
             samples: schedule.samples,
             speculating: schedule.speculating,
+            adapters_out,
             sent,
             answer: tokio::spawn(answer),
             prefill_spans,
@@ -418,6 +458,7 @@ impl<B: Backend> Loop<B> {
             sent,
             answer,
             prefill_spans,
+            adapters_out,
             ..
         } = step;
         let answer = match answer.await {
@@ -427,6 +468,8 @@ impl<B: Backend> Loop<B> {
                 message: format!("the step task ended: {e}"),
             }),
         };
+        // Answered or failed, the shards no longer hold what it paged out.
+        self.residency.paged_out(&adapters_out);
         drop(prefill_spans); // the chunks are computed (or failed): their spans end
 
         match answer {

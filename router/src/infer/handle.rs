@@ -16,6 +16,7 @@ use super::progress::StepClock;
 use crate::client::Backend;
 use crate::drain::Drain;
 use crate::error::InferError;
+use crate::lora::{AdapterPin, Registry};
 use crate::metrics::{LoadGauges, Metrics};
 use crate::request_scope::RequestContext;
 use crate::validation::{Extra, GenerateParameters, Prompt, ValidRequest, Validation};
@@ -64,10 +65,12 @@ impl Drop for QueueSlot {
 }
 
 /// What a request holds from admission to its end: its place among the concurrent
-/// requests, and its count on the replica it went to (which the balancer reads).
+/// requests, its count on the replica it went to (which the balancer reads), and its LoRA
+/// adapter in use (never dropped from the shards' host memory meanwhile).
 pub(super) struct Held {
     _permit: OwnedSemaphorePermit,
     _on_replica: Assigned,
+    _adapter: Option<AdapterPin>,
 }
 
 /// One request counted on a replica while it lives.
@@ -108,6 +111,7 @@ pub struct Infer {
     drain: Arc<Drain>,
     replicas: Arc<[Replica]>,
     balancer: Arc<Balancer>,
+    adapters: Arc<Registry>,
 }
 
 impl Infer {
@@ -135,6 +139,10 @@ impl Infer {
             replicas.len(),
         ));
         let max_waiting_requests = first.max_waiting_requests;
+        let adapters = first.adapters.clone();
+        if adapters.enabled() {
+            metrics.enable_lora(adapters.metrics().clone());
+        }
         let balancer = Arc::new(Balancer::new(first.scheduler.block_size));
         let drain = Arc::new(Drain::default());
         let tokenizer = validation.tokenizer.clone();
@@ -170,7 +178,13 @@ impl Infer {
             drain,
             replicas: handles,
             balancer,
+            adapters,
         }
+    }
+
+    /// The LoRA adapters requests may name.
+    pub fn adapters(&self) -> &Arc<Registry> {
+        &self.adapters
     }
 
     pub fn metrics(&self) -> &Arc<Metrics> {
@@ -237,7 +251,25 @@ impl Infer {
             .validation
             .validate_prompt(prompt, parameters, extra)
             .await?;
-        self.enqueue(request, permit)
+        let adapter = self.pin_adapter(&request.adapter_id)?;
+        self.enqueue(request, permit, adapter)
+    }
+
+    /// Keeps the request's adapter in use (and starts its load) or answers 422 naming
+    /// `parameters.adapter_id`.
+    fn pin_adapter(&self, name: &str) -> Result<Option<AdapterPin>, InferError> {
+        if name.is_empty() {
+            return Ok(None);
+        }
+        match self.adapters.pin(name) {
+            Some(pin) => Ok(Some(pin)),
+            None if self.adapters.enabled() => Err(InferError::Validation(format!(
+                "parameters.adapter_id: unknown adapter {name:?}"
+            ))),
+            None => Err(InferError::Validation(format!(
+                "parameters.adapter_id: unknown adapter {name:?} (no adapters are loaded)"
+            ))),
+        }
     }
 
     /// Takes a slot among the concurrent requests, or answers 429.
@@ -254,6 +286,7 @@ impl Infer {
         &self,
         request: ValidRequest,
         permit: OwnedSemaphorePermit,
+        adapter: Option<AdapterPin>,
     ) -> Result<Submitted, InferError> {
         let Some(slot) = QueueSlot::try_take(&self.queued, self.max_waiting_requests) else {
             return Err(self.reject(format!(
@@ -272,6 +305,7 @@ impl Infer {
             permit: Held {
                 _permit: permit,
                 _on_replica: Assigned::new(&replica.assigned),
+                _adapter: adapter,
             },
             queued_at: Instant::now(),
             slot,

@@ -18,6 +18,7 @@
 //! - `handle`: `Infer`, what the HTTP side holds; `Infer::submit` is the one way in.
 //! - `balance`: which replica (shard group and its loop) a new request goes to.
 //! - `batching_loop`: the loop itself: sending steps, applying their answers, failures.
+//! - `adapters`: the LoRA adapters' loads as the loop learns of them.
 //! - `siblings`: a request's `best_of` samples, forked from the first.
 //! - `output`: sampled tokens turned into text and events; ends of requests.
 //! - `step_metrics`: what the loop records per schedule and per step.
@@ -26,6 +27,7 @@
 //! - `progress`: when the loop started waiting for the step in flight (for `/ready`).
 //! - `events`: what a handler receives; `samples`: those events gathered, and ranked.
 
+mod adapters;
 pub mod balance;
 mod batching_loop;
 mod events;

@@ -1,7 +1,9 @@
 //! What the batching loop records in the metrics once per schedule and once per step.
 
+use std::collections::BTreeSet;
+
 use super::batching_loop::Loop;
-use crate::scheduler::Schedule;
+use crate::scheduler::{Schedule, Sequence};
 
 impl<B> Loop<B> {
     /// Step-level metrics, and the end of the queue wait for requests admitted now.
@@ -42,5 +44,22 @@ impl<B> Loop<B> {
         m.kv_blocks_used.set(s.blocks().num_used() as f64);
         m.kv_blocks_cached.set(s.blocks().num_cached() as f64);
         m.kv_utilization.set(s.kv_utilization());
+        if self.residency.registry().enabled() {
+            let distinct = |seqs: &mut dyn Iterator<Item = &Sequence>| {
+                let names: BTreeSet<String> = seqs
+                    .filter(|q| !q.adapter_id.is_empty())
+                    .map(|q| q.adapter_id.clone())
+                    .collect();
+                names.into_iter().collect()
+            };
+            let running = distinct(&mut s.running().iter());
+            let waiting = distinct(&mut s.waiting().iter());
+            m.adapters.record(running, waiting);
+            let blocks = s.blocks();
+            m.adapters
+                .resident
+                .set(blocks.resident_adapters().count() as f64);
+            m.adapters.blocks.set(blocks.num_adapter_blocks() as f64);
+        }
     }
 }

@@ -37,7 +37,7 @@ pub(super) fn render(out: &mut String, model: &str, load: Load) {
         ),
         (
             "vllm:kv_cache_usage_perc",
-            "Fraction (0 to 1) of KV blocks referenced by a request (cadence_kv_blocks_used / cadence_kv_blocks_total).",
+            "Fraction (0 to 1) of KV blocks referenced by a request or holding a paged-in LoRA adapter (cadence_kv_blocks_used / cadence_kv_blocks_total).",
             usage,
         ),
     ];

@@ -23,6 +23,8 @@ pub struct LoadGauges {
     pub ready: Gauge,
     /// Requests the balancer sent to this replica.
     pub routed: Counter,
+    /// The LoRA adapters of its requests and in its pool.
+    pub adapters: super::ReplicaAdapters,
 }
 
 impl LoadGauges {
@@ -33,7 +35,8 @@ impl LoadGauges {
         gauges
     }
 
-    /// Fraction (0 to 1) of this replica's KV blocks referenced by a request.
+    /// Fraction (0 to 1) of this replica's KV blocks referenced by a request or holding
+    /// a paged-in adapter.
     pub fn kv_usage(&self) -> f64 {
         let total = self.kv_blocks_total.get();
         if total > 0.0 {
@@ -91,7 +94,7 @@ pub(super) fn render_replicas(out: &mut String, l: &str, replicas: &[std::sync::
         ),
         (
             "cadence_replica_kv_cache_usage_perc",
-            "Fraction (0 to 1) of this replica's KV blocks referenced by a request.",
+            "Fraction (0 to 1) of this replica's KV blocks referenced by a request or holding a paged-in LoRA adapter.",
             LoadGauges::kv_usage,
         ),
         (

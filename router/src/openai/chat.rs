@@ -200,6 +200,7 @@ const NAMES: ParamNames = &[
     ("max_new_tokens", "max_completion_tokens"),
     ("top_n_tokens", "top_logprobs"),
     ("inputs", "messages"),
+    ("adapter_id", "model"),
 ];
 
 /// The same, for a request that used the older name `max_tokens`.
@@ -207,6 +208,7 @@ const NAMES_MAX_TOKENS: ParamNames = &[
     ("max_new_tokens", "max_tokens"),
     ("top_n_tokens", "top_logprobs"),
     ("inputs", "messages"),
+    ("adapter_id", "model"),
 ];
 
 #[utoipa::path(post, path = "/v1/chat/completions", request_body = ChatRequest, tag = "OpenAI",
@@ -218,6 +220,7 @@ pub async fn chat_completions(
     OpenAiJson(r): OpenAiJson<ChatRequest>,
 ) -> Result<Response, ApiError> {
     refuse_unsupported(&r)?;
+    let adapter = super::adapters::model_adapter(&state, r.model.as_deref())?;
     let with_logprobs = r.logprobs.unwrap_or(false);
     if r.top_logprobs.is_some_and(|n| n > 0) && !with_logprobs {
         return Err(ApiError::invalid("top_logprobs", "needs logprobs: true"));
@@ -257,7 +260,8 @@ pub async fn chat_completions(
         echo: false,
     };
     let stream = r.stream.unwrap_or(false);
-    let (parameters, mut extra) = sampling.into_parameters()?;
+    let (mut parameters, mut extra) = sampling.into_parameters()?;
+    parameters.adapter_id = adapter.clone();
     extra.stream = stream;
     let tokenizer = state.infer.validation.tokenizer.clone();
     let special_tags = tools::tags_are_special(&tokenizer);
@@ -276,7 +280,7 @@ pub async fn chat_completions(
     };
     let submitted = generate::submit_all(&state, vec![prompt], parameters, extra, names).await?;
     if stream {
-        let envelope = Envelope::new("chatcmpl", &state);
+        let envelope = Envelope::new("chatcmpl", &state, adapter.as_deref());
         let include_usage = stream::include_usage(r.stream_options);
         let chat = ChatStream {
             n,
@@ -317,7 +321,7 @@ pub async fn chat_completions(
             }
         })
         .collect();
-    let envelope = Envelope::new("chatcmpl", &state);
+    let envelope = Envelope::new("chatcmpl", &state, adapter.as_deref());
     let body = ChatCompletion {
         id: envelope.id,
         object: "chat.completion",

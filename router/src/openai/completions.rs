@@ -111,6 +111,7 @@ const NAMES: ParamNames = &[
     ("top_n_tokens", "logprobs"),
     ("inputs", "prompt"),
     ("decoder_input_details", "echo"),
+    ("adapter_id", "model"),
 ];
 
 /// What the choices show besides their text.
@@ -135,6 +136,7 @@ pub async fn completions(
     if r.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::invalid("suffix", "is not supported"));
     }
+    let adapter = super::adapters::model_adapter(&state, r.model.as_deref())?;
     let prompts = prompts(r.prompt);
     if prompts.is_empty() {
         return Err(ApiError::invalid("prompt", "must not be empty"));
@@ -169,14 +171,15 @@ pub async fn completions(
         // Streamed or not, the echo is the prompt validation kept (`ValidRequest::prefix`).
         echo: shown.echo,
     };
-    let (parameters, mut extra) = sampling.into_parameters()?;
+    let (mut parameters, mut extra) = sampling.into_parameters()?;
+    parameters.adapter_id = adapter.clone();
     extra.stream = stream;
     extra.constraint = r.guided.constraint()?;
     let n = extra.n.max(1) as usize;
     let submitted = generate::submit_all(&state, prompts, parameters, extra, NAMES).await?;
     let tokenizer = state.infer.validation.tokenizer.clone();
     if stream {
-        let envelope = Envelope::new("cmpl", &state);
+        let envelope = Envelope::new("cmpl", &state, adapter.as_deref());
         let include_usage = stream::include_usage(r.stream_options);
         return Ok(completion_stream(
             submitted,
@@ -194,7 +197,7 @@ pub async fn completions(
     for (p, answer) in answered.into_iter().enumerate() {
         choices.extend(prompt_choices(&tokenizer, answer, p * n, n, shown));
     }
-    let envelope = Envelope::new("cmpl", &state);
+    let envelope = Envelope::new("cmpl", &state, adapter.as_deref());
     let body = Completion::new(&envelope, choices, Some(Some(usage)));
     Ok((headers, Json(body)).into_response())
 }

@@ -7,8 +7,10 @@
 //! through `Infer::submit`, as the TGI routes' requests do (`generate`). The two
 //! generating routes differ only in their request and response shapes
 //! (`completions`, `chat`); they share the streaming (`stream`), the logprobs (`logprobs`)
-//! and the errors (`error`). Chat adds tool calling (`tools`).
+//! and the errors (`error`). Chat adds tool calling (`tools`). `adapters`: the `model`
+//! naming a LoRA adapter, and vLLM's runtime adapter loading routes.
 
+mod adapters;
 mod chat;
 mod completions;
 mod error;
@@ -29,6 +31,10 @@ use utoipa::ToSchema;
 
 // The route types make up the OpenAPI document (`crate::openapi`); the `__path_` items
 // are the operations utoipa generates for the handlers.
+pub use adapters::{
+    __path_load_lora_adapter, __path_unload_lora_adapter, load_lora_adapter, unload_lora_adapter,
+    LoadLoraAdapterRequest, UnloadLoraAdapterRequest,
+};
 pub use chat::{
     __path_chat_completions, chat_completions, AssistantMessage, ChatChoice, ChatChunkChoice,
     ChatCompletion, ChatCompletionChunk, ChatMessage, ChatRequest, ContentPart, Delta,
@@ -53,6 +59,13 @@ pub fn routes() -> Router<AppState> {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+}
+
+/// `--allow-runtime-lora`'s routes.
+pub fn lora_routes() -> Router<AppState> {
+    Router::new()
+        .route("/v1/load_lora_adapter", post(load_lora_adapter))
+        .route("/v1/unload_lora_adapter", post(unload_lora_adapter))
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -84,14 +97,15 @@ struct Envelope {
 }
 
 impl Envelope {
-    /// A new answer, created now, its id `<prefix>-<uuid>`.
-    fn new(id_prefix: &str, state: &AppState) -> Self {
+    /// A new answer, created now, its id `<prefix>-<uuid>`, its `model` the adapter's
+    /// name when the request used one (as vLLM answers), else the served model name.
+    fn new(id_prefix: &str, state: &AppState, adapter: Option<&str>) -> Self {
         Self {
             id: format!("{id_prefix}-{}", uuid::Uuid::new_v4().simple()),
             created: SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
-            model: state.info.served_model_name.clone(),
+            model: adapter.map_or_else(|| state.info.served_model_name.clone(), str::to_string),
         }
     }
 }

@@ -1,4 +1,5 @@
-//! `GET /v1/models`: the one model this router serves.
+//! `GET /v1/models`: the base model, then the LoRA adapters requests may name, in vLLM's
+//! shape (an adapter's `parent` is the base model, its `root` its folder).
 
 use axum::extract::State;
 use axum::Json;
@@ -13,6 +14,10 @@ pub struct Model {
     object: &'static str,
     created: u64,
     owned_by: &'static str,
+    /// The base model's id; an adapter's folder.
+    root: String,
+    /// An adapter's base model (null for the base model).
+    parent: Option<String>,
 }
 
 #[derive(Serialize, ToSchema)]
@@ -23,13 +28,25 @@ pub struct ModelList {
 
 #[utoipa::path(get, path = "/v1/models", tag = "OpenAI", responses((status = 200, body = ModelList)))]
 pub async fn models(State(state): State<AppState>) -> Json<ModelList> {
+    let base = state.info.served_model_name.clone();
+    let mut data = vec![Model {
+        id: base.clone(),
+        object: "model",
+        created: 0,
+        owned_by: "cadence",
+        root: state.info.model_id.clone(),
+        parent: None,
+    }];
+    data.extend(state.infer.adapters().listed().into_iter().map(|a| Model {
+        id: a.name,
+        object: "model",
+        created: 0,
+        owned_by: "cadence",
+        root: a.path.display().to_string(),
+        parent: Some(base.clone()),
+    }));
     Json(ModelList {
         object: "list",
-        data: vec![Model {
-            id: state.info.served_model_name.clone(),
-            object: "model",
-            created: 0,
-            owned_by: "cadence",
-        }],
+        data,
     })
 }

@@ -942,3 +942,6 @@ fn random_workloads_with_proposals_match_the_kv_model_and_never_pass_limits() {
         assert_eq!(s.blocks().num_used(), 0);
     }
 }
+
+/// LoRA adapters in the pool.
+mod adapters;
