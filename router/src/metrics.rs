@@ -462,6 +462,7 @@ mod tests {
         m.load(1).adapters.record(names(&["sql"]), Vec::new());
         m.load(0).adapters.blocks.set(5.0);
         m.load(1).adapters.blocks.set(3.0);
+        m.load(0).adapters.blocks_in_use.set(2.0);
         let text = m.render(None);
         let info = text
             .lines()
@@ -478,6 +479,7 @@ mod tests {
         );
         assert!(text.contains("cadence_lora_adapter_loads_total{model=\"m\"} 3\n"));
         assert!(text.contains("cadence_lora_adapter_blocks{model=\"m\"} 8\n"));
+        assert!(text.contains("cadence_lora_adapter_blocks_in_use{model=\"m\"} 2\n"));
         assert!(text.contains("cadence_lora_adapters_host{model=\"m\"} 3\n"));
     }
 

@@ -152,6 +152,16 @@ impl BlockManager {
         self.adapters.values().map(|a| a.blocks.len()).sum()
     }
 
+    /// Blocks held by resident adapters that running requests use (the rest can be
+    /// evicted when blocks are needed).
+    pub fn num_adapter_blocks_in_use(&self) -> usize {
+        self.adapters
+            .values()
+            .filter(|a| a.users > 0)
+            .map(|a| a.blocks.len())
+            .sum()
+    }
+
     /// Adds one reference per adapter block to `refs` and checks the adapters' own
     /// bookkeeping: idle ones (and only they) are on the LRU list under their key, and
     /// `idle_adapter_blocks` counts their blocks.

@@ -60,6 +60,9 @@ impl<B> Loop<B> {
                 .resident
                 .set(blocks.resident_adapters().count() as f64);
             m.adapters.blocks.set(blocks.num_adapter_blocks() as f64);
+            m.adapters
+                .blocks_in_use
+                .set(blocks.num_adapter_blocks_in_use() as f64);
         }
     }
 }

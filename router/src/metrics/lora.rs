@@ -34,6 +34,8 @@ pub struct ReplicaAdapters {
     /// Adapters paged into its pool, and the blocks they hold.
     pub resident: Gauge,
     pub blocks: Gauge,
+    /// Of `blocks`, those of adapters running requests use.
+    pub blocks_in_use: Gauge,
 }
 
 impl ReplicaAdapters {
@@ -50,7 +52,7 @@ impl ReplicaAdapters {
 /// Appends the LoRA series; `l` holds the model label.
 pub(super) fn render(out: &mut String, l: &str, lora: &LoraMetrics, replicas: &[&LoadGauges]) {
     let (mut running, mut waiting, mut at) = (Vec::new(), Vec::new(), 0.0f64);
-    let (mut resident, mut blocks) = (0.0, 0.0);
+    let (mut resident, mut blocks, mut in_use) = (0.0, 0.0, 0.0);
     for r in replicas {
         let a = &r.adapters;
         let names = a.names.lock().unwrap_or_else(|e| e.into_inner());
@@ -59,6 +61,7 @@ pub(super) fn render(out: &mut String, l: &str, lora: &LoraMetrics, replicas: &[
         at = at.max(a.recorded_at.get());
         resident += a.resident.get();
         blocks += a.blocks.get();
+        in_use += a.blocks_in_use.get();
     }
     let joined = |mut v: Vec<String>| {
         v.sort_unstable();
@@ -98,11 +101,17 @@ pub(super) fn render(out: &mut String, l: &str, lora: &LoraMetrics, replicas: &[
             c.get()
         );
     }
-    let gauges: [(&str, &str, f64); 3] = [
+    let gauges: [(&str, &str, f64); 4] = [
         (
             "cadence_lora_adapter_blocks",
             "KV blocks holding paged-in LoRA adapters' weights (counted as used KV blocks).",
             blocks,
+        ),
+        (
+            "cadence_lora_adapter_blocks_in_use",
+            "Of those, the blocks of adapters that running requests use (the others are \
+             evicted, least recently used first, when blocks are needed).",
+            in_use,
         ),
         (
             "cadence_lora_adapters_resident",

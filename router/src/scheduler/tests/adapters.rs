@@ -405,6 +405,7 @@ fn random_workloads_over_many_adapters_keep_the_pool_consistent_and_give_every_b
         }
         assert_eq!(s.num_running() + s.num_waiting(), 0, "round {round}");
         assert!(s.blocks().resident_adapters().all(|(_, users)| users == 0));
+        assert_eq!(s.blocks().num_adapter_blocks_in_use(), 0, "round {round}");
         // Unloading every adapter gives every block back.
         s.set_doomed(names.iter().cloned().collect());
         s.check_invariants().unwrap();
