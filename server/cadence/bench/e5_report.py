@@ -158,6 +158,10 @@ def summary(records: E5Records) -> str:
 def probes_text(records: E5Records) -> str:
     if not records.probes:
         return ""
-    lines = ["\nGreedy continuation of one probe prompt (16 tokens), as each server gave it:\n"]
+    lines = [
+        "\nGreedy continuation of one probe prompt (16 tokens), as each server gave it (an "
+        "adapter applied by LoRA serving gives its merged copy's text, up to rounding, and "
+        "not the base model's):\n"
+    ]
     lines += [f"- {label}: {text!r}" for label, text in records.probes.items()]
     return "\n".join(lines) + "\n"

@@ -47,8 +47,14 @@ from cadence.bench.speculative_experiment import _float_copy, _served_folder
 RANK = 8
 TARGETS = ("q_proj", "v_proj")
 DISTRIBUTION = Distribution("uniform")
-PROBE_PROMPT = "The three things every sailor should know about the sea are"
+# A prompt whose greedy continuation the first made adapter changes from the first token
+# (checked with PEFT), so the probes tell an applied adapter from an ignored one.
+PROBE_PROMPT = "Once upon a time"
 PROBE_TOKENS = 16
+# Each share size is served this many times on the merged copy, fresh prompts each time,
+# and the fastest counts: a small share is over in a second or two, where a first-time
+# cost (a new batch shape) or a burst of other work on the machine would dominate it.
+SHARE_PASSES = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,13 +201,18 @@ class Driver:
             with timed_launch(self.flags(str(copy)), "E5-merged") as (url, switch_s):
                 probes[f"merged copy of {self.names[0]}"] = probe(url)
                 for k in sizes:
-                    result = serve(url, self.fresh(k), self.plan.concurrency)
-                    duration, tokens = result["duration_s"], result["total_output_tokens"]
-                    shares[k] = ShareTime(k, duration, int(tokens))
+                    shares[k] = min(
+                        (self.share_time(url, k) for _ in range(SHARE_PASSES)),
+                        key=lambda t: t.duration_s,
+                    )
             read_s = _weights_read_s(copy / MERGED_WEIGHTS)
         finally:
             shutil.rmtree(copy, ignore_errors=True)
         return shares, switch_s, read_s
+
+    def share_time(self, url: str, k: int) -> ShareTime:
+        result = serve(url, self.fresh(k), self.plan.concurrency)
+        return ShareTime(k, result["duration_s"], int(result["total_output_tokens"]))
 
     def merged_for_real(self, num_adapters: int) -> RealMerged:
         """Every used adapter's copy merged, then launched, fed its requests and stopped
