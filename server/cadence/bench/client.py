@@ -54,6 +54,8 @@ def _tgi_body(
         parameters["ignore_eos"] = True
     if json_schema is not None:
         parameters["grammar"] = {"type": "json", "value": json_schema}
+    if req.adapter is not None:
+        parameters["adapter_id"] = req.adapter
     return {"inputs": req.prompt, "parameters": parameters}
 
 
@@ -61,7 +63,7 @@ def _openai_body(
     req: BenchRequest, ignore_eos: bool, model: str, json_schema: dict[str, Any] | None
 ) -> dict[str, Any]:
     body: dict[str, Any] = {
-        "model": model,
+        "model": model if req.adapter is None else req.adapter,  # vLLM's way to name one
         "prompt": req.prompt,
         "max_tokens": req.output_len,
         "temperature": 0.0,

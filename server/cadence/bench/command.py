@@ -4,6 +4,8 @@
         --num-prompts 64 --max-concurrency 32 --ignore-eos
     cadence bench --base-url http://127.0.0.1:8080 --backend openai ...   # any server
     cadence bench experiment E1 --scale small
+    cadence bench make-adapters --model DIR --count 64 --out ADAPTERS
+    cadence bench --lora-adapters-dir ADAPTERS --num-adapters 64 --adapter-distribution zipf ...
 """
 
 from __future__ import annotations
@@ -44,14 +46,15 @@ def add_bench_parser(sub: Any) -> None:
         help="serving benchmark against cadence (launched) or any TGI/OpenAI server",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        # whole flag names only: else the subcommands' `--out` reads as an ambiguous
+        # abbreviation of this parser's --output-len/--output-cap/--output-mean
+        allow_abbrev=False,
     )
     add_workload_flags(p)
     p.set_defaults(run=run_bench_command, log_format="text")
     inner = p.add_subparsers(dest="bench_command", metavar="experiment")
-    e = inner.add_parser(
-        "experiment", help="run serving experiments E1-E4 and E6 into docs/experiments"
-    )
-    e.add_argument("name", choices=("E1", "E2", "E3", "E4", "E6"))
+    e = inner.add_parser("experiment", help="run serving experiments E1-E6 into docs/experiments")
+    e.add_argument("name", choices=("E1", "E2", "E3", "E4", "E5", "E6"))
     _flag(
         e,
         "--scale",
@@ -63,8 +66,76 @@ def add_bench_parser(sub: Any) -> None:
     _flag(e, "--num-prompts", type=int, help="requests per run instead of the scale's")
     _flag(e, "--out-dir", default="docs/experiments", help="where tables and PNGs go")
     _flag(e, "--server-args", default="", help="extra `cadence launch` flags, quoted")
+    _switch(e, "--quick", "E5: fewer adapter counts and requests (minutes on 2 CPU cores)")
+    _flag(e, "--adapters-dir", help="E5: where its adapters are made (default: in the cache)")
     e.set_defaults(run=run_experiment_command)
     _add_accuracy_parser(inner)
+    _add_adapter_parsers(inner)
+
+
+def _add_adapter_parsers(inner: Any) -> None:
+    m = inner.add_parser(
+        "make-adapters",
+        help="write random LoRA adapters for a model in PEFT's folder format",
+        description="N folders DIR/adapter-0000 ... each with adapter_config.json and "
+        "adapter_model.safetensors (PEFT's key names), A drawn as PEFT initialises it and B "
+        "so that scaling·B·A is --relative-scale of the base weight's norm.",
+    )
+    m.add_argument("--model", required=True, help="float safetensors model folder")
+    m.add_argument("--count", type=int, required=True, help="adapters to write")
+    m.add_argument("--rank", type=int, default=8)
+    m.add_argument("--targets", default="q_proj,v_proj", help="module names, comma-separated")
+    m.add_argument("--out", required=True, help="folder the adapter folders go into")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--alpha", type=float, default=16.0, help="lora_alpha (scaling alpha/r)")
+    m.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    m.add_argument(
+        "--relative-scale",
+        type=float,
+        help="‖scaling·B·A‖ ÷ ‖W‖ per adapted layer, in expectation (default 0.1)",
+    )
+    m.set_defaults(run=_run_make_adapters, log_format="text")
+    g = inner.add_parser(
+        "merge-adapter",
+        help="write a copy of a model with a LoRA adapter merged into its weights",
+        description="W + scaling·B·A for every adapted weight, the rest copied; the copy "
+        "(model.safetensors, config, tokenizer) serves like any checkpoint.",
+    )
+    g.add_argument("--model", required=True, help="float safetensors model folder")
+    g.add_argument("--adapter", required=True, help="PEFT adapter folder")
+    g.add_argument("--out", required=True, help="folder of the merged copy")
+    g.set_defaults(run=_run_merge_adapter, log_format="text")
+
+
+def _run_make_adapters(args: argparse.Namespace) -> int:
+    import time
+
+    from cadence.bench.adapter_maker import make_adapters
+
+    start = time.perf_counter()
+    targets = tuple(t.strip() for t in args.targets.split(",") if t.strip())
+    scale = {} if args.relative_scale is None else {"relative_scale": args.relative_scale}
+    folders = make_adapters(
+        args.model,
+        args.count,
+        args.out,
+        rank=args.rank,
+        targets=targets,
+        alpha=args.alpha,
+        seed=args.seed,
+        dtype=args.dtype,
+        **scale,
+    )
+    took = time.perf_counter() - start
+    print(f"wrote {len(folders)} adapters into {args.out} in {took:.1f} s")
+    return 0
+
+
+def _run_merge_adapter(args: argparse.Namespace) -> int:
+    from cadence.bench.adapter_merge import merge_adapter
+
+    print(f"wrote {merge_adapter(args.model, args.adapter, args.out)}")
+    return 0
 
 
 # `cadence bench accuracy --variants` names (cadence.bench.accuracy.VARIANTS).
@@ -160,6 +231,21 @@ def add_workload_flags(p: argparse.ArgumentParser) -> None:
     )
     _flag(d, "--tokenizer", help="model folder or tokenizer.json (default: embedded)")
     _flag(d, "--seed", type=int, default=0, help="seed of the dataset and the arrivals")
+    a = p.add_argument_group("LoRA adapters")
+    _flag(
+        a,
+        "--lora-adapters-dir",
+        help="each request asks for one of this folder's adapters (OpenAI `model`, TGI "
+        "`parameters.adapter_id`); a launched cadence gets `--lora-dir` to it",
+    )
+    _flag(a, "--num-adapters", type=int, help="the first N adapters by name (default: all)")
+    _flag(
+        a,
+        "--adapter-distribution",
+        type=_distribution,
+        default="uniform",
+        help="uniform, zipf or zipf:ALPHA (adapter i by name order ∝ 1/i^ALPHA)",
+    )
     t = p.add_argument_group("traffic")
     _flag(
         t,
@@ -186,6 +272,12 @@ def add_workload_flags(p: argparse.ArgumentParser) -> None:
     o = p.add_argument_group("output")
     _flag(o, "--result-file", help="write the metrics here as JSON")
     _switch(o, "--no-progress", "no progress bar")
+
+
+def _distribution(text: str) -> Any:
+    from cadence.bench.adapter_workload import parse_distribution
+
+    return parse_distribution(text)
 
 
 def build_dataset(args: argparse.Namespace) -> list[BenchRequest]:
@@ -217,6 +309,25 @@ def build_dataset(args: argparse.Namespace) -> list[BenchRequest]:
     return jsonl_dataset(tok, args.dataset_path, n)
 
 
+def with_adapters(
+    args: argparse.Namespace, requests: list[BenchRequest]
+) -> tuple[list[BenchRequest], dict[str, Any] | None]:
+    """The requests with their adapters drawn (and the record of them), when
+    --lora-adapters-dir is given."""
+    if not args.lora_adapters_dir:
+        return requests, None
+    from cadence.bench.adapter_workload import assign_adapters, list_adapters, workload_record
+
+    dist = args.adapter_distribution
+    folder = args.lora_adapters_dir
+    try:
+        names = list_adapters(folder, args.num_adapters)
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
+    requests = assign_adapters(requests, names, dist, args.seed)
+    return requests, workload_record(folder, names, dist, requests)
+
+
 def measure(cfg: RunConfig, requests: list[BenchRequest]) -> dict[str, Any]:
     from cadence.bench.datasets import BenchRequest
     from cadence.bench.machine import machine, server_kernels
@@ -238,7 +349,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     from cadence.bench.runner import RunConfig
     from cadence.bench.server_process import LaunchedServer
 
-    requests = build_dataset(args)
+    requests, adapters = with_adapters(args, build_dataset(args))
     cfg = RunConfig(
         url=args.base_url or "",
         backend=args.backend,
@@ -251,12 +362,19 @@ def run_bench_command(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         json_schema=_read_json(args.json_schema) if args.json_schema else None,
     )
+    server_args = shlex.split(args.server_args)
+    if adapters is not None:
+        from cadence.bench.adapter_workload import with_lora_dir
+
+        server_args = with_lora_dir(server_args, args.lora_adapters_dir)
     if args.base_url:
         result = measure(cfg, requests)
     else:
-        with LaunchedServer(shlex.split(args.server_args)) as url:
+        with LaunchedServer(server_args) as url:
             cfg.url = url
             result = measure(cfg, requests)
+    if adapters is not None:
+        result["adapters"] = adapters
     result["config"] = {k: _plain(v) for k, v in vars(args).items() if k != "run"}
     print(table(result))
     if args.result_file:
@@ -270,11 +388,27 @@ def _read_json(path: str) -> Any:
 
 
 def _plain(value: Any) -> Any:
-    """JSON has no infinity: an all-at-once rate is written "inf"."""
-    return str(value) if isinstance(value, float) and value == float("inf") else value
+    """JSON has no infinity: an all-at-once rate is written "inf"; parsed flag values
+    that are objects (an adapter distribution) as their text."""
+    if isinstance(value, float) and value == float("inf"):
+        return str(value)
+    if value is None or isinstance(value, (str, int, float, bool, list, tuple)):
+        return value
+    return str(value)
 
 
 def run_experiment_command(args: argparse.Namespace) -> int:
+    if args.name == "E5":
+        from cadence.bench.lora_experiment import run_e5
+
+        run_e5(
+            args.out_dir,
+            shlex.split(args.server_args),
+            quick=args.quick,
+            num_prompts=args.num_prompts,
+            adapters_dir=args.adapters_dir,
+        )
+        return 0
     from cadence.bench.experiments import run_experiment
 
     run_experiment(

@@ -38,6 +38,8 @@ class BenchRequest:
     prompt: str
     prompt_len: int
     output_len: int
+    # the LoRA adapter the request asks for (None: the base model)
+    adapter: str | None = None
 
 
 def load_tokenizer(path: str | None) -> Tokenizer:
