@@ -24,10 +24,12 @@ from cadence.lora.torch_ops import lora_expand_, lora_shrink
 
 @dataclass(slots=True)
 class LoraContext:
-    """What the hooks read: the pool (None before the KV cache exists) and the step."""
+    """What the hooks read: the pool (None before the KV cache exists) and the step;
+    `cpu_kernels`: whether the C++ CPU kernels serve (the per-row products through them)."""
 
     pool: PoolRows | None = None
     step: LoraStep | None = None
+    cpu_kernels: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +51,7 @@ class LoraHook:
         a = kind.a
         h = lora_shrink(
             x2, pool.rows(kind.in_features), a.rows[layer], a.ranks[layer],
-            step.row_adapter, step.segments,
+            step.row_adapter, step.segments, self.context.cpu_kernels,
         )  # fmt: skip
         for piece in kind.pieces:
             b = piece.index
@@ -57,6 +59,7 @@ class LoraHook:
                 lora_expand_(
                     y2, h, pool.rows(piece.out_size), b.rows[layer], b.ranks[layer],
                     b.rank_start[layer], piece.out_offset, step.row_adapter, step.segments,
+                    self.context.cpu_kernels,
                 )  # fmt: skip
 
 

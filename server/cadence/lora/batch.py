@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from cadence.lora.resident import IndexTable, ResidentAdapters
-from cadence.lora.torch_ops import Segments, group_rows
+from cadence.lora.torch_ops import SEGMENT_MIN_ROWS, Segments, group_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,9 +74,11 @@ def build_step(
     request_adapters: list[str | None],
     counts: list[int],
     resident: ResidentAdapters,
+    segment_min_rows: int = SEGMENT_MIN_ROWS,
 ) -> LoraStep | None:
     """The step's tables for requests (in the forward's order) computing `counts` rows
-    each; None when no request has an adapter."""
+    each; None when no request has an adapter. An adapter's rows take the segment path
+    from `segment_min_rows` on."""
     names = [n for n in dict.fromkeys(request_adapters) if n is not None]
     if not names:
         return None
@@ -102,4 +104,4 @@ def build_step(
             if piece is not None:
                 pieces.append(StepPiece(offset, size, piece))
         kinds[kind] = StepKind(table.in_features, a, tuple(pieces))
-    return LoraStep(names, row_adapter, group_rows(runs, device), kinds)
+    return LoraStep(names, row_adapter, group_rows(runs, device, segment_min_rows), kinds)
