@@ -38,14 +38,21 @@ class AdapterRefused(ValueError):
 
 class ShardAdapters:
     def __init__(
-        self, model: nn.Module, dtype: torch.dtype, shape: PoolShape, cpu_kernels: bool = False
+        self,
+        model: nn.Module,
+        dtype: torch.dtype,
+        shape: PoolShape,
+        cpu_kernels: bool = False,
+        triton: bool = False,
     ) -> None:
         """`shape`: the KV pool's slabs (its block count is taken from the cache once
-        allocated); `cpu_kernels`: whether the C++ CPU kernels serve this shard."""
+        allocated); `cpu_kernels`: whether the C++ CPU kernels serve this shard; `triton`:
+        whether its products run through the Triton kernels (with the triton attention
+        backend: on CUDA, or on CPU under the interpreter)."""
         self.model = model
         self.dtype = dtype
         self.shape = shape
-        self.context = LoraContext(cpu_kernels=cpu_kernels)
+        self.context = LoraContext(cpu_kernels=cpu_kernels, triton=triton)
         self.sites = install(model, self.context)
         self.resident = ResidentAdapters(self.sites)
         self.host: dict[str, AdapterWeights] = {}
@@ -166,7 +173,9 @@ class ShardAdapters:
             return
         counts = (batch.query_start[1:] - batch.query_start[:-1]).tolist()
         min_rows = cpu_rows.SEGMENT_MIN_ROWS if self.context.cpu_kernels else SEGMENT_MIN_ROWS
-        self.context.step = build_step(names, counts, self.resident, min_rows)
+        self.context.step = build_step(
+            names, counts, self.resident, min_rows, triton=self.context.triton
+        )
         try:
             yield
         finally:
