@@ -1,19 +1,28 @@
 """Times a decode step of the shard's `Engine.step` on the embedded SmolLM2's float copy
 with and without LoRA adapters: 32 requests decoding together, first on the base model,
 then each with its own rank-8 adapter on q_proj and v_proj (32 distinct adapters, paged
-into the KV pool), then all 32 with one adapter.
+into the KV pool), then all 32 with one adapter. The LoRA products go through the C++ row
+kernels where the engine's CPU kernels serve (`cadence.lora.cpu_rows`), or through torch
+with --torch-lora.
 
-    PYTHONPATH=server python kernels/lora_decode_overhead.py [--batch 32] [--rank 8]
+    PYTHONPATH=server python kernels/lora_decode_overhead.py [--batch 32] [--rank 8] \
+        [--threads 1] [--dtype float32] [--torch-lora]
+
+Held to AVX2 (float32 is what such a CPU serves): ONEDNN_MAX_CPU_ISA=AVX2
+ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 CADENCE_CPU_ISA=avx2.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 
 import torch
 from cadence.config import ShardConfig
+from cadence.kernels import cpu as cpu_kernels
+from cadence.kernels.cpu import isa as cpu_isa
 from cadence.layers.linear import QKVLinear
 from cadence.lora.pool import blocks_needed
 from cadence.lora.weights import AdapterWeights, ExpandPiece, LayerLora
@@ -54,13 +63,33 @@ def main() -> None:
         help="torch threads (0: torch's default); 1 times the step in CPU time (the "
         "thread's own), which other processes sharing the cores do not inflate",
     )
+    p.add_argument("--cpu-isa", help="the C++ kernels' instruction set (default $CADENCE_CPU_ISA)")
+    p.add_argument(
+        "--kv-mib",
+        type=int,
+        default=512,
+        help="the KV pool, which holds the adapters too (float32 ones over a bfloat16 cache "
+        "take twice the blocks)",
+    )
+    p.add_argument(
+        "--torch-lora",
+        action="store_true",
+        help="the LoRA products through torch's gathers, not the C++ row kernels",
+    )
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
     clock = time.thread_time if a.threads == 1 else time.perf_counter
-    engine = Engine(ShardConfig(model_dir=str(MODEL), uds_path="/unused", dtype=a.dtype))
-    engine.warmup(1024, 64, 256 * 1024**2, 0.1)
+    isa_choice = a.cpu_isa or os.environ.get(cpu_isa.ENV, "auto")
+    config = ShardConfig(
+        model_dir=str(MODEL), uds_path="/unused", dtype=a.dtype, cpu_isa=isa_choice
+    )
+    engine = Engine(config)
+    engine.warmup(1024, 64, a.kv_mib * 1024**2, 0.1)
     assert engine.kv is not None
+    if a.torch_lora:
+        engine.adapters.context.cpu_kernels = False
+    lora_path = "C++ row kernels" if engine.adapters.context.cpu_kernels else "torch"
     free = list(range(engine.kv.num_blocks))
     names = [f"a{i}" for i in range(a.batch)]
     pages = []
@@ -109,6 +138,8 @@ def main() -> None:
         shared.append(run([names[0]] * a.batch, 3000 * k + 2000))
     base, distinct, shared = min(base), min(distinct), min(shared)
     what = "CPU time" if a.threads == 1 else "wall time"
+    isa = cpu_kernels.selected_isa()
+    print(f"{cpu_isa.cpu_model()}, kernels {isa}, LoRA through {lora_path}")
     print(f"decode step, batch {a.batch}, {a.dtype}, {torch.get_num_threads()} threads ({what}):")
     print(f"  no adapter:               {base:.1f} ms")
     print(f"  {a.batch} distinct adapters:    {distinct:.1f} ms (+{distinct / base - 1:.0%})")

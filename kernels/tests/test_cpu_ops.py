@@ -117,6 +117,37 @@ def _empty(*shape: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype)
 
 
+def _lora_args(dtype: torch.dtype) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A shrink's and an expand's arguments: 6 rows (two of no adapter) of three adapters
+    of ranks 4, 0 and 2 over pools of 40 rows."""
+    g = _generator()
+    a_idx = torch.randperm(40, generator=g)[:12].view(3, 4)
+    adapters = torch.tensor([0, 2, -1, 1, 0, -1])
+    shrink = {
+        "x": torch.randn(6, 48, generator=g).to(dtype),
+        "rows_in": torch.randn(40, 48, generator=g).to(dtype),
+        "a_idx": a_idx,
+        "ranks": torch.tensor([4, 0, 2]),
+        "row_adapter": adapters,
+        "rows": None,
+        "first_row": 0,
+        "h": torch.zeros(6, 4, dtype=dtype),
+    }
+    expand = {
+        "y": torch.randn(6, 40, generator=g).to(dtype),
+        "h": torch.randn(6, 4, generator=g).to(dtype),
+        "rows_out": torch.randn(40, 24, generator=g).to(dtype),
+        "b_idx": a_idx[:, :2],
+        "piece_ranks": torch.tensor([2, 0, 1]),
+        "rank_start": torch.tensor([2, 0, 1]),
+        "out_offset": 8,
+        "row_adapter": adapters[1:5],
+        "rows": torch.tensor([5, 0, 3, 1]),
+        "first_row": 0,
+    }
+    return shrink, expand
+
+
 def _cases() -> list[Any]:
     """(operator, its arguments by name) for every operator and dtype pairing."""
     cases: list[tuple[Any, dict[str, Any]]] = []
@@ -174,6 +205,12 @@ def _cases() -> list[Any]:
     for dtype in (F32, BF16):
         logits = torch.randn(4, 1000, generator=_generator()).to(dtype)
         cases.append((OPS.greedy_logprobs.default, {"logits": logits}))
+    for dtype in DTYPES:
+        shrink, expand = _lora_args(dtype)
+        cases += [
+            (OPS.lora_shrink_rows_.default, shrink),
+            (OPS.lora_expand_rows_.default, expand),
+        ]
     return [pytest.param(op, args, id=f"{op}-{_dtypes(args)}") for op, args in cases]
 
 

@@ -43,14 +43,24 @@ def merged_logits(model_dirs, engine_for):
 
 @pytest.mark.parametrize(
     ("name", "runner"),
-    [("llama_gqa", "flat"), ("llama_gqa", "generic"), ("opt", "generic"), ("gpt2", "generic")],
+    [
+        ("llama_gqa", "flat"),
+        ("llama_gqa", "generic"),
+        ("llama_gqa", "triton"),
+        ("opt", "generic"),
+        ("gpt2", "generic"),
+    ],
 )
 def test_mixed_adapters_match_merged_weights(name, runner, model_dirs, engine_for, merged_logits):
-    engine = engine_for(model_dirs(name))
+    if runner == "triton":  # the Triton attention and LoRA kernels (the interpreter on CPU)
+        engine = engine_for(model_dirs(name), attention_backend="triton")
+        assert engine.adapters.context.triton
+    else:
+        engine = engine_for(model_dirs(name))
     if runner == "flat":
         if not isinstance(engine.runner, LlamaCpuFlatRunner):
             pytest.skip("the flat Llama step needs the C++ CPU kernels")
-    else:
+    elif runner == "generic":
         engine.runner = ModelRunner(engine.model, engine.attention_backend)
     got, _ = mixed_run(engine, with_adapters=True)
     want = merged_logits(name)

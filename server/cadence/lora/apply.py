@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from cadence.lora.batch import LoraStep
+from cadence.lora.batch import LoraStep, StepKind
 from cadence.lora.pool import PoolRows
 from cadence.lora.resident import Site, layer_sites
 from cadence.lora.torch_ops import lora_expand_, lora_shrink
@@ -24,10 +24,15 @@ from cadence.lora.torch_ops import lora_expand_, lora_shrink
 
 @dataclass(slots=True)
 class LoraContext:
-    """What the hooks read: the pool (None before the KV cache exists) and the step."""
+    """What the hooks read: the pool (None before the KV cache exists) and the step;
+    `cpu_kernels`: whether the C++ CPU kernels serve (the per-row products through them);
+    `triton`: whether the products run through the Triton kernels (`cadence.kernels.lora`,
+    the steps then carry their row plan)."""
 
     pool: PoolRows | None = None
     step: LoraStep | None = None
+    cpu_kernels: bool = False
+    triton: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,9 +52,12 @@ class LoraHook:
             return
         x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
         a = kind.a
+        if step.row_plan is not None:
+            _triton_delta_(x2, y2, pool, kind, layer, step)
+            return
         h = lora_shrink(
             x2, pool.rows(kind.in_features), a.rows[layer], a.ranks[layer],
-            step.row_adapter, step.segments,
+            step.row_adapter, step.segments, self.context.cpu_kernels,
         )  # fmt: skip
         for piece in kind.pieces:
             b = piece.index
@@ -57,7 +65,27 @@ class LoraHook:
                 lora_expand_(
                     y2, h, pool.rows(piece.out_size), b.rows[layer], b.ranks[layer],
                     b.rank_start[layer], piece.out_offset, step.row_adapter, step.segments,
+                    self.context.cpu_kernels,
                 )  # fmt: skip
+
+
+def _triton_delta_(
+    x: torch.Tensor, y: torch.Tensor, pool: PoolRows, kind: StepKind, layer: int, step: LoraStep
+) -> None:
+    """The hook's products through the Triton kernels, over the step's row plan."""
+    from cadence.kernels import lora as triton_lora  # imports triton
+
+    a, plan = kind.a, step.row_plan
+    h = triton_lora.lora_shrink(
+        x, pool.rows(kind.in_features), a.rows[layer], a.ranks[layer], step.row_adapter, plan
+    )
+    for piece in kind.pieces:
+        b = piece.index
+        if b.active[layer]:
+            triton_lora.lora_expand_(
+                y, h, pool.rows(piece.out_size), b.rows[layer], b.ranks[layer],
+                b.rank_start[layer], piece.out_offset, step.row_adapter, plan,
+            )  # fmt: skip
 
 
 def install(model: nn.Module, context: LoraContext) -> dict[str, Site]:

@@ -12,11 +12,12 @@ point at another step adapter's rows there: every index names finite numbers.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from cadence.lora.resident import IndexTable, ResidentAdapters
-from cadence.lora.torch_ops import Segments, group_rows
+from cadence.lora.torch_ops import SEGMENT_MIN_ROWS, Segments, group_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +51,8 @@ class LoraStep:
     row_adapter: torch.Tensor  # [T] long, -1: no adapter
     segments: Segments
     kinds: dict[str, StepKind]  # the layer kinds some step adapter touches
+    # the Triton kernels' split of the rows (`cadence.kernels.lora.RowPlan`), when they serve
+    row_plan: Any = None
 
 
 def _step_index(table: IndexTable, slots: torch.Tensor) -> StepIndex | None:
@@ -74,9 +77,13 @@ def build_step(
     request_adapters: list[str | None],
     counts: list[int],
     resident: ResidentAdapters,
+    segment_min_rows: int = SEGMENT_MIN_ROWS,
+    triton: bool = False,
 ) -> LoraStep | None:
     """The step's tables for requests (in the forward's order) computing `counts` rows
-    each; None when no request has an adapter."""
+    each; None when no request has an adapter. An adapter's rows take the segment path
+    from `segment_min_rows` on; with `triton`, the step also carries the Triton kernels'
+    row plan (their own split between segment tiles and single rows)."""
     names = [n for n in dict.fromkeys(request_adapters) if n is not None]
     if not names:
         return None
@@ -102,4 +109,11 @@ def build_step(
             if piece is not None:
                 pieces.append(StepPiece(offset, size, piece))
         kinds[kind] = StepKind(table.in_features, a, tuple(pieces))
-    return LoraStep(names, row_adapter, group_rows(runs, device), kinds)
+    row_plan = None
+    if triton:
+        from cadence.kernels.lora import plan_rows  # imports triton
+
+        adapted = [(s, s + n, a) for s, n, a in runs if a >= 0 and n > 0]
+        row_plan = plan_rows(start, adapted, device)
+    segments = group_rows(runs, device, segment_min_rows)
+    return LoraStep(names, row_adapter, segments, kinds, row_plan)

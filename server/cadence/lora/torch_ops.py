@@ -4,9 +4,11 @@ step's adapter list (-1: none, the row is left alone).
 
 An adapter's rows that are many (a prefill chunk) take one gather of its matrices and a
 matmul (`Segments.big`); the others (decode rows of many adapters) one batched gather of
-each row's matrices and a `bmm` (`Segments.small_*`). Products accumulate in float32
-(inside torch's kernels for bfloat16): h comes out in x's dtype, and the expand's delta
-is added to y in float32 and rounded once (as `cadence.kernels.lora` does on CUDA).
+each row's matrices and a `bmm` (`Segments.small_*`), or with `cpu_kernels` on CPU one
+C++ call that reads each row's matrices in place in the pool (`cadence.lora.cpu_rows`).
+Products accumulate in float32 (inside torch's kernels for bfloat16): h comes out in x's
+dtype, and the expand's delta is added to y in float32 and rounded once (as
+`cadence.kernels.lora` does on CUDA).
 
 Every index in `a_idx` / `b_idx` must name a row of finite numbers, padding and adapters
 of rank 0 included (`cadence.lora.batch` points those at another adapter's rows): the
@@ -19,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from cadence.lora import cpu_rows
 
 SEGMENT_MIN_ROWS = 8  # an adapter's rows from which they take the gather + matmul path
 
@@ -35,9 +39,14 @@ class Segments:
     small_adapter: torch.Tensor | None  # [n] long: their adapters
 
 
-def group_rows(runs: list[tuple[int, int, int]], device: torch.device | str = "cpu") -> Segments:
+def group_rows(
+    runs: list[tuple[int, int, int]],
+    device: torch.device | str = "cpu",
+    min_rows: int = SEGMENT_MIN_ROWS,
+) -> Segments:
     """Segments from runs (start, count, adapter) of consecutive rows of one adapter (a
-    request's rows; adapter -1 runs are skipped)."""
+    request's rows; adapter -1 runs are skipped); an adapter's rows make a big segment
+    from `min_rows` on."""
     by_adapter: dict[int, list[tuple[int, int]]] = {}
     for start, count, a in runs:
         if a >= 0 and count > 0:
@@ -45,7 +54,7 @@ def group_rows(runs: list[tuple[int, int, int]], device: torch.device | str = "c
     big: list[tuple[Rows, int]] = []
     small: list[tuple[int, int, int]] = []
     for a, spans in by_adapter.items():
-        if sum(n for _, n in spans) < SEGMENT_MIN_ROWS:
+        if sum(n for _, n in spans) < min_rows:
             small += [(s, n, a) for s, n in spans]
         elif len(spans) == 1:
             s, n = spans[0]
@@ -85,9 +94,11 @@ def lora_shrink(
     ranks: torch.Tensor,
     row_adapter: torch.Tensor,
     segments: Segments | None = None,
+    cpu_kernels: bool = False,
 ) -> torch.Tensor:
     """h [T, Rmax] in x's dtype: h[t, j] = x[t] · rows_in[a_idx[a, j]] for a =
-    row_adapter[t] and j < ranks[a], else 0."""
+    row_adapter[t] and j < ranks[a], else 0. `cpu_kernels`: the small rows through the C++
+    kernels where they take the tensors."""
     seg = segments if segments is not None else segments_of(row_adapter)
     rmax = a_idx.shape[1]
     h = x.new_zeros(x.shape[0], rmax)
@@ -99,6 +110,9 @@ def lora_shrink(
                 h[rows, :r] = _take(x, rows) @ _gather(rows_in, a_idx[a, :r]).T
     if seg.small_rows is not None and seg.small_adapter is not None:
         rows, adapters = seg.small_rows, seg.small_adapter
+        if cpu_kernels and cpu_rows.fits(x, rows_in, h):
+            cpu_rows.shrink_rows_(h, x, rows_in, a_idx, ranks, rows, adapters)
+            return h
         a_mats = _gather(rows_in, a_idx[adapters])  # [n, Rmax, in]
         hs = torch.bmm(a_mats, _take(x, rows).unsqueeze(2)).squeeze(2)
         keep = torch.arange(rmax, device=x.device) < ranks[adapters].unsqueeze(1)
@@ -116,9 +130,11 @@ def lora_expand_(
     out_offset: int,
     row_adapter: torch.Tensor,
     segments: Segments | None = None,
+    cpu_kernels: bool = False,
 ) -> None:
     """y[t, out_offset : out_offset + out] += h[t, rank_start[a] : rank_start[a] + r] @
-    rows_out[b_idx[a, :r]] for a = row_adapter[t] >= 0, r = piece_ranks[a]."""
+    rows_out[b_idx[a, :r]] for a = row_adapter[t] >= 0, r = piece_ranks[a]. `cpu_kernels`:
+    the small rows through the C++ kernels where they take the tensors."""
     seg = segments if segments is not None else segments_of(row_adapter)
     target = y.narrow(1, out_offset, rows_out.shape[1])
     if seg.big:
@@ -131,6 +147,11 @@ def lora_expand_(
             _add_(target, rows, _f32(_take(h, rows)[:, s : s + r]) @ _f32(b_mat))
     if seg.small_rows is not None and seg.small_adapter is not None:
         rows, adapters = seg.small_rows, seg.small_adapter
+        if cpu_kernels and cpu_rows.fits(y, h, rows_out):
+            cpu_rows.expand_rows_(
+                y, h, rows_out, b_idx, piece_ranks, rank_start, out_offset, rows, adapters
+            )
+            return
         rp = b_idx.shape[1]
         j = torch.arange(rp, device=h.device)
         cols = (rank_start[adapters].unsqueeze(1) + j).clamp(max=h.shape[1] - 1)

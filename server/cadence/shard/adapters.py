@@ -19,12 +19,14 @@ import torch
 from torch import nn
 
 from cadence.kv_cache import KVCache
+from cadence.lora import cpu_rows
 from cadence.lora.apply import LoraContext, install
 from cadence.lora.batch import build_step
 from cadence.lora.peft_adapter import load_peft_adapter
 from cadence.lora.peft_config import AdapterError
 from cadence.lora.pool import AdapterFitError, PoolRows, PoolShape, blocks_needed, page_in
 from cadence.lora.resident import ResidentAdapters
+from cadence.lora.torch_ops import SEGMENT_MIN_ROWS
 from cadence.lora.weights import AdapterWeights
 from cadence.pb import shard_pb2
 from cadence.shard.state import BatchState, ForwardBatch, StepError
@@ -35,13 +37,22 @@ class AdapterRefused(ValueError):
 
 
 class ShardAdapters:
-    def __init__(self, model: nn.Module, dtype: torch.dtype, shape: PoolShape) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        dtype: torch.dtype,
+        shape: PoolShape,
+        cpu_kernels: bool = False,
+        triton: bool = False,
+    ) -> None:
         """`shape`: the KV pool's slabs (its block count is taken from the cache once
-        allocated)."""
+        allocated); `cpu_kernels`: whether the C++ CPU kernels serve this shard; `triton`:
+        whether its products run through the Triton kernels (with the triton attention
+        backend: on CUDA, or on CPU under the interpreter)."""
         self.model = model
         self.dtype = dtype
         self.shape = shape
-        self.context = LoraContext()
+        self.context = LoraContext(cpu_kernels=cpu_kernels, triton=triton)
         self.sites = install(model, self.context)
         self.resident = ResidentAdapters(self.sites)
         self.host: dict[str, AdapterWeights] = {}
@@ -161,7 +172,10 @@ class ShardAdapters:
             yield
             return
         counts = (batch.query_start[1:] - batch.query_start[:-1]).tolist()
-        self.context.step = build_step(names, counts, self.resident)
+        min_rows = cpu_rows.SEGMENT_MIN_ROWS if self.context.cpu_kernels else SEGMENT_MIN_ROWS
+        self.context.step = build_step(
+            names, counts, self.resident, min_rows, triton=self.context.triton
+        )
         try:
             yield
         finally:

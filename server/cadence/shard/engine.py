@@ -143,8 +143,9 @@ class Engine:
         slab = cfg.block_size * first.num_kv_heads * first.head_dim
         slab_bytes = slab * self.kv_format.storage.itemsize
         self.adapters = ShardAdapters(
-            self.model, self.dtype, PoolShape(len(self.attention), 0, slab_bytes)
-        )
+            self.model, self.dtype, PoolShape(len(self.attention), 0, slab_bytes), cpu.on,
+            triton=self.attention_backend.name == "triton",
+        )  # fmt: skip
         self.kv: KVCache | None = None
         self.state: BatchState | None = None
         # proposes for ContinuingRequest.num_draft_tokens; its KV blocks ride on the target's

@@ -3,8 +3,8 @@
 sources, its flags and the compiler (and torch's version for the shim), so an edited
 source, another compiler or another torch builds anew:
 
-- `build(isa)`: `cpu_kernels.cpp`, one plain-C shared library per instruction set
-  (`isa.ISAS`), with OpenMP and no torch;
+- `build(isa)`: `cpu_kernels.cpp` and `lora_kernels.cpp`, one plain-C shared library per
+  instruction set (`isa.ISAS`), with OpenMP and no torch;
 - `build_operators()`: `cpu_ops.cpp`, the operator shim, once, with the machine's baseline
   flags (it has no vector code) against torch's headers and libraries.
 """
@@ -25,11 +25,16 @@ import torch
 from cadence.kernels.cpu import isa as isas
 
 _HERE = Path(__file__).parent
-SOURCE = _HERE / "cpu_kernels.cpp"
+SOURCES = (_HERE / "cpu_kernels.cpp", _HERE / "lora_kernels.cpp")
 OPS_SOURCE = _HERE / "cpu_ops.cpp"
 # Every file each build includes (the entry points' header is shared by both).
-KERNEL_FILES = (SOURCE, _HERE / "cpu_kernels.h")
-OPS_FILES = (OPS_SOURCE, _HERE / "cpu_ops_checks.h", _HERE / "cpu_kernels.h")
+KERNEL_FILES = (*SOURCES, _HERE / "cpu_kernels.h", _HERE / "cpu_elements.h")
+OPS_FILES = (
+    OPS_SOURCE,
+    _HERE / "cpu_ops_checks.h",
+    _HERE / "lora_checks.h",
+    _HERE / "cpu_kernels.h",
+)
 # -fno-trapping-math: loops with a select or a min/max around fast_exp (greedy's sum, the
 # generic SwiGLU) vectorize without AVX-512's masked stores (avx2 greedy: 1.5 -> 0.43 ms at
 # 32 x 49152); no FP exception flag is ever read here.
@@ -103,9 +108,13 @@ def ops_path() -> Path:
 
 
 def _compile(
-    what: str, target: Path, flags: Sequence[str], source: Path, libs: Sequence[str] = ()
+    what: str,
+    target: Path,
+    flags: Sequence[str],
+    sources: Sequence[Path],
+    libs: Sequence[str] = (),
 ) -> Path:
-    """Compiles `source` into `target` unless it exists; atomic (a temp file renamed into
+    """Compiles `sources` into `target` unless it exists; atomic (a temp file renamed into
     place), so concurrent shards never load a half-written library."""
     if target.exists():
         return target
@@ -114,7 +123,9 @@ def _compile(
     os.close(fd)
     try:
         done = subprocess.run(
-            [_compiler(), *flags, "-o", tmp, str(source), *libs], capture_output=True, text=True
+            [_compiler(), *flags, "-o", tmp, *map(str, sources), *libs],
+            capture_output=True,
+            text=True,
         )
         if done.returncode != 0:
             raise KernelBuildError(f"compiling {what} failed:\n{done.stderr[-2000:]}")
@@ -127,9 +138,10 @@ def _compile(
 
 def build(isa: str) -> Path:
     """The kernels for `isa`, compiled unless this exact build exists."""
-    return _compile(f"{SOURCE.name} for {isa}", library_path(isa), flags(isa), SOURCE)
+    names = " and ".join(source.name for source in SOURCES)
+    return _compile(f"{names} for {isa}", library_path(isa), flags(isa), SOURCES)
 
 
 def build_operators() -> Path:
     """The operator shim, compiled unless this exact build exists."""
-    return _compile(OPS_SOURCE.name, ops_path(), ops_flags(), OPS_SOURCE, OPS_LIBS)
+    return _compile(OPS_SOURCE.name, ops_path(), ops_flags(), (OPS_SOURCE,), OPS_LIBS)

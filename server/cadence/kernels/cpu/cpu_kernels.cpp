@@ -24,6 +24,7 @@
 // OpenMP is the same runtime torch uses (its bundled libgomp.so.1 is loaded first).
 
 #include "cpu_kernels.h"
+#include "cpu_elements.h"
 
 #include <cmath>
 #include <cstdint>
@@ -31,27 +32,9 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define CADENCE_AVX2 1
-#endif
-
-#if defined(CADENCE_AVX2) && defined(__AVX512BF16__) && defined(__AVX512F__)  // + AVX2 helpers
-#include <immintrin.h>
-#define CADENCE_AVX512_BF16 1
-#endif
-
 namespace {
 
 using namespace cadence_kernels;  // DType, Status
-
-// IEEE half precision: C++ compilers spell it _Float16 on x86-64 and __fp16 on aarch64
-// (both convert to and from float with round to nearest even).
-#if defined(__aarch64__)
-using half_t = __fp16;
-#else
-using half_t = _Float16;
-#endif
 
 template <int DT>
 constexpr int64_t sizeof_dtype() {
@@ -63,22 +46,6 @@ constexpr int64_t sizeof_dtype() {
 template <int KT>
 constexpr bool quantized() {
     return KT == I8 || KT == F8E4M3 || KT == F8E5M2;
-}
-
-inline float bf16_to_f32(uint16_t x) {
-    uint32_t bits = static_cast<uint32_t>(x) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN kept NaN
-    uint32_t bits;
-    std::memcpy(&bits, &f, sizeof bits);
-    // branch-free (a select), so loops over rows vectorize
-    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-    const uint32_t quiet_nan = (bits >> 16) | 0x40u;
-    return static_cast<uint16_t>((bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
 }
 
 // An fp8 element as IEEE half bits: e5m2 is half's top byte; e4m3's exponent and mantissa
@@ -936,32 +903,7 @@ void decode_all(const void* q, void* out, const void* k_cache, const void* v_cac
 
 
 #ifdef CADENCE_AVX512_BF16
-// ---- 16 bfloat16 lanes at a time, for the elementwise layers below ---------------------
-// Same rounding as f32_to_bf16 (round to nearest even, NaN kept a quiet NaN), so a vector
-// path gives the bits its scalar loop gives.
-inline __m512 bf16x16_load(const uint16_t* p) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-inline __m512 bf16x16_round(__m512 x) {  // x rounded to bfloat16, kept as float32
-    const __m512i bits = _mm512_castps_si512(x);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
-    __m512i r = _mm512_and_si512(
-        _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb), high);
-    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    r = _mm512_mask_mov_epi32(
-        r, nan, _mm512_and_si512(_mm512_or_si512(bits, _mm512_set1_epi32(0x400000)), high));
-    return _mm512_castsi512_ps(r);
-}
-
 inline __m512 negate16(__m512 x) { return _mm512_xor_ps(x, _mm512_set1_ps(-0.0f)); }
-
-inline void bf16x16_store(uint16_t* p, __m512 rounded) {  // rounded: from bf16x16_round
-    const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(rounded), 16);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bits));
-}
 
 // rms_norm_all's arithmetic for a bfloat16 row of hidden % 16 == 0 elements.
 inline void rms_norm_row_bf16(const uint16_t* x, const uint16_t* residual, const uint16_t* w,

@@ -28,6 +28,14 @@
 //     decode_layer_attention.out(qkv, heads, kv_heads, cos, sin, k_cache!, v_cache!,
 //                                slot_mapping, block_tables, context_lens, scale,
 //                                sliding_window, q_out!, out!, k_scale!=None, v_scale!=None)
+//     lora_shrink_rows_(x, rows_in, a_idx, ranks, row_adapter, rows, first_row, h!)
+//     lora_expand_rows_(y!, h, rows_out, b_idx, piece_ranks, rank_start, out_offset,
+//                       row_adapter, rows, first_row)
+//
+// The LoRA pair covers some rows of a step (rows[i], or first_row + i when rows is None;
+// row_adapter[i] their adapters, -1 none), reading the adapters' rows in place in the KV
+// pool (rows_in, rows_out: the pool read at one width); their index values are checked
+// against the pool (lora_checks.h).
 //
 // k_scale/v_scale: an int8 or fp8 cache's scales (cadence/kv_format.py), None for a float
 // cache.
@@ -42,6 +50,7 @@
 
 #include "cpu_kernels.h"
 #include "cpu_ops_checks.h"
+#include "lora_checks.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -80,6 +89,8 @@ struct Kernels {
     decltype(&cadence_rotary) rotary;
     decltype(&cadence_rotary_write_kv) rotary_write_kv;
     decltype(&cadence_decode_layer_attention) decode_layer_attention;
+    decltype(&cadence_lora_shrink) lora_shrink;
+    decltype(&cadence_lora_expand) lora_expand;
 };
 
 // Every call reads the table through one atomic pointer; a selection swaps it. Tables are
@@ -114,6 +125,8 @@ void select_kernels(c10::string_view isa, c10::string_view path_view) {
         resolve(library, path, "cadence_rotary", fresh->rotary);
         resolve(library, path, "cadence_rotary_write_kv", fresh->rotary_write_kv);
         resolve(library, path, "cadence_decode_layer_attention", fresh->decode_layer_attention);
+        resolve(library, path, "cadence_lora_shrink", fresh->lora_shrink);
+        resolve(library, path, "cadence_lora_expand", fresh->lora_expand);
         table = std::move(fresh);
     }
     selected.store(table.get(), std::memory_order_release);
@@ -473,6 +486,114 @@ void decode_layer_attention_out(const Tensor& qkv, int64_t heads, int64_t kv_hea
     }
 }
 
+// ---- LoRA over some rows of a step, the adapters' rows read in the pool -------------------
+
+// An index tensor as the kernels read it: int64, packed (int32 tables are widened).
+c10::MaybeOwned<Tensor> as_index(const Tensor& t) {
+    if (t.scalar_type() == ScalarType::Long) return t.expect_contiguous();
+    return c10::MaybeOwned<Tensor>::owned(t.to(ScalarType::Long).contiguous());
+}
+
+// A 2-D tensor the kernel only reads, each row packed (rows may be any distance apart).
+c10::MaybeOwned<Tensor> packed_columns(const Tensor& t) {
+    return t.size(1) <= 1 || t.stride(1) == 1 ? c10::MaybeOwned<Tensor>::borrowed(t)
+                                              : c10::MaybeOwned<Tensor>::owned(t.contiguous());
+}
+
+// The selection's tensors checked for the device (Meta) and read as int64 (CPU).
+struct RowSelection {
+    c10::MaybeOwned<Tensor> adapters, rows;
+    const int64_t* rows_ptr() const {
+        return rows->defined() ? rows->const_data_ptr<int64_t>() : nullptr;
+    }
+};
+
+RowSelection selection(const char* op, const Tensor& row_adapter,
+                       const std::optional<Tensor>& rows, int64_t n, int64_t tokens,
+                       int64_t adapters) {
+    RowSelection s{as_index(row_adapter),
+                   rows ? as_index(*rows) : c10::MaybeOwned<Tensor>::owned(Tensor())};
+    lora_checks::selection_values(op, s.adapters->const_data_ptr<int64_t>(), s.rows_ptr(), n,
+                                  tokens, adapters);
+    return s;
+}
+
+template <Impl I>
+void lora_shrink_rows_(const Tensor& x, const Tensor& rows_in, const Tensor& a_idx,
+                       const Tensor& ranks, const Tensor& row_adapter,
+                       const std::optional<Tensor>& rows, int64_t first_row, const Tensor& h) {
+    constexpr const char* op = "lora_shrink_rows_";
+    if constexpr (I == Impl::Meta) {
+        on_cpu(op, {{"x", &x}, {"rows_in", &rows_in}, {"a_idx", &a_idx}, {"ranks", &ranks},
+                    {"row_adapter", &row_adapter}, {"h", &h}});
+        if (rows) on_cpu(op, {{"x", &x}, {"rows", &*rows}});
+    }
+    const auto sizes =
+        lora_checks::shrink(op, x, rows_in, a_idx, ranks, row_adapter, rows, first_row, h);
+    if constexpr (I == Impl::CPU) {
+        const int64_t n = as_int(sizes.n), rmax = as_int(sizes.rmax);
+        const int64_t adapters = as_int(sizes.adapters);
+        if (n == 0) return;
+        const auto idx = as_index(a_idx);
+        const auto rank = as_index(ranks);
+        lora_checks::table_values(op, "a_idx", "ranks", idx->const_data_ptr<int64_t>(),
+                                  rank->const_data_ptr<int64_t>(), adapters, rmax,
+                                  rows_in.size(0), "rows_in");
+        const RowSelection sel =
+            selection(op, row_adapter, rows, n, as_int(sizes.tokens), adapters);
+        const auto x_rows = packed_columns(x);
+        const Kernels& k = kernels();
+        const int status = k.lora_shrink(
+            x_rows->const_data_ptr(), x_rows->stride(0), rows_in.const_data_ptr(),
+            as_int(sizes.in), idx->const_data_ptr<int64_t>(), rmax,
+            rank->const_data_ptr<int64_t>(), sel.adapters->const_data_ptr<int64_t>(),
+            sel.rows_ptr(), first_row, n, h.mutable_data_ptr(), code(x.scalar_type()),
+            threads());
+        check_status(k, status, "cadence_lora_shrink");
+    }
+}
+
+template <Impl I>
+void lora_expand_rows_(const Tensor& y, const Tensor& h, const Tensor& rows_out,
+                       const Tensor& b_idx, const Tensor& piece_ranks, const Tensor& rank_start,
+                       int64_t out_offset, const Tensor& row_adapter,
+                       const std::optional<Tensor>& rows, int64_t first_row) {
+    constexpr const char* op = "lora_expand_rows_";
+    if constexpr (I == Impl::Meta) {
+        on_cpu(op, {{"y", &y}, {"h", &h}, {"rows_out", &rows_out}, {"b_idx", &b_idx},
+                    {"piece_ranks", &piece_ranks}, {"rank_start", &rank_start},
+                    {"row_adapter", &row_adapter}});
+        if (rows) on_cpu(op, {{"y", &y}, {"rows", &*rows}});
+    }
+    const auto sizes = lora_checks::expand(op, y, h, rows_out, b_idx, piece_ranks, rank_start,
+                                           out_offset, row_adapter, rows, first_row);
+    if constexpr (I == Impl::CPU) {
+        const int64_t n = as_int(sizes.n), adapters = as_int(sizes.adapters);
+        if (n == 0) return;
+        const auto idx = as_index(b_idx);
+        const auto rank = as_index(piece_ranks);
+        const auto start = as_index(rank_start);
+        const int64_t width = b_idx.size(1);
+        lora_checks::table_values(op, "b_idx", "piece_ranks", idx->const_data_ptr<int64_t>(),
+                                  rank->const_data_ptr<int64_t>(), adapters, width,
+                                  rows_out.size(0), "rows_out");
+        lora_checks::rank_start_values(op, start->const_data_ptr<int64_t>(),
+                                       rank->const_data_ptr<int64_t>(), adapters,
+                                       as_int(sizes.rank_width));
+        const RowSelection sel =
+            selection(op, row_adapter, rows, n, as_int(sizes.tokens), adapters);
+        const auto h_rows = packed_columns(h);
+        const Kernels& k = kernels();
+        const int status = k.lora_expand(
+            y.mutable_data_ptr(), y.stride(0), out_offset, h_rows->const_data_ptr(),
+            h_rows->stride(0), rows_out.const_data_ptr(), as_int(sizes.out),
+            idx->const_data_ptr<int64_t>(), width, rank->const_data_ptr<int64_t>(),
+            start->const_data_ptr<int64_t>(), sel.adapters->const_data_ptr<int64_t>(),
+            sel.rows_ptr(), first_row, n, code(y.scalar_type()), threads());
+        check_status(k, status, "cadence_lora_expand");
+    }
+}
+
 }  // namespace
 }  // namespace cadence_ops
 
@@ -512,6 +633,13 @@ TORCH_LIBRARY_FRAGMENT(cadence, m) {
     m.def("decode_layer_attention.out(" CADENCE_WRITE_KV
           ", Tensor block_tables, Tensor context_lens, float scale, int? sliding_window, "
           "Tensor(c!) q_out, Tensor(d!) out" CADENCE_WRITE_SCALES ") -> ()");
+    m.def(
+        "lora_shrink_rows_(Tensor x, Tensor rows_in, Tensor a_idx, Tensor ranks, "
+        "Tensor row_adapter, Tensor? rows, int first_row, Tensor(a!) h) -> ()");
+    m.def(
+        "lora_expand_rows_(Tensor(a!) y, Tensor h, Tensor rows_out, Tensor b_idx, "
+        "Tensor piece_ranks, Tensor rank_start, int out_offset, Tensor row_adapter, "
+        "Tensor? rows, int first_row) -> ()");
     // No tensors: these run whatever the dispatch keys (a catch-all kernel).
     m.def("_select_kernels(str isa, str path) -> ()", TORCH_FN(cadence_ops::select_kernels));
     m.def("_selected_kernels() -> str", TORCH_FN(cadence_ops::selected_kernels));
@@ -530,7 +658,9 @@ TORCH_LIBRARY_FRAGMENT(cadence, m) {
     m.impl("rotary_", TORCH_FN(cadence_ops::rotary_<I>));                                     \
     m.impl("rotary_write_kv", TORCH_FN(cadence_ops::rotary_write_kv<I>));                     \
     m.impl("rotary_write_kv.out", TORCH_FN(cadence_ops::rotary_write_kv_out<I>));             \
-    m.impl("decode_layer_attention.out", TORCH_FN(cadence_ops::decode_layer_attention_out<I>));
+    m.impl("decode_layer_attention.out", TORCH_FN(cadence_ops::decode_layer_attention_out<I>)); \
+    m.impl("lora_shrink_rows_", TORCH_FN(cadence_ops::lora_shrink_rows_<I>));                 \
+    m.impl("lora_expand_rows_", TORCH_FN(cadence_ops::lora_expand_rows_<I>));
 
 TORCH_LIBRARY_IMPL(cadence, CPU, m) { CADENCE_IMPLS(m, cadence_ops::Impl::CPU) }
 TORCH_LIBRARY_IMPL(cadence, Meta, m) { CADENCE_IMPLS(m, cadence_ops::Impl::Meta) }
