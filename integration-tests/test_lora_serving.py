@@ -160,6 +160,32 @@ def test_a_batch_mixing_four_adapters_and_the_base_equals_transformers_and_peft(
         assert any(reference[(name, p)] != reference[("", p)] for p in PROMPTS), name
 
 
+def test_two_shards_serve_the_mixed_batch_as_transformers_and_peft(
+    adapter_dirs: dict[str, Path],
+    reference: dict[tuple[str, str], list[int]],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Tensor parallelism: each rank holds its slice of every adapter (SmolLM2's 3 KV heads
+    split 2 + 1, so the q/k/v slices are uneven). The rank with one KV head has slabs of
+    16 x 64 elements per block, where a 576-wide rank row does not fit every slab
+    position: blocks of 32 tokens do (docs/lora.md, "Memory")."""
+    listed = ",".join(f"{name}={adapter_dirs[name]}" for name in ADAPTERS)
+    launched = launch(
+        tmp_path_factory.mktemp("lora-tp"),
+        *SMOLLM_FLOAT32,
+        *("--num-shard", "2", "--kv-cache-memory", "128MiB", "--block-size", "32"),
+        *("--lora-adapters", listed),
+    )
+    try:
+        cases = [(name, prompt) for name in ["", *ADAPTERS] for prompt in PROMPTS]
+        with ThreadPoolExecutor(max_workers=len(cases)) as pool:
+            got = list(pool.map(lambda c: greedy_ids(launched.url, c[1], c[0]), cases))
+        for case, ours in zip(cases, got, strict=True):
+            assert ours == reference[case], case
+    finally:
+        assert stop(launched) == 0, launched.log()
+
+
 def test_openai_picks_the_adapter_by_model_and_lists_it_with_its_parent(
     server: LaunchedServer, adapter_dirs: dict[str, Path]
 ) -> None:
