@@ -166,14 +166,13 @@ def test_two_shards_serve_the_mixed_batch_as_transformers_and_peft(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     """Tensor parallelism: each rank holds its slice of every adapter (SmolLM2's 3 KV heads
-    split 2 + 1, so the q/k/v slices are uneven). The rank with one KV head has slabs of
-    16 x 64 elements per block, where a 576-wide rank row does not fit every slab
-    position: blocks of 32 tokens do (docs/lora.md, "Memory")."""
+    split 2 + 1, so the q/k/v slices are uneven; the rank with one KV head has slabs of
+    16 x 64 elements per block, each holding one 576-wide rank row)."""
     listed = ",".join(f"{name}={adapter_dirs[name]}" for name in ADAPTERS)
     launched = launch(
         tmp_path_factory.mktemp("lora-tp"),
         *SMOLLM_FLOAT32,
-        *("--num-shard", "2", "--kv-cache-memory", "128MiB", "--block-size", "32"),
+        *("--num-shard", "2", "--kv-cache-memory", "128MiB"),
         *("--lora-adapters", listed),
     )
     try:

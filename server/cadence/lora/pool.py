@@ -2,13 +2,12 @@
 
 The KV pool `[layers, 2, num_blocks, block_size, kv_heads, head_dim]` is read as one flat
 buffer of the model's compute dtype (its bytes reinterpreted, whatever the KV storage
-dtype), and for a row width w as the rows `rows_w = flat[: n // w * w].view(-1, w)`. A
-matrix [r, w] of an adapter (a layer's stacked A, a piece's Bᵀ) is stored as r rows of
-`rows_w`, each wholly inside one (layer, k|v) "slab" of one of the adapter's blocks, so
-that a freed block takes nothing of another adapter with it. Each slab holds rows of one
-width only: the rows of width w guaranteed to fit in any slab, from its first row start
-on (a slab's start is not always a multiple of w, so that count is the worst case over
-slab positions; every slab gets exactly that many).
+dtype), and for a row width w as the rows `rows_w = flat.as_strided((n - w + 1, w), (1,
+1))`: row i of that view starts at element i, so a row index is an element offset and a
+row may start anywhere. A matrix [r, w] of an adapter (a layer's stacked A, a piece's Bᵀ)
+is stored as r rows, each wholly inside one (layer, k|v) "slab" of one of the adapter's
+blocks, so that a freed block takes nothing of another adapter with it. Each slab holds
+rows of one width only, `slab // w` of them, from the slab's first element.
 """
 
 from __future__ import annotations
@@ -55,11 +54,8 @@ class PoolShape:
 
 
 def rows_per_slab(slab: int, width: int) -> int:
-    """Rows of `width` elements that fit wholly in every slab of `slab` elements, slab s
-    starting at element s * slab: its start is at a multiple of gcd(slab, width) past a
-    row start, and a start c past one leaves (c + slab) // width - (c > 0) whole rows."""
-    step = math.gcd(slab, width)
-    return min((c + slab) // width - (c > 0) for c in range(0, width, step))
+    """Rows of `width` elements one slab of `slab` elements holds (rows start anywhere)."""
+    return slab // width
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,21 +149,27 @@ class PoolRows:
         self._rows: dict[int, torch.Tensor] = {}
 
     def rows(self, width: int) -> torch.Tensor:
+        """The pool as rows of `width` elements, row i starting at element i (rows
+        overlap: read them through an index, write through `write`)."""
         view = self._rows.get(width)
         if view is None:
-            view = self._rows[width] = self.flat[: self.flat.numel() // width * width].view(
-                -1, width
-            )
+            n = self.flat.numel() - width + 1
+            view = self._rows[width] = self.flat.as_strided((n, width), (1, 1))
         return view
+
+    def write(self, starts: torch.Tensor, data: torch.Tensor) -> None:
+        """Row i of `data` [n, w] into the pool from element `starts[i]`."""
+        width = data.shape[1]
+        at = starts.to(self.flat.device)[:, None] + torch.arange(width, device=self.flat.device)
+        self.flat[at.flatten()] = data.to(self.flat.device, self.dtype).flatten()
 
 
 def _row_indices(
     slabs: torch.Tensor, slab: int, width: int, per_slab: int, count: int
 ) -> torch.Tensor:
-    """The first `count` row indices of `rows_width` over `slabs` (flat slab indices),
-    `per_slab` from each slab's first whole row."""
-    first = (slabs * slab + width - 1) // width
-    return (first[:, None] + torch.arange(per_slab)).flatten()[:count]
+    """The first `count` row starts (element offsets) over `slabs` (flat slab indices),
+    `per_slab` from each slab's first element."""
+    return (slabs[:, None] * slab + torch.arange(per_slab) * width).flatten()[:count]
 
 
 def page_in(weights: AdapterWeights, blocks: list[int], pool: PoolRows) -> PagedAdapter:
@@ -186,7 +188,6 @@ def page_in(weights: AdapterWeights, blocks: list[int], pool: PoolRows) -> Paged
     # slab (layer l, k|v) of block b is slab (2 l + kv) * num_blocks + b; blocks in order
     kinds = torch.arange(shape.slabs_per_block)
     slabs = (kinds[None, :] * shape.num_blocks + torch.tensor(blocks)[:, None]).flatten()
-    device = pool.flat.device
     rows_of: dict[int, torch.Tensor] = {}
     taken = 0
     for width, (rows, per_slab) in need.items():
@@ -194,7 +195,7 @@ def page_in(weights: AdapterWeights, blocks: list[int], pool: PoolRows) -> Paged
         rows_of[width] = _row_indices(slabs[taken : taken + n_slabs], slab, width, per_slab, rows)
         taken += n_slabs
         data = torch.cat([m.data for m in mats if m.data.shape[1] == width])
-        pool.rows(width)[rows_of[width].to(device)] = data.to(device, dtype)
+        pool.write(rows_of[width], data)
     # hand each matrix its rows, in the order they were stacked
     used = dict.fromkeys(need, 0)
 

@@ -78,19 +78,20 @@ int cadence_decode_layer_attention(const void* qkv, int64_t x_stride, const void
 
 // LoRA (lora_kernels.cpp) over n rows of a step: row i is rows[i], or first_row + i when
 // rows is null; row_adapter[i] its adapter (-1: none). The pool's rows: rows_in [N, in],
-// rows_out [N, out], packed rows of dtype. Index tables int64: a_idx [A, rmax] with
+// rows_out [N, out] of dtype, each row packed, row i starting rows_stride elements after
+// row i - 1 (1 for the pool's view whose row i starts at element i). Index tables int64: a_idx [A, rmax] with
 // ranks [A]; b_idx [A, b_stride] with piece_ranks [A] and rank_start [A]. Every index a
 // row reads (an adapter's first rank ones) must be a row of the pool.
 // h: [T, rmax] packed, row t written for each covered row t (0 past its rank).
 int cadence_lora_shrink(const void* x, int64_t x_stride, const void* rows_in, int64_t in,
-                        const int64_t* a_idx, int64_t rmax, const int64_t* ranks,
+                        int64_t rows_stride, const int64_t* a_idx, int64_t rmax, const int64_t* ranks,
                         const int64_t* row_adapter, const int64_t* rows, int64_t first_row,
                         int64_t n, void* h, int dtype, int num_threads);
 
 // y [T, y_stride] (columns out_offset .. out_offset + out added to), h [T, h_stride].
 int cadence_lora_expand(void* y, int64_t y_stride, int64_t out_offset, const void* h,
                         int64_t h_stride, const void* rows_out, int64_t out,
-                        const int64_t* b_idx, int64_t b_stride, const int64_t* piece_ranks,
+                        int64_t rows_stride, const int64_t* b_idx, int64_t b_stride, const int64_t* piece_ranks,
                         const int64_t* rank_start, const int64_t* row_adapter,
                         const int64_t* rows, int64_t first_row, int64_t n, int dtype,
                         int num_threads);

@@ -545,7 +545,7 @@ void lora_shrink_rows_(const Tensor& x, const Tensor& rows_in, const Tensor& a_i
         const Kernels& k = kernels();
         const int status = k.lora_shrink(
             x_rows->const_data_ptr(), x_rows->stride(0), rows_in.const_data_ptr(),
-            as_int(sizes.in), idx->const_data_ptr<int64_t>(), rmax,
+            as_int(sizes.in), rows_in.stride(0), idx->const_data_ptr<int64_t>(), rmax,
             rank->const_data_ptr<int64_t>(), sel.adapters->const_data_ptr<int64_t>(),
             sel.rows_ptr(), first_row, n, h.mutable_data_ptr(), code(x.scalar_type()),
             threads());
@@ -586,7 +586,7 @@ void lora_expand_rows_(const Tensor& y, const Tensor& h, const Tensor& rows_out,
         const Kernels& k = kernels();
         const int status = k.lora_expand(
             y.mutable_data_ptr(), y.stride(0), out_offset, h_rows->const_data_ptr(),
-            h_rows->stride(0), rows_out.const_data_ptr(), as_int(sizes.out),
+            h_rows->stride(0), rows_out.const_data_ptr(), as_int(sizes.out), rows_out.stride(0),
             idx->const_data_ptr<int64_t>(), width, rank->const_data_ptr<int64_t>(),
             start->const_data_ptr<int64_t>(), sel.adapters->const_data_ptr<int64_t>(),
             sel.rows_ptr(), first_row, n, code(y.scalar_type()), threads());

@@ -81,13 +81,13 @@ constexpr int64_t PARALLEL_MIN_WORK = 1 << 17;
 // __restrict: the pool and x are only read, so the compiler needs no overlap checks (with
 // them it chose the scalar version of the loop).
 template <typename T>
-void shrink_row(const T* __restrict x, const T* __restrict pool, int64_t in,
+void shrink_row(const T* __restrict x, const T* __restrict pool, int64_t in, int64_t stride,
                 const int64_t* idx, int64_t rank, T* __restrict h, int64_t rmax) {
     for (int64_t j = 0; j < rank; j += 4) {
-        const T* __restrict a0 = pool + idx[j] * in;  // past the rank: the last real row
-        const T* __restrict a1 = pool + idx[std::min(j + 1, rank - 1)] * in;
-        const T* __restrict a2 = pool + idx[std::min(j + 2, rank - 1)] * in;
-        const T* __restrict a3 = pool + idx[std::min(j + 3, rank - 1)] * in;
+        const T* __restrict a0 = pool + idx[j] * stride;  // past the rank: the last real row
+        const T* __restrict a1 = pool + idx[std::min(j + 1, rank - 1)] * stride;
+        const T* __restrict a2 = pool + idx[std::min(j + 2, rank - 1)] * stride;
+        const T* __restrict a3 = pool + idx[std::min(j + 3, rank - 1)] * stride;
         float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
 #pragma omp simd reduction(+ : s0, s1, s2, s3)
         for (int64_t k = 0; k < in; ++k) {
@@ -106,13 +106,13 @@ void shrink_row(const T* __restrict x, const T* __restrict pool, int64_t in,
 #ifdef CADENCE_AVX512_BF16
 // shrink_row for bfloat16: vdpbf16ps takes 32 elements of x and of a row a step (pairs
 // multiplied exactly, summed in float32); a tail under 32 elements is a masked load.
-void shrink_row_bf16(const uint16_t* x, const uint16_t* pool, int64_t in, const int64_t* idx,
-                     int64_t rank, uint16_t* h, int64_t rmax) {
+void shrink_row_bf16(const uint16_t* x, const uint16_t* pool, int64_t in, int64_t stride,
+                     const int64_t* idx, int64_t rank, uint16_t* h, int64_t rmax) {
     const int64_t whole = in / 32 * 32;
     const __mmask32 tail = static_cast<__mmask32>((uint64_t{1} << (in - whole)) - 1);
     for (int64_t j = 0; j < rank; j += 4) {
         const uint16_t* a[4];
-        for (int i = 0; i < 4; ++i) a[i] = pool + idx[std::min(j + i, rank - 1)] * in;
+        for (int i = 0; i < 4; ++i) a[i] = pool + idx[std::min(j + i, rank - 1)] * stride;
         __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
                          _mm512_setzero_ps()};
         for (int64_t k = 0; k < whole; k += 32) {
@@ -135,7 +135,7 @@ void shrink_row_bf16(const uint16_t* x, const uint16_t* pool, int64_t in, const 
 
 template <int DT>
 void shrink_all(const void* x_data, int64_t x_stride, const void* pool_data, int64_t in,
-                const int64_t* a_idx, int64_t rmax, const int64_t* ranks,
+                int64_t pool_stride, const int64_t* a_idx, int64_t rmax, const int64_t* ranks,
                 const int64_t* row_adapter, Selection rows, int64_t n, void* h_data,
                 int num_threads) {
     using T = elem_t<DT>;
@@ -150,11 +150,11 @@ void shrink_all(const void* x_data, int64_t x_stride, const void* pool_data, int
         const int64_t* idx = a < 0 ? nullptr : a_idx + a * rmax;
 #ifdef CADENCE_AVX512_BF16
         if constexpr (DT == BF16) {
-            shrink_row_bf16(x + t * x_stride, pool, in, idx, rank, h + t * rmax, rmax);
+            shrink_row_bf16(x + t * x_stride, pool, in, pool_stride, idx, rank, h + t * rmax, rmax);
             continue;
         }
 #endif
-        shrink_row<T>(x + t * x_stride, pool, in, idx, rank, h + t * rmax, rmax);
+        shrink_row<T>(x + t * x_stride, pool, in, pool_stride, idx, rank, h + t * rmax, rmax);
     }
 }
 
@@ -174,13 +174,13 @@ inline __m512 load16(const half_t* p) {
 
 // acc[0, 64) = sum over j < rank of h[j] * b_j[c0, c0 + 64), b_j the pool row idx[j].
 template <typename T>
-inline void sum_columns(float* acc, const T* h, const T* pool, int64_t out, int64_t c0,
+inline void sum_columns(float* acc, const T* h, const T* pool, int64_t stride, int64_t c0,
                         const int64_t* idx, int64_t rank) {
     __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
                    _mm512_setzero_ps()};
     for (int64_t j = 0; j < rank; ++j) {
         const __m512 hj = _mm512_set1_ps(to_f32(h[j]));
-        const T* b = pool + idx[j] * out + c0;
+        const T* b = pool + idx[j] * stride + c0;
         for (int k = 0; k < 4; ++k) a[k] = _mm512_fmadd_ps(hj, load16(b + 16 * k), a[k]);
     }
     for (int k = 0; k < 4; ++k) _mm512_storeu_ps(acc + 16 * k, a[k]);
@@ -196,25 +196,25 @@ inline __m256 load8(const half_t* p) {
 }
 
 template <typename T>
-inline void sum_columns(float* acc, const T* h, const T* pool, int64_t out, int64_t c0,
+inline void sum_columns(float* acc, const T* h, const T* pool, int64_t stride, int64_t c0,
                         const int64_t* idx, int64_t rank) {
     __m256 a[8];
     for (int k = 0; k < 8; ++k) a[k] = _mm256_setzero_ps();
     for (int64_t j = 0; j < rank; ++j) {
         const __m256 hj = _mm256_set1_ps(to_f32(h[j]));
-        const T* b = pool + idx[j] * out + c0;
+        const T* b = pool + idx[j] * stride + c0;
         for (int k = 0; k < 8; ++k) a[k] = _mm256_fmadd_ps(hj, load8(b + 8 * k), a[k]);
     }
     for (int k = 0; k < 8; ++k) _mm256_storeu_ps(acc + 8 * k, a[k]);
 }
 #else
 template <typename T>
-inline void sum_columns(float* acc, const T* h, const T* pool, int64_t out, int64_t c0,
+inline void sum_columns(float* acc, const T* h, const T* pool, int64_t stride, int64_t c0,
                         const int64_t* idx, int64_t rank) {
     for (int64_t c = 0; c < EXPAND_COLUMNS; ++c) acc[c] = 0.0f;
     for (int64_t j = 0; j < rank; ++j) {
         const float hj = to_f32(h[j]);
-        const T* b = pool + idx[j] * out + c0;
+        const T* b = pool + idx[j] * stride + c0;
         for (int64_t c = 0; c < EXPAND_COLUMNS; ++c) acc[c] += hj * to_f32(b[c]);
     }
 }
@@ -224,26 +224,26 @@ inline void sum_columns(float* acc, const T* h, const T* pool, int64_t out, int6
 // sum in float32, then added to y's element and rounded once; the last out % 64 columns
 // one at a time.
 template <typename T>
-void expand_row(T* y, const T* h, const T* pool, int64_t out, const int64_t* idx,
-                int64_t rank) {
+void expand_row(T* y, const T* h, const T* pool, int64_t out, int64_t stride,
+                const int64_t* idx, int64_t rank) {
     float acc[EXPAND_COLUMNS];
     int64_t c0 = 0;
     for (; c0 + EXPAND_COLUMNS <= out; c0 += EXPAND_COLUMNS) {
-        sum_columns(acc, h, pool, out, c0, idx, rank);
+        sum_columns(acc, h, pool, stride, c0, idx, rank);
         for (int64_t c = 0; c < EXPAND_COLUMNS; ++c)
             y[c0 + c] = from_f32<T>(to_f32(y[c0 + c]) + acc[c]);
     }
     for (; c0 < out; ++c0) {
         float sum = 0.0f;
-        for (int64_t j = 0; j < rank; ++j) sum += to_f32(h[j]) * to_f32(pool[idx[j] * out + c0]);
+        for (int64_t j = 0; j < rank; ++j) sum += to_f32(h[j]) * to_f32(pool[idx[j] * stride + c0]);
         y[c0] = from_f32<T>(to_f32(y[c0]) + sum);
     }
 }
 
 template <int DT>
 void expand_all(void* y_data, int64_t y_stride, int64_t out_offset, const void* h_data,
-                int64_t h_stride, const void* pool_data, int64_t out, const int64_t* b_idx,
-                int64_t b_stride, const int64_t* piece_ranks, const int64_t* rank_start,
+                int64_t h_stride, const void* pool_data, int64_t out, int64_t pool_stride,
+                const int64_t* b_idx, int64_t b_stride, const int64_t* piece_ranks, const int64_t* rank_start,
                 const int64_t* row_adapter, Selection rows, int64_t n, int num_threads) {
     using T = elem_t<DT>;
     T* y = static_cast<T*>(y_data);
@@ -256,7 +256,7 @@ void expand_all(void* y_data, int64_t y_stride, int64_t out_offset, const void* 
         if (a < 0 || piece_ranks[a] == 0) continue;
         const int64_t t = rows[i];
         expand_row<T>(y + t * y_stride + out_offset, h + t * h_stride + rank_start[a], pool,
-                      out, b_idx + a * b_stride, piece_ranks[a]);
+                      out, pool_stride, b_idx + a * b_stride, piece_ranks[a]);
     }
 }
 
@@ -265,12 +265,12 @@ void expand_all(void* y_data, int64_t y_stride, int64_t out_offset, const void* 
 extern "C" {
 
 int cadence_lora_shrink(const void* x, int64_t x_stride, const void* rows_in, int64_t in,
-                        const int64_t* a_idx, int64_t rmax, const int64_t* ranks,
+                        int64_t rows_stride, const int64_t* a_idx, int64_t rmax, const int64_t* ranks,
                         const int64_t* row_adapter, const int64_t* rows, int64_t first_row,
                         int64_t n, void* h, int dtype, int num_threads) {
     const Selection selection{rows, first_row};
 #define CALL(DT)                                                                            \
-    shrink_all<DT>(x, x_stride, rows_in, in, a_idx, rmax, ranks, row_adapter, selection, n, \
+    shrink_all<DT>(x, x_stride, rows_in, in, rows_stride, a_idx, rmax, ranks, row_adapter, selection, n, \
                    h, num_threads)
     switch (dtype) {
         case F32: CALL(F32); return OK;
@@ -283,14 +283,14 @@ int cadence_lora_shrink(const void* x, int64_t x_stride, const void* rows_in, in
 
 int cadence_lora_expand(void* y, int64_t y_stride, int64_t out_offset, const void* h,
                         int64_t h_stride, const void* rows_out, int64_t out,
-                        const int64_t* b_idx, int64_t b_stride, const int64_t* piece_ranks,
+                        int64_t rows_stride, const int64_t* b_idx, int64_t b_stride, const int64_t* piece_ranks,
                         const int64_t* rank_start, const int64_t* row_adapter,
                         const int64_t* rows, int64_t first_row, int64_t n, int dtype,
                         int num_threads) {
     const Selection selection{rows, first_row};
 #define CALL(DT)                                                                              \
-    expand_all<DT>(y, y_stride, out_offset, h, h_stride, rows_out, out, b_idx, b_stride,      \
-                   piece_ranks, rank_start, row_adapter, selection, n, num_threads)
+    expand_all<DT>(y, y_stride, out_offset, h, h_stride, rows_out, out, rows_stride, b_idx, \
+                   b_stride, piece_ranks, rank_start, row_adapter, selection, n, num_threads)
     switch (dtype) {
         case F32: CALL(F32); return OK;
         case BF16: CALL(BF16); return OK;
