@@ -11,8 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-from tp_worker import free_port
+from tp_worker import run_cases
 
 # (case name, base model folder, merged model folder, adapter folder)
 Case = tuple[str, str, str, str]
@@ -38,33 +37,9 @@ def rank_deltas(case: Case) -> dict[str, dict]:
     }
 
 
-def run_rank(rank: int, world_size: int, port: int, cases: list[Case], out_dir: str) -> None:
-    from cadence.config import ShardConfig
-    from cadence.shard.engine import init_distributed
-
-    torch.set_num_threads(1)
-    init_distributed(
-        ShardConfig(model_dir="", uds_path="", rank=rank, world_size=world_size, master_port=port)
-    )
-    try:
-        results = {case[0]: rank_deltas(case) for case in cases}
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _rank_deltas(case: Case, rank: int, world_size: int, port: int) -> dict[str, dict]:
+    return rank_deltas(case)
 
 
 def run_group(world_size: int, cases: list[Case], out_dir: Path) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    mp.start_processes(
-        _entry,
-        args=(world_size, free_port(), cases, str(out_dir)),
-        nprocs=world_size,
-        start_method="spawn",
-    )
-    return [torch.load(out_dir / f"rank{r}.pt") for r in range(world_size)]
-
-
-def _entry(rank: int, *args: object) -> None:
-    run_rank(rank, *args)  # type: ignore[arg-type]
+    return run_cases(_rank_deltas, world_size, cases, out_dir)

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-from tp_worker import free_port, scripted_logits
+from tp_worker import run_cases, scripted_logits
 
 # (case name, model folder, method, int4 group size, "source" or "at_load")
 Case = tuple[str, str, str, int, str]
@@ -42,33 +40,9 @@ def engine_for_case(case: Case, rank: int = 0, world_size: int = 1, port: int = 
     return engine
 
 
-def run_rank(rank: int, world_size: int, port: int, cases: list[Case], out_dir: str) -> None:
-    from cadence.config import ShardConfig
-    from cadence.shard.engine import init_distributed
-
-    torch.set_num_threads(1)
-    init_distributed(
-        ShardConfig(model_dir="", uds_path="", rank=rank, world_size=world_size, master_port=port)
-    )
-    try:
-        results = {c[0]: scripted_logits(engine_for_case(c, rank, world_size, port)) for c in cases}
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _rank_logits(case: Case, rank: int, world_size: int, port: int) -> dict:
+    return scripted_logits(engine_for_case(case, rank, world_size, port))
 
 
 def run_group(world_size: int, cases: list[Case], out_dir: Path) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    mp.start_processes(
-        _entry,
-        args=(world_size, free_port(), cases, str(out_dir)),
-        nprocs=world_size,
-        start_method="spawn",
-    )
-    return [torch.load(out_dir / f"rank{r}.pt") for r in range(world_size)]
-
-
-def _entry(rank: int, *args: object) -> None:
-    run_rank(rank, *args)  # type: ignore[arg-type]
+    return run_cases(_rank_logits, world_size, cases, out_dir)

@@ -9,7 +9,9 @@ Kept free of transformers imports so a spawned rank starts fast."""
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -202,3 +204,46 @@ def run_group(
 
 def _entry(rank: int, *args: object) -> None:
     run_rank(rank, *args)  # type: ignore[arg-type]
+
+
+def run_cases(
+    per_case: Callable[[Any, int, int, int], object],
+    world_size: int,
+    cases: Sequence[tuple],
+    out_dir: Path,
+) -> list[dict]:
+    """Runs `per_case(case, rank, world_size, port)` for every case on every rank of a gloo
+    group, each rank in its own spawned process (`per_case` a module-level function, so
+    it pickles); returns each rank's {case name (case[0]): result}."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(
+        _case_rank,
+        args=(per_case, world_size, free_port(), list(cases), str(out_dir)),
+        nprocs=world_size,
+        start_method="spawn",
+    )
+    return [torch.load(out_dir / f"rank{r}.pt") for r in range(world_size)]
+
+
+def _case_rank(
+    rank: int,
+    per_case: Callable[[Any, int, int, int], object],
+    world_size: int,
+    port: int,
+    cases: list[tuple],
+    out_dir: str,
+) -> None:
+    from cadence.config import ShardConfig
+    from cadence.shard.engine import init_distributed
+
+    torch.set_num_threads(1)
+    init_distributed(
+        ShardConfig(model_dir="", uds_path="", rank=rank, world_size=world_size, master_port=port)
+    )
+    try:
+        results = {case[0]: per_case(case, rank, world_size, port) for case in cases}
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
