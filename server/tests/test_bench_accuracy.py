@@ -13,7 +13,7 @@ def test_float32_engine_matches_the_reference_teacher_forced_and_greedy(model_di
     g = torch.Generator().manual_seed(5)
     tokens = torch.randint(3, 256, (300,), generator=g).tolist()  # > one 256-token chunk
     prompts = [tokens[:20], tokens[100:117]]
-    rows = measure(path, path, [Variant("float32")], tokens, prompts, generate=12)
+    rows = measure(path, path, path, [Variant("float32")], tokens, prompts, generate=12)
     ref, got = rows
     assert got["top1_agreement"] == 1.0
     assert got["max_abs_delta_logit"] < 1e-3

@@ -9,7 +9,7 @@ from cadence.kernels.cpu import isa
 from cadence.launcher import LaunchConfig, LaunchError, resolve_cpu_choices
 
 SAPPHIRE_RAPIDS = frozenset(
-    "sse2 avx avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512cd avx512_bf16".split()
+    "sse2 avx avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512cd avx512_bf16 avx512_vnni".split()
 )
 SKYLAKE_X = frozenset("sse2 avx avx2 fma f16c avx512f avx512bw avx512vl avx512dq".split())
 EPYC_ZEN2 = frozenset("sse2 avx avx2 fma f16c bmi2".split())
@@ -35,7 +35,9 @@ def test_supported_instruction_sets_follow_the_cpu_flags(flags, expected, monkey
 
 def test_a_forced_instruction_set_the_cpu_lacks_names_what_is_missing(monkeypatch):
     monkeypatch.setattr(isa, "is_x86", lambda: True)
-    with pytest.raises(isa.IsaError, match="lacks avx512_bf16, avx512bw.*runs: avx2, scalar"):
+    with pytest.raises(
+        isa.IsaError, match="lacks avx512_bf16, avx512_vnni, avx512bw.*runs: avx2, scalar"
+    ):
         isa.resolve("avx512_bf16", EPYC_ZEN2)
     with pytest.raises(isa.IsaError, match="not one of"):
         isa.resolve("sse9", EPYC_ZEN2)

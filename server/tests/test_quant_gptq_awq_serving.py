@@ -18,8 +18,8 @@ from transformers import AutoModelForCausalLM
 # dequantized weights) serves: float32 summation order only.
 TOL = 1e-4
 # RMS logit error relative to the oracle's RMS logit where the quantized CPU kernels
-# serve: they compute in bfloat16 (see test_quant_model.py's KERNEL_PATH_BOUND).
-KERNEL_PATH_BOUND = 0.03
+# serve: int8 activations or bfloat16 compute (see test_quant_model.py's KERNEL_PATH_BOUND).
+KERNEL_PATH_BOUND = 0.06
 
 
 def _rms_error(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -73,8 +73,9 @@ def test_served_logits_equal_transformers_on_the_dequantized_weights(
         torch.testing.assert_close(ours[:16], ref[:16], atol=TOL * scale, rtol=0)
     assert _rms_error(ours, ref) < KERNEL_PATH_BOUND
     # and nearer the checkpoint's numbers than the float model it was made from (int8
-    # per channel moves these logits by ~3% RMS, int4 by far more)
-    assert _rms_error(ours, ref) < 0.5 * _rms_error(original, ref)
+    # per channel moves these logits by ~3% RMS, as much as int8 activations do; int4 by
+    # far more)
+    assert _rms_error(ours, ref) < _rms_error(ours, original)
     served = engine.quantization
     assert served["source"] == DESCRIPTIONS[case]
     assert served["float_kept"] is (keep_float == "on")

@@ -20,9 +20,10 @@ from shard_helpers import MiniRouter
 PROMPT = list(range(3, 20))
 DECODES = 6
 # RMS logit difference between the quantized kernels and dequantize-then-float, relative
-# to the RMS logit: the CPU kernels compute in bfloat16 (inputs, scales and zeros rounded
-# to it) where the float32 model does not; measured up to 0.016 (int4, no float copy).
-KERNEL_PATH_BOUND = 0.03
+# to the RMS logit: where the C++ integer product serves (AVX-512 VNNI) the activations are
+# rounded to int8 per block of 32 columns, measured up to 0.039 on these chaotic tiny
+# models; torch's kernels elsewhere compute in bfloat16, measured up to 0.016.
+KERNEL_PATH_BOUND = 0.06
 # RMS logit error relative to the float model's RMS logit, on these tiny random models
 # (weights N(0, 0.15), chaotic enough that int4 g32 measures 0.38; a one-level shift
 # measures 2.2, int8 0.03).

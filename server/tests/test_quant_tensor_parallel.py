@@ -12,8 +12,10 @@ from tp_worker import scripted_logits
 
 # RMS logit difference relative to the RMS logit: the kernels answer in bfloat16, so a
 # row-parallel rank's partial sum is rounded before the all-reduce where one rank rounds
-# the whole sum (a slicing error would be of the order of 1).
-BOUND = 0.02
+# the whole sum, and the integer product quantizes each rank's input slice in its own
+# blocks of 32 (a slice of whole heads need not start on one): measured up to 0.027 with
+# it, 0.01 with torch's kernels (a slicing error would be of the order of 1).
+BOUND = 0.05
 
 CASES = [  # (name, model, method, int4 group, how)
     ("int8_uneven_heads", "llama_9_heads_3_kv", "int8", 0, "source"),

@@ -39,6 +39,8 @@ class Variant:
 
     name: str
     shard: dict[str, Any] = field(default_factory=dict)
+    # serve the folder asked for (a GGUF file's, kept quantized) rather than its float copy
+    as_given: bool = False
 
 
 class _Driver:
@@ -162,6 +164,7 @@ def divergence(ref: list[int], got: list[int]) -> int:
 
 def measure(
     model_dir: Path,
+    given_dir: Path,
     reference_dir: Path,
     variants: list[Variant],
     tokens: list[int],
@@ -179,7 +182,8 @@ def measure(
         # weight, so the teacher-forced (prefill-sized) rows measure the format too
         fields = {"dtype": "float32", "cpu_kernels": True, "quantize_keep_float": "off"}
         fields |= v.shard
-        engine = Engine(ShardConfig(model_dir=str(model_dir), uds_path="", **fields))
+        served = given_dir if v.as_given else model_dir
+        engine = Engine(ShardConfig(model_dir=str(served), uds_path="", **fields))
         engine.warmup(
             max_batch_tokens=CHUNK,
             max_batch_size=1,
@@ -221,6 +225,10 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 VARIANTS = {
     "served": Variant("the model as served (float32 compute)", {}),
+    "gguf": Variant("the GGUF file as it is (float32 compute)", {}, as_given=True),
+    "gguf-bfloat16": Variant(
+        "the GGUF file as it is, bfloat16 (the default here)", {"dtype": "bfloat16"}, as_given=True
+    ),
     "bfloat16": Variant("bfloat16 weights", {"dtype": "bfloat16"}),
     "int8": Variant("int8 weights (--quantize int8)", {"quantize": "int8"}),
     "int4": Variant("int4 weights g32 (--quantize int4)", {"quantize": "int4"}),
@@ -242,7 +250,7 @@ def run_accuracy_command(args: argparse.Namespace) -> int:
     from cadence.model_source import resolve_model
     from cadence.quant.checkpoints import GGUF_WEIGHTS
 
-    model_dir = Path(resolve_model(args.model_id))
+    model_dir = given_dir = Path(resolve_model(args.model_id))
     if (model_dir / GGUF_WEIGHTS).exists():
         # The variants quantize float weights, which transformers reads too: the GGUF's
         # float32 copy, made once beside the folder that serves it.
@@ -258,7 +266,7 @@ def run_accuracy_command(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"--variants: unknown {unknown} (known: {', '.join(VARIANTS)})")
     variants = [VARIANTS[name] for name in args.variants.split(",") if name]
-    rows = measure(model_dir, reference_dir, variants, tokens, prompts, args.generate)
+    rows = measure(model_dir, given_dir, reference_dir, variants, tokens, prompts, args.generate)
     print(markdown(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")

@@ -140,7 +140,7 @@ def _run_merge_adapter(args: argparse.Namespace) -> int:
 
 # `cadence bench accuracy --variants` names (cadence.bench.accuracy.VARIANTS).
 ACCURACY_VARIANTS = (
-    "served,bfloat16,int8,int4,int4-g128,kv-bfloat16,kv-int8,kv-fp8_e4m3,kv-fp8_e5m2"
+    "served,gguf,bfloat16,int8,int4,int4-g128,kv-bfloat16,kv-int8,kv-fp8_e4m3,kv-fp8_e5m2"
 )
 
 

@@ -66,9 +66,13 @@ def make_kernel(weight: QuantizedWeight, dtype: torch.dtype, device: torch.devic
         from cadence.quant import triton_kernels
 
         return triton_kernels.kernel_for(weight, dtype, device)
+    from cadence.kernels.cpu import selected_isa
+    from cadence.quant import cpu_gemm
     from cadence.quant.cpu_kernels import Int4CpuKernel, Int8CpuKernel
 
-    if isinstance(weight, Int8Weight):  # (the CPU kernels run in bfloat16 whatever `dtype`)
+    if cpu_gemm.integer_product_is_fast(selected_isa() or "") and cpu_gemm.takes(weight):
+        return cpu_gemm.IntegerCpuKernel(weight)
+    if isinstance(weight, Int8Weight):  # (torch's kernels run in bfloat16 whatever `dtype`)
         return Int8CpuKernel(weight)
     return Int4CpuKernel(weight)
 

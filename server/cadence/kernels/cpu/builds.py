@@ -3,8 +3,8 @@
 sources, its flags and the compiler (and torch's version for the shim), so an edited
 source, another compiler or another torch builds anew:
 
-- `build(isa)`: `cpu_kernels.cpp` and `lora_kernels.cpp`, one plain-C shared library per
-  instruction set (`isa.ISAS`), with OpenMP and no torch;
+- `build(isa)`: `cpu_kernels.cpp`, `lora_kernels.cpp` and `quant_kernels.cpp`, one plain-C
+  shared library per instruction set (`isa.ISAS`), with OpenMP and no torch;
 - `build_operators()`: `cpu_ops.cpp`, the operator shim, once, with the machine's baseline
   flags (it has no vector code) against torch's headers and libraries.
 """
@@ -25,14 +25,21 @@ import torch
 from cadence.kernels.cpu import isa as isas
 
 _HERE = Path(__file__).parent
-SOURCES = (_HERE / "cpu_kernels.cpp", _HERE / "lora_kernels.cpp")
+SOURCES = (_HERE / "cpu_kernels.cpp", _HERE / "lora_kernels.cpp", _HERE / "quant_kernels.cpp")
 OPS_SOURCE = _HERE / "cpu_ops.cpp"
 # Every file each build includes (the entry points' header is shared by both).
-KERNEL_FILES = (*SOURCES, _HERE / "cpu_kernels.h", _HERE / "cpu_elements.h")
+KERNEL_FILES = (
+    *SOURCES,
+    _HERE / "cpu_kernels.h",
+    _HERE / "cpu_elements.h",
+    _HERE / "quant_rows.h",
+    _HERE / "quant_tiles_avx512.h",
+)
 OPS_FILES = (
     OPS_SOURCE,
     _HERE / "cpu_ops_checks.h",
     _HERE / "lora_checks.h",
+    _HERE / "quant_checks.h",
     _HERE / "cpu_kernels.h",
 )
 # -fno-trapping-math: loops with a select or a min/max around fast_exp (greedy's sum, the

@@ -18,6 +18,9 @@ enum DType : int { F32 = 0, BF16 = 1, F16 = 2, I8 = 3, F8E4M3 = 4, F8E5M2 = 5 };
 // What an entry point returns (the shim names each in its error).
 enum Status : int { OK = 0, BAD_HEADS = 1, BAD_DTYPE = 2 };
 
+// The quantized weight formats of cadence_quant_matmul.
+enum QuantFormat : int { QUANT_INT4 = 0, QUANT_INT8 = 1 };
+
 }  // namespace cadence_kernels
 
 extern "C" {
@@ -95,5 +98,13 @@ int cadence_lora_expand(void* y, int64_t y_stride, int64_t out_offset, const voi
                         const int64_t* rank_start, const int64_t* row_adapter,
                         const int64_t* rows, int64_t first_row, int64_t n, int dtype,
                         int num_threads);
+
+// y [m, n] = x [m, k] @ W.T with W packed by cadence/quant/cpu_gemm.py (quant_kernels.cpp
+// has the layouts: `packed` uint8, `scales` float32, per format), x and y of dtype (float32
+// or bfloat16), rows x_stride / y_stride elements apart; x is quantized to int8 per row and
+// block of 32 columns on the way in.
+int cadence_quant_matmul(const void* x, int64_t x_stride, int64_t m, int64_t k,
+                         const void* packed, const float* scales, int64_t n, int format,
+                         void* y, int64_t y_stride, int dtype, int num_threads);
 
 }  // extern "C"

@@ -31,11 +31,16 @@
 //     lora_shrink_rows_(x, rows_in, a_idx, ranks, row_adapter, rows, first_row, h!)
 //     lora_expand_rows_(y!, h, rows_out, b_idx, piece_ranks, rank_start, out_offset,
 //                       row_adapter, rows, first_row)
+//     quant_matmul(x, packed, scales, out_features, format) -> y
 //
 // The LoRA pair covers some rows of a step (rows[i], or first_row + i when rows is None;
 // row_adapter[i] their adapters, -1 none), reading the adapters' rows in place in the KV
 // pool (rows_in, rows_out: the pool read at one width); their index values are checked
 // against the pool (lora_checks.h).
+//
+// quant_matmul multiplies by an int4 (format 0) or int8 (format 1) weight packed by
+// cadence/quant/cpu_gemm.py, its activations quantized to int8 on the way in
+// (quant_kernels.cpp; quant_checks.h).
 //
 // k_scale/v_scale: an int8 or fp8 cache's scales (cadence/kv_format.py), None for a float
 // cache.
@@ -51,6 +56,7 @@
 #include "cpu_kernels.h"
 #include "cpu_ops_checks.h"
 #include "lora_checks.h"
+#include "quant_checks.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -91,6 +97,7 @@ struct Kernels {
     decltype(&cadence_decode_layer_attention) decode_layer_attention;
     decltype(&cadence_lora_shrink) lora_shrink;
     decltype(&cadence_lora_expand) lora_expand;
+    decltype(&cadence_quant_matmul) quant_matmul;
 };
 
 // Every call reads the table through one atomic pointer; a selection swaps it. Tables are
@@ -127,6 +134,7 @@ void select_kernels(c10::string_view isa, c10::string_view path_view) {
         resolve(library, path, "cadence_decode_layer_attention", fresh->decode_layer_attention);
         resolve(library, path, "cadence_lora_shrink", fresh->lora_shrink);
         resolve(library, path, "cadence_lora_expand", fresh->lora_expand);
+        resolve(library, path, "cadence_quant_matmul", fresh->quant_matmul);
         table = std::move(fresh);
     }
     selected.store(table.get(), std::memory_order_release);
@@ -594,6 +602,32 @@ void lora_expand_rows_(const Tensor& y, const Tensor& h, const Tensor& rows_out,
     }
 }
 
+// ---- quantized weights ---------------------------------------------------------------------
+
+template <Impl I>
+Tensor quant_matmul(const Tensor& x, const Tensor& packed, const Tensor& scales,
+                    int64_t out_features, int64_t format) {
+    constexpr const char* op = "quant_matmul";
+    if constexpr (I == Impl::Meta) {
+        on_cpu(op, {{"x", &x}, {"packed", &packed}, {"scales", &scales}});
+    }
+    const auto sizes = quant_checks::quant_matmul(op, x, packed, scales, out_features, format);
+    Tensor y = at::empty_symint({sizes.rows, SymInt(out_features)}, x.options());
+    if constexpr (I == Impl::CPU) {
+        const int64_t rows = as_int(sizes.rows);
+        if (rows == 0) return y;
+        const auto x_rows = packed_columns(x);
+        const Kernels& k = kernels();
+        const int status = k.quant_matmul(
+            x_rows->const_data_ptr(), x_rows->stride(0), rows, as_int(sizes.in),
+            packed.const_data_ptr(), scales.const_data_ptr<float>(), out_features,
+            static_cast<int>(format), y.mutable_data_ptr(), out_features, code(x.scalar_type()),
+            threads());
+        check_status(k, status, "cadence_quant_matmul");
+    }
+    return y;
+}
+
 }  // namespace
 }  // namespace cadence_ops
 
@@ -640,6 +674,9 @@ TORCH_LIBRARY_FRAGMENT(cadence, m) {
         "lora_expand_rows_(Tensor(a!) y, Tensor h, Tensor rows_out, Tensor b_idx, "
         "Tensor piece_ranks, Tensor rank_start, int out_offset, Tensor row_adapter, "
         "Tensor? rows, int first_row) -> ()");
+    m.def(
+        "quant_matmul(Tensor x, Tensor packed, Tensor scales, int out_features, int format) "
+        "-> Tensor");
     // No tensors: these run whatever the dispatch keys (a catch-all kernel).
     m.def("_select_kernels(str isa, str path) -> ()", TORCH_FN(cadence_ops::select_kernels));
     m.def("_selected_kernels() -> str", TORCH_FN(cadence_ops::selected_kernels));
@@ -660,7 +697,8 @@ TORCH_LIBRARY_FRAGMENT(cadence, m) {
     m.impl("rotary_write_kv.out", TORCH_FN(cadence_ops::rotary_write_kv_out<I>));             \
     m.impl("decode_layer_attention.out", TORCH_FN(cadence_ops::decode_layer_attention_out<I>)); \
     m.impl("lora_shrink_rows_", TORCH_FN(cadence_ops::lora_shrink_rows_<I>));                 \
-    m.impl("lora_expand_rows_", TORCH_FN(cadence_ops::lora_expand_rows_<I>));
+    m.impl("lora_expand_rows_", TORCH_FN(cadence_ops::lora_expand_rows_<I>));                 \
+    m.impl("quant_matmul", TORCH_FN(cadence_ops::quant_matmul<I>));
 
 TORCH_LIBRARY_IMPL(cadence, CPU, m) { CADENCE_IMPLS(m, cadence_ops::Impl::CPU) }
 TORCH_LIBRARY_IMPL(cadence, Meta, m) { CADENCE_IMPLS(m, cadence_ops::Impl::Meta) }

@@ -4,8 +4,10 @@ The C++ kernels are compiled once per instruction set (`ISAS`, best first), each
 explicit `-march` flags rather than the build host's `-march=native`, so what runs is
 decided by the CPU the shard starts on, not by the one that compiled it:
 
-- `avx512_bf16`: AVX-512 (F, BW, VL, DQ) with the BF16 dot products (vdpbf16ps): the
-  hand-written bfloat16 paths (decode attention, norms, SwiGLU, rotary, greedy);
+- `avx512_bf16`: AVX-512 (F, BW, VL, DQ) with the BF16 dot products (vdpbf16ps) and VNNI's
+  int8 ones (vpdpbusd; every CPU with the first has the second): the hand-written
+  bfloat16 paths (decode attention, norms, SwiGLU, rotary, greedy) and the integer
+  product of quantized weights;
 - `avx512`: AVX-512 without BF16 (Skylake-X, Ice Lake, Zen 4 without the flag);
 - `avx2`: AVX2 + FMA + F16C (x86-64-v3: Haswell and later, every Zen);
 - `scalar`: baseline x86-64 (SSE2), and what an aarch64 build compiles to.
@@ -24,7 +26,9 @@ ISAS = ("avx512_bf16", "avx512", "avx2", "scalar")
 
 # The /proc/cpuinfo flags each instruction set needs.
 REQUIRED_FLAGS: dict[str, frozenset[str]] = {
-    "avx512_bf16": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}),
+    "avx512_bf16": frozenset(
+        {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"}
+    ),
     "avx512": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"}),
     "avx2": frozenset({"avx2", "fma", "f16c"}),
     "scalar": frozenset(),
@@ -32,7 +36,7 @@ REQUIRED_FLAGS: dict[str, frozenset[str]] = {
 
 # Compiler flags per instruction set on x86-64 (psABI levels; v4 = AVX-512 F/BW/CD/DQ/VL).
 X86_FLAGS: dict[str, tuple[str, ...]] = {
-    "avx512_bf16": ("-march=x86-64-v4", "-mavx512bf16"),
+    "avx512_bf16": ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"),
     "avx512": ("-march=x86-64-v4",),
     "avx2": ("-march=x86-64-v3",),
     "scalar": ("-march=x86-64",),

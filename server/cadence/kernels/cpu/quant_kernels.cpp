@@ -1,0 +1,227 @@
+// Products with quantized weights that compute on integers: y = x @ W.T with W int4 per
+// group (w = q * scale + zero', q 0..15) or int8 per output channel (w = q * scale), and
+// the activations x quantized as they come in to int8 in blocks of 32 columns (one float
+// scale per row and block: d = amax / 127, q = round(x / d)), as llama.cpp multiplies its
+// Q4/Q8 weights. Each 32-column block's integer dot products are exact in int32; they are
+// scaled and summed in float32.
+//
+// Why: torch's weight-only kernels dequantize each weight to bfloat16 and lose to oneDNN's
+// bfloat16 GEMM from a handful of rows on, so a quantized model decoded 32 sequences at
+// bfloat16's speed. With VNNI's vpdpbusd (64 u8 x s8 products into 16 int32 sums per
+// instruction, twice vdpbf16ps' 32) and a quarter (int4) or half (int8) of bfloat16's
+// weight bytes, the product is faster than bfloat16's at every row count measured
+// (docs/quantization.md).
+//
+// Weight layouts (cadence/quant/cpu_gemm.py packs them; output channels in blocks of 16,
+// the last padded with zero weights; input columns in blocks of 32):
+//   int4: packed [n16][k32][4][16][4] uint8: byte (j, c, i) of block (nb, b) holds column
+//         16 nb + c's q at input b*32 + 4j + i in its low nibble and at b*32 + 16 + 4j + i
+//         in its high one; sz [n16][k32][2][16] float32: scale, then zero' (= zero - 8 *
+//         scale of cadence/quant/formats.Int4Weight), for the block's 16 columns.
+//   int8: packed [n16][k32][8][16][4] uint8: q + 128 of column 16 nb + c at input
+//         b*32 + 4j + i; sz [n16 * 16] float32: the column scales.
+// (vpdpbusd multiplies unsigned by signed bytes: int4's q is already unsigned; int8's is
+// stored + 128 and each row's 128 * sum of its quantized activations taken off at the end.)
+//
+// The AVX-512 VNNI build runs the vector tiles of quant_tiles_avx512.h (4 rows x 64
+// columns); other builds run the same arithmetic in portable C++ (the tests hold both to
+// one reference). Each thread takes one run of column blocks; a tile's weights stay in
+// cache for every row tile, and the first row tile asks for the next tile's weights.
+
+#include "cpu_elements.h"
+#include "cpu_kernels.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include <omp.h>
+
+#include "quant_rows.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include "quant_tiles_avx512.h"
+#define CADENCE_QUANT_VECTOR_TILES 1
+#endif
+
+namespace {
+
+using namespace cadence_kernels;
+using namespace cadence_quant;
+
+inline float load_f32(const void* x, int64_t i, int dtype) {
+    return dtype == BF16 ? bf16_to_f32(static_cast<const uint16_t*>(x)[i])
+                         : static_cast<const float*>(x)[i];
+}
+
+// Row r of x (k columns, stride x_stride elements) into out's row r, zero past k.
+void quantize_row(const void* x, int64_t x_stride, int64_t r, int64_t k, int dtype,
+                  QuantizedRows& out) {
+    const int64_t base = r * x_stride;
+    int8_t* q = out.q.data() + r * out.k32 * BLOCK;
+    float correction = 0.0f;
+    for (int64_t b = 0; b < out.k32; ++b) {
+        float v[BLOCK];
+        float amax = 0.0f;
+        for (int64_t i = 0; i < BLOCK; ++i) {
+            const int64_t col = b * BLOCK + i;
+            v[i] = col < k ? load_f32(x, base + col, dtype) : 0.0f;
+            amax = std::max(amax, std::fabs(v[i]));
+        }
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int32_t sum = 0;
+        for (int64_t i = 0; i < BLOCK; ++i) {
+            const int32_t qi = static_cast<int32_t>(std::nearbyint(v[i] * inv));
+            q[b * BLOCK + i] = static_cast<int8_t>(qi);
+            sum += qi;
+        }
+        const float d = amax / 127.0f;
+        out.d[r * out.k32 + b] = d;
+        out.dsum[r * out.k32 + b] = d * static_cast<float>(sum);
+        correction += d * static_cast<float>(sum);
+    }
+    out.correction[r] = 128.0f * correction;
+}
+
+QuantizedRows& quantize_rows(const void* x, int64_t x_stride, int64_t m, int64_t k, int dtype,
+                             int num_threads) {
+    static thread_local QuantizedRows rows;  // reused: one step's products share the sizes
+    rows.k32 = (k + BLOCK - 1) / BLOCK;
+    rows.q.resize(m * rows.k32 * BLOCK);
+    rows.d.resize(m * rows.k32);
+    rows.dsum.resize(m * rows.k32);
+    rows.correction.resize(m);
+    QuantizedRows* shared = &rows;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (m * k >= 65536)
+    for (int64_t r = 0; r < m; ++r) quantize_row(x, x_stride, r, k, dtype, *shared);
+    return rows;
+}
+
+inline void store_row(void* y, int64_t y_stride, int64_t r, int64_t col0, int64_t cols,
+                      const float* v, int dtype) {
+    if (dtype == BF16) {
+        uint16_t* dst = static_cast<uint16_t*>(y) + r * y_stride + col0;
+        for (int64_t c = 0; c < cols; ++c) dst[c] = f32_to_bf16(v[c]);
+    } else {
+        float* dst = static_cast<float*>(y) + r * y_stride + col0;
+        std::memcpy(dst, v, cols * sizeof(float));
+    }
+}
+
+// ---- portable tiles ------------------------------------------------------------------------
+
+// acc[r][c] for rows r0.. of one 16-column block, int4.
+[[maybe_unused]] void int4_tile_portable(const uint8_t* w, const float* sz, const QuantizedRows& a, int64_t r0,
+                        int rows, float acc[MAX_ROWS][COLS]) {
+    for (int r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < COLS; ++c) acc[r][c] = 0.0f;
+    for (int64_t b = 0; b < a.k32; ++b) {
+        const uint8_t* wb = w + b * 256;
+        const float* s = sz + b * 2 * COLS;
+        for (int r = 0; r < rows; ++r) {
+            const int8_t* xq = a.q.data() + (r0 + r) * a.k32 * BLOCK + b * BLOCK;
+            const float d = a.d[(r0 + r) * a.k32 + b], dsum = a.dsum[(r0 + r) * a.k32 + b];
+            for (int64_t c = 0; c < COLS; ++c) {
+                int32_t dot = 0;
+                for (int64_t j = 0; j < 4; ++j)
+                    for (int64_t i = 0; i < 4; ++i) {
+                        const uint8_t byte = wb[j * 64 + c * 4 + i];
+                        dot += (byte & 0x0F) * xq[4 * j + i] + (byte >> 4) * xq[16 + 4 * j + i];
+                    }
+                acc[r][c] += static_cast<float>(dot) * d * s[c];
+                acc[r][c] += s[COLS + c] * dsum;
+            }
+        }
+    }
+}
+
+[[maybe_unused]] void int8_tile_portable(const uint8_t* w, const float* scale, const QuantizedRows& a,
+                        int64_t r0, int rows, float acc[MAX_ROWS][COLS]) {
+    for (int r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < COLS; ++c) acc[r][c] = 0.0f;
+    for (int64_t b = 0; b < a.k32; ++b) {
+        const uint8_t* wb = w + b * 512;
+        for (int r = 0; r < rows; ++r) {
+            const int8_t* xq = a.q.data() + (r0 + r) * a.k32 * BLOCK + b * BLOCK;
+            const float d = a.d[(r0 + r) * a.k32 + b];
+            for (int64_t c = 0; c < COLS; ++c) {
+                int32_t dot = 0;
+                for (int64_t j = 0; j < 8; ++j)
+                    for (int64_t i = 0; i < 4; ++i) dot += wb[j * 64 + c * 4 + i] * xq[4 * j + i];
+                acc[r][c] += static_cast<float>(dot) * d;
+            }
+        }
+    }
+    for (int r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < COLS; ++c)
+            acc[r][c] = (acc[r][c] - a.correction[r0 + r]) * scale[c];
+}
+
+#ifndef CADENCE_QUANT_VECTOR_TILES
+constexpr int TILE_ROWS = MAX_ROWS;
+constexpr int TILE_BLOCKS = 1;
+#endif
+
+// Column blocks [nb0, nb1) of every row: tiles of TILE_BLOCKS blocks x TILE_ROWS rows, the
+// tile's weights reused by every row tile while they are in cache.
+void column_blocks(int format, const uint8_t* packed, const float* sz, int64_t nb0, int64_t nb1,
+                   const QuantizedRows& a, int64_t m, int64_t n, void* y, int64_t y_stride,
+                   int dtype) {
+    const int64_t block_bytes = a.k32 * (format == QUANT_INT4 ? 256 : 512);
+    const int64_t block_scales = format == QUANT_INT4 ? a.k32 * 2 * COLS : COLS;
+    float acc[MAX_ROWS * TILE_BLOCKS * COLS];
+    for (int64_t nb = nb0; nb < nb1; nb += TILE_BLOCKS) {
+        const int nv = static_cast<int>(std::min<int64_t>(TILE_BLOCKS, nb1 - nb));
+        const uint8_t* w = packed + nb * block_bytes;
+        const float* s = sz + nb * block_scales;
+        const int64_t col0 = nb * COLS, cols = std::min(nv * COLS, n - col0);
+        for (int64_t r0 = 0; r0 < m; r0 += TILE_ROWS) {
+            const int rows = static_cast<int>(std::min<int64_t>(TILE_ROWS, m - r0));
+#ifdef CADENCE_QUANT_VECTOR_TILES
+            Prefetch next;
+            if (r0 == 0 && nb + TILE_BLOCKS < nb1) {  // the first row tile asks for the next panel
+                const bool int4 = format == QUANT_INT4;
+                next = {w + TILE_BLOCKS * block_bytes, s + TILE_BLOCKS * block_scales, block_bytes,
+                        int4 ? 256 : 512, block_scales, int4 ? 2 * COLS * 4 : 0,
+                        static_cast<int>(std::min<int64_t>(TILE_BLOCKS, nb1 - nb - TILE_BLOCKS))};
+            }
+            vector_tile(rows, nv, format, w, s, a, r0, next, acc, nv * COLS);
+#else
+            float tile[MAX_ROWS][COLS];
+            if (format == QUANT_INT4) int4_tile_portable(w, s, a, r0, rows, tile);
+            else int8_tile_portable(w, s, a, r0, rows, tile);
+            for (int r = 0; r < rows; ++r) std::memcpy(acc + r * COLS, tile[r], sizeof(tile[r]));
+#endif
+            for (int r = 0; r < rows; ++r)
+                store_row(y, y_stride, r0 + r, col0, cols, acc + r * nv * COLS, dtype);
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+int cadence_quant_matmul(const void* x, int64_t x_stride, int64_t m, int64_t k,
+                         const void* packed, const float* scales, int64_t n, int format,
+                         void* y, int64_t y_stride, int dtype, int num_threads) {
+    if ((dtype != F32 && dtype != BF16) || (format != QUANT_INT4 && format != QUANT_INT8))
+        return BAD_DTYPE;
+    if (m == 0 || n == 0) return OK;
+    const QuantizedRows& a = quantize_rows(x, x_stride, m, k, dtype, num_threads);
+    const int64_t blocks = (n + COLS - 1) / COLS;
+    const uint8_t* w = static_cast<const uint8_t*>(packed);
+    // each thread one contiguous run of column blocks (its weights stream once)
+    const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, blocks)));
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
+        column_blocks(format, w, scales, blocks * t / count, blocks * (t + 1) / count, a, m, n, y,
+                      y_stride, dtype);
+    }
+    return OK;
+}
+
+}  // extern "C"

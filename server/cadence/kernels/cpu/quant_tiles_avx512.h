@@ -1,0 +1,143 @@
+// The AVX-512 VNNI tiles of quant_kernels.cpp: up to 4 rows x 4 blocks of 16 output
+// channels, the int32 dot products by vpdpbusd (64 unsigned x signed byte products into
+// 16 sums per instruction). Included by quant_kernels.cpp in the builds that have VNNI.
+
+#pragma once
+
+#include "cpu_kernels.h"
+#include "quant_rows.h"
+
+#include <immintrin.h>
+
+#include <cstring>
+
+namespace cadence_quant {
+
+using cadence_kernels::QUANT_INT4;
+
+inline __m512i broadcast4(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+// ROWS rows x NV 16-column blocks. Per 32-column block: 8 vpdpbusd per row and column
+// block into int32 sums (each broadcast of 4 activations feeds NV of them, each unpacked
+// weight vector ROWS), then the block's scales: acc += (sum * d) * scale + zero' * d * sum(q).
+// 4 x 4 keeps 16 sums and 16 accumulators in registers: measured the fastest shape here.
+template <int ROWS, int NV>
+void int4_tile(const uint8_t* w, const float* sz, int64_t k32, const TileRows<ROWS>& x,
+               const Prefetch& next, float* out, int64_t out_stride) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 acc[ROWS][NV];
+    for (int r = 0; r < ROWS; ++r)
+        for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < k32; ++b) {
+        next.block(b);
+        __m512i dot[ROWS][NV];
+        for (int r = 0; r < ROWS; ++r)
+            for (int v = 0; v < NV; ++v) dot[r][v] = _mm512_setzero_si512();
+        for (int j = 0; j < 4; ++j) {
+            __m512i lo[NV], hi[NV];
+            for (int v = 0; v < NV; ++v) {
+                const __m512i packed = _mm512_loadu_si512(w + (v * k32 + b) * 256 + j * 64);
+                lo[v] = _mm512_and_si512(packed, low);
+                hi[v] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+            }
+            for (int r = 0; r < ROWS; ++r) {
+                const __m512i first = broadcast4(x.q[r] + b * BLOCK + 4 * j);
+                const __m512i second = broadcast4(x.q[r] + b * BLOCK + 16 + 4 * j);
+                for (int v = 0; v < NV; ++v) {
+                    dot[r][v] = _mm512_dpbusd_epi32(dot[r][v], lo[v], first);
+                    dot[r][v] = _mm512_dpbusd_epi32(dot[r][v], hi[v], second);
+                }
+            }
+        }
+        for (int r = 0; r < ROWS; ++r) {
+            const __m512 d = _mm512_set1_ps(x.d[r][b]);
+            const __m512 dsum = _mm512_set1_ps(x.dsum[r][b]);
+            for (int v = 0; v < NV; ++v) {
+                const float* s = sz + (v * k32 + b) * 2 * COLS;
+                const __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r][v]), d);
+                acc[r][v] = _mm512_fmadd_ps(part, _mm512_loadu_ps(s), acc[r][v]);
+                acc[r][v] = _mm512_fmadd_ps(_mm512_loadu_ps(s + COLS), dsum, acc[r][v]);
+            }
+        }
+    }
+    for (int r = 0; r < ROWS; ++r)
+        for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + r * out_stride + v * COLS, acc[r][v]);
+}
+
+// int8: the weights are the unsigned operand (q + 128); sum * d per block, then the row's
+// 128 * sum of d * sum(q) off and the channel scale on.
+template <int ROWS, int NV>
+void int8_tile(const uint8_t* w, const float* scale, int64_t k32, const TileRows<ROWS>& x,
+               const float* correction, const Prefetch& next, float* out, int64_t out_stride) {
+    __m512 acc[ROWS][NV];
+    for (int r = 0; r < ROWS; ++r)
+        for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < k32; ++b) {
+        next.block(b);
+        __m512i dot[ROWS][NV];
+        for (int r = 0; r < ROWS; ++r)
+            for (int v = 0; v < NV; ++v) dot[r][v] = _mm512_setzero_si512();
+        for (int j = 0; j < 8; ++j) {
+            __m512i q[NV];
+            for (int v = 0; v < NV; ++v)
+                q[v] = _mm512_loadu_si512(w + (v * k32 + b) * 512 + j * 64);
+            for (int r = 0; r < ROWS; ++r) {
+                const __m512i a = broadcast4(x.q[r] + b * BLOCK + 4 * j);
+                for (int v = 0; v < NV; ++v) dot[r][v] = _mm512_dpbusd_epi32(dot[r][v], q[v], a);
+            }
+        }
+        for (int r = 0; r < ROWS; ++r) {
+            const __m512 d = _mm512_set1_ps(x.d[r][b]);
+            for (int v = 0; v < NV; ++v)
+                acc[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][v]), d, acc[r][v]);
+        }
+    }
+    for (int r = 0; r < ROWS; ++r) {
+        const __m512 c = _mm512_set1_ps(correction[r]);
+        for (int v = 0; v < NV; ++v) {
+            const __m512 fixed = _mm512_sub_ps(acc[r][v], c);
+            _mm512_storeu_ps(out + r * out_stride + v * COLS,
+                             _mm512_mul_ps(fixed, _mm512_loadu_ps(scale + v * COLS)));
+        }
+    }
+}
+
+template <int ROWS, int NV>
+void tile(int format, const uint8_t* w, const float* sz, const QuantizedRows& a, int64_t r0,
+          const Prefetch& next, float* out, int64_t out_stride) {
+    const TileRows<ROWS> x(a, r0);
+    if (format == QUANT_INT4) int4_tile<ROWS, NV>(w, sz, a.k32, x, next, out, out_stride);
+    else int8_tile<ROWS, NV>(w, sz, a.k32, x, a.correction.data() + r0, next, out, out_stride);
+}
+
+template <int ROWS>
+void tile_blocks(int nv, int format, const uint8_t* w, const float* sz, const QuantizedRows& a,
+                 int64_t r0, const Prefetch& next, float* out, int64_t out_stride) {
+    switch (nv) {
+        case 1: tile<ROWS, 1>(format, w, sz, a, r0, next, out, out_stride); break;
+        case 2: tile<ROWS, 2>(format, w, sz, a, r0, next, out, out_stride); break;
+        case 3: tile<ROWS, 3>(format, w, sz, a, r0, next, out, out_stride); break;
+        default: tile<ROWS, 4>(format, w, sz, a, r0, next, out, out_stride); break;
+    }
+}
+
+// A tile of `rows` (1..4) x `nv` (1..4) blocks: one template each keeps the sums in registers.
+void vector_tile(int rows, int nv, int format, const uint8_t* w, const float* sz,
+                 const QuantizedRows& a, int64_t r0, const Prefetch& next, float* out,
+                 int64_t out_stride) {
+    switch (rows) {
+        case 1: tile_blocks<1>(nv, format, w, sz, a, r0, next, out, out_stride); break;
+        case 2: tile_blocks<2>(nv, format, w, sz, a, r0, next, out, out_stride); break;
+        case 3: tile_blocks<3>(nv, format, w, sz, a, r0, next, out, out_stride); break;
+        default: tile_blocks<4>(nv, format, w, sz, a, r0, next, out, out_stride); break;
+    }
+}
+
+constexpr int TILE_ROWS = 4;
+constexpr int TILE_BLOCKS = 4;
+
+}  // namespace cadence_quant
