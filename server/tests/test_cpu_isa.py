@@ -9,7 +9,8 @@ from cadence.kernels.cpu import isa
 from cadence.launcher import LaunchConfig, LaunchError, resolve_cpu_choices
 
 SAPPHIRE_RAPIDS = frozenset(
-    "sse2 avx avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512cd avx512_bf16 avx512_vnni".split()
+    "sse2 avx avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512cd avx512_bf16 "
+    "avx512_vnni".split()
 )
 SKYLAKE_X = frozenset("sse2 avx avx2 fma f16c avx512f avx512bw avx512vl avx512dq".split())
 EPYC_ZEN2 = frozenset("sse2 avx avx2 fma f16c bmi2".split())
