@@ -610,19 +610,21 @@ DecodeSeqFn pick_avx2(int head_dim, int block_size) {
 // Decode attention with AVX512-BF16's vdpbf16ps (bfloat16 pairs into float32, exact
 // products), head_dim D a multiple of 32 (up to 256): one sequence, all of its KV heads,
 // so each cache block is read front to back once. It reads a bfloat16 cache as stored
-// and an int8 one converted to bfloat16 a block at a time (exact: every int8 value is a
-// bfloat16 one), once per KV head rather than once per query head. Scores are vdpbf16ps
-// of the query against the key rows; values are accumulated two rows at a time against
-// the probabilities as bfloat16, in float32 registers. An int8 cache's per-row scales
+// and an int8 one converted to bfloat16 in registers (exact: every int8 value is a
+// bfloat16 one): a block's keys once per KV head into scratch, which all of its query
+// heads score, its values as they are read for the query heads' accumulation. Scores are
+// vdpbf16ps of the query against the key rows; values are accumulated two rows at a time
+// against the probabilities as bfloat16, in float32 registers. An int8 cache's per-row scales
 // stay outside the inner loops: each row's score is multiplied by its key scale, each
 // row's probability by its value scale before accumulation (the sum l takes the plain
 // probabilities).
 //
 // Precision: a bfloat16 query and the probabilities for a bfloat16 output are single
-// bfloat16s (the rounding the output gets anyway). A float32 or float16 query, and the
-// probabilities for such an output, are carried as the sum of 3 or 2 bfloat16 pieces
-// (`bf16_pieces`), which hold every bit of a float32 or float16 value: each piece meets
-// the same exact bfloat16 row, so the scores and sums are float32 ones.
+// bfloat16s (the rounding the output gets anyway). A float32 query, and the probabilities
+// for a float32 output, are carried as the sum of 3 bfloat16 pieces (`bf16_pieces`),
+// which hold every bit of a float32: each piece meets the same exact bfloat16 row, so
+// the scores and sums are float32 ones. A float16 query takes 2 (all of its 11 bits), as
+// do the probabilities for a float16 output (16 bits, 5 more than it keeps).
 
 // Lane i of the result is the sum of the 16 lanes of v[i] (16 horizontal sums in 45
 // shuffles and adds instead of about 130). Always inlined: as a call (which GCC chose
@@ -674,20 +676,27 @@ inline void split_bf16x16(__m512 x, uint16_t* pieces, int stride) {
     }
 }
 
+// 32 elements of a KT row from element i as bfloat16: a bfloat16 row's as stored, an
+// int8 row's converted (exact: every int8 value is a bfloat16 one).
+template <int KT>
+inline __m512i bf16x32_load(const void* row, int64_t i) {
+    if constexpr (KT == I8) {
+        const __m128i* x = reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(row) + i);
+        const __m512 first = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(x)));
+        const __m512 second = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(x + 1)));
+        return (__m512i)_mm512_cvtne2ps_pbh(second, first);
+    } else {
+        return _mm512_loadu_si512(static_cast<const uint16_t*>(row) + i);
+    }
+}
+
 // Rows [lo, hi) of an int8 block (rows `stride` elements apart) as bfloat16, packed D
-// apart into dst: exact, every int8 value being a bfloat16 one.
+// apart into dst.
 template <int D>
 inline void int8_rows_bf16(const int8_t* rows, int64_t stride, int lo, int hi, uint16_t* dst) {
-    for (int t = lo; t < hi; ++t) {
-        const int8_t* r = rows + t * stride;
-        for (int i = 0; i < D; i += 32) {
-            const __m128i* x = reinterpret_cast<const __m128i*>(r + i);
-            const __m512 first = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(x)));
-            const __m512 second =
-                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(x + 1)));
-            _mm512_storeu_si512(dst + t * D + i, (__m512i)_mm512_cvtne2ps_pbh(second, first));
-        }
-    }
+    for (int t = lo; t < hi; ++t)
+        for (int i = 0; i < D; i += 32)
+            _mm512_storeu_si512(dst + t * D + i, bf16x32_load<I8>(rows + t * stride, i));
 }
 
 // One KV head's int8 row scales over a block's rows (scales[first + t * num_kv_heads]),
@@ -721,29 +730,29 @@ inline void block_scores16(const __m512bh* qv, const uint16_t* k_rows, int64_t r
 }
 
 // acc[g] += sum over rows t in [lo, hi) of p[g][t] * V[t] for GB query heads of one KV
-// head, two rows at a time with vdpbf16ps: the rows' bfloat16 elements interleaved in
+// head, two rows at a time with vdpbf16ps: the rows' elements as bfloat16 (KT rows
+// `row_stride` elements apart, int8 ones converted as they are read) interleaved in
 // pairs (unpacklo/hi) against the pair (p[t], p[t+1]) of each of the head's P bfloat16
 // pieces (piece j of head g at p + (g * P + j) * p_stride), float32 accumulation. The
 // interleave permutes dimensions: accumulator 2k (lo) / 2k + 1 (hi), lane i, holds
 // dimension 32k + 8 (i / 4) + i % 4 (+ 4 for hi); `value_dim_order` undoes it. A row past
 // hi is read as zeros (its slot may hold anything). The accumulators stay in registers:
 // (GB + 1) * D / 16 of the 32 zmm registers.
-template <int D, int GB, int P>
-inline void accumulate_value_pairs(const uint16_t* v_rows, int64_t row_stride,
-                                   const uint16_t* p, int p_stride, int lo, int hi,
-                                   float* acc) {
+template <int KT, int D, int GB, int P>
+inline void accumulate_value_pairs(const void* v_rows, int64_t row_stride, const uint16_t* p,
+                                   int p_stride, int lo, int hi, float* acc) {
     constexpr int V = D / 16, C = D / 32;
     __m512 a[GB][V];
     for (int g = 0; g < GB; ++g)
         for (int c = 0; c < V; ++c) a[g][c] = _mm512_loadu_ps(acc + g * D + c * 16);
     for (int t = lo; t < hi; t += 2) {
-        const uint16_t* r0 = v_rows + t * row_stride;
+        const char* r0 = static_cast<const char*>(v_rows) + t * row_stride * sizeof_dtype<KT>();
+        const char* r1 = r0 + row_stride * sizeof_dtype<KT>();
         const bool second = t + 1 < hi;
         __m512i pairs[V];
         for (int k = 0; k < C; ++k) {
-            const __m512i x = _mm512_loadu_si512(r0 + k * 32);
-            const __m512i y = second ? _mm512_loadu_si512(r0 + row_stride + k * 32)
-                                     : _mm512_setzero_si512();
+            const __m512i x = bf16x32_load<KT>(r0, k * 32);
+            const __m512i y = second ? bf16x32_load<KT>(r1, k * 32) : _mm512_setzero_si512();
             pairs[2 * k] = _mm512_unpacklo_epi16(x, y);
             pairs[2 * k + 1] = _mm512_unpackhi_epi16(x, y);
         }
@@ -775,19 +784,18 @@ constexpr int heads_per_pass() {
     return fit < 1 ? 1 : (fit > 8 ? 8 : fit);
 }
 
-template <int D, int P>
-inline void accumulate_values_heads(const uint16_t* v_rows, int64_t row_stride,
-                                    const uint16_t* p, int p_stride, int lo, int hi, float* acc,
-                                    int heads) {
+template <int KT, int D, int P>
+inline void accumulate_values_heads(const void* v_rows, int64_t row_stride, const uint16_t* p,
+                                    int p_stride, int lo, int hi, float* acc, int heads) {
     constexpr int MAX = heads_per_pass<D>();
     for (int g0 = 0; g0 < heads; g0 += MAX) {
         const uint16_t* pg = p + g0 * P * p_stride;
         float* ag = acc + g0 * D;
         switch (std::min(MAX, heads - g0)) {
-#define CADENCE_ACC(N)                                                                      \
-    case N:                                                                                 \
-        if constexpr (N <= MAX)                                                             \
-            accumulate_value_pairs<D, N, P>(v_rows, row_stride, pg, p_stride, lo, hi, ag); \
+#define CADENCE_ACC(N)                                                                          \
+    case N:                                                                                     \
+        if constexpr (N <= MAX)                                                                 \
+            accumulate_value_pairs<KT, D, N, P>(v_rows, row_stride, pg, p_stride, lo, hi, ag); \
         break;
             CADENCE_ACC(1) CADENCE_ACC(2) CADENCE_ACC(3) CADENCE_ACC(4)
             CADENCE_ACC(5) CADENCE_ACC(6) CADENCE_ACC(7) CADENCE_ACC(8)
@@ -857,10 +865,9 @@ struct Dpbf16Scratch {
     uint16_t* q;     // [H, P, D] the queries' bfloat16 pieces
     uint16_t* pb;    // [H, P, block_size + 2] the probabilities' pieces
     uint16_t* keys;  // [block_size, D] an int8 block's keys as bfloat16
-    uint16_t* vals;  // [block_size, D] its values
 
     static int64_t halves(int H, int D, int block_size, int P) {
-        return static_cast<int64_t>(H) * P * (D + block_size + 2) + 2 * block_size * D;
+        return static_cast<int64_t>(H) * P * (D + block_size + 2) + block_size * D;
     }
     static int64_t floats(int H, int D, int block_size, int P) {
         return static_cast<int64_t>(H) * (D + block_size + 2) + D + 2 * block_size +
@@ -878,7 +885,6 @@ struct Dpbf16Scratch {
         q = reinterpret_cast<uint16_t*>(v_mul + block_size);
         pb = q + H * P * D;
         keys = pb + H * P * (block_size + 2);
-        vals = keys + block_size * D;
     }
 };
 
@@ -932,7 +938,6 @@ void decode_seq_dpbf16(const void* q, void* out, const void* k_cache, const void
         for (int kh = 0; kh < num_kv_heads; ++kh) {
             const int64_t at = base * row_stride + kh * D;  // the head's first row, in elements
             const uint16_t* k_rows = static_cast<const uint16_t*>(k_cache) + at;
-            const uint16_t* v_rows = static_cast<const uint16_t*>(v_cache) + at;
             int64_t stride = row_stride;
             __m512 row_mul = _mm512_set1_ps(scale);  // each score's factor, 16 rows
             if constexpr (int8) {  // the 16-row scores read every row of the block
@@ -943,7 +948,6 @@ void decode_seq_dpbf16(const void* q, void* out, const void* k_cache, const void
                 block_row_scales(k_scale, first, num_kv_heads, lo, hi, block_size, scale, w.k_mul);
                 block_row_scales(v_scale, first, num_kv_heads, lo, hi, block_size, 1.0f, w.v_mul);
                 k_rows = w.keys;
-                v_rows = w.vals;
                 stride = D;
                 if (block_size == 16) row_mul = _mm512_loadu_ps(w.k_mul);
             }
@@ -969,11 +973,9 @@ void decode_seq_dpbf16(const void* q, void* out, const void* k_cache, const void
                     probability_pieces<P>(sh, v_mul, lo, hi, block_size, ph, pb_stride);
                 }
             }
-            if constexpr (int8)
-                int8_rows_bf16<D>(static_cast<const int8_t*>(v_cache) + at, row_stride, lo, hi,
-                                  w.vals);
-            accumulate_values_heads<D, P>(v_rows, stride, w.pb + kh * G * P * pb_stride,
-                                          pb_stride, lo, hi, w.acc + kh * G * D, G);
+            const void* v_rows = static_cast<const char*>(v_cache) + at * sizeof_dtype<KT>();
+            accumulate_values_heads<KT, D, P>(v_rows, row_stride, w.pb + kh * G * P * pb_stride,
+                                              pb_stride, lo, hi, w.acc + kh * G * D, G);
         }
     }
     for (int h = 0; h < num_heads; ++h) {
