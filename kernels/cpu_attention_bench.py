@@ -9,6 +9,7 @@ picks the kernels' build.
     PYTHONPATH=server python kernels/cpu_attention_bench.py [--batch 32] [--context 420]
         [--dtype float32] [--kv-dtype bfloat16]
         [--in-cache]   # every sequence and layer reads the same blocks: compute alone
+        [--cpu-time]   # time in CPU seconds of this process, not wall time
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from cadence.attention_backends.torch_sdpa import decode_attention
 from cadence.kernels import cpu
 from cadence.kv_cache import bytes_per_block
 from cadence.kv_format import kv_format, quantize
-from cpu_decode_step import timed  # the same timing loop (run as a script from kernels/)
+from cpu_decode_step import clock_of, timed  # the same timing (run as a script from kernels/)
 
 
 def main() -> None:
@@ -35,7 +36,9 @@ def main() -> None:
         "--in-cache", action="store_true",
         help="every sequence and layer reads the same blocks (they stay in L2): compute alone",
     )  # fmt: skip
+    p.add_argument("--cpu-time", action="store_true", help="CPU time instead of wall time")
     a = p.parse_args()
+    clock = clock_of(a.cpu_time)
     cpu.select()  # $CADENCE_CPU_ISA, else the best this CPU runs: defines the operators
     torch.manual_seed(0)
     dtype = getattr(torch, a.dtype)
@@ -70,6 +73,7 @@ def main() -> None:
             for k, v, ks, vs in caches
         ],
         a.steps,
+        clock,
     )
     t_torch = timed(
         lambda: [
@@ -77,6 +81,7 @@ def main() -> None:
             for k, v, ks, vs in caches
         ],
         a.steps,
+        clock,
     )
     print(
         f"{a.layers} layers, batch {b}, context {n}, {a.dtype} queries over a "

@@ -8,12 +8,15 @@ last line runs it through the model's modules instead, as every other variant ru
 like-for-like comparison of paged against contiguous attention.
 
     PYTHONPATH=server python kernels/cpu_decode_step.py --batch 32 --context 350
+        [--kv-dtype int8]   # the cache's format (cadence.kv_format; default: --dtype)
+        [--cpu-time]        # time in CPU seconds of this process, not wall time
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -23,6 +26,7 @@ from cadence.attention_backends.base import Workspace
 from cadence.attention_backends.cpu_paged import CpuAttention
 from cadence.attention_backends.torch_sdpa import TorchAttention
 from cadence.kernels import cpu
+from cadence.kv_format import kv_format, quantize
 from cadence.layers import attention as attn_mod
 from cadence.layers import kernel_ops
 from cadence.layers.packed import pack_linear_weights
@@ -32,12 +36,18 @@ from cadence.runners import LlamaCpuFlatRunner, ModelRunner
 MODEL = Path.home() / ".cache/cadence/models/SmolLM2-135M-Instruct"
 
 
-def timed(fn, steps: int) -> float:
+def timed(fn, steps: int, clock: Callable[[], float] = time.perf_counter) -> float:
+    """Milliseconds per call of fn by `clock`: wall time, or with time.process_time the CPU
+    time of every thread of this process, which other jobs on a shared machine inflate less."""
     fn()  # warm the workspace and the allocator
-    started = time.perf_counter()
+    started = clock()
     for _ in range(steps):
         fn()
-    return (time.perf_counter() - started) / steps * 1000
+    return (clock() - started) / steps * 1000
+
+
+def clock_of(cpu_time: bool) -> Callable[[], float]:
+    return time.process_time if cpu_time else time.perf_counter
 
 
 def main() -> None:
@@ -47,8 +57,12 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--kv-dtype", default=None, help="the cache's format (default: --dtype)")
+    p.add_argument("--cpu-time", action="store_true", help="CPU time instead of wall time")
     a = p.parse_args()
     dtype = getattr(torch, a.dtype)
+    fmt = kv_format(a.kv_dtype or a.dtype)
+    clock = clock_of(a.cpu_time)
     torch.manual_seed(0)
     model = load_model(str(MODEL), dtype, torch.device("cpu"))
     pack_linear_weights(model)
@@ -58,9 +72,13 @@ def main() -> None:
     blocks_per_seq = (n + bs) // bs + 1
     num_blocks = b * blocks_per_seq + 1
     shape = (num_blocks, bs, cfg.num_kv_heads, cfg.head_dim)
+    layer_scale = torch.tensor([0.02])  # an fp8 cache's; int8 carries its own per token
     for layer in layers:
-        layer.k_cache = torch.randn(shape).to(dtype)
-        layer.v_cache = torch.randn(shape).to(dtype)
+        layer.k_cache, k_scale = quantize(torch.randn(shape), fmt, layer_scale)
+        layer.v_cache, v_scale = quantize(torch.randn(shape), fmt, layer_scale)
+        if fmt.scales == "layer":
+            k_scale, v_scale = layer_scale, layer_scale
+        layer.k_scale, layer.v_scale = k_scale, v_scale
     # each sequence's blocks scattered over the pool, as after churn
     tables = (torch.randperm(num_blocks - 1)[: b * blocks_per_seq] + 1).view(b, -1)
     lens = torch.full((b,), n + 1)
@@ -111,13 +129,16 @@ def main() -> None:
         finally:
             attn_mod.Attention.forward = original
 
-    print(f"torch threads {torch.get_num_threads()}, batch {b}, context {n}, block {bs}, {a.dtype}")
-    t_contig = timed(contiguous, a.steps)
+    print(
+        f"torch threads {torch.get_num_threads()}, batch {b}, context {n}, block {bs}, "
+        f"{a.dtype}, {fmt.name} cache{', CPU time' if a.cpu_time else ''}"
+    )
+    t_contig = timed(contiguous, a.steps, clock)
     print(f"contiguous decode step           {t_contig:7.1f} ms")
     for backend in ("cpu", "cpu, module forward", "torch"):
         if backend not in runners:
             continue
-        t = timed(lambda backend=backend: paged(backend), a.steps)
+        t = timed(lambda backend=backend: paged(backend), a.steps, clock)
         print(
             f"paged decode step, {backend:5} backend {t:7.1f} ms  (/contiguous {t / t_contig:.2f}x)"
         )

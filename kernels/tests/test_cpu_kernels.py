@@ -89,13 +89,16 @@ QUANTIZED = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
 @pytest.mark.parametrize("kv_dtype", QUANTIZED)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("block_size", "heads", "kv_heads", "head_dim"), [(16, 9, 3, 64),
-                         (8, 4, 4, 128), (32, 16, 2, 80), (16, 4, 2, 48)])  # fmt: skip
+                         (8, 4, 4, 128), (32, 16, 2, 80), (16, 4, 2, 48), (32, 16, 2, 96),
+                         (16, 8, 1, 256)])  # fmt: skip
 def test_paged_decode_attention_over_a_quantized_cache_matches_reference(
     kv_dtype, dtype, block_size, heads, kv_heads, head_dim
 ):
     """The kernel reads an int8 or fp8 cache with its scales as the reference reads it
     (in float32, the elements times their scales); head_dim 48 takes the generic path
-    on every instruction set."""
+    on every instruction set, 80 the AVX2 one on AVX-512 BF16 too (whose vdpbf16ps path
+    takes multiples of 32: blocks of 16 a row at a time, others a row at a time, 8
+    query heads per KV head in passes of 3 at head_dim 96)."""
     k_float, v_float, tables = paged_cache(LENS, block_size, kv_heads, head_dim, torch.float32, 9)
     (k_cache, k_scale), (v_cache, v_scale) = (
         quantized_cache(k_float.cpu() * 3, kv_dtype),
@@ -115,6 +118,37 @@ def test_paged_decode_attention_over_a_quantized_cache_matches_reference(
             q, k_cache, v_cache, tables, lens, head_dim**-0.5, window, k_scale, v_scale
         )
         assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 8])
+def test_paged_decode_attention_over_an_int8_cache_weighs_only_the_rows_it_sees(dtype, window):
+    """An int8 cache whose rows the query does not see -- other sequences' blocks, slots
+    past a sequence's length, rows before its sliding window -- hold the extreme codes
+    and NaN scales: the AVX-512 BF16 path converts and scores whole 16-row blocks, so
+    a row outside [lo, hi) must weigh exactly nothing, its scales unread or zeroed."""
+    k_float, v_float, tables = paged_cache([20, 5], 16, 2, 64, torch.float32, seed=5)
+    tables = tables.cpu().long()
+    (k_cache, k_scale), (v_cache, v_scale) = (
+        quantized_cache(k_float.cpu(), torch.int8),
+        quantized_cache(v_float.cpu(), torch.int8),
+    )
+    clean = [t.clone() for t in (k_cache, v_cache, k_scale, v_scale)]
+    owned = {int(tables[0, 0]), int(tables[0, 1]), int(tables[1, 0])}
+    unseen = [(tables[0, 1], slice(4, None)), (tables[1, 0], slice(5, None))]  # past the lens
+    unseen += [(b, slice(None)) for b in range(k_cache.shape[0]) if b not in owned]
+    if window is not None:  # sequence 0 sees its last 8 keys: rows 12.. of its first block
+        unseen.append((tables[0, 0], slice(None, 12)))
+    for block, rows in unseen:
+        k_cache[block, rows], v_cache[block, rows] = -128, 127
+        k_scale[block, rows], v_scale[block, rows] = float("nan"), float("nan")
+    q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(2)).to(dtype)
+    lens = torch.tensor([20, 5])
+    out = cpu.paged_decode_attention(
+        q, k_cache, v_cache, tables, lens, 0.125, window, k_scale=k_scale, v_scale=v_scale
+    )
+    ref = cpu.paged_decode_attention_ref(q, *clean[:2], tables, lens, 0.125, window, *clean[2:])
+    assert_close(out, ref, dtype)  # as if the garbage were not there
 
 
 def test_paged_decode_attention_rejects_what_it_cannot_run():
