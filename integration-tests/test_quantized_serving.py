@@ -22,9 +22,10 @@ PROMPTS = 4
 NEW_TOKENS = 32
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GROUP = 32
-# |logprob| difference allowed against the oracle: the CPU kernels compute in bfloat16
-# (float32 activations are rounded), through 30 layers
-LOGPROB_BOUND = 0.35
+# |logprob| difference allowed against the oracle, through 30 layers: the integer product
+# (AVX-512 VNNI CPUs) rounds each activation to int8 in blocks of 32 columns, measured up
+# to 0.75 here; torch's kernels elsewhere compute in bfloat16, measured up to 0.3.
+LOGPROB_BOUND = 1.0
 
 
 def roundtrip(w: torch.Tensor, method: str) -> torch.Tensor:
@@ -103,9 +104,9 @@ def oracle_logprobs(model, ids: list[int], head: torch.Tensor | None = None) -> 
 def test_logprobs_and_greedy_choices_are_transformers_on_the_dequantized_weights(
     quantized, smollm_float_dir: str
 ) -> None:
-    """Every prompt and generated token's logprob within the bfloat16 compute's bound of
-    transformers on the dequantized weights, and every greedy choice its top token up to
-    that bound; the original float model is measurably farther (the test sees the format)."""
+    """Every prompt and generated token's logprob within the kernels' bound of transformers
+    on the dequantized weights, and every greedy choice its top token up to that bound;
+    under int8 the original float model is measurably farther (the test sees the format)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     method, server, oracle = quantized
@@ -114,7 +115,8 @@ def test_logprobs_and_greedy_choices_are_transformers_on_the_dequantized_weights
     original = AutoModelForCausalLM.from_pretrained(smollm_float_dir, dtype=torch.float32).eval()
     head = roundtrip(model.lm_head.weight.detach(), "int8")  # --quantize: the head is int8
     info = httpx.get(f"{server.url}/info").json()["quantization"]
-    crossover = int(info["quantized_max_rows"].split(": ")[1].split()[0])
+    rows = info["quantized_max_rows"].split(": ")[1].split()[0]
+    crossover = None if rows == "all" else int(rows)  # "all": the integer product serves
     worst, worst_original = 0.0, 0.0
     with httpx.Client(base_url=server.url, timeout=300) as client:
         for prompt in CHAT_PROMPTS[:PROMPTS]:
@@ -126,10 +128,14 @@ def test_logprobs_and_greedy_choices_are_transformers_on_the_dequantized_weights
             # The tied head keeps its float table (it is the embedding): products with more
             # rows than the crossover -- the prefill, whose last row picks the first
             # generated token -- use it; one-row decode steps use the quantized head.
+            # Where the quantized kernel serves every row count, every row is quantized.
             float_head = oracle_logprobs(model, ids)
             quantized_head = oracle_logprobs(model, ids, head)
-            assert 1 <= crossover < prompt_len  # the split below holds
-            expected = torch.cat([float_head[:prompt_len], quantized_head[prompt_len:]])
+            if crossover is None:
+                expected = quantized_head
+            else:
+                assert 1 <= crossover < prompt_len  # the split below holds
+                expected = torch.cat([float_head[:prompt_len], quantized_head[prompt_len:]])
             chosen = expected.gather(1, targets[:, None])[:, 0]
             worst = max(worst, float((torch.tensor(served) - chosen).abs().max()))
             generated = slice(prompt_len - 1, None)
@@ -138,7 +144,9 @@ def test_logprobs_and_greedy_choices_are_transformers_on_the_dequantized_weights
             other = oracle_logprobs(original, ids).gather(1, targets[:, None])[:, 0]
             worst_original = max(worst_original, float((torch.tensor(served) - other).abs().max()))
     assert worst < LOGPROB_BOUND, (method, worst)
-    assert worst_original > worst, (method, worst_original, worst)
+    if method == "int8":  # int4 g32 gives back the float copy's own 4-bit blocks (it was
+        # a Q4_1 file): there only the int8 head tells the oracle from the original
+        assert worst_original > worst, (method, worst_original, worst)
 
 
 def test_info_and_metrics_say_the_weights_are_quantized(quantized) -> None:

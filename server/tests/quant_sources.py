@@ -11,11 +11,27 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from cadence.kernels.cpu import isa
+from cadence.quant import crossover
 from cadence.quant.formats import Int4Weight, QuantizedWeight
 from cadence.quant.quantize import group_size_for, quantize_int4, quantize_int8
 from safetensors.torch import load_file, save_file
 
 LINEAR_NAMES = ("_proj.weight", "lm_head.weight")
+
+
+def write_crossover(cache: Path, rows: int) -> None:
+    """A crossover table in `cache` (a `$CADENCE_CACHE_DIR`) in which every quantized
+    format serves at most `rows` rows, whatever the dtype and instruction set: for tests of
+    the split between the quantized kernel and a kept float weight, which the built-in
+    table need not have (the integer product wins at every row count)."""
+    entries = {
+        (fmt, dtype, name): rows
+        for fmt in crossover.FORMATS
+        for dtype in ("float32", "bfloat16", "float16")
+        for name in (*isa.ISAS, "cuda")
+    }
+    crossover.write_table(entries, "test table", cache / crossover.FILE_NAME)
 
 
 def is_linear(name: str) -> bool:

@@ -22,6 +22,7 @@ from cadence.quant.formats import Int4Weight
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader
 from gguf_helpers import ARCHS, DEMOTED, gguf_rotary_heads, permute_rotary, tiny_model, write_gguf
+from quant_sources import write_crossover
 from shard_helpers import MiniRouter
 from transformers import PreTrainedModel
 
@@ -272,8 +273,15 @@ def _transformers_logits(written: Written) -> torch.Tensor:
 
 @pytest.mark.parametrize("keep_float", ["on", "off"])
 def test_engine_serves_the_gguf_as_transformers_runs_it(
-    written: Written, source: GGUFSource, keep_float: str, engine_for, tmp_path: Path
+    written: Written,
+    source: GGUFSource,
+    keep_float: str,
+    engine_for,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setenv("CADENCE_CACHE_DIR", str(tmp_path / "cache"))
+    write_crossover(tmp_path / "cache", 4)  # prompt rows to the kept float copy, if any
     engine = engine_for(gguf_folder(written.path, tmp_path / "m"), quantize_keep_float=keep_float)
     got = _served_logits(engine)
     expected = _transformers_logits(written)

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from quant_sources import write_crossover
 from quantized_checkpoints import awq_config, gptq_config, write_dequantized, write_quantized
 from shard_helpers import hf_logits, prefill_then_decode_logits
 from transformers import AutoModelForCausalLM
@@ -50,6 +51,7 @@ def test_served_logits_equal_transformers_on_the_dequantized_weights(
     model_dirs: Callable[[str], Path],
     engine_for: Callable[..., Any],
     tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     float_dir = model_dirs("llama_gqa")
     qc = CASES[case]
@@ -67,6 +69,8 @@ def test_served_logits_equal_transformers_on_the_dequantized_weights(
     scale = float(ref.abs().max())
     assert (original - ref).abs().max() > 100 * TOL * scale
 
+    monkeypatch.setenv("CADENCE_CACHE_DIR", str(tmp_path / "cache"))
+    write_crossover(tmp_path / "cache", 4)  # the 16 prefill rows to the kept float copy
     engine = engine_for(tmp_path / "quantized", quantize_keep_float=keep_float)
     ours = prefill_then_decode_logits(engine, tokens, 16)
     if keep_float == "on":  # the 16 prefill rows: the float copy, exactly

@@ -14,7 +14,7 @@ from __future__ import annotations
 import cadence.models
 import pytest
 import torch
-from quant_sources import QuantizedCopy, dequantized_copy
+from quant_sources import QuantizedCopy, dequantized_copy, write_crossover
 from shard_helpers import MiniRouter
 
 PROMPT = list(range(3, 20))
@@ -109,14 +109,15 @@ def test_the_format_bound_catches_an_int4_weight_off_by_one_level(model_dirs, se
     assert _rms_error(got, reference) > FORMAT_BOUND["int4"]
 
 
-def test_a_kept_float_copy_serves_the_prefill_exactly(model_dirs, served):
+def test_a_kept_float_copy_serves_the_prefill_exactly(model_dirs, served, tmp_path):
     """With the float weights kept, the prefill rows (more than the crossover) are the
     float model's exactly; the decode rows are quantized."""
     model_dir = model_dirs("llama_gqa")
     reference, _ = served(model_dir)
+    write_crossover(tmp_path / "cache", 4)  # the table `served` reads
     got, engine = served(model_dir, quantize="int8", quantize_keep_float="on")
     crossover = engine.quantization["crossover"]["int8"]
-    assert crossover["from"] in ("default", "fallback") and crossover["rows"] < len(PROMPT)
+    assert crossover["from"].startswith("measured") and crossover["rows"] == 4
     prefill = len(PROMPT)
     assert torch.equal(got[:prefill], reference[:prefill])
     assert not torch.equal(got[prefill:], reference[prefill:])
@@ -155,15 +156,15 @@ def test_quantize_refuses_an_already_quantized_checkpoint(model_dirs, engine_for
         engine_for(model_dir, quantize="int4")
 
 
-def test_info_fields_say_what_is_quantized_and_how(model_dirs, served):
+def test_info_fields_say_what_is_quantized_and_how(model_dirs, served, tmp_path):
     model_dir = model_dirs("llama_gqa")
     _, plain = served(model_dir)
     assert plain.quantization_fields() == {"weights": "float32", "kv_cache_dtype": "float32"}
+    write_crossover(tmp_path / "cache", 6)
     _, engine = served(model_dir, quantize="int4", quantize_group_size=32, quantize_keep_float="on")
     fields = engine.quantization_fields()
-    rows = engine.quantization["crossover"]["int4"]["rows"]
     assert fields["weights"] == "int4 g32, int8"  # the LM head is int8
     assert fields["source"] == "int4 at load (group 32, LM head int8)"
     assert fields["float_copy"] == "kept"
-    assert fields["quantized_max_rows"].startswith(f"int4: {rows} (")
+    assert fields["quantized_max_rows"].startswith("int4: 6 (measured")
     assert all(isinstance(v, str) for v in engine.info().quantization.values())

@@ -87,7 +87,9 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     k32 = -(-k // BLOCK)
     blocks = F.pad(x.to(torch.float32), (0, k32 * BLOCK - k)).reshape(m, k32, BLOCK)
     amax = blocks.abs().amax(dim=-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # a tensor divided by a tensor: torch computes `127.0 / amax` as 127 * (1 / amax),
+    # rounded twice, where the kernel divides once
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     q = torch.round(blocks * inv)
     return q.reshape(m, k32 * BLOCK), (amax / 127.0).squeeze(-1)
 

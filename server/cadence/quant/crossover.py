@@ -1,19 +1,22 @@
 """Up to how many rows a quantized product beats the float one, per weight format,
 activation dtype and CPU instruction set.
 
-Weight-only quantized kernels read 2x (int8) or 4x (int4) fewer weight bytes, which
-wins while a product is bound by reading its weight (decode: a few rows); with more rows
-the float product's blocked GEMM (oneDNN, weight prepacked) computes faster than the
-kernels' dequantize-as-you-go loops. A layer holding both takes the quantized kernel up
-to the crossover and the float weight above it.
+Torch's weight-only kernels read 2x (int8) or 4x (int4) fewer weight bytes, which wins
+while a product is bound by reading its weight (decode: a few rows); with more rows the
+float product's blocked GEMM (oneDNN, weight prepacked) computes faster than their
+dequantize-as-you-go loops. A layer holding both takes the quantized kernel up to the
+crossover and the float weight above it. Where the C++ integer product serves
+(`cadence.quant.cpu_gemm`: VNNI dot products on int8 activations) it computes faster
+than oneDNN's bfloat16 GEMM too, at every row count measured (1 to 512): its crossover is
+ALL_ROWS and no float copy is kept.
 
 `DEFAULTS` were measured on a 2-core AMD EPYC with AVX-512 BF16 over a whole
 SmolLM2-135M step's products (`kernels/quant_linear_bench.py`, docs/quantization.md), the
 float32 rows also with torch, oneDNN and MKL held to AVX2; the bench writes the table for
 the machine it runs on to `<cache dir>/quant_crossover.json`, which shards read instead
 when present. Torch's bfloat16 kernels change blocking above 4 rows (their time nearly
-doubles from 4 to 6), which is where bfloat16's crossover sits; against float32 products,
-twice as slow as bfloat16 ones, they win further.
+doubles from 4 to 6), which is where their bfloat16 crossover sits; against float32
+products, twice as slow as bfloat16 ones, they win further.
 """
 
 from __future__ import annotations
@@ -26,13 +29,18 @@ from cadence.model_source import cache_dir
 
 FILE_NAME = "quant_crossover.json"
 FORMATS = ("int8", "int4")
+# The quantized kernel won at every row count measured, prefill-sized ones included: no
+# product is sent to a float weight, so none is kept (`/info` shows "all").
+ALL_ROWS = 1 << 30
 
 # (format, activation dtype, ISA) -> most rows the quantized kernel serves.
 DEFAULTS: dict[tuple[str, str, str], int] = {
-    ("int8", "bfloat16", "avx512_bf16"): 4,
-    ("int4", "bfloat16", "avx512_bf16"): 4,
-    ("int8", "float32", "avx512_bf16"): 8,
-    ("int4", "float32", "avx512_bf16"): 8,
+    # the integer product (VNNI) wins at every row count measured, 1 to 512
+    ("int8", "bfloat16", "avx512_bf16"): ALL_ROWS,
+    ("int4", "bfloat16", "avx512_bf16"): ALL_ROWS,
+    ("int8", "float32", "avx512_bf16"): ALL_ROWS,
+    ("int4", "float32", "avx512_bf16"): ALL_ROWS,
+    # torch's weight-only kernels
     ("int8", "float32", "avx2"): 4,
     ("int4", "float32", "avx2"): 8,
     # not measured (no such CPU here): AVX2's, the narrower of the two
@@ -54,6 +62,11 @@ def _key(fmt: str, dtype: str, isa: str) -> str:
 class Crossover:
     rows: int
     source: str  # "measured (<file>)", "default" or "fallback": what /info shows
+
+
+def rows_text(rows: int) -> str:
+    """A crossover as /info and the start-up log show it."""
+    return "all" if rows >= ALL_ROWS else str(rows)
 
 
 def format_of(description: str) -> str:

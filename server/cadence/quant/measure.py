@@ -3,8 +3,9 @@ finds the crossover: the most rows at which the quantized kernels still win.
 
 Every layer gets its own weights (so they stream from memory as in a real step, rather
 than sit in cache); the float side is what a shard serves (`cadence.layers.packed.linear`,
-the weight prepacked by oneDNN where it can be), the quantized side the kernels of
-`cadence.quant.cpu_kernels`."""
+the weight prepacked by oneDNN where it can be), the quantized side the kernel a shard
+would use (`cadence.quant.product.make_kernel`: the integer product where the selected C++
+kernels have VNNI, else torch's weight-only kernels), or torch's when asked."""
 
 from __future__ import annotations
 
@@ -15,7 +16,10 @@ from dataclasses import dataclass
 import torch
 
 from cadence.layers.packed import _PACK_HINT_ROWS, linear, onednn_packs
-from cadence.quant.product import make_kernel
+from cadence.quant.cpu_kernels import Int4CpuKernel, Int8CpuKernel
+from cadence.quant.crossover import ALL_ROWS
+from cadence.quant.formats import Int8Weight, QuantizedWeight
+from cadence.quant.product import Kernel, make_kernel
 from cadence.quant.quantize import group_size_for, quantize_int4, quantize_int8
 
 # SmolLM2-135M as cadence serves it: (out, in) of the fused qkv, o, gate_up and down
@@ -36,8 +40,17 @@ class Products:
     in_features: list[int]
 
 
+def torch_kernel(weight: QuantizedWeight) -> Kernel:
+    """torch's weight-only kernel for `weight` (what serves without the integer product)."""
+    return Int8CpuKernel(weight) if isinstance(weight, Int8Weight) else Int4CpuKernel(weight)
+
+
 def build(
-    shapes: Sequence[tuple[int, int]], fmt: str, group_size: int, dtype: torch.dtype
+    shapes: Sequence[tuple[int, int]],
+    fmt: str,
+    group_size: int,
+    dtype: torch.dtype,
+    torch_kernels: bool = False,
 ) -> Products:
     packs = onednn_packs(dtype)
     floats, quantized, widths = [], [], []
@@ -49,7 +62,8 @@ def build(
             q = quantize_int8(w)
         else:
             q = quantize_int4(w, group_size_for(in_features, group_size))
-        quantized.append(make_kernel(q, dtype, torch.device("cpu")))
+        kernel = torch_kernel(q) if torch_kernels else make_kernel(q, dtype, torch.device("cpu"))
+        quantized.append(kernel)
         widths.append(in_features)
     return Products(floats, quantized, widths)
 
@@ -80,24 +94,29 @@ def model_shapes() -> list[tuple[int, int]]:
 
 def crossover_from(times: dict[int, tuple[float, float]]) -> int:
     """The most rows up to which the quantized side wins at every measured count (0: it
-    never does)."""
+    never does; ALL_ROWS: it wins at every count measured, the largest included)."""
     best = 0
     for rows in sorted(times):
         float_s, quantized_s = times[rows]
         if quantized_s >= float_s:
-            break
+            return best
         best = rows
-    return best
+    return ALL_ROWS if times else 0
 
 
 def measure_crossover(
-    fmt: str, dtype: torch.dtype, group_size: int, rows: Sequence[int], repeats: int = 7
+    fmt: str,
+    dtype: torch.dtype,
+    group_size: int,
+    rows: Sequence[int],
+    repeats: int = 7,
+    torch_kernels: bool = False,
 ) -> tuple[int, dict[int, tuple[float, float]]]:
     """The crossover of `fmt` under `dtype` activations over a whole SmolLM2-135M step's
     products, and the (float, quantized) seconds measured at each row count (in
     increasing order, stopping after the quantized side has lost twice in a row)."""
     torch.manual_seed(0)
-    products = build(model_shapes(), fmt, group_size, dtype)
+    products = build(model_shapes(), fmt, group_size, dtype, torch_kernels)
     times: dict[int, tuple[float, float]] = {}
     losses = 0
     for r in sorted(rows):

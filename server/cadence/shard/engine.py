@@ -34,6 +34,7 @@ from cadence.layers.packed import pack_linear_weights
 from cadence.lora.pool import PoolShape
 from cadence.models import load_model, read_config, to_dtype
 from cadence.pb import shard_pb2
+from cadence.quant.crossover import rows_text
 from cadence.quant.setup import QuantizeConfig
 from cadence.sampling import DO_SAMPLE, TOP_N, SampleOutput, SamplingBatch, sample
 from cadence.shard import backends
@@ -217,7 +218,8 @@ class Engine:
             fields["source"] = q["source"]
             fields["float_copy"] = "kept" if q["float_kept"] else "none"
             fields["quantized_max_rows"] = ", ".join(
-                f"{fmt}: {c['rows']} ({c['from']})" for fmt, c in sorted(q["crossover"].items())
+                f"{fmt}: {rows_text(c['rows'])} ({c['from']})"
+                for fmt, c in sorted(q["crossover"].items())
             )
         return fields
 

@@ -10,6 +10,7 @@ from cadence.attention_backends import AttentionBackend
 from cadence.kernels import cpu as cpu_kernels
 from cadence.layers.kernel_ops import LayerOps
 from cadence.layers.packed import BF16_PACKED_MAX_ROWS
+from cadence.quant.crossover import rows_text
 from cadence.runners import ModelRunner
 
 
@@ -49,7 +50,7 @@ def _quantized_products(quantization: dict[str, Any], float_path: str) -> str:
     kernels = ", ".join(sorted(quantization["formats"]))
     if not quantization["float_kept"]:
         return f"{kernels} kernels (no float copy kept)"
-    rows = "/".join(str(c["rows"]) for c in quantization["crossover"].values())
+    rows = "/".join(rows_text(c["rows"]) for c in quantization["crossover"].values())
     return f"{kernels} kernels up to {rows} rows, above: {float_path}"
 
 
