@@ -56,31 +56,42 @@ inline float load_f32(const void* x, int64_t i, int dtype) {
                          : static_cast<const float*>(x)[i];
 }
 
-// Row r of x (k columns, stride x_stride elements) into out's row r, zero past k.
+// Columns col0 .. col0 + 31 of a row of x (zero past k) quantized into q.
+[[maybe_unused]] BlockQuantized quantize_block_portable(const void* x, int64_t base, int64_t col0,
+                                                        int64_t k, int dtype, int8_t* q) {
+    float v[BLOCK];
+    float amax = 0.0f;
+    for (int64_t i = 0; i < BLOCK; ++i) {
+        v[i] = col0 + i < k ? load_f32(x, base + col0 + i, dtype) : 0.0f;
+        amax = std::max(amax, std::fabs(v[i]));
+    }
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int32_t sum = 0;
+    for (int64_t i = 0; i < BLOCK; ++i) {
+        const int32_t qi = static_cast<int32_t>(std::nearbyint(v[i] * inv));
+        q[i] = static_cast<int8_t>(qi);
+        sum += qi;
+    }
+    return {amax / 127.0f, sum};
+}
+
+// Row r of x (k columns, stride x_stride elements) into out's row r.
 void quantize_row(const void* x, int64_t x_stride, int64_t r, int64_t k, int dtype,
                   QuantizedRows& out) {
     const int64_t base = r * x_stride;
     int8_t* q = out.q.data() + r * out.k32 * BLOCK;
     float correction = 0.0f;
     for (int64_t b = 0; b < out.k32; ++b) {
-        float v[BLOCK];
-        float amax = 0.0f;
-        for (int64_t i = 0; i < BLOCK; ++i) {
-            const int64_t col = b * BLOCK + i;
-            v[i] = col < k ? load_f32(x, base + col, dtype) : 0.0f;
-            amax = std::max(amax, std::fabs(v[i]));
-        }
-        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int32_t sum = 0;
-        for (int64_t i = 0; i < BLOCK; ++i) {
-            const int32_t qi = static_cast<int32_t>(std::nearbyint(v[i] * inv));
-            q[b * BLOCK + i] = static_cast<int8_t>(qi);
-            sum += qi;
-        }
-        const float d = amax / 127.0f;
-        out.d[r * out.k32 + b] = d;
-        out.dsum[r * out.k32 + b] = d * static_cast<float>(sum);
-        correction += d * static_cast<float>(sum);
+#ifdef CADENCE_QUANT_VECTOR_QUANTIZE
+        const BlockQuantized block = quantize_block_vector(x, base, b * BLOCK, k, dtype, q + b * BLOCK);
+#else
+        const BlockQuantized block =
+            quantize_block_portable(x, base, b * BLOCK, k, dtype, q + b * BLOCK);
+#endif
+        const float dsum = block.d * static_cast<float>(block.sum);
+        out.d[r * out.k32 + b] = block.d;
+        out.dsum[r * out.k32 + b] = dsum;
+        correction += dsum;
     }
     out.correction[r] = 128.0f * correction;
 }

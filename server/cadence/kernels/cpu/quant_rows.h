@@ -12,6 +12,12 @@ constexpr int64_t BLOCK = 32;  // input columns per activation block (and int4 g
 constexpr int64_t COLS = 16;   // output channels per packed block
 constexpr int MAX_ROWS = 8;    // rows per tile
 
+// A block of 32 activations quantized: its scale d = amax / 127, and the sum of its q.
+struct BlockQuantized {
+    float d;
+    int32_t sum;
+};
+
 // A call's activations quantized, row by row: q [rows, k32 * 32] int8, and per row and block
 // its scale d and d * (sum of its q) (int4's zero' multiplies the block's activation sum).
 struct QuantizedRows {

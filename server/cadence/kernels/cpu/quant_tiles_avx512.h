@@ -9,11 +9,44 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstring>
 
 namespace cadence_quant {
 
 using cadence_kernels::QUANT_INT4;
+
+// quant_kernels.cpp's quantize_block_portable, 16 lanes at a time: the same division,
+// the same products and the same rounding (vcvtps2dq rounds to nearest even, as nearbyint
+// does in the default rounding mode), so both builds quantize to the same bytes.
+#define CADENCE_QUANT_VECTOR_QUANTIZE 1
+
+inline __m512 load16(const void* x, int64_t at, __mmask16 lanes, int dtype) {
+    if (dtype == cadence_kernels::BF16) {
+        const __m256i h = _mm256_maskz_loadu_epi16(lanes, static_cast<const uint16_t*>(x) + at);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_maskz_loadu_ps(lanes, static_cast<const float*>(x) + at);
+}
+
+inline __mmask16 lanes_before(int64_t first, int64_t end) {  // lanes first.. first+15 below end
+    const int64_t n = std::min<int64_t>(16, std::max<int64_t>(0, end - first));
+    return static_cast<__mmask16>((1u << n) - 1u);
+}
+
+inline BlockQuantized quantize_block_vector(const void* x, int64_t base, int64_t col0,
+                                            int64_t k, int dtype, int8_t* q) {
+    const __m512 lo = load16(x, base + col0, lanes_before(col0, k), dtype);
+    const __m512 hi = load16(x, base + col0 + 16, lanes_before(col0 + 16, k), dtype);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const __m512 scale = _mm512_set1_ps(inv);
+    const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, scale));
+    const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, scale));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qlo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qhi));
+    return {amax / 127.0f, _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi))};
+}
 
 inline __m512i broadcast4(const int8_t* p) {
     int32_t v;
