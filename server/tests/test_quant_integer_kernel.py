@@ -11,13 +11,14 @@ import pytest
 import torch
 from cadence.quant import cpu_gemm
 from cadence.quant.formats import Int4Weight, QuantizedWeight
-from cadence.quant.quantize import quantize_int4, quantize_int8
+from cadence.quant.quantize import quantize_int4, quantize_int8, quantize_int8_blocks
 
 # Row counts covering 1..4-row tiles and their tails; widths covering 1..4 column blocks,
 # a partial last block, and int8's partial last input block.
 ROWS = (1, 2, 3, 4, 5, 8, 11, 33)
 INT4_SHAPES = ((40, 96, 32), (200, 128, 64), (16, 256, 128), (72, 64, 32))
 INT8_SHAPES = ((40, 100), (200, 128), (16, 33), (72, 576))
+INT8_BLOCK_SHAPES = ((40, 96), (200, 64), (72, 576))
 
 
 def _weight(out: int, inp: int, seed: int) -> torch.Tensor:
@@ -38,6 +39,9 @@ def _weights() -> list[tuple[str, QuantizedWeight]]:
         cases.append((f"int4-{out}x{inp}-g{group}", quantize_int4(_weight(out, inp, i), group)))
     for i, (out, inp) in enumerate(INT8_SHAPES):
         cases.append((f"int8-{out}x{inp}", quantize_int8(_weight(out, inp, 10 + i))))
+    for i, (out, inp) in enumerate(INT8_BLOCK_SHAPES):
+        weight = quantize_int8_blocks(_weight(out, inp, 20 + i))
+        cases.append((f"int8-blocks-{out}x{inp}", weight))
     return cases
 
 
@@ -112,10 +116,12 @@ def test_what_the_packing_takes():
 def _packed(fmt: str) -> cpu_gemm.PackedWeight:
     if fmt == "int4":
         return cpu_gemm.pack_int4(quantize_int4(_weight(40, 64, 0), 32))
+    if fmt == "int8-blocks":
+        return cpu_gemm.pack_int8_blocks(quantize_int8_blocks(_weight(40, 64, 0)))
     return cpu_gemm.pack_int8(quantize_int8(_weight(40, 64, 0)))
 
 
-@pytest.mark.parametrize("fmt", ["int4", "int8"])
+@pytest.mark.parametrize("fmt", ["int4", "int8", "int8-blocks"])
 def test_arguments_are_checked_naming_them(fmt):
     from cadence.kernels import cpu
 
@@ -139,7 +145,7 @@ def test_arguments_are_checked_naming_them(fmt):
     torch.library.opcheck(op, (x, w.packed, w.scales, 40, w.fmt))
 
 
-@pytest.mark.parametrize("fmt", ["int4", "int8"])
+@pytest.mark.parametrize("fmt", ["int4", "int8", "int8-blocks"])
 def test_the_meta_implementation_gives_the_output_shape(fmt):
     from cadence.kernels import cpu
 
@@ -161,10 +167,28 @@ def test_products_use_the_integer_kernel_where_it_is_fast():
     weights: list[QuantizedWeight] = [
         quantize_int4(_weight(32, 64, 0), 32),
         quantize_int8(_weight(32, 64, 0)),
+        quantize_int8_blocks(_weight(32, 64, 0)),
     ]
+    x = _input(3, 64, 0)
     for isa in cpu.isa.supported():
         with cpu.selected(isa):
             for weight in weights:
-                kernel = make_kernel(weight, torch.bfloat16, torch.device("cpu"))
+                kernel = make_kernel(weight, torch.float32, torch.device("cpu"))
                 integer = isinstance(kernel, cpu_gemm.IntegerCpuKernel)
                 assert integer == cpu_gemm.integer_product_is_fast(isa), (isa, type(kernel))
+                if not integer:  # torch's kernels, or int8 blocks' dequantized weight
+                    want = x @ weight.dequantize().t()
+                    assert _relative(kernel(x), want) < 1e-2, (isa, type(kernel))
+
+
+def test_int8_blocks_requantize_to_their_own_bytes():
+    """A Q8_0 tensor's dequantized values quantize back to its own blocks exactly (each
+    block's largest value is 127 of its scales): a tied table served from its float copy
+    multiplies by the file's bytes."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(-127, 128, (24, 96), generator=g, dtype=torch.int8)
+    q[:, ::32] = 127  # every block reaches its scale
+    scale = torch.rand(24, 3, generator=g).half().float()  # Q8_0 keeps float16 scales
+    blocks = q.float().reshape(24, 3, 32) * scale.unsqueeze(-1)
+    again = quantize_int8_blocks(blocks.reshape(24, 96))
+    assert torch.equal(again.q, q) and torch.equal(again.scale, scale)

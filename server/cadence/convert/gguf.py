@@ -211,6 +211,12 @@ class GGUFSource:
         self.model = GGUFModel(path)
         self.int4_names = self._int4_names()  # GGUF names of the tensors served as int4
         self.description = self._describe()
+        # llama.cpp multiplies a tied LM head by the embedding's stored blocks: Q8_0 here
+        # can be served so too (cadence.quant.load.serve_tied_head_in_blocks)
+        self.embedding_in_int8_blocks = any(
+            t.name == EMBEDDING and t.tensor_type == GGMLQuantizationType.Q8_0
+            for t in self.model.reader.tensors
+        )
 
     def _int4_names(self) -> set[str]:
         layers: dict[str, list[ReaderTensor]] = {}

@@ -10,7 +10,8 @@ input columns per channel in each 32-bit lane, as vpdpbusd reads them:
   `32 b + 16 + 4 j + i` (high nibble); `scales [n16, k32, 2, 16]` float32: the block's
   scale and `zero - 8 * scale` per channel (w = q * scale + zero');
 - int8: `packed [n16, k32, 512]` uint8, byte `j * 64 + c * 4 + i` = q + 128 of channel
-  `16 nb + c` at input `32 b + 4 j + i`; `scales [n16 * 16]` float32.
+  `16 nb + c` at input `32 b + 4 j + i`; `scales [n16 * 16]` float32;
+- int8 in blocks of 32 (GGUF's Q8_0): int8's bytes; `scales [n16, k32, 16]` float32.
 
 Padding channels carry zero weights; int8's padded input columns are zero too.
 """
@@ -22,12 +23,19 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from cadence.quant.formats import INT4_OFFSET, Int4Weight, Int8Weight, QuantizedWeight
+from cadence.quant.formats import (
+    INT4_OFFSET,
+    Int4Weight,
+    Int8BlockWeight,
+    Int8Weight,
+    QuantizedWeight,
+)
 
 COLS = 16  # output channels per packed block
 BLOCK = 32  # input columns per block (the activations' quantization block)
 INT4 = 0  # the format codes of cadence_quant_matmul
 INT8 = 1
+INT8_BLOCKS = 2
 
 
 @dataclass(slots=True)
@@ -68,15 +76,28 @@ def pack_int4(weight: Int4Weight) -> PackedWeight:
     return PackedWeight(packed, scales, INT4, out, k)
 
 
+def _pack_int8_bytes(q: torch.Tensor) -> torch.Tensor:
+    """int8 q [out, in] as the int8 layouts' bytes [n16, k32, 512] (zero padding)."""
+    out, k = q.shape
+    n, k32 = -(-out // COLS) * COLS, -(-k // BLOCK)
+    shifted = F.pad(q.to(torch.int16), (0, k32 * BLOCK - k, 0, n - out)) + 128
+    shifted = shifted.to(torch.uint8).reshape(n // COLS, COLS, k32, 8, 4)
+    return shifted.permute(0, 2, 3, 1, 4).contiguous().reshape(n // COLS, k32, 512)
+
+
 def pack_int8(weight: Int8Weight) -> PackedWeight:
     out, k = weight.shape
     n = -(-out // COLS) * COLS
-    k32 = -(-k // BLOCK)
-    q = F.pad(weight.q.to(torch.int16), (0, k32 * BLOCK - k, 0, n - out)) + 128
-    q = q.to(torch.uint8).reshape(n // COLS, COLS, k32, 8, 4)
-    packed = q.permute(0, 2, 3, 1, 4).contiguous().reshape(n // COLS, k32, 512)
     scales = F.pad(weight.scale.to(torch.float32), (0, n - out)).contiguous()
-    return PackedWeight(packed, scales, INT8, out, k)
+    return PackedWeight(_pack_int8_bytes(weight.q), scales, INT8, out, k)
+
+
+def pack_int8_blocks(weight: Int8BlockWeight) -> PackedWeight:
+    out, k = weight.shape
+    n = -(-out // COLS) * COLS
+    scales = _pad_rows(weight.scale.to(torch.float32), n)  # [n, k32]
+    scales = scales.reshape(n // COLS, COLS, k // BLOCK).permute(0, 2, 1).contiguous()
+    return PackedWeight(_pack_int8_bytes(weight.q), scales, INT8_BLOCKS, out, k)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,7 +127,7 @@ def reference_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def takes(weight: QuantizedWeight) -> bool:
     """Whether the integer product serves `weight`: int8 always, int4 when its input width
     and group are multiples of the 32-column blocks."""
-    if isinstance(weight, Int8Weight):
+    if isinstance(weight, Int8Weight | Int8BlockWeight):
         return True
     return weight.shape[1] % BLOCK == 0 and weight.group_size % BLOCK == 0
 
@@ -126,6 +147,8 @@ class IntegerCpuKernel:
         self.perm = weight.perm if isinstance(weight, Int4Weight) else None
         if isinstance(weight, Int4Weight):
             self.weight = pack_int4(weight if weight.perm is None else _without_perm(weight))
+        elif isinstance(weight, Int8BlockWeight):
+            self.weight = pack_int8_blocks(weight)
         else:
             self.weight = pack_int8(weight)
         self.out_features = self.weight.out_features

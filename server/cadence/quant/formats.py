@@ -1,4 +1,4 @@
-"""The two quantized weight formats every source is converted to.
+"""The quantized weight formats every source is converted to.
 
 Every pre-quantized checkpoint (GPTQ, AWQ, a GGUF file) and `--quantize` at load end in
 one of these, full-size per checkpoint linear, before a rank takes its slice; the
@@ -94,4 +94,39 @@ class Int8Weight:
         return Int8Weight(self.q[:, start : start + count], self.scale)
 
 
-QuantizedWeight = Int4Weight | Int8Weight
+INT8_BLOCK = 32  # input columns per scale of Int8BlockWeight (GGUF's Q8_0 block)
+
+
+@dataclass(slots=True)
+class Int8BlockWeight:
+    """`w[o, i] = q[o, i] * scale[o, i // 32]`: symmetric int8 with a scale per block of 32
+    input columns, GGUF's Q8_0 exactly. Served by the CPU integer product where it runs
+    (`cadence.quant.cpu_gemm`), elsewhere as its dequantized float weight."""
+
+    q: torch.Tensor  # int8 [out, in], in a multiple of 32
+    scale: torch.Tensor  # float32 [out, in // 32]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.q.shape[0]), int(self.q.shape[1]))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        blocks = self.q.to(torch.float32).reshape(self.q.shape[0], -1, INT8_BLOCK)
+        return (blocks * self.scale.unsqueeze(-1)).reshape(self.q.shape).to(dtype)
+
+    def rows(self, start: int, count: int) -> Int8BlockWeight:
+        return Int8BlockWeight(self.q[start : start + count], self.scale[start : start + count])
+
+    def cols(self, start: int, count: int) -> Int8BlockWeight:
+        if start % INT8_BLOCK or count % INT8_BLOCK:
+            raise ValueError(
+                f"input columns [{start}, {start + count}) split an int8 block of "
+                f"{INT8_BLOCK}: choose a tensor-parallel size whose slices hold whole blocks"
+            )
+        b = INT8_BLOCK
+        return Int8BlockWeight(
+            self.q[:, start : start + count], self.scale[:, start // b : (start + count) // b]
+        )
+
+
+QuantizedWeight = Int4Weight | Int8Weight | Int8BlockWeight

@@ -29,8 +29,13 @@ from cadence.models.loader import TensorSlice, WeightFiller
 from cadence.quant.checkpoints import QuantizedSource
 from cadence.quant.crossover import format_of
 from cadence.quant.formats import Int4Weight, Int8Weight, QuantizedWeight
-from cadence.quant.product import QuantizedProduct, describe
-from cadence.quant.quantize import group_size_for, quantize_int4, quantize_int8
+from cadence.quant.product import QuantizedProduct, describe, integer_product_serves
+from cadence.quant.quantize import (
+    group_size_for,
+    quantize_int4,
+    quantize_int8,
+    quantize_int8_blocks,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +146,23 @@ def load_from_source(model: nn.Module, source: QuantizedSource, dispatch: Dispat
         install(module, pieces, dispatch, float_loaded, id(module.weight) in shared)
         filler.loaded.add(id(module.weight))
     filler.check_complete()
+    if getattr(source, "embedding_in_int8_blocks", False):
+        serve_tied_head_in_blocks(model, dispatch)
     return len(staged)
+
+
+def serve_tied_head_in_blocks(model: nn.Module, dispatch: Dispatch) -> None:
+    """A tied LM head whose table the file stores in int8 blocks of 32 (GGUF's Q8_0, which
+    llama.cpp multiplies by): where the integer product serves, it multiplies by the same
+    blocks, quantized back from the float table (exactly: `quantize_int8_blocks`); the
+    table stays float for the embedding's lookups. Elsewhere the head stays float."""
+    shared = shared_weights(model)
+    for module in model.modules():
+        if not isinstance(module, ParallelLMHead) or getattr(module, "quantized", None):
+            continue
+        weight = module.weight.data
+        if id(module.weight) in shared and integer_product_serves(weight.device):
+            install(module, [quantize_int8_blocks(weight)], dispatch, True, True)
 
 
 def _check_rows(owner: str, module: nn.Module, placed: list[tuple[int, QuantizedWeight]]) -> None:

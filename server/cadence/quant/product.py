@@ -12,20 +12,24 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from cadence.quant.formats import Int4Weight, Int8Weight, QuantizedWeight
+from cadence.quant.formats import Int4Weight, Int8BlockWeight, Int8Weight, QuantizedWeight
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]
 
 
 def describe(weight: QuantizedWeight) -> str:
-    """ "int8" or "int4 g<group>"."""
+    """ "int8", "int8 g32" or "int4 g<group>"."""
     if isinstance(weight, Int8Weight):
         return "int8"
+    if isinstance(weight, Int8BlockWeight):
+        return "int8 g32"
     return f"int4 g{weight.group_size}"
 
 
 def _joinable(a: QuantizedWeight, b: QuantizedWeight) -> bool:
     if isinstance(a, Int8Weight) and isinstance(b, Int8Weight):
+        return True
+    if isinstance(a, Int8BlockWeight) and isinstance(b, Int8BlockWeight):
         return True
     if isinstance(a, Int4Weight) and isinstance(b, Int4Weight):
         same_perm = (a.perm is None and b.perm is None) or (
@@ -39,6 +43,8 @@ def _join(a: QuantizedWeight, b: QuantizedWeight) -> QuantizedWeight:
     """`a`'s rows then `b`'s, as one weight (`_joinable` ones only)."""
     if isinstance(a, Int8Weight) and isinstance(b, Int8Weight):
         return Int8Weight(torch.cat([a.q, b.q]), torch.cat([a.scale, b.scale]))
+    if isinstance(a, Int8BlockWeight) and isinstance(b, Int8BlockWeight):
+        return Int8BlockWeight(torch.cat([a.q, b.q]), torch.cat([a.scale, b.scale]))
     assert isinstance(a, Int4Weight) and isinstance(b, Int4Weight)
     return Int4Weight(
         torch.cat([a.q, b.q]),
@@ -62,19 +68,45 @@ def join_rows(pieces: Sequence[QuantizedWeight]) -> list[QuantizedWeight]:
 
 def make_kernel(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> Kernel:
     """The kernel that multiplies by `weight` for activations of `dtype` on `device`."""
+    if isinstance(weight, Int8BlockWeight) and not integer_product_serves(device):
+        return DequantizedKernel(weight, dtype, device)
     if device.type == "cuda":
         from cadence.quant import triton_kernels
 
         return triton_kernels.kernel_for(weight, dtype, device)
-    from cadence.kernels.cpu import selected_isa
     from cadence.quant import cpu_gemm
     from cadence.quant.cpu_kernels import Int4CpuKernel, Int8CpuKernel
 
-    if cpu_gemm.integer_product_is_fast(selected_isa() or "") and cpu_gemm.takes(weight):
+    if integer_product_serves(device) and cpu_gemm.takes(weight):
         return cpu_gemm.IntegerCpuKernel(weight)
     if isinstance(weight, Int8Weight):  # (torch's kernels run in bfloat16 whatever `dtype`)
         return Int8CpuKernel(weight)
     return Int4CpuKernel(weight)
+
+
+def integer_product_serves(device: torch.device) -> bool:
+    """Whether the CPU integer product (`cadence.quant.cpu_gemm`) is the fast path here."""
+    if device.type != "cpu":
+        return False
+    from cadence.kernels.cpu import selected_isa
+    from cadence.quant import cpu_gemm
+
+    return cpu_gemm.integer_product_is_fast(selected_isa() or "")
+
+
+class DequantizedKernel:
+    """A format no kernel here takes (int8 blocks off the integer product): its float
+    weight, dequantized once, through the float product."""
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> None:
+        self.weight = weight.dequantize(dtype).to(device)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
 
 
 class QuantizedProduct:

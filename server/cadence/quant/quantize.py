@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from cadence.quant.formats import INT4_OFFSET, Int4Weight, Int8Weight
+from cadence.quant.formats import INT4_OFFSET, INT8_BLOCK, Int4Weight, Int8BlockWeight, Int8Weight
 
 INT8_MAX = 127  # symmetric: -127..127, so that -w quantizes to -q
 INT4_LEVELS = 15  # q in 0..15
@@ -22,6 +22,19 @@ def quantize_int8(w: torch.Tensor) -> Int8Weight:
     scale = (w.abs().amax(dim=1) / INT8_MAX).clamp_min(_TINY)
     q = torch.round(w / scale.unsqueeze(1)).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     return Int8Weight(q, scale)
+
+
+def quantize_int8_blocks(w: torch.Tensor) -> Int8BlockWeight:
+    """`w` [out, in] -> q int8, scale float32 [out, in // 32]: symmetric per block of 32
+    input columns, as GGUF's Q8_0 (`scale = max|w| / 127`). A Q8_0 tensor's dequantized
+    values give back its own blocks: each block's largest value is 127 scales."""
+    out_features, in_features = w.shape
+    if in_features % INT8_BLOCK:
+        raise ValueError(f"{in_features} input columns do not split into blocks of {INT8_BLOCK}")
+    blocks = w.detach().to(torch.float32).reshape(out_features, -1, INT8_BLOCK)
+    scale = (blocks.abs().amax(dim=-1) / INT8_MAX).clamp_min(_TINY)
+    q = torch.round(blocks / scale.unsqueeze(-1)).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return Int8BlockWeight(q.reshape(out_features, in_features), scale)
 
 
 def quantize_int4(w: torch.Tensor, group_size: int) -> Int4Weight:

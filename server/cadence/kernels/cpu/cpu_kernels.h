@@ -18,8 +18,9 @@ enum DType : int { F32 = 0, BF16 = 1, F16 = 2, I8 = 3, F8E4M3 = 4, F8E5M2 = 5 };
 // What an entry point returns (the shim names each in its error).
 enum Status : int { OK = 0, BAD_HEADS = 1, BAD_DTYPE = 2 };
 
-// The quantized weight formats of cadence_quant_matmul.
-enum QuantFormat : int { QUANT_INT4 = 0, QUANT_INT8 = 1 };
+// The quantized weight formats of cadence_quant_matmul: int4 per group, int8 per output
+// channel, int8 per block of 32 input columns (GGUF's Q8_0).
+enum QuantFormat : int { QUANT_INT4 = 0, QUANT_INT8 = 1, QUANT_INT8_BLOCKS = 2 };
 
 }  // namespace cadence_kernels
 

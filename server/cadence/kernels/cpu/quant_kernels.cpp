@@ -170,6 +170,43 @@ inline void store_row(void* y, int64_t y_stride, int64_t r, int64_t col0, int64_
             acc[r][c] = (acc[r][c] - a.correction[r0 + r]) * scale[c];
 }
 
+// int8 in blocks of 32: acc += (dot * d - 128 * d * sum(q)) * scale of the block.
+[[maybe_unused]] void int8_blocks_tile_portable(const uint8_t* w, const float* sz,
+                                                const QuantizedRows& a, int64_t r0, int rows,
+                                                float acc[MAX_ROWS][COLS]) {
+    for (int r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < COLS; ++c) acc[r][c] = 0.0f;
+    for (int64_t b = 0; b < a.k32; ++b) {
+        const uint8_t* wb = w + b * 512;
+        const float* s = sz + b * COLS;
+        for (int r = 0; r < rows; ++r) {
+            const int8_t* xq = a.q.data() + (r0 + r) * a.k32 * BLOCK + b * BLOCK;
+            const float d = a.d[(r0 + r) * a.k32 + b];
+            const float shift = -128.0f * a.dsum[(r0 + r) * a.k32 + b];
+            for (int64_t c = 0; c < COLS; ++c) {
+                int32_t dot = 0;
+                for (int64_t j = 0; j < 8; ++j)
+                    for (int64_t i = 0; i < 4; ++i) dot += wb[j * 64 + c * 4 + i] * xq[4 * j + i];
+                acc[r][c] += (static_cast<float>(dot) * d + shift) * s[c];
+            }
+        }
+    }
+}
+
+[[maybe_unused]] void portable_tile(int format, const uint8_t* w, const float* s,
+                                    const QuantizedRows& a, int64_t r0, int rows,
+                                    float tile[MAX_ROWS][COLS]) {
+    if (format == QUANT_INT4) int4_tile_portable(w, s, a, r0, rows, tile);
+    else if (format == QUANT_INT8) int8_tile_portable(w, s, a, r0, rows, tile);
+    else int8_blocks_tile_portable(w, s, a, r0, rows, tile);
+}
+
+// Per format, per 32-column block: weight bytes of a 16-channel block, and scale floats.
+inline int64_t block_weight_bytes(int format) { return format == QUANT_INT4 ? 256 : 512; }
+inline int64_t block_scale_floats(int format) {
+    return format == QUANT_INT4 ? 2 * COLS : format == QUANT_INT8_BLOCKS ? COLS : 0;
+}
+
 #ifndef CADENCE_QUANT_VECTOR_TILES
 constexpr int TILE_ROWS = MAX_ROWS;
 constexpr int TILE_BLOCKS = 1;
@@ -180,8 +217,9 @@ constexpr int TILE_BLOCKS = 1;
 void column_blocks(int format, const uint8_t* packed, const float* sz, int64_t nb0, int64_t nb1,
                    const QuantizedRows& a, int64_t m, int64_t n, void* y, int64_t y_stride,
                    int dtype) {
-    const int64_t block_bytes = a.k32 * (format == QUANT_INT4 ? 256 : 512);
-    const int64_t block_scales = format == QUANT_INT4 ? a.k32 * 2 * COLS : COLS;
+    const int64_t block_bytes = a.k32 * block_weight_bytes(format);
+    // int8's per-channel scales are COLS a column block, the others' per 32-column block
+    const int64_t block_scales = format == QUANT_INT8 ? COLS : a.k32 * block_scale_floats(format);
     float acc[MAX_ROWS * TILE_BLOCKS * COLS];
     for (int64_t nb = nb0; nb < nb1; nb += TILE_BLOCKS) {
         const int nv = static_cast<int>(std::min<int64_t>(TILE_BLOCKS, nb1 - nb));
@@ -193,16 +231,15 @@ void column_blocks(int format, const uint8_t* packed, const float* sz, int64_t n
 #ifdef CADENCE_QUANT_VECTOR_TILES
             Prefetch next;
             if (r0 == 0 && nb + TILE_BLOCKS < nb1) {  // the first row tile asks for the next panel
-                const bool int4 = format == QUANT_INT4;
                 next = {w + TILE_BLOCKS * block_bytes, s + TILE_BLOCKS * block_scales, block_bytes,
-                        int4 ? 256 : 512, block_scales, int4 ? 2 * COLS * 4 : 0,
+                        block_weight_bytes(format), block_scales,
+                        block_scale_floats(format) * static_cast<int64_t>(sizeof(float)),
                         static_cast<int>(std::min<int64_t>(TILE_BLOCKS, nb1 - nb - TILE_BLOCKS))};
             }
             vector_tile(rows, nv, format, w, s, a, r0, next, acc, nv * COLS);
 #else
             float tile[MAX_ROWS][COLS];
-            if (format == QUANT_INT4) int4_tile_portable(w, s, a, r0, rows, tile);
-            else int8_tile_portable(w, s, a, r0, rows, tile);
+            portable_tile(format, w, s, a, r0, rows, tile);
             for (int r = 0; r < rows; ++r) std::memcpy(acc + r * COLS, tile[r], sizeof(tile[r]));
 #endif
             for (int r = 0; r < rows; ++r)
@@ -218,7 +255,8 @@ extern "C" {
 int cadence_quant_matmul(const void* x, int64_t x_stride, int64_t m, int64_t k,
                          const void* packed, const float* scales, int64_t n, int format,
                          void* y, int64_t y_stride, int dtype, int num_threads) {
-    if ((dtype != F32 && dtype != BF16) || (format != QUANT_INT4 && format != QUANT_INT8))
+    if ((dtype != F32 && dtype != BF16) ||
+        (format != QUANT_INT4 && format != QUANT_INT8 && format != QUANT_INT8_BLOCKS))
         return BAD_DTYPE;
     if (m == 0 || n == 0) return OK;
     const QuantizedRows& a = quantize_rows(x, x_stride, m, k, dtype, num_threads);
