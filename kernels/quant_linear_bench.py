@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+from cadence.kernels import cpu
 from cadence.kernels.cpu import isa
 from cadence.quant import crossover, measure
 
@@ -58,7 +59,7 @@ def main() -> None:
     a = p.parse_args()
     dtype = getattr(torch, a.dtype)
     torch.set_num_threads(a.threads)
-    chosen = isa.resolve()
+    chosen = cpu.select()  # the kernels a shard would run: make_kernel picks by them
     print(f"CPU {isa.cpu_model()!r}, kernels ISA {chosen}, {a.threads} threads, {a.dtype}")
     if not a.skip_products:
         per_product(dtype, tuple(int(r) for r in a.rows.split(",")))

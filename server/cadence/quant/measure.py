@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from cadence.layers.packed import _PACK_HINT_ROWS, linear, onednn_packs
-from cadence.quant.product import make_kernel
+from cadence.quant.formats import QuantizedWeight
+from cadence.quant.product import Kernel, make_kernel
 from cadence.quant.quantize import group_size_for, quantize_int4, quantize_int8
 
 # SmolLM2-135M as cadence serves it: (out, in) of the fused qkv, o, gate_up and down
@@ -37,8 +38,14 @@ class Products:
 
 
 def build(
-    shapes: Sequence[tuple[int, int]], fmt: str, group_size: int, dtype: torch.dtype
+    shapes: Sequence[tuple[int, int]],
+    fmt: str,
+    group_size: int,
+    dtype: torch.dtype,
+    kernel: Callable[[QuantizedWeight], Kernel] | None = None,
 ) -> Products:
+    """`kernel` makes the quantized side's product of a weight (default: the one a shard
+    would use, `make_kernel`)."""
     packs = onednn_packs(dtype)
     floats, quantized, widths = [], [], []
     for out_features, in_features in shapes:
@@ -49,7 +56,7 @@ def build(
             q = quantize_int8(w)
         else:
             q = quantize_int4(w, group_size_for(in_features, group_size))
-        quantized.append(make_kernel(q, dtype, torch.device("cpu")))
+        quantized.append(kernel(q) if kernel else make_kernel(q, dtype, torch.device("cpu")))
         widths.append(in_features)
     return Products(floats, quantized, widths)
 
