@@ -39,7 +39,9 @@ def per_product(dtype: torch.dtype, rows: tuple[int, ...], torch_kernels: bool) 
     for shape in measure.SMOLLM2_PRODUCT_SHAPES:
         copies = 1 if shape == measure.SMOLLM2_HEAD else measure.SMOLLM2_LAYERS
         built = [
-            measure.build([shape] * copies, fmt, group, dtype, torch_kernels)
+            measure.build(
+                [shape] * copies, fmt, group, dtype, measure.torch_kernel if torch_kernels else None
+            )
             for fmt, group in VARIANTS
         ]
         for r in rows:

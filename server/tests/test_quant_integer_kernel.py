@@ -2,15 +2,17 @@
 `quant_kernels.cpp`): activations quantized to int8 per row and block of 32 columns, int4
 or int8 weights, int32 dot products. Each instruction set's library against the same
 arithmetic in float32 (`cpu_gemm.reference_product`), and against the plain float product
-within what int8 activations cost; every tile shape the vector path has (1-4 rows, 1-4
-column blocks, a padded last block), the operator's checks and its Meta implementation."""
+within what int8 activations cost; every tile shape the vector paths have (AVX-512: 1-4
+rows x 1-4 column blocks; AVX2: 1-4 rows x 1-2 blocks; a padded last block), int8 weights
+at -128 (what an 8-bit GPTQ checkpoint may hold), the operator's checks and its Meta
+implementation."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from cadence.quant import cpu_gemm
-from cadence.quant.formats import Int4Weight, QuantizedWeight
+from cadence.quant.formats import Int4Weight, Int8Weight, QuantizedWeight
 from cadence.quant.quantize import quantize_int4, quantize_int8, quantize_int8_blocks
 
 # Row counts covering 1..4-row tiles and their tails; widths covering 1..4 column blocks,
@@ -80,6 +82,28 @@ def test_the_input_may_be_a_strided_view_and_a_zero_block_stays_zero():
     got = kernel(x)
     assert torch.isfinite(got).all()
     assert _relative(got, want) < 2e-6
+
+
+def _extreme_int8_weight() -> Int8Weight:
+    """Random q over the whole int8 range, a channel all -128 and one alternating -128 and
+    127: against activations at +-127 its pair products reach 2 * 128 * 127."""
+    g = torch.Generator().manual_seed(21)
+    q = torch.randint(-128, 128, (40, 100), generator=g, dtype=torch.int8)
+    q[0] = -128
+    q[1, 0::2], q[1, 1::2] = -128, 127
+    return Int8Weight(q, torch.rand(40, generator=g) * 0.01 + 0.001)
+
+
+@pytest.mark.usefixtures("cpu_isa")
+def test_int8_weights_at_minus_128_multiply_exactly():
+    weight = _extreme_int8_weight()
+    kernel = cpu_gemm.IntegerCpuKernel(weight)
+    w = weight.dequantize()
+    for rows in ROWS:
+        x = _input(rows, w.shape[1], rows)
+        x[0] = 1.0  # every activation of the row quantized to 127
+        x[-1, 0::2], x[-1, 1::2] = -1.0, 1.0  # -127 and 127 against the alternating channel
+        assert _relative(kernel(x), cpu_gemm.reference_product(x, w)) < 2e-6, rows
 
 
 @pytest.mark.parametrize(("name", "weight"), WEIGHTS, ids=[n for n, _ in WEIGHTS])
@@ -158,6 +182,11 @@ def test_the_meta_implementation_gives_the_output_shape(fmt):
     assert y.shape == (5, 40) and y.device.type == "meta"
 
 
+# The builds whose vector tiles beat torch's kernels (VNNI; AVX2's vpmaddubsw, measured with
+# everything held to AVX2 in docs/quantization.md); avx512 and scalar run portable C++.
+FAST_INTEGER_PRODUCT = ("avx512_bf16", "avx2")
+
+
 def test_products_use_the_integer_kernel_where_it_is_fast():
     from cadence.kernels import cpu
     from cadence.quant.product import make_kernel
@@ -169,6 +198,8 @@ def test_products_use_the_integer_kernel_where_it_is_fast():
         quantize_int8(_weight(32, 64, 0)),
         quantize_int8_blocks(_weight(32, 64, 0)),
     ]
+    for isa in cpu.isa.ISAS:
+        assert cpu_gemm.integer_product_is_fast(isa) == (isa in FAST_INTEGER_PRODUCT), isa
     x = _input(3, 64, 0)
     for isa in cpu.isa.supported():
         with cpu.selected(isa):

@@ -1,9 +1,10 @@
 """Quantized weights packed for cadence's integer CPU product (`quant_kernels.cpp`).
 
 The product quantizes each row of activations to int8 in blocks of 32 columns (one float
-scale per row and block) and multiplies by the int4 or int8 weight with VNNI dot products
-(`torch.ops.cadence.quant_matmul`). The packing puts 16 output channels side by side, four
-input columns per channel in each 32-bit lane, as vpdpbusd reads them:
+scale per row and block) and multiplies by the int4 or int8 weight with integer dot
+products (`torch.ops.cadence.quant_matmul`: VNNI's vpdpbusd, or AVX2's vpmaddubsw and
+vpmaddwd). The packing puts 16 output channels side by side, four input columns per
+channel in each 32-bit lane, as vpdpbusd reads them:
 
 - int4: `packed [n16, k32, 256]` uint8, byte `j * 64 + c * 4 + i` of block `(nb, b)`
   holding channel `16 nb + c`'s q at input `32 b + 4 j + i` (low nibble) and
@@ -133,10 +134,12 @@ def takes(weight: QuantizedWeight) -> bool:
 
 
 def integer_product_is_fast(isa: str) -> bool:
-    """Whether the selected C++ kernels multiply quantized weights with VNNI dot products:
-    the `avx512_bf16` build (every CPU with AVX-512 BF16 has VNNI). Other builds run the
-    same arithmetic in portable C++, correct but slower than torch's packed kernels."""
-    return isa == "avx512_bf16"
+    """Whether the selected C++ kernels multiply quantized weights with vector integer dot
+    products: the `avx512_bf16` build (VNNI's vpdpbusd; every CPU with AVX-512 BF16 has
+    VNNI) and the `avx2` one (vpmaddubsw + vpmaddwd), which beat torch's packed kernels at
+    every row count measured (docs/quantization.md). The `avx512` and `scalar` builds run
+    the same arithmetic in portable C++, correct but slower than torch's kernels."""
+    return isa in ("avx512_bf16", "avx2")
 
 
 class IntegerCpuKernel:

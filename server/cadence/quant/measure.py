@@ -50,8 +50,10 @@ def build(
     fmt: str,
     group_size: int,
     dtype: torch.dtype,
-    torch_kernels: bool = False,
+    kernel: Callable[[QuantizedWeight], Kernel] | None = None,
 ) -> Products:
+    """`kernel` makes the quantized side's product of a weight (default: the one a shard
+    would use, `make_kernel`)."""
     packs = onednn_packs(dtype)
     floats, quantized, widths = [], [], []
     for out_features, in_features in shapes:
@@ -62,8 +64,7 @@ def build(
             q = quantize_int8(w)
         else:
             q = quantize_int4(w, group_size_for(in_features, group_size))
-        kernel = torch_kernel(q) if torch_kernels else make_kernel(q, dtype, torch.device("cpu"))
-        quantized.append(kernel)
+        quantized.append(kernel(q) if kernel else make_kernel(q, dtype, torch.device("cpu")))
         widths.append(in_features)
     return Products(floats, quantized, widths)
 
@@ -116,7 +117,9 @@ def measure_crossover(
     products, and the (float, quantized) seconds measured at each row count (in
     increasing order, stopping after the quantized side has lost twice in a row)."""
     torch.manual_seed(0)
-    products = build(model_shapes(), fmt, group_size, dtype, torch_kernels)
+    products = build(
+        model_shapes(), fmt, group_size, dtype, torch_kernel if torch_kernels else None
+    )
     times: dict[int, tuple[float, float]] = {}
     losses = 0
     for r in sorted(rows):

@@ -34,6 +34,7 @@ KERNEL_FILES = (
     _HERE / "cpu_elements.h",
     _HERE / "quant_rows.h",
     _HERE / "quant_tiles_avx512.h",
+    _HERE / "quant_tiles_avx2.h",
 )
 OPS_FILES = (
     OPS_SOURCE,

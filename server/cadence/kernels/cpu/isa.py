@@ -9,7 +9,8 @@ decided by the CPU the shard starts on, not by the one that compiled it:
   bfloat16 paths (decode attention, norms, SwiGLU, rotary, greedy) and the integer
   product of quantized weights;
 - `avx512`: AVX-512 without BF16 (Skylake-X, Ice Lake, Zen 4 without the flag);
-- `avx2`: AVX2 + FMA + F16C (x86-64-v3: Haswell and later, every Zen);
+- `avx2`: AVX2 + FMA + F16C (x86-64-v3: Haswell and later, every Zen), with the integer
+  product of quantized weights on vpmaddubsw;
 - `scalar`: baseline x86-64 (SSE2), and what an aarch64 build compiles to.
 
 Below `avx512_bf16` the kernels are the same C++ auto-vectorized for the wider or

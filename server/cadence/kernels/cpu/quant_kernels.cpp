@@ -24,8 +24,9 @@
 // stored + 128 and each row's 128 * sum of its quantized activations taken off at the end.)
 //
 // The AVX-512 VNNI build runs the vector tiles of quant_tiles_avx512.h (4 rows x 64
-// columns); other builds run the same arithmetic in portable C++ (the tests hold both to
-// one reference). Each thread takes one run of column blocks; a tile's weights stay in
+// columns), the AVX2 build those of quant_tiles_avx2.h (4 rows x 32 columns, vpmaddubsw and
+// vpmaddwd for vpdpbusd); the others (scalar, and AVX-512 without VNNI) run the same
+// arithmetic in portable C++ (the tests hold all of them to one reference). Each thread takes one run of column blocks; a tile's weights stay in
 // cache for every row tile, and the first row tile asks for the next tile's weights.
 
 #include "cpu_elements.h"
@@ -43,6 +44,10 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include "quant_tiles_avx512.h"
+#define CADENCE_QUANT_VECTOR_TILES 1
+// x86-64-v4 has AVX2 too: the avx512 build (no VNNI) keeps the portable tiles
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#include "quant_tiles_avx2.h"
 #define CADENCE_QUANT_VECTOR_TILES 1
 #endif
 
