@@ -75,6 +75,9 @@ def pack_linear_weights(model: nn.Module, enabled: bool = True) -> int:
         weight = module.weight
         if weight.numel() == 0 or not packing_supported(weight):  # 0: quantized, no float kept
             continue
+        quantized = getattr(module, "quantized", None)
+        if quantized is not None and quantized.serves_every_row_count:
+            continue  # a float kept only as a tied table: no product reads it
         module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(
             weight.data.contiguous(), _PACK_HINT_ROWS
         )

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from cadence.quant.crossover import ALL_ROWS
 from cadence.quant.formats import Int4Weight, Int8BlockWeight, Int8Weight, QuantizedWeight
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]
@@ -131,6 +132,12 @@ class QuantizedProduct:
 
     def serves(self, rows: int) -> bool:
         return not self.float_kept or rows <= self.crossover
+
+    @property
+    def serves_every_row_count(self) -> bool:
+        """No product goes to a float weight (a kept one is there for another reason: a
+        tied embedding table)."""
+        return not self.float_kept or self.crossover >= ALL_ROWS
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if len(self.kernels) == 1:
