@@ -211,7 +211,34 @@ def _cases() -> list[Any]:
             (OPS.lora_shrink_rows_.default, shrink),
             (OPS.lora_expand_rows_.default, expand),
         ]
+    cases += [(OPS.quant_matmul.default, args) for args in _quant_args()]
     return [pytest.param(op, args, id=f"{op}-{_dtypes(args)}") for op, args in cases]
+
+
+def _quant_args() -> list[dict[str, Any]]:
+    """quant_matmul over each packed format, float32 and bfloat16 inputs (the packings are
+    cadence.quant.cpu_gemm's)."""
+    from cadence.quant import cpu_gemm
+    from cadence.quant.quantize import quantize_int4, quantize_int8, quantize_int8_blocks
+
+    w = torch.randn(40, 64, generator=_generator())
+    packed = [
+        cpu_gemm.pack_int4(quantize_int4(w, 32)),
+        cpu_gemm.pack_int8(quantize_int8(w)),
+        cpu_gemm.pack_int8_blocks(quantize_int8_blocks(w)),
+    ]
+    x = torch.randn(3, 64, generator=_generator())
+    return [
+        {
+            "x": x.to(dtype),
+            "packed": p.packed,
+            "scales": p.scales,
+            "out_features": 40,
+            "format": p.fmt,
+        }
+        for p in packed
+        for dtype in (F32, BF16)
+    ]
 
 
 def _dtypes(args: dict[str, Any]) -> str:

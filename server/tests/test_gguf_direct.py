@@ -298,3 +298,35 @@ def test_engine_serves_the_gguf_as_transformers_runs_it(
     assert layers[1].self_attn.qkv_proj.quantized is not None  # all int4 in both files
     assert (layers[0].self_attn.qkv_proj.quantized is None) == (written.arch == "llama")
     assert (layers[1].mlp.gate_up_proj.quantized is None) == (written.arch == "qwen2")
+
+
+def test_a_tied_head_over_a_q8_0_table_multiplies_by_its_blocks(
+    written: Written, engine_for, tmp_path: Path
+) -> None:
+    """llama.cpp multiplies a tied head by the embedding's stored Q8_0 blocks: where the
+    integer product serves, so does the shard, with exactly the file's bytes and scales
+    (read from the file, not re-rounded from a bfloat16 table); the embedding keeps its
+    float table for lookups."""
+    from cadence.quant.cpu_gemm import pack_int8_blocks
+    from cadence.quant.formats import Int8BlockWeight
+    from cadence.quant.product import integer_product_serves
+
+    if not written.model.config.tie_word_embeddings:
+        pytest.skip("this architecture's tiny model has its own LM head")
+    engine = engine_for(gguf_folder(written.path, tmp_path / "m"), dtype="bfloat16")
+    head = engine.model.lm_head
+    if not integer_product_serves(torch.device("cpu")):
+        assert head.quantized is None  # served float where no integer product runs
+        return
+    assert head.quantized.formats == ["int8 g32"] and head.quantized.float_kept
+    (embd,) = [t for t in written.reader.tensors if t.name == "token_embd.weight"]
+    blocks = np.asarray(embd.data).reshape(-1, 34)  # Q8_0: float16 scale, 32 int8
+    vocab, hidden = written.model.config.vocab_size, written.model.config.hidden_size
+    scale = torch.from_numpy(blocks[:, :2].copy().view(np.float16)).float()
+    q = torch.from_numpy(blocks[:, 2:].copy().view(np.int8))
+    expected = pack_int8_blocks(
+        Int8BlockWeight(q.reshape(vocab, hidden), scale.reshape(vocab, hidden // 32))
+    )
+    (kernel,) = head.quantized.kernels
+    assert torch.equal(kernel.weight.packed, expected.packed)
+    assert torch.equal(kernel.weight.scales, expected.scales)

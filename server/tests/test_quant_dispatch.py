@@ -80,3 +80,22 @@ def test_the_measured_table_wins_over_the_defaults(tmp_path):
     assert json.loads(path.read_text())["cpu"] == "some CPU"
     unknown = crossover.crossover_rows("int8", "float16", "scalar", path=path)
     assert (unknown.rows, unknown.source) == (crossover.FALLBACK_ROWS, "fallback")
+
+
+def test_a_float_copy_is_kept_only_where_some_product_reads_it():
+    from cadence.quant.crossover import ALL_ROWS
+
+    auto = Dispatch(True, {"int4": ALL_ROWS, "int8": 128})
+    assert not auto.keeps_float(["int4 g32"])  # the quantized kernel serves every row count
+    assert auto.keeps_float(["int8"])  # prefill chunks over 128 rows read it
+    assert auto.keeps_float(["int4 g32", "int8"])  # a fused layer: its slowest format decides
+    asked = Dispatch(True, {"int4": ALL_ROWS}, keep_float_always=True)
+    assert asked.keeps_float(["int4 g32"])
+    assert not Dispatch(False, {"int8": 4}).keeps_float(["int8"])
+    layer = _layer("int4", keep_float=True)  # CROSSOVER rows: kept
+    assert layer.weight.numel() > 0
+    plain = ColumnParallelLinear(64, 48, bias=False)
+    with torch.no_grad():
+        plain.weight.normal_()
+    install(plain, [quantize_int4(plain.weight.data, 32)], auto, True, False)
+    assert plain.weight.numel() == 0 and not plain.quantized.float_kept

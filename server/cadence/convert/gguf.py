@@ -19,13 +19,14 @@ from loguru import logger
 from cadence.convert.gguf_blocks import INT4_TYPES, int4_from_blocks
 from cadence.convert.gguf_names import gguf_to_hf_names, hf_checkpoint_names
 from cadence.models.llama import LlamaForCausalLM
-from cadence.quant.formats import Int4Weight
+from cadence.quant.formats import Int4Weight, Int8BlockWeight
 
 # general.architecture -> the transformers class of the same model.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 # Types whose values are floats already: served as they are, not "dequantized".
 FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 EMBEDDING = "token_embd.weight"  # always float: a lookup, not a product
+Q8_0_BYTES = 34  # a Q8_0 block: its float16 scale, then 32 int8 values
 
 
 def unpermute_rotary(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -211,12 +212,6 @@ class GGUFSource:
         self.model = GGUFModel(path)
         self.int4_names = self._int4_names()  # GGUF names of the tensors served as int4
         self.description = self._describe()
-        # llama.cpp multiplies a tied LM head by the embedding's stored blocks: Q8_0 here
-        # can be served so too (cadence.quant.load.serve_tied_head_in_blocks)
-        self.embedding_in_int8_blocks = any(
-            t.name == EMBEDDING and t.tensor_type == GGMLQuantizationType.Q8_0
-            for t in self.model.reader.tensors
-        )
 
     def _int4_names(self) -> set[str]:
         layers: dict[str, list[ReaderTensor]] = {}
@@ -256,6 +251,22 @@ class GGUFSource:
         parts = [kind for kind, _ in int4.most_common()]
         parts += [f"{kind} as float" for kind, _ in as_float.most_common()]
         return " ".join(["gguf", ", ".join(parts) or "float"])
+
+    def embedding_int8_blocks(self) -> Int8BlockWeight | None:
+        """The embedding table as stored when it is Q8_0 (None otherwise): llama.cpp
+        multiplies a tied LM head by these blocks, and so does the shard where the integer
+        product serves (`cadence.quant.load.serve_tied_head_in_blocks`)."""
+        for tensor in self.model.reader.tensors:
+            if tensor.name == EMBEDDING and tensor.tensor_type == GGMLQuantizationType.Q8_0:
+                blocks = np.asarray(tensor.data).reshape(-1, Q8_0_BYTES)
+                scale = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+                q = blocks[:, 2:].copy().view(np.int8)
+                rows = _hf_shape(tensor)[0]
+                return Int8BlockWeight(
+                    torch.from_numpy(q).reshape(rows, -1),
+                    torch.from_numpy(scale).reshape(rows, -1),
+                )
+        return None
 
     def float_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in self.model.hf_tensor_items():

@@ -16,7 +16,7 @@ the embedding table.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,15 +27,10 @@ from cadence.layers.embedding import ParallelLMHead
 from cadence.layers.linear import LinearBase
 from cadence.models.loader import TensorSlice, WeightFiller
 from cadence.quant.checkpoints import QuantizedSource
-from cadence.quant.crossover import format_of
-from cadence.quant.formats import Int4Weight, Int8Weight, QuantizedWeight
+from cadence.quant.crossover import ALL_ROWS, format_of
+from cadence.quant.formats import Int4Weight, Int8BlockWeight, Int8Weight, QuantizedWeight
 from cadence.quant.product import QuantizedProduct, describe, integer_product_serves
-from cadence.quant.quantize import (
-    group_size_for,
-    quantize_int4,
-    quantize_int8,
-    quantize_int8_blocks,
-)
+from cadence.quant.quantize import group_size_for, quantize_int4, quantize_int8
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +39,15 @@ class Dispatch:
 
     keep_float: bool  # keep a float weight for products above the crossover
     crossover: dict[str, int] = field(default_factory=dict)  # "int8"/"int4" -> most rows
+    # keep it even where the quantized kernel serves every row count (asked for: "on")
+    keep_float_always: bool = False
+
+    def keeps_float(self, formats: Iterable[str]) -> bool:
+        """Whether a layer of `formats` keeps its float weight: only where some product
+        would read it, unless asked to always."""
+        if not self.keep_float:
+            return False
+        return self.keep_float_always or self.rows_for(formats) < ALL_ROWS
 
     def rows_for(self, formats: Iterable[str]) -> int:
         return min(self.crossover.get(format_of(f), 0) for f in formats)
@@ -62,6 +66,10 @@ def _pad_rows(weight: QuantizedWeight, rows: int) -> QuantizedWeight:
     if isinstance(weight, Int8Weight):
         q = torch.cat([weight.q, weight.q.new_zeros(pad, cols)])
         return Int8Weight(q, torch.cat([weight.scale, weight.scale.new_zeros(pad)]))
+    if isinstance(weight, Int8BlockWeight):
+        q = torch.cat([weight.q, weight.q.new_zeros(pad, cols)])
+        zeros = weight.scale.new_zeros(pad, weight.scale.shape[1])
+        return Int8BlockWeight(q, torch.cat([weight.scale, zeros]))
     groups = weight.scale.shape[1]
     return Int4Weight(
         torch.cat([weight.q, weight.q.new_full((pad, cols), 8)]),  # (8 - 8) * 0 + 0 = 0
@@ -97,8 +105,8 @@ def install(
     values (quantized at load, or a tied head's embedding); `shared`: another module
     uses the same weight (a tied head's embedding), which therefore stays."""
     weight: nn.Parameter = module.weight
-    keep = dispatch.keep_float or shared
     formats = [describe(p) for p in pieces]
+    keep = dispatch.keeps_float(formats) or shared
     module.quantized = QuantizedProduct(
         pieces, weight.dtype, weight.device, dispatch.rows_for(formats), float_kept=keep
     )
@@ -146,23 +154,32 @@ def load_from_source(model: nn.Module, source: QuantizedSource, dispatch: Dispat
         install(module, pieces, dispatch, float_loaded, id(module.weight) in shared)
         filler.loaded.add(id(module.weight))
     filler.check_complete()
-    if getattr(source, "embedding_in_int8_blocks", False):
-        serve_tied_head_in_blocks(model, dispatch)
+    blocks = getattr(source, "embedding_int8_blocks", None)
+    if blocks is not None:
+        serve_tied_head_in_blocks(model, blocks, dispatch)
     return len(staged)
 
 
-def serve_tied_head_in_blocks(model: nn.Module, dispatch: Dispatch) -> None:
-    """A tied LM head whose table the file stores in int8 blocks of 32 (GGUF's Q8_0, which
-    llama.cpp multiplies by): where the integer product serves, it multiplies by the same
-    blocks, quantized back from the float table (exactly: `quantize_int8_blocks`); the
-    table stays float for the embedding's lookups. Elsewhere the head stays float."""
+def serve_tied_head_in_blocks(
+    model: nn.Module, table: Callable[[], Int8BlockWeight | None], dispatch: Dispatch
+) -> None:
+    """A tied LM head whose table the file stores in int8 blocks of 32 (`table()`: GGUF's
+    Q8_0 bytes, which llama.cpp multiplies by): where the integer product serves, it
+    multiplies by those blocks (this rank's vocabulary rows); the embedding keeps its float
+    table for lookups. Elsewhere the head stays float."""
     shared = shared_weights(model)
-    for module in model.modules():
-        if not isinstance(module, ParallelLMHead) or getattr(module, "quantized", None):
-            continue
-        weight = module.weight.data
-        if id(module.weight) in shared and integer_product_serves(weight.device):
-            install(module, [quantize_int8_blocks(weight)], dispatch, True, True)
+    heads = [
+        m
+        for m in model.modules()
+        if isinstance(m, ParallelLMHead)
+        and getattr(m, "quantized", None) is None
+        and id(m.weight) in shared
+        and integer_product_serves(m.weight.device)
+    ]
+    whole = table() if heads else None
+    for module in heads if whole is not None else []:
+        _, piece = _rank_piece(module, whole, None)
+        install(module, [piece], dispatch, True, True)
 
 
 def _check_rows(owner: str, module: nn.Module, placed: list[tuple[int, QuantizedWeight]]) -> None:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from cadence.quant.checkpoints import QuantizedSource
-from cadence.quant.crossover import ALL_ROWS, FORMATS, crossover_rows
+from cadence.quant.crossover import FORMATS, crossover_rows
 from cadence.quant.load import (
     Dispatch,
     load_from_source,
@@ -61,16 +61,15 @@ def dispatch_for(
     cfg: QuantizeConfig, model: nn.Module, dtype: torch.dtype, device: torch.device
 ) -> tuple[Dispatch, dict[str, str]]:
     """The dispatch for `model`, and where each format's crossover came from. auto keeps
-    no float copy where the quantized kernels win at every row count (nothing would read
-    it)."""
+    no float copy of a layer whose quantized kernel wins at every row count (nothing would
+    read it); "on" keeps every one."""
     dtype_name = str(dtype).removeprefix("torch.")
     isa = isa_name(device)
     found = {fmt: crossover_rows(fmt, dtype_name, isa) for fmt in FORMATS}
     rows = {fmt: c.rows for fmt, c in found.items()}
     keep = keeps_float(cfg.keep_float, device, float_linear_bytes(model))
-    if cfg.keep_float == "auto" and all(r >= ALL_ROWS for r in rows.values()):
-        keep = False
-    return Dispatch(keep, rows), {fmt: c.source for fmt, c in found.items()}
+    dispatch = Dispatch(keep, rows, keep_float_always=cfg.keep_float == "on")
+    return dispatch, {fmt: c.source for fmt, c in found.items()}
 
 
 def apply(

@@ -102,9 +102,11 @@ void int4_tile(const uint8_t* w, const float* sz, int64_t k32, const TileRows<RO
         for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + r * out_stride + v * COLS, acc[r][v]);
 }
 
-// int8: the weights are the unsigned operand (q + 128); sum * d per block, then the row's
-// 128 * sum of d * sum(q) off and the channel scale on.
-template <int ROWS, int NV>
+// int8: the weights are the unsigned operand (q + 128). Per channel (BLOCKS false): sum *
+// d per block, then the row's 128 * sum of d * sum(q) off and the channel scale on. In
+// blocks of 32 (GGUF's Q8_0, BLOCKS true): per block acc += (sum * d - 128 * d * sum(q)) *
+// the block's channel scales (sz [k32][16] per column block).
+template <int ROWS, int NV, bool BLOCKS>
 void int8_tile(const uint8_t* w, const float* scale, int64_t k32, const TileRows<ROWS>& x,
                const float* correction, const Prefetch& next, float* out, int64_t out_stride) {
     __m512 acc[ROWS][NV];
@@ -126,54 +128,27 @@ void int8_tile(const uint8_t* w, const float* scale, int64_t k32, const TileRows
         }
         for (int r = 0; r < ROWS; ++r) {
             const __m512 d = _mm512_set1_ps(x.d[r][b]);
-            for (int v = 0; v < NV; ++v)
-                acc[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][v]), d, acc[r][v]);
-        }
-    }
-    for (int r = 0; r < ROWS; ++r) {
-        const __m512 c = _mm512_set1_ps(correction[r]);
-        for (int v = 0; v < NV; ++v) {
-            const __m512 fixed = _mm512_sub_ps(acc[r][v], c);
-            _mm512_storeu_ps(out + r * out_stride + v * COLS,
-                             _mm512_mul_ps(fixed, _mm512_loadu_ps(scale + v * COLS)));
-        }
-    }
-}
-
-// int8 in blocks of 32: int8's dot products, then per block acc += (dot * d - 128 * d *
-// sum(q)) * the block's scales.
-template <int ROWS, int NV>
-void int8_blocks_tile(const uint8_t* w, const float* sz, int64_t k32, const TileRows<ROWS>& x,
-                      const Prefetch& next, float* out, int64_t out_stride) {
-    __m512 acc[ROWS][NV];
-    for (int r = 0; r < ROWS; ++r)
-        for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < k32; ++b) {
-        next.block(b);
-        __m512i dot[ROWS][NV];
-        for (int r = 0; r < ROWS; ++r)
-            for (int v = 0; v < NV; ++v) dot[r][v] = _mm512_setzero_si512();
-        for (int j = 0; j < 8; ++j) {
-            __m512i q[NV];
-            for (int v = 0; v < NV; ++v)
-                q[v] = _mm512_loadu_si512(w + (v * k32 + b) * 512 + j * 64);
-            for (int r = 0; r < ROWS; ++r) {
-                const __m512i a = broadcast4(x.q[r] + b * BLOCK + 4 * j);
-                for (int v = 0; v < NV; ++v) dot[r][v] = _mm512_dpbusd_epi32(dot[r][v], q[v], a);
-            }
-        }
-        for (int r = 0; r < ROWS; ++r) {
-            const __m512 d = _mm512_set1_ps(x.d[r][b]);
-            const __m512 shift = _mm512_set1_ps(-128.0f * x.dsum[r][b]);
             for (int v = 0; v < NV; ++v) {
-                const __m512 part = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][v]), d, shift);
-                const __m512 scale = _mm512_loadu_ps(sz + (v * k32 + b) * COLS);
-                acc[r][v] = _mm512_fmadd_ps(part, scale, acc[r][v]);
+                const __m512 sum = _mm512_cvtepi32_ps(dot[r][v]);
+                if constexpr (BLOCKS) {
+                    const __m512 shift = _mm512_set1_ps(-128.0f * x.dsum[r][b]);
+                    const __m512 s = _mm512_loadu_ps(scale + (v * k32 + b) * COLS);
+                    acc[r][v] = _mm512_fmadd_ps(_mm512_fmadd_ps(sum, d, shift), s, acc[r][v]);
+                } else {
+                    acc[r][v] = _mm512_fmadd_ps(sum, d, acc[r][v]);
+                }
             }
         }
     }
     for (int r = 0; r < ROWS; ++r)
-        for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + r * out_stride + v * COLS, acc[r][v]);
+        for (int v = 0; v < NV; ++v) {
+            __m512 y = acc[r][v];
+            if constexpr (!BLOCKS) {
+                y = _mm512_sub_ps(y, _mm512_set1_ps(correction[r]));
+                y = _mm512_mul_ps(y, _mm512_loadu_ps(scale + v * COLS));
+            }
+            _mm512_storeu_ps(out + r * out_stride + v * COLS, y);
+        }
 }
 
 template <int ROWS, int NV>
@@ -182,8 +157,8 @@ void tile(int format, const uint8_t* w, const float* sz, const QuantizedRows& a,
     const TileRows<ROWS> x(a, r0);
     if (format == QUANT_INT4) int4_tile<ROWS, NV>(w, sz, a.k32, x, next, out, out_stride);
     else if (format == QUANT_INT8)
-        int8_tile<ROWS, NV>(w, sz, a.k32, x, a.correction.data() + r0, next, out, out_stride);
-    else int8_blocks_tile<ROWS, NV>(w, sz, a.k32, x, next, out, out_stride);
+        int8_tile<ROWS, NV, false>(w, sz, a.k32, x, a.correction.data() + r0, next, out, out_stride);
+    else int8_tile<ROWS, NV, true>(w, sz, a.k32, x, nullptr, next, out, out_stride);
 }
 
 template <int ROWS>
