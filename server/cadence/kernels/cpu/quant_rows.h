@@ -3,6 +3,7 @@
 
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -11,6 +12,17 @@ namespace cadence_quant {
 constexpr int64_t BLOCK = 32;  // input columns per activation block (and int4 group step)
 constexpr int64_t COLS = 16;   // output channels per packed block
 constexpr int MAX_ROWS = 8;    // rows per tile
+
+// Every element of a (nested) array of a tile's registers set to v: the tiles' sums and
+// accumulators start at zero.
+template <typename T>
+inline void set_all(T& x, const T& v) {
+    x = v;
+}
+template <typename T, size_t N, typename V>
+inline void set_all(T (&a)[N], const V& v) {
+    for (auto& e : a) set_all(e, v);
+}
 
 // A block of 32 activations quantized: its scale d = amax / 127, and the sum of its q.
 struct BlockQuantized {

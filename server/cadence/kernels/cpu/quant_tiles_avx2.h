@@ -41,15 +41,11 @@ void int4_tile(const uint8_t* w, const float* sz, int64_t k32, const TileRows<RO
                const Prefetch& next, float* out, int64_t out_stride) {
     const __m256i low = _mm256_set1_epi8(0x0F);
     __m256 acc[ROWS][NV][HALVES];
-    for (int r = 0; r < ROWS; ++r)
-        for (int v = 0; v < NV; ++v)
-            for (int h = 0; h < HALVES; ++h) acc[r][v][h] = _mm256_setzero_ps();
+    set_all(acc, _mm256_setzero_ps());
     for (int64_t b = 0; b < k32; ++b) {
         next.block(b);
         __m256i pairs[ROWS][NV][HALVES];
-        for (int r = 0; r < ROWS; ++r)
-            for (int v = 0; v < NV; ++v)
-                for (int h = 0; h < HALVES; ++h) pairs[r][v][h] = _mm256_setzero_si256();
+        set_all(pairs, _mm256_setzero_si256());
         for (int j = 0; j < 4; ++j) {
             __m256i lo[NV][HALVES], hi[NV][HALVES];
             for (int v = 0; v < NV; ++v)
@@ -102,15 +98,11 @@ void int8_tile(const uint8_t* w, const float* scale, int64_t k32, const TileRows
                const Prefetch& next, float* out, int64_t out_stride) {
     const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
     __m256 acc[ROWS][NV][HALVES];
-    for (int r = 0; r < ROWS; ++r)
-        for (int v = 0; v < NV; ++v)
-            for (int h = 0; h < HALVES; ++h) acc[r][v][h] = _mm256_setzero_ps();
+    set_all(acc, _mm256_setzero_ps());
     for (int64_t b = 0; b < k32; ++b) {
         next.block(b);
         __m256i dot[ROWS][NV][HALVES];
-        for (int r = 0; r < ROWS; ++r)
-            for (int v = 0; v < NV; ++v)
-                for (int h = 0; h < HALVES; ++h) dot[r][v][h] = _mm256_setzero_si256();
+        set_all(dot, _mm256_setzero_si256());
         for (int j = 0; j < 8; ++j) {
             __m256i q[NV][HALVES], magnitude[NV][HALVES];
             for (int v = 0; v < NV; ++v)

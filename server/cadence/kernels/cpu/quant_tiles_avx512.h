@@ -64,13 +64,11 @@ void int4_tile(const uint8_t* w, const float* sz, int64_t k32, const TileRows<RO
                const Prefetch& next, float* out, int64_t out_stride) {
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc[ROWS][NV];
-    for (int r = 0; r < ROWS; ++r)
-        for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+    set_all(acc, _mm512_setzero_ps());
     for (int64_t b = 0; b < k32; ++b) {
         next.block(b);
         __m512i dot[ROWS][NV];
-        for (int r = 0; r < ROWS; ++r)
-            for (int v = 0; v < NV; ++v) dot[r][v] = _mm512_setzero_si512();
+        set_all(dot, _mm512_setzero_si512());
         for (int j = 0; j < 4; ++j) {
             __m512i lo[NV], hi[NV];
             for (int v = 0; v < NV; ++v) {
@@ -110,13 +108,11 @@ template <int ROWS, int NV, bool BLOCKS>
 void int8_tile(const uint8_t* w, const float* scale, int64_t k32, const TileRows<ROWS>& x,
                const float* correction, const Prefetch& next, float* out, int64_t out_stride) {
     __m512 acc[ROWS][NV];
-    for (int r = 0; r < ROWS; ++r)
-        for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+    set_all(acc, _mm512_setzero_ps());
     for (int64_t b = 0; b < k32; ++b) {
         next.block(b);
         __m512i dot[ROWS][NV];
-        for (int r = 0; r < ROWS; ++r)
-            for (int v = 0; v < NV; ++v) dot[r][v] = _mm512_setzero_si512();
+        set_all(dot, _mm512_setzero_si512());
         for (int j = 0; j < 8; ++j) {
             __m512i q[NV];
             for (int v = 0; v < NV; ++v)
