@@ -348,13 +348,21 @@ impl Registry {
     }
 
     fn unpin(self: &Arc<Self>, name: &str) {
+        self.release(name, |entry| {
+            entry.pins -= 1;
+            entry.pins
+        });
+    }
+
+    /// Lowers one of `name`'s holds (`lower` returns what is left of it); once none is
+    /// left the adapter may be dropped or evicted.
+    fn release(self: &Arc<Self>, name: &str, lower: impl FnOnce(&mut Entry) -> usize) {
         let actions = {
             let mut catalog = self.lock();
             let Some(entry) = catalog.entries.get_mut(name) else {
                 return;
             };
-            entry.pins -= 1;
-            if entry.pins > 0 {
+            if lower(entry) > 0 {
                 return;
             }
             let mut actions = Self::settle(&mut catalog, name);
@@ -397,21 +405,10 @@ impl Registry {
     /// A replica has paged adapter `name` out: the step that did has been answered, or
     /// its shards' session ended.
     pub fn paged_out(self: &Arc<Self>, name: &str) {
-        let actions = {
-            let mut catalog = self.lock();
-            let Some(entry) = catalog.entries.get_mut(name) else {
-                return;
-            };
+        self.release(name, |entry| {
             entry.resident = entry.resident.saturating_sub(1);
-            if entry.resident > 0 {
-                return;
-            }
-            let mut actions = Self::settle(&mut catalog, name);
-            actions.extend(self.enforce_cap(&mut catalog));
-            self.notify(&catalog);
-            actions
-        };
-        self.run(actions);
+            entry.resident
+        });
     }
 
     /// `POST /v1/unload_lora_adapter`: unregisters `name` (see the module documentation).
