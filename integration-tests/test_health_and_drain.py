@@ -8,7 +8,6 @@ over what the rule allows (1 s of Health timeout, plus the stall timeout under l
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import signal
@@ -165,17 +164,26 @@ def test_a_wedged_forward_turns_ready_red_while_the_shard_still_answers(
 
 
 def test_metrics_carry_the_gateway_gauges_and_the_served_name(server: LaunchedServer) -> None:
+    """Scrapes before, during and after a request; during it the shard is frozen after
+    the first token, so the request is certainly running when scraped (a fast model
+    would otherwise finish between two polls)."""
     models = httpx.get(f"{server.url}/v1/models", timeout=10).json()
     assert [m["id"] for m in models["data"]] == [SERVED_NAME]
+    shard = the_shard(server)
     body = {"inputs": "Hello", "parameters": {"max_new_tokens": 30, "ignore_eos": True}}
-    generate = functools.partial(httpx.post, f"{server.url}/generate", json=body, timeout=120)
-    worker = threading.Thread(target=generate)
-    worker.start()
-    scrapes = []
-    while worker.is_alive() or not scrapes:
-        scrapes.append(metrics(server.url))
-        time.sleep(0.1)
-    worker.join()
+    scrapes = [metrics(server.url)]
+    running = []
+    url = f"{server.url}/generate_stream"
+    with httpx.stream("POST", url, json=body, timeout=120) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data:") or running:
+                continue
+            os.kill(shard, signal.SIGSTOP)
+            try:
+                running.append(metrics(server.url))
+            finally:
+                os.kill(shard, signal.SIGCONT)
+    scrapes += running + [metrics(server.url)]
     cadence = f'{{model="{SERVED_NAME}"}}'
     vllm = f'{{model_name="{SERVED_NAME}"}}'
     for m in scrapes:
@@ -188,7 +196,8 @@ def test_metrics_carry_the_gateway_gauges_and_the_served_name(server: LaunchedSe
         assert 0.0 <= usage <= 1.0
         info = f'vllm:cache_config_info{{model_name="{SERVED_NAME}",block_size="16",'
         assert m[f'{info}num_gpu_blocks="{int(total)}"}}'] == 1.0
-    assert any(m["vllm:num_requests_running" + vllm] == 1.0 for m in scrapes), "seen running"
+    assert [m["vllm:num_requests_running" + vllm] for m in running] == [1.0]
+    assert running[0]["vllm:kv_cache_usage_perc" + vllm] > 0.0
 
 
 def _stream(url: str, path: str, body: dict, out: list) -> None:

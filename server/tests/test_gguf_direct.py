@@ -300,8 +300,14 @@ def test_engine_serves_the_gguf_as_transformers_runs_it(
     assert (layers[1].mlp.gate_up_proj.quantized is None) == (written.arch == "qwen2")
 
 
+@pytest.fixture(scope="module")
+def written_tied(tmp_path_factory: pytest.TempPathFactory) -> Written:
+    """The tiny Llama: its LM head is tied to a Q8_0 embedding, as SmolLM2's is."""
+    return Written("llama", tmp_path_factory.mktemp("tied"))
+
+
 def test_a_tied_head_over_a_q8_0_table_multiplies_by_its_blocks(
-    written: Written, engine_for, tmp_path: Path
+    written_tied: Written, engine_for, tmp_path: Path
 ) -> None:
     """llama.cpp multiplies a tied head by the embedding's stored Q8_0 blocks: where the
     integer product serves, so does the shard, with exactly the file's bytes and scales
@@ -311,8 +317,8 @@ def test_a_tied_head_over_a_q8_0_table_multiplies_by_its_blocks(
     from cadence.quant.formats import Int8BlockWeight
     from cadence.quant.product import integer_product_serves
 
-    if not written.model.config.tie_word_embeddings:
-        pytest.skip("this architecture's tiny model has its own LM head")
+    written = written_tied
+    assert written.model.config.tie_word_embeddings
     engine = engine_for(gguf_folder(written.path, tmp_path / "m"), dtype="bfloat16")
     head = engine.model.lm_head
     if not integer_product_serves(torch.device("cpu")):
