@@ -1,7 +1,7 @@
 //! Access control and browser access: bearer API keys on every route but the open ones,
 //! CORS, and the request body limit.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use axum::body::Body;
@@ -14,6 +14,7 @@ use tower_http::cors::{AllowOrigin, Any, CorsLayer};
 
 use crate::error::ErrorBody;
 use crate::openai::ApiError;
+use crate::tenants::{ApiKey, Tenant};
 
 /// Routes anyone may call: probes, metrics and the API's description (and the files of
 /// `/docs`, under `docs::ASSETS_PREFIX`).
@@ -28,8 +29,8 @@ const OPEN_PATHS: &[&str] = &[
 
 #[derive(Debug, Clone, Default)]
 pub struct Access {
-    /// Accepted bearer keys; empty: no authentication.
-    pub api_keys: Vec<String>,
+    /// Accepted bearer keys and their tenants; empty: no authentication.
+    pub api_keys: Vec<ApiKey>,
     /// CORS origins; empty: no CORS headers, `*`: any origin.
     pub cors_allow_origin: Vec<String>,
     pub payload_limit: usize,
@@ -39,7 +40,13 @@ pub struct Access {
 pub fn layers(app: Router, access: Access) -> Router {
     let mut app = app.layer(DefaultBodyLimit::max(access.payload_limit));
     if !access.api_keys.is_empty() {
-        let keys: Arc<HashSet<String>> = Arc::new(access.api_keys.into_iter().collect());
+        let keys: Arc<HashMap<String, Arc<str>>> = Arc::new(
+            access
+                .api_keys
+                .into_iter()
+                .map(|k| (k.key, k.tenant))
+                .collect(),
+        );
         app = app.layer(middleware::from_fn(move |req: Request, next: Next| {
             let keys = keys.clone();
             async move { check_key(&keys, req, next).await }
@@ -62,7 +69,12 @@ pub fn layers(app: Router, access: Access) -> Router {
     app
 }
 
-async fn check_key(keys: &HashSet<String>, req: Request<Body>, next: Next) -> Response {
+/// Lets a request with an accepted key through, its tenant set on it for accounting.
+async fn check_key(
+    keys: &HashMap<String, Arc<str>>,
+    mut req: Request<Body>,
+    next: Next,
+) -> Response {
     let path = req.uri().path();
     let open = OPEN_PATHS.contains(&path) || path.starts_with(crate::docs::ASSETS_PREFIX);
     if open || req.method() == Method::OPTIONS {
@@ -74,10 +86,11 @@ async fn check_key(keys: &HashSet<String>, req: Request<Body>, next: Next) -> Re
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .map(str::trim);
-    if given.is_some_and(|k| keys.contains(k)) {
+    if let Some(tenant) = given.and_then(|k| keys.get(k)).cloned() {
+        req.extensions_mut().insert(Tenant(tenant));
         return next.run(req).await;
     }
-    if path.starts_with("/v1/") {
+    if req.uri().path().starts_with("/v1/") {
         return ApiError::unauthorized().into_response();
     }
     let body = ErrorBody {

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use clap::{CommandFactory, Parser, ValueEnum};
 
 use crate::pb;
+use crate::tenants::ApiKey;
 
 /// `--preemption`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -252,9 +253,17 @@ pub struct Args {
     )]
     pub api_key: Vec<String>,
 
-    /// File of API keys, one per line (blank lines and lines starting with # skipped).
+    /// File of API keys, one per line (blank lines and lines starting with # skipped):
+    /// `KEY`, or `KEY TENANT` to account the key's requests under that name (several keys
+    /// may share one); a key without a name is accounted under `key-` and the first 8 hex
+    /// digits of its SHA-256.
     #[arg(long, env = "CADENCE_API_KEY_FILE")]
     pub api_key_file: Option<PathBuf>,
+
+    /// Requests in flight per tenant (an API key's account) beyond which its new ones get
+    /// 429, whatever the other tenants do. Unset: only --max-concurrent-requests.
+    #[arg(long, env = "CADENCE_MAX_CONCURRENT_REQUESTS_PER_KEY", value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_concurrent_requests_per_key: Option<u32>,
 
     /// Origins allowed by CORS; repeat for several, or `*` for any. None: no CORS headers.
     #[arg(long, env = "CADENCE_CORS_ALLOW_ORIGIN", value_delimiter = ',')]
@@ -495,26 +504,37 @@ pub fn flag_defaults() -> Vec<(String, String)> {
 }
 
 impl Args {
-    /// Every accepted API key: --api-key values and the lines of --api-key-file.
-    pub fn api_keys(&self) -> Result<Vec<String>, String> {
-        let mut keys: Vec<String> = self
+    /// Every accepted API key and its tenant: --api-key values and the lines of
+    /// --api-key-file.
+    pub fn api_keys(&self) -> Result<Vec<ApiKey>, String> {
+        let mut keys: Vec<ApiKey> = self
             .api_key
             .iter()
             .filter(|k| !k.is_empty())
-            .cloned()
+            .map(|k| ApiKey::bare(k))
             .collect();
         if let Some(path) = &self.api_key_file {
             let text = std::fs::read_to_string(path)
                 .map_err(|e| format!("cannot read --api-key-file {}: {e}", path.display()))?;
-            keys.extend(
-                text.lines()
-                    .map(str::trim)
-                    .filter(|l| !l.is_empty() && !l.starts_with('#'))
-                    .map(String::from),
-            );
+            for (i, line) in text.lines().enumerate() {
+                let line = line.trim();
+                if line.is_empty() || line.starts_with('#') {
+                    continue;
+                }
+                let key = ApiKey::from_line(line).map_err(|e| {
+                    format!("--api-key-file {} line {}: {e}", path.display(), i + 1)
+                })?;
+                keys.push(key);
+            }
             if keys.is_empty() {
                 return Err(format!("--api-key-file {} holds no key", path.display()));
             }
+        }
+        if self.max_concurrent_requests_per_key.is_some() && keys.is_empty() {
+            return Err(
+                "--max-concurrent-requests-per-key needs API keys (--api-key or --api-key-file)"
+                    .into(),
+            );
         }
         Ok(keys)
     }

@@ -241,7 +241,7 @@ mod tests {
     async fn the_page_and_its_files_need_no_api_key() {
         let dir = assets_dir("open", "");
         let access = crate::access::Access {
-            api_keys: vec!["sekret".into()],
+            api_keys: vec![crate::tenants::ApiKey::bare("sekret")],
             payload_limit: 1 << 20,
             ..Default::default()
         };

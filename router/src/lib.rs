@@ -37,6 +37,7 @@ pub mod server;
 pub mod speculative;
 pub mod stop;
 pub mod telemetry;
+pub mod tenants;
 #[cfg(test)]
 mod tests;
 pub mod validation;
@@ -66,6 +67,7 @@ use crate::infer::{Infer, LoopConfig, SpeculativeConfig, SpeculativeMethod};
 use crate::readiness::{HealthProbe, Readiness};
 use crate::server::{AppState, Info};
 use crate::telemetry::Telemetry;
+use crate::tenants::Tenants;
 use crate::validation::{Constraints, Validation};
 
 /// How long to wait for the shards' sockets at start.
@@ -237,7 +239,12 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
             (shards.clone(), config)
         })
         .collect();
-    let infer = Infer::spawn_replicas(loops, validation, args.max_concurrent_requests);
+    let tenants = Tenants::new(
+        &api_keys,
+        args.max_concurrent_requests_per_key.map(|n| n as usize),
+    );
+    let infer = Infer::spawn_replicas(loops, validation, args.max_concurrent_requests)
+        .with_tenants(tenants);
     infer.metrics().set_quantization(&app_info.quantization);
     tracing::info!(
         chat_template = chat.is_some(),

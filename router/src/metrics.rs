@@ -7,6 +7,7 @@
 mod gateway;
 mod load;
 mod lora;
+mod tenants;
 
 pub use load::LoadGauges;
 pub use lora::{LoraMetrics, ReplicaAdapters};
@@ -16,6 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::speculative::SpecDecodeMetrics;
+use crate::tenants::Tenants;
 
 /// Latency buckets in seconds, 1 ms to 2 min.
 const SECONDS: &[f64] = &[
@@ -140,6 +142,8 @@ pub struct Metrics {
     speculative: std::sync::OnceLock<SpecDecodeMetrics>,
     /// LoRA adapters' series, when any LoRA option is on.
     lora: std::sync::OnceLock<Arc<LoraMetrics>>,
+    /// The API keys' tenants' accounts, when keys are required.
+    tenants: std::sync::OnceLock<Arc<Tenants>>,
 }
 
 impl Metrics {
@@ -180,6 +184,7 @@ impl Metrics {
             quantization: std::sync::OnceLock::new(),
             speculative: std::sync::OnceLock::new(),
             lora: std::sync::OnceLock::new(),
+            tenants: std::sync::OnceLock::new(),
         }
     }
 
@@ -187,6 +192,11 @@ impl Metrics {
     /// counts.
     pub fn enable_lora(&self, lora: Arc<LoraMetrics>) {
         let _ = self.lora.set(lora);
+    }
+
+    /// Turns the per-tenant series on; only the first call counts.
+    pub fn enable_tenants(&self, tenants: Arc<Tenants>) {
+        let _ = self.tenants.set(tenants);
     }
 
     /// How the shards store weights and KV cache (the shards' `InfoResponse.quantization`),
@@ -409,6 +419,9 @@ impl Metrics {
         if let Some(lora) = self.lora.get() {
             let replicas: Vec<&LoadGauges> = self.replicas.iter().map(|r| &**r).collect();
             lora::render(&mut out, &l, lora, &replicas);
+        }
+        if let Some(tenants) = self.tenants.get() {
+            tenants::render(&mut out, &l, tenants);
         }
         if let Some(labels) = self.quantization.get() {
             out.push_str(

@@ -1,5 +1,6 @@
 //! What every generation request carries from its HTTP handler into the batching loop:
-//! its request id (`request_id`) and, with traces on, the context of its server span.
+//! its request id (`request_id`), its tenant (`tenants`) and, with traces on, the context
+//! of its server span.
 //!
 //! `scope` wraps the generation routes: it settles the id, opens the server span, runs
 //! the handler inside the request's scope, and answers with `x-request-id`. The handler
@@ -21,6 +22,7 @@ use opentelemetry::trace::{Span as _, SpanKind, Status, TraceContextExt, Tracer 
 use opentelemetry::{Context, KeyValue};
 use opentelemetry_sdk::trace::SdkTracer;
 
+use crate::tenants::Tenant;
 use crate::{request_id, telemetry};
 
 /// The request a piece of work belongs to.
@@ -29,6 +31,8 @@ pub struct RequestContext {
     pub id: Arc<str>,
     /// The request's server span, with traces on.
     pub trace: Option<Context>,
+    /// The tenant of the API key it presented (`tenants`), when keys are required.
+    pub tenant: Option<Arc<str>>,
 }
 
 tokio::task_local! {
@@ -42,6 +46,7 @@ impl RequestContext {
         CURRENT.try_with(Clone::clone).unwrap_or_else(|_| Self {
             id: request_id::generate().into(),
             trace: None,
+            tenant: None,
         })
     }
 }
@@ -53,6 +58,7 @@ pub async fn scope(request: Request, next: Next) -> Response {
     let context = RequestContext {
         id: id.clone(),
         trace: trace.clone(),
+        tenant: request.extensions().get::<Tenant>().map(|t| t.0.clone()),
     };
     let mut response = CURRENT.scope(context, next.run(request)).await;
     if let Ok(value) = HeaderValue::from_str(&id) {

@@ -38,6 +38,8 @@ mod replicas;
 mod request_ids;
 /// Proposals verified in one forward (speculative decoding).
 mod speculative;
+/// API keys' tenants: accounting and per-key limits.
+mod tenants;
 
 /// The grammar compiler over the test tokenizer.
 fn testing_constraints() -> Constraints {
@@ -652,6 +654,8 @@ struct Setup {
     speculative: Option<SpeculativeConfig>,
     /// The LoRA flags.
     lora: LoraConfig,
+    /// The API keys' tenants (`--api-key-file`, `--max-concurrent-requests-per-key`).
+    tenants: Option<crate::tenants::Tenants>,
 }
 
 fn setup(script: Script) -> Setup {
@@ -666,6 +670,7 @@ fn setup(script: Script) -> Setup {
         replicas: 1,
         speculative: None,
         lora: LoraConfig::default(),
+        tenants: None,
     }
 }
 
@@ -776,6 +781,7 @@ impl Setup {
             replicas,
             speculative,
             lora,
+            tenants,
         } = self;
         let limits = Limits {
             max_input_tokens: 48,
@@ -853,7 +859,10 @@ impl Setup {
             adapters,
         };
         let loops = fakes.iter().map(|f| (f.clone(), config.clone())).collect();
-        let infer = Infer::spawn_replicas(loops, validation, max_concurrent);
+        let mut infer = Infer::spawn_replicas(loops, validation, max_concurrent);
+        if let Some(tenants) = tenants {
+            infer = infer.with_tenants(tenants);
+        }
         let probes = fakes
             .iter()
             .map(|f| Arc::new(f.clone()) as Arc<dyn HealthProbe>)
@@ -1517,7 +1526,7 @@ async fn openai_errors_are_400_in_openai_shape_naming_the_parameter() {
 async fn api_keys_guard_every_route_but_the_open_ones_and_payload_limit_is_a_422() {
     let h = harness(Script::Hash);
     let access = crate::access::Access {
-        api_keys: vec!["sekret".into()],
+        api_keys: vec![crate::tenants::ApiKey::bare("sekret")],
         cors_allow_origin: vec!["https://example.com".into()],
         payload_limit: 200,
     };

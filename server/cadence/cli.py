@@ -227,7 +227,15 @@ def _launch_parser(sub: Any) -> None:
     add("--max-best-of", type=_positive_int, help="most samples per prompt (n)")
     add("--payload-limit", type=parse_size, help="largest request body")
     add("--api-key", help="require Authorization: Bearer KEY (comma-separated for several)")
-    add("--api-key-file", help="file of accepted API keys, one per line")
+    add(
+        "--api-key-file",
+        help="file of accepted API keys, one per line: KEY, or KEY TENANT to account it by name",
+    )
+    add(
+        "--max-concurrent-requests-per-key",
+        type=_positive_int,
+        help="requests in flight per tenant (API key account), then 429",
+    )
     add("--cors-allow-origin", help="CORS origins allowed (comma-separated, or *)")
     _add_scheduler_flags(p, add)
     _add_speculative_flags(add)

@@ -119,6 +119,7 @@ class LaunchConfig:
     payload_limit: int | None = _router()
     api_key: str | None = None  # comma-separated; reaches the router by environment
     api_key_file: str | None = _router()
+    max_concurrent_requests_per_key: int | None = _router()
     cors_allow_origin: str | None = _router()  # comma-separated
     max_prefill_chunk: int | None = _router()
     preemption: str | None = _router()

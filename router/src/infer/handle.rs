@@ -19,6 +19,7 @@ use crate::error::InferError;
 use crate::lora::{AdapterPin, Registry};
 use crate::metrics::{LoadGauges, Metrics};
 use crate::request_scope::RequestContext;
+use crate::tenants::{TenantHold, TenantUsage, Tenants};
 use crate::validation::{Extra, GenerateParameters, Prompt, ValidRequest, Validation};
 
 /// How often a drain checks whether the requests in flight have ended.
@@ -65,12 +66,21 @@ impl Drop for QueueSlot {
 }
 
 /// What a request holds from admission to its end: its place among the concurrent
-/// requests, its count on the replica it went to (which the balancer reads), and its LoRA
-/// adapter in use (never dropped from the shards' host memory meanwhile).
+/// requests, its count on the replica it went to (which the balancer reads), its LoRA
+/// adapter in use (never dropped from the shards' host memory meanwhile) and its
+/// tenant's place and account.
 pub(super) struct Held {
     _permit: OwnedSemaphorePermit,
     _on_replica: Assigned,
     _adapter: Option<AdapterPin>,
+    tenant: Option<TenantHold>,
+}
+
+impl Held {
+    /// The account the request's tokens count to, when it has a tenant.
+    pub(super) fn tenant(&self) -> Option<&TenantUsage> {
+        self.tenant.as_ref().map(|t| &*t.usage)
+    }
 }
 
 /// One request counted on a replica while it lives.
@@ -112,6 +122,7 @@ pub struct Infer {
     replicas: Arc<[Replica]>,
     balancer: Arc<Balancer>,
     adapters: Arc<Registry>,
+    tenants: Arc<Tenants>,
 }
 
 impl Infer {
@@ -179,7 +190,17 @@ impl Infer {
             replicas: handles,
             balancer,
             adapters,
+            tenants: Arc::new(Tenants::default()),
         }
+    }
+
+    /// Accounts requests to the tenants of the API keys, and holds each to its own
+    /// limit of requests in flight (`tenants`); exported by `/metrics`.
+    pub fn with_tenants(mut self, tenants: Tenants) -> Self {
+        let tenants = Arc::new(tenants);
+        self.metrics.enable_tenants(tenants.clone());
+        self.tenants = tenants;
+        self
     }
 
     /// The LoRA adapters requests may name.
@@ -241,6 +262,12 @@ impl Infer {
         if self.drain.is_draining() {
             return Err(Drain::refusal());
         }
+        let context = RequestContext::current();
+        // The tenant's own limit first: a refused request takes no global place.
+        let tenant = self
+            .tenants
+            .admit(context.tenant.as_deref())
+            .map_err(|message| self.reject(message))?;
         let permit = self.try_permit()?;
         // Again, holding the permit: a drain that began since waits for it, or this
         // request sees the drain.
@@ -252,7 +279,7 @@ impl Infer {
             .validate_prompt(prompt, parameters, extra)
             .await?;
         let adapter = self.pin_adapter(&request.adapter_id)?;
-        self.enqueue(request, permit, adapter)
+        self.enqueue(request, permit, adapter, tenant, context)
     }
 
     /// Keeps the request's adapter in use (and starts its load) or answers 422 naming
@@ -280,13 +307,15 @@ impl Infer {
             .map_err(|_| self.reject("too many requests in flight, try again later".into()))
     }
 
-    /// Queues a validated request (taken a permit for) as its `best_of` samples, or
-    /// answers 429 when the waiting queue is full.
+    /// Queues a validated request (taken a permit, and its tenant's, for) as its
+    /// `best_of` samples, or answers 429 when the waiting queue is full.
     fn enqueue(
         &self,
         request: ValidRequest,
         permit: OwnedSemaphorePermit,
         adapter: Option<AdapterPin>,
+        tenant: Option<TenantHold>,
+        context: RequestContext,
     ) -> Result<Submitted, InferError> {
         let Some(slot) = QueueSlot::try_take(&self.queued, self.max_waiting_requests) else {
             return Err(self.reject(format!(
@@ -306,10 +335,11 @@ impl Infer {
                 _permit: permit,
                 _on_replica: Assigned::new(&replica.assigned),
                 _adapter: adapter,
+                tenant,
             },
             queued_at: Instant::now(),
             slot,
-            context: RequestContext::current(),
+            context,
         };
         replica
             .tx

@@ -52,7 +52,7 @@ pub(super) struct Entry {
     /// Released at the request's first step; shared by its samples.
     pub(super) slot: Option<Arc<QueueSlot>>,
     /// Shared by the samples of one request: the slot frees when the last one ends.
-    _permit: Arc<Held>,
+    held: Arc<Held>,
 }
 
 /// What the samples of one request share: when it was queued, its place in the waiting
@@ -122,6 +122,9 @@ impl<B: Backend> Loop<B> {
             }
             entry.last_token_at = Some(now);
             self.metrics.generation_tokens.add(1);
+            if let Some(tenant) = entry.held.tenant() {
+                tenant.generation_tokens.add(1);
+            }
             let mut event = entry.on_token(
                 tokenizer,
                 &self.eos,
@@ -191,8 +194,12 @@ impl<B: Backend> Loop<B> {
         }
         let mut appended = Vec::with_capacity(forced.len());
         let mut finished = false;
+        let tenant = entry.held.clone();
         for &token_id in &forced {
             self.metrics.generation_tokens.add(1);
+            if let Some(tenant) = tenant.tenant() {
+                tenant.generation_tokens.add(1);
+            }
             self.metrics.fast_forward_tokens.add(1);
             let event = entry.on_token(&self.tokenizer, &self.eos, token_id, None, Vec::new());
             appended.push(token_id);
@@ -247,7 +254,7 @@ impl Entry {
             first_token_at: None,
             last_token_at: None,
             slot: Some(shared.slot.clone()),
-            _permit: shared.permit.clone(),
+            held: shared.permit.clone(),
         }
     }
 

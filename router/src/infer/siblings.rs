@@ -60,6 +60,7 @@ impl<B: Backend> Loop<B> {
         tracing::info!(
             request_id = &*shared.context.id,
             id = first,
+            tenant = shared.context.tenant.as_deref(),
             input_tokens = request.input_ids.len(),
             max_new_tokens = request.max_new_tokens,
             best_of = request.best_of,
@@ -83,6 +84,11 @@ impl<B: Backend> Loop<B> {
             seq.prompt_logprobs = request.prompt_logprobs && index == 0;
             let entry = Entry::new(events, &request, &seq, seed, &shared);
             self.metrics.prompt_tokens.add(seq.prompt_len as u64);
+            // Billed once per request, as the answers' usage reports it: siblings share
+            // the prompt's blocks.
+            if let (0, Some(tenant)) = (index, shared.permit.tenant()) {
+                tenant.prompt_tokens.add(seq.prompt_len as u64);
+            }
             tracing::debug!(
                 request_id = &*shared.context.id,
                 first,

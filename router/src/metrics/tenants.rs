@@ -1,0 +1,54 @@
+//! Per-tenant accounting series (`crate::tenants`): requests admitted and refused, prompt
+//! and generated tokens, requests in flight, one series per tenant named by its API key's
+//! entry (never the key).
+
+use std::fmt::Write;
+
+use crate::tenants::Tenants;
+
+/// Appends the tenant series; `l` holds the model label.
+pub(super) fn render(out: &mut String, l: &str, tenants: &Tenants) {
+    if tenants.is_empty() {
+        return;
+    }
+    let series: [(&str, &str, &str); 5] = [
+        (
+            "cadence_tenant_requests_total",
+            "counter",
+            "Requests admitted, by the tenant of their API key.",
+        ),
+        (
+            "cadence_tenant_requests_rejected_total",
+            "counter",
+            "Requests answered 429 for their tenant's --max-concurrent-requests-per-key.",
+        ),
+        (
+            "cadence_tenant_prompt_tokens_total",
+            "counter",
+            "Prompt tokens of admitted requests (once per request, n samples or not), by tenant.",
+        ),
+        (
+            "cadence_tenant_generation_tokens_total",
+            "counter",
+            "Tokens generated, by tenant.",
+        ),
+        (
+            "cadence_tenant_running_requests",
+            "gauge",
+            "Requests admitted and not ended, by tenant.",
+        ),
+    ];
+    for (i, (name, kind, help)) in series.into_iter().enumerate() {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        for (tenant, usage) in tenants.iter() {
+            let value = match i {
+                0 => usage.requests.get() as f64,
+                1 => usage.rejected.get() as f64,
+                2 => usage.prompt_tokens.get() as f64,
+                3 => usage.generation_tokens.get() as f64,
+                _ => usage.in_flight.get(),
+            };
+            let _ = writeln!(out, "{name}{{{l},tenant=\"{tenant}\"}} {value}");
+        }
+    }
+}
