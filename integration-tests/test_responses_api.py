@@ -12,9 +12,9 @@ from typing import Any
 import jsonschema
 import openai
 import pytest
+from test_tool_calling import ASK, SCHEMAS, TOOLS
 
 from conftest import LaunchedServer
-from test_tool_calling import ASK, SCHEMAS, TOOLS
 
 # The chat tools in the Responses API's flat shape.
 FLAT_TOOLS = [{"type": "function", **tool["function"]} for tool in TOOLS]
@@ -60,14 +60,19 @@ def calls_of(response) -> list[tuple[str, str]]:
 
 def streamed(oai: openai.OpenAI, **kwargs: Any):
     """The final response `client.responses.stream` puts together, the events checked:
-    created and in_progress first, completed last, sequence numbers in order."""
+    created and in_progress first, completed (or incomplete) last, sequence numbers in
+    order. The SDK gives a final response only after `response.completed`; an
+    incomplete one is the last event's."""
     kwargs.setdefault("max_output_tokens", 40)
     with oai.responses.stream(model="smollm", temperature=0, **kwargs) as stream:
         events = list(stream)
-        final = stream.get_final_response()
+        if events[-1].type == "response.incomplete":
+            final = events[-1].response
+        else:
+            final = stream.get_final_response()
     kinds = [e.type for e in events]
     assert kinds[:2] == ["response.created", "response.in_progress"], kinds
-    assert kinds[-1] == "response.completed", kinds
+    assert kinds[-1] in ("response.completed", "response.incomplete"), kinds
     assert [e.sequence_number for e in events] == list(range(len(events)))
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert deltas == final.output_text
@@ -89,12 +94,17 @@ def test_greedy_text_and_usage_equal_chat_completions(oai: openai.OpenAI):
     r = respond(oai, input="Name three colors.", instructions="Be brief.", max_output_tokens=30)
     c = chat(
         oai,
-        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three colors."}],
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Name three colors."},
+        ],
         max_tokens=30,
     )
     assert r.id.startswith("resp_") and r.object == "response"
     [message] = r.output
-    assert message.type == "message" and message.id.startswith("msg_") and message.role == "assistant"
+    assert (
+        message.type == "message" and message.id.startswith("msg_") and message.role == "assistant"
+    )
     assert r.output_text == c.choices[0].message.content
     assert r.usage.input_tokens == c.usage.prompt_tokens
     assert r.usage.output_tokens == c.usage.completion_tokens
@@ -131,13 +141,17 @@ def test_streamed_text_equals_non_streamed(oai: openai.OpenAI):
     ids=["required", "auto", "named"],
 )
 def test_function_calls_validate_equal_chat_s_and_stream_the_same(oai: openai.OpenAI, tool_choice):
-    r = respond(oai, input=QUESTION, tools=FLAT_TOOLS, tool_choice=tool_choice, max_output_tokens=200)
+    r = respond(
+        oai, input=QUESTION, tools=FLAT_TOOLS, tool_choice=tool_choice, max_output_tokens=200
+    )
     chat_choice = tool_choice
     if isinstance(tool_choice, dict):
         chat_choice = {"type": "function", "function": {"name": tool_choice["name"]}}
     c = chat(oai, ASK, max_tokens=200, tools=TOOLS, tool_choice=chat_choice)
     message = c.choices[0].message
-    assert calls_of(r) == [(t.function.name, t.function.arguments) for t in message.tool_calls or []]
+    assert calls_of(r) == [
+        (t.function.name, t.function.arguments) for t in message.tool_calls or []
+    ]
     assert r.output_text == (message.content or "")
     assert r.usage.output_tokens == c.usage.completion_tokens
     if tool_choice != "auto":
@@ -145,7 +159,9 @@ def test_function_calls_validate_equal_chat_s_and_stream_the_same(oai: openai.Op
     if isinstance(tool_choice, dict):
         assert [name for name, _ in calls_of(r)] == ["get_time"]
     same_answer(
-        streamed(oai, input=QUESTION, tools=FLAT_TOOLS, tool_choice=tool_choice, max_output_tokens=200),
+        streamed(
+            oai, input=QUESTION, tools=FLAT_TOOLS, tool_choice=tool_choice, max_output_tokens=200
+        ),
         r,
     )
 
@@ -161,10 +177,22 @@ def test_a_function_call_output_is_answered_and_previous_response_id_continues(
         max_output_tokens=100,
     )
     [call] = [item for item in first.output if item.type == "function_call"]
-    result = {"type": "function_call_output", "call_id": call.call_id, "output": '{"temperature": 21}'}
-    call_item = {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments}
+    result = {
+        "type": "function_call_output",
+        "call_id": call.call_id,
+        "output": '{"temperature": 21}',
+    }
+    call_item = {
+        "type": "function_call",
+        "call_id": call.call_id,
+        "name": call.name,
+        "arguments": call.arguments,
+    }
     whole = respond(
-        oai, input=[{"role": "user", "content": QUESTION}, call_item, result], tools=FLAT_TOOLS, tool_choice="none"
+        oai,
+        input=[{"role": "user", "content": QUESTION}, call_item, result],
+        tools=FLAT_TOOLS,
+        tool_choice="none",
     )
     history = [
         *ASK,
@@ -172,7 +200,11 @@ def test_a_function_call_output_is_answered_and_previous_response_id_continues(
             "role": "assistant",
             "content": None,
             "tool_calls": [
-                {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+                {
+                    "id": call.call_id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments},
+                }
             ],
         },
         {"role": "tool", "tool_call_id": call.call_id, "content": '{"temperature": 21}'},
@@ -180,14 +212,18 @@ def test_a_function_call_output_is_answered_and_previous_response_id_continues(
     c = chat(oai, history, tools=TOOLS, tool_choice="none")
     assert whole.output_text == c.choices[0].message.content
     assert whole.usage.input_tokens == c.usage.prompt_tokens
-    follow = respond(oai, previous_response_id=first.id, input=[result], tools=FLAT_TOOLS, tool_choice="none")
+    follow = respond(
+        oai, previous_response_id=first.id, input=[result], tools=FLAT_TOOLS, tool_choice="none"
+    )
     same_answer(follow, whole)
     assert follow.previous_response_id == first.id
 
 
 def test_previous_response_id_equals_sending_the_whole_history(oai: openai.OpenAI):
     first = respond(oai, input="My name is Ada. Say hello to me.", max_output_tokens=20)
-    follow = respond(oai, previous_response_id=first.id, input="What is my name?", max_output_tokens=20)
+    follow = respond(
+        oai, previous_response_id=first.id, input="What is my name?", max_output_tokens=20
+    )
     whole = respond(
         oai,
         input=[
@@ -227,7 +263,10 @@ def test_text_format_json_schema_validates_and_equals_chat_s_response_format(oai
         oai,
         [{"role": "user", "content": ask}],
         max_tokens=60,
-        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}},
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "person", "schema": PERSON, "strict": True},
+        },
     )
     assert r.output_text == c.choices[0].message.content
     assert r.text.format.type == "json_schema"
@@ -236,14 +275,27 @@ def test_text_format_json_schema_validates_and_equals_chat_s_response_format(oai
 def test_bad_fields_are_400s_naming_them(oai: openai.OpenAI):
     image = {"type": "input_image", "image_url": "https://example.com/a.png"}
     cases = [
-        ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}, image]}]}, "input[0].content[1]"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}, image]}]},
+            "input[0].content[1]",
+        ),
         ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
         ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
-        ({"input": "hi", "tools": FLAT_TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name"),
+        (
+            {
+                "input": "hi",
+                "tools": FLAT_TOOLS,
+                "tool_choice": {"type": "function", "name": "nope"},
+            },
+            "tool_choice.name",
+        ),
         ({"input": "hi", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
         ({"input": "hi", "previous_response_id": "resp_unknown"}, "previous_response_id"),
         ({"input": "hi", "temperature": 5}, "temperature"),
-        ({"input": "hi", "tools": FLAT_TOOLS, "text": {"format": {"type": "json_object"}}}, "text.format"),
+        (
+            {"input": "hi", "tools": FLAT_TOOLS, "text": {"format": {"type": "json_object"}}},
+            "text.format",
+        ),
     ]
     for kwargs, field in cases:
         with pytest.raises(openai.BadRequestError) as error:
