@@ -52,6 +52,17 @@ pub struct TemplateToolCall {
     pub function: TemplateFunctionCall,
 }
 
+impl TemplateToolCall {
+    /// A function call.
+    pub fn new(id: String, name: String, arguments: Value) -> Self {
+        Self {
+            id,
+            kind: "function",
+            function: TemplateFunctionCall { name, arguments },
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct TemplateFunctionCall {
     pub name: String,

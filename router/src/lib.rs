@@ -264,6 +264,7 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
         shards: groups,
         chat: chat.map(Arc::new),
         readiness,
+        responses: Default::default(),
     })
     .merge(docs::routes(docs));
     let access = Access {

@@ -27,6 +27,8 @@ use crate::validation::{GenerateParameters, GenerateRequest};
         openai::completions,
         openai::chat_completions,
         openai::models,
+        openai::create_response,
+        openai::get_response,
         openai::load_lora_adapter,
         openai::unload_lora_adapter,
     ),
@@ -39,7 +41,8 @@ use crate::validation::{GenerateParameters, GenerateRequest};
         TopLogprob, AssistantMessage, Usage, ModelList, Model, ChatMessage,
         MessageContent, ContentPart, PromptInput, StopInput, StreamOptions, Tool,
         FunctionDefinition, ToolCall, FunctionCall, ToolCallDelta, FunctionDelta, NotReadyBody,
-        LoraInfo, LoadLoraAdapterRequest, UnloadLoraAdapterRequest,
+        LoraInfo, LoadLoraAdapterRequest, UnloadLoraAdapterRequest, ResponsesRequest,
+        ResponseObject, OutputItem, OutputText, ResponseUsage, IncompleteDetails, Settings,
     )),
     modifiers(&BearerAuth),
 )]

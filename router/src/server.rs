@@ -105,6 +105,8 @@ pub struct AppState {
     pub readiness: Readiness,
     /// The model's chat template; `None` when it has none (chat completions answer 400).
     pub chat: Option<Arc<ChatTemplate>>,
+    /// Finished Responses-API responses, for `GET /v1/responses/{id}` and follow-ups.
+    pub responses: Arc<crate::openai::ResponseStore>,
 }
 
 /// Every route, without access control or CORS (see `access::layers`).

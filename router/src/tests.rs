@@ -876,6 +876,7 @@ impl Setup {
             shards: Vec::new(),
             chat,
             readiness,
+            responses: Default::default(),
         });
         Harness {
             app,
@@ -1606,6 +1607,8 @@ async fn tokenize_returns_ids_with_character_offsets_and_the_openapi_document_li
         "/v1/completions",
         "/v1/chat/completions",
         "/v1/models",
+        "/v1/responses",
+        "/v1/responses/{id}",
     ] {
         assert!(doc["paths"].get(path).is_some(), "{path}");
     }

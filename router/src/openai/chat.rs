@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use utoipa::ToSchema;
 
+use super::conversation::Conversation;
 use super::error::{ApiError, OpenAiError, OpenAiJson, ParamNames};
 use super::generate;
 use super::guided::GuidedFields;
@@ -25,7 +26,6 @@ use crate::chat::TemplateMessage;
 use crate::detokenize::TokenizerInfo;
 use crate::infer::{Submitted, TokenEvent};
 use crate::server::AppState;
-use crate::validation::Prompt;
 
 #[derive(Debug, Clone, Deserialize, ToSchema)]
 pub struct ContentPart {
@@ -39,6 +39,30 @@ pub struct ContentPart {
 pub enum MessageContent {
     Text(String),
     Parts(Vec<ContentPart>),
+}
+
+impl MessageContent {
+    /// The text of a content, its parts (at `field`) of the `kinds` that hold text;
+    /// any other part is refused.
+    pub(super) fn into_text(self, field: &str, kinds: &[&str]) -> Result<String, ApiError> {
+        let parts = match self {
+            MessageContent::Text(text) => return Ok(text),
+            MessageContent::Parts(parts) => parts,
+        };
+        let mut text = String::new();
+        for (j, part) in parts.into_iter().enumerate() {
+            match (part.kind.as_str(), part.text) {
+                (kind, Some(t)) if kinds.contains(&kind) => text.push_str(&t),
+                (kind, _) => {
+                    return Err(ApiError::invalid(
+                        &format!("{field}[{j}]"),
+                        format!("only text parts ({kinds:?}) are supported, got {kind:?}"),
+                    ))
+                }
+            }
+        }
+        Ok(text)
+    }
 }
 
 #[derive(Debug, Clone, Deserialize, ToSchema)]
@@ -225,20 +249,14 @@ pub async fn chat_completions(
     if r.top_logprobs.is_some_and(|n| n > 0) && !with_logprobs {
         return Err(ApiError::invalid("top_logprobs", "needs logprobs: true"));
     }
-    let Some(template) = state.chat.clone() else {
-        return Err(ApiError::invalid(
-            "messages",
-            "the model has no chat template (use /v1/completions)",
-        ));
-    };
     let tools = Tools::from_request(r.tools, r.tool_choice, r.parallel_tool_calls)?;
-    let messages = template_messages(r.messages)?;
-    let (messages, listed) =
-        tools::template_input(messages, tools.as_ref(), template.supports_tools());
-    let text = tokio::task::spawn_blocking(move || template.render(&messages, listed.as_deref()))
-        .await
-        .map_err(|e| ApiError::invalid("messages", e.to_string()))?
-        .map_err(|e| ApiError::invalid("messages", e))?;
+    let conversation = Conversation {
+        messages: template_messages(r.messages)?,
+        tools,
+        format: r.guided.constraint()?,
+        field: "messages",
+    };
+    let prepared = conversation.prepare(&state).await?;
     let sampling = Sampling {
         temperature: r.temperature,
         top_p: r.top_p,
@@ -264,15 +282,10 @@ pub async fn chat_completions(
     parameters.adapter_id = adapter.clone();
     extra.stream = stream;
     let tokenizer = state.infer.validation.tokenizer.clone();
-    let special_tags = tools::tags_are_special(&tokenizer);
-    extra.constraint = tools::constraint(tools.as_ref(), r.guided.constraint()?, special_tags)?;
-    let reading = Reading::of(tools.as_ref());
+    extra.constraint = prepared.constraint;
+    let reading = prepared.reading;
     let n = extra.n.max(1) as usize;
-    // The template writes the special tokens itself.
-    let prompt = Prompt::Text {
-        text,
-        add_special: false,
-    };
+    let prompt = prepared.prompt;
     let names = if r.max_completion_tokens.is_none() && r.max_tokens.is_some() {
         NAMES_MAX_TOKENS
     } else {
@@ -377,25 +390,10 @@ fn template_messages(messages: Vec<ChatMessage>) -> Result<Vec<TemplateMessage>,
         .into_iter()
         .enumerate()
         .map(|(i, m)| {
-            let content = match m.content {
-                None => None,
-                Some(MessageContent::Text(t)) => Some(t),
-                Some(MessageContent::Parts(parts)) => {
-                    let mut text = String::new();
-                    for (j, part) in parts.into_iter().enumerate() {
-                        match (part.kind.as_str(), part.text) {
-                            ("text", Some(t)) => text.push_str(&t),
-                            (kind, _) => {
-                                return Err(ApiError::invalid(
-                                    &format!("messages[{i}].content[{j}]"),
-                                    format!("only text parts are supported, got {kind:?}"),
-                                ))
-                            }
-                        }
-                    }
-                    Some(text)
-                }
-            };
+            let content = m
+                .content
+                .map(|c| c.into_text(&format!("messages[{i}].content"), &["text"]))
+                .transpose()?;
             let (tool_calls, tool_call_id) =
                 tools::tool_fields(i, &m.role, m.tool_calls, m.tool_call_id)?;
             // As transformers passes it: null for an assistant message that only calls.

@@ -51,6 +51,28 @@ fn not_empty(field: &str, text: String) -> Result<String, ApiError> {
 }
 
 fn response_format(format: Value) -> Result<Option<Grammar>, ApiError> {
+    let schema = format
+        .get("json_schema")
+        .and_then(|j| j.get("schema"))
+        .cloned();
+    format_grammar(
+        "response_format",
+        &format,
+        schema,
+        "response_format.json_schema.schema",
+    )
+}
+
+/// OpenAI's output format `{"type": "text" | "json_object" | "json_schema", ...}` as a
+/// grammar (none for text): chat's `response_format` and the Responses API's
+/// `text.format` (`field`), which hold the schema in different places (`schema`, found
+/// at `schema_field`).
+pub(super) fn format_grammar(
+    field: &str,
+    format: &Value,
+    schema: Option<Value>,
+    schema_field: &str,
+) -> Result<Option<Grammar>, ApiError> {
     let kind = format.get("type").and_then(Value::as_str).unwrap_or("");
     match kind {
         "text" => Ok(None),
@@ -58,16 +80,13 @@ fn response_format(format: Value) -> Result<Option<Grammar>, ApiError> {
             serde_json::json!({"type": "object"}),
         ))),
         "json_schema" => {
-            let field = "response_format.json_schema.schema";
-            let schema = format
-                .get("json_schema")
-                .and_then(|j| j.get("schema"))
-                .cloned()
-                .ok_or_else(|| ApiError::invalid(field, "is required for type \"json_schema\""))?;
-            Ok(Some(schema_of(field, schema)?))
+            let schema = schema.ok_or_else(|| {
+                ApiError::invalid(schema_field, "is required for type \"json_schema\"")
+            })?;
+            Ok(Some(schema_of(schema_field, schema)?))
         }
         other => Err(ApiError::invalid(
-            "response_format.type",
+            &format!("{field}.type"),
             format!("must be \"text\", \"json_object\" or \"json_schema\", got {other:?}"),
         )),
     }

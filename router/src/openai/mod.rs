@@ -7,17 +7,21 @@
 //! through `Infer::submit`, as the TGI routes' requests do (`generate`). The two
 //! generating routes differ only in their request and response shapes
 //! (`completions`, `chat`); they share the streaming (`stream`), the logprobs (`logprobs`)
-//! and the errors (`error`). Chat adds tool calling (`tools`). `adapters`: the `model`
-//! naming a LoRA adapter, and vLLM's runtime adapter loading routes.
+//! and the errors (`error`). Chat adds tool calling (`tools`). The Responses API
+//! (`responses`, `POST /v1/responses`, `GET /v1/responses/{id}`) answers conversations as
+//! chat does (`conversation`: template, tools, output constraint). `adapters`: the
+//! `model` naming a LoRA adapter, and vLLM's runtime adapter loading routes.
 
 mod adapters;
 mod chat;
 mod completions;
+mod conversation;
 mod error;
 mod generate;
 mod guided;
 mod logprobs;
 mod models;
+mod responses;
 mod sampling;
 mod stream;
 mod tools;
@@ -47,6 +51,11 @@ pub use error::{ApiError, OpenAiError, OpenAiErrorDetail, OpenAiJson};
 pub use guided::GuidedFields;
 pub use logprobs::{ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob};
 pub use models::{__path_models, models, Model, ModelList};
+pub use responses::{
+    __path_create_response, __path_get_response, create_response, get_response, IncompleteDetails,
+    OutputItem, OutputText, ResponseObject, ResponseStore, ResponseUsage, ResponsesRequest,
+    Settings,
+};
 pub use sampling::StopInput;
 pub use stream::StreamOptions;
 pub use tools::{FunctionCall, FunctionDefinition, FunctionDelta, Tool, ToolCall, ToolCallDelta};
@@ -59,6 +68,8 @@ pub fn routes() -> Router<AppState> {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+        .route("/v1/responses", post(create_response))
+        .route("/v1/responses/{id}", get(get_response))
 }
 
 /// `--allow-runtime-lora`'s routes.

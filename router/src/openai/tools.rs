@@ -26,8 +26,10 @@ use serde_json::Value;
 pub use answer::{DeltaPart, Reading, StreamedAnswer};
 pub use calls::{FunctionCall, FunctionDelta, ToolCall, ToolCallDelta};
 pub use grammar::tags_are_special;
-pub use history::tool_fields;
-pub use request::{FunctionDefinition, Tool, Tools};
+pub use history::{call_arguments, tool_fields};
+#[cfg(test)]
+pub use request::ToolChoice;
+pub use request::{FunctionDefinition, Shape, Tool, Tools};
 
 use crate::chat::TemplateMessage;
 use crate::constraints::Constraint;

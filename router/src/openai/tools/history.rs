@@ -5,7 +5,7 @@ use serde_json::Value;
 
 use super::calls::ToolCall;
 use super::format::{call_block, response_block};
-use crate::chat::{TemplateFunctionCall, TemplateMessage, TemplateToolCall};
+use crate::chat::{TemplateMessage, TemplateToolCall};
 use crate::openai::error::ApiError;
 
 /// The tool fields of `messages[i]`: an assistant's calls, their arguments parsed from
@@ -49,20 +49,22 @@ fn template_call(field: &str, call: ToolCall) -> Result<TemplateToolCall, ApiErr
             format!("must be \"function\", got {:?}", call.kind),
         ));
     }
-    let arguments: Value = serde_json::from_str(&call.function.arguments).map_err(|e| {
-        ApiError::invalid(
-            &format!("{field}.function.arguments"),
-            format!("is not JSON: {e}"),
-        )
-    })?;
-    Ok(TemplateToolCall {
-        id: call.id,
-        kind: "function",
-        function: TemplateFunctionCall {
-            name: call.function.name,
-            arguments,
-        },
-    })
+    let arguments = call_arguments(
+        &format!("{field}.function.arguments"),
+        &call.function.arguments,
+    )?;
+    Ok(TemplateToolCall::new(
+        call.id,
+        call.function.name,
+        arguments,
+    ))
+}
+
+/// A call's arguments, OpenAI's JSON string (the request's `field`), as the value
+/// templates read.
+pub fn call_arguments(field: &str, arguments: &str) -> Result<Value, ApiError> {
+    serde_json::from_str(arguments)
+        .map_err(|e| ApiError::invalid(field, format!("is not JSON: {e}")))
 }
 
 /// History for a template without a tool section: an assistant's calls follow its text

@@ -1,5 +1,6 @@
 //! The request fields of tool calling, `tools`, `tool_choice` and `parallel_tool_calls`,
-//! validated into `Tools`; every bad value is a 400 naming its field.
+//! validated into `Tools`; every bad value is a 400 naming its field, as the request's
+//! API spells it (`Shape`).
 
 use std::collections::HashSet;
 
@@ -60,6 +61,25 @@ pub struct Tools {
     pub parallel: bool,
 }
 
+/// Where an API puts a function's fields: chat nests them under `function`
+/// (`tools[i].function.name`, `tool_choice.function.name`); the Responses API puts them
+/// on the tool itself (`tools[i].name`, `tool_choice.name`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Shape {
+    Chat,
+    Flat,
+}
+
+impl Shape {
+    /// The field `name` of the function that `base` holds.
+    fn field(self, base: &str, name: &str) -> String {
+        match self {
+            Shape::Chat => format!("{base}.function.{name}"),
+            Shape::Flat => format!("{base}.{name}"),
+        }
+    }
+}
+
 fn valid_name(name: &str) -> bool {
     (1..=64).contains(&name.len())
         && name
@@ -67,7 +87,7 @@ fn valid_name(name: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }
 
-fn function(i: usize, tool: Tool) -> Result<Function, ApiError> {
+fn function(i: usize, tool: Tool, shape: Shape) -> Result<Function, ApiError> {
     if tool.kind != "function" {
         return Err(ApiError::invalid(
             &format!("tools[{i}].type"),
@@ -77,7 +97,7 @@ fn function(i: usize, tool: Tool) -> Result<Function, ApiError> {
     let f = tool.function;
     if !valid_name(&f.name) {
         return Err(ApiError::invalid(
-            &format!("tools[{i}].function.name"),
+            &shape.field(&format!("tools[{i}]"), "name"),
             format!("must match ^[a-zA-Z0-9_-]{{1,64}}$, got {:?}", f.name),
         ));
     }
@@ -86,7 +106,7 @@ fn function(i: usize, tool: Tool) -> Result<Function, ApiError> {
         Some(Value::Object(schema)) => Value::Object(schema),
         Some(other) => {
             return Err(ApiError::invalid(
-                &format!("tools[{i}].function.parameters"),
+                &shape.field(&format!("tools[{i}]"), "parameters"),
                 format!("must be a JSON schema object, got {other}"),
             ))
         }
@@ -98,12 +118,16 @@ fn function(i: usize, tool: Tool) -> Result<Function, ApiError> {
     })
 }
 
-fn choice(value: Value, functions: &[Function]) -> Result<ToolChoice, ApiError> {
+fn choice(value: Value, functions: &[Function], shape: Shape) -> Result<ToolChoice, ApiError> {
     let named = |value: &Value| -> Option<String> {
         if value.get("type")?.as_str()? != "function" {
             return None;
         }
-        Some(value.get("function")?.get("name")?.as_str()?.to_string())
+        let holder = match shape {
+            Shape::Chat => value.get("function")?,
+            Shape::Flat => value,
+        };
+        Some(holder.get("name")?.as_str()?.to_string())
     };
     match &value {
         Value::String(s) if s == "none" => Ok(ToolChoice::None),
@@ -111,14 +135,15 @@ fn choice(value: Value, functions: &[Function]) -> Result<ToolChoice, ApiError> 
         Value::String(s) if s == "required" => Ok(ToolChoice::Required),
         Value::Object(_) => {
             let name = named(&value).ok_or_else(|| {
-                ApiError::invalid(
-                    "tool_choice",
-                    "must be {\"type\": \"function\", \"function\": {\"name\": ...}}",
-                )
+                let shown = match shape {
+                    Shape::Chat => "{\"type\": \"function\", \"function\": {\"name\": ...}}",
+                    Shape::Flat => "{\"type\": \"function\", \"name\": ...}",
+                };
+                ApiError::invalid("tool_choice", format!("must be {shown}"))
             })?;
             if !functions.iter().any(|f| f.name == name) {
                 return Err(ApiError::invalid(
-                    "tool_choice.function.name",
+                    &shape.field("tool_choice", "name"),
                     format!("{name:?} is not one of the tools"),
                 ));
             }
@@ -132,11 +157,21 @@ fn choice(value: Value, functions: &[Function]) -> Result<ToolChoice, ApiError> 
 }
 
 impl Tools {
-    /// The request's tools; `None` when it has none (`tools` absent, null or empty).
+    /// A chat request's tools; `None` when it has none (`tools` absent, null or empty).
     pub fn from_request(
         tools: Option<Vec<Tool>>,
         tool_choice: Option<Value>,
         parallel_tool_calls: Option<bool>,
+    ) -> Result<Option<Self>, ApiError> {
+        Self::from_shape(tools, tool_choice, parallel_tool_calls, Shape::Chat)
+    }
+
+    /// The tools of a request whose API spells its fields as `shape` says.
+    pub fn from_shape(
+        tools: Option<Vec<Tool>>,
+        tool_choice: Option<Value>,
+        parallel_tool_calls: Option<bool>,
+        shape: Shape,
     ) -> Result<Option<Self>, ApiError> {
         let tool_choice = tool_choice.filter(|v| !v.is_null());
         let tools = tools.unwrap_or_default();
@@ -152,20 +187,20 @@ impl Tools {
         let functions = tools
             .into_iter()
             .enumerate()
-            .map(|(i, tool)| function(i, tool))
+            .map(|(i, tool)| function(i, tool, shape))
             .collect::<Result<Vec<_>, _>>()?;
         let mut seen = HashSet::new();
         for (i, f) in functions.iter().enumerate() {
             if !seen.insert(f.name.as_str()) {
                 return Err(ApiError::invalid(
-                    &format!("tools[{i}].function.name"),
+                    &shape.field(&format!("tools[{i}]"), "name"),
                     format!("{:?} names an earlier tool too", f.name),
                 ));
             }
         }
         let choice = match tool_choice {
             None => ToolChoice::Auto,
-            Some(value) => choice(value, &functions)?,
+            Some(value) => choice(value, &functions, shape)?,
         };
         Ok(Some(Self {
             functions,

@@ -1,0 +1,60 @@
+//! What chat completions and the Responses API both do before generating: the
+//! conversation rendered by the model's chat template (the tools listed there, or as the
+//! tool prompt), and the output constrained to the tool grammar or to the requested
+//! format, with the `Reading` that reads calls back out of it.
+
+use super::error::ApiError;
+use super::tools::{self, Reading, Tools};
+use crate::chat::TemplateMessage;
+use crate::constraints::Constraint;
+use crate::server::AppState;
+use crate::validation::Prompt;
+
+/// A conversation to answer.
+pub(super) struct Conversation {
+    pub messages: Vec<TemplateMessage>,
+    pub tools: Option<Tools>,
+    /// The requested output format (`response_format`, `text.format`, vLLM's fields).
+    pub format: Option<Constraint>,
+    /// The request field that holds the messages, named in template errors.
+    pub field: &'static str,
+}
+
+/// A conversation ready to submit.
+pub(super) struct Prepared {
+    /// The rendered text; the template wrote the special tokens itself.
+    pub prompt: Prompt,
+    pub constraint: Option<Constraint>,
+    /// Set when the model may call tools.
+    pub reading: Option<Reading>,
+}
+
+impl Conversation {
+    pub async fn prepare(self, state: &AppState) -> Result<Prepared, ApiError> {
+        let field = self.field;
+        let Some(template) = state.chat.clone() else {
+            return Err(ApiError::invalid(
+                field,
+                "the model has no chat template (use /v1/completions)",
+            ));
+        };
+        let tools = self.tools;
+        let (messages, listed) =
+            tools::template_input(self.messages, tools.as_ref(), template.supports_tools());
+        let text =
+            tokio::task::spawn_blocking(move || template.render(&messages, listed.as_deref()))
+                .await
+                .map_err(|e| ApiError::invalid(field, e.to_string()))?
+                .map_err(|e| ApiError::invalid(field, e))?;
+        let special_tags = tools::tags_are_special(&state.infer.validation.tokenizer);
+        let constraint = tools::constraint(tools.as_ref(), self.format, special_tags)?;
+        Ok(Prepared {
+            prompt: Prompt::Text {
+                text,
+                add_special: false,
+            },
+            constraint,
+            reading: Reading::of(tools.as_ref()),
+        })
+    }
+}
