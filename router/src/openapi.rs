@@ -6,6 +6,11 @@ use axum::routing::get;
 use axum::{Json, Router};
 use utoipa::OpenApi;
 
+use crate::anthropic::{
+    self, AnthropicError, AnthropicErrorDetail, BlockDelta, ContentBlock, CountTokensRequest,
+    InputContent, InputMessage, Message, MessageDeltaBody, MessageUsage, MessagesRequest,
+    OutputBlock, OutputUsage, StreamEvent, TokenCount, ToolChoiceInput, ToolDefinition,
+};
 use crate::error::ErrorBody;
 use crate::infer::{FinishReason, Token};
 use crate::openai::{self, *};
@@ -15,7 +20,7 @@ use crate::validation::{GenerateParameters, GenerateRequest};
 
 #[derive(OpenApi)]
 #[openapi(
-    info(title = "cadence", description = "Text generation: TGI's API and OpenAI's"),
+    info(title = "cadence", description = "Text generation: TGI's API, OpenAI's and Anthropic's Messages"),
     paths(
         server::compat_generate,
         server::generate,
@@ -29,6 +34,8 @@ use crate::validation::{GenerateParameters, GenerateRequest};
         openai::models,
         openai::load_lora_adapter,
         openai::unload_lora_adapter,
+        anthropic::messages,
+        anthropic::count_tokens,
     ),
     components(schemas(
         GenerateRequest, GenerateParameters, GenerateResponse, Details, BestOfSequence,
@@ -39,7 +46,10 @@ use crate::validation::{GenerateParameters, GenerateRequest};
         TopLogprob, AssistantMessage, Usage, ModelList, Model, ChatMessage,
         MessageContent, ContentPart, PromptInput, StopInput, StreamOptions, Tool,
         FunctionDefinition, ToolCall, FunctionCall, ToolCallDelta, FunctionDelta, NotReadyBody,
-        LoraInfo, LoadLoraAdapterRequest, UnloadLoraAdapterRequest,
+        LoraInfo, LoadLoraAdapterRequest, UnloadLoraAdapterRequest, MessagesRequest,
+        CountTokensRequest, InputMessage, InputContent, ContentBlock, ToolDefinition,
+        ToolChoiceInput, Message, MessageUsage, OutputBlock, TokenCount, StreamEvent, BlockDelta,
+        MessageDeltaBody, OutputUsage, AnthropicError, AnthropicErrorDetail,
     )),
     modifiers(&BearerAuth),
 )]

@@ -225,20 +225,9 @@ pub async fn chat_completions(
     if r.top_logprobs.is_some_and(|n| n > 0) && !with_logprobs {
         return Err(ApiError::invalid("top_logprobs", "needs logprobs: true"));
     }
-    let Some(template) = state.chat.clone() else {
-        return Err(ApiError::invalid(
-            "messages",
-            "the model has no chat template (use /v1/completions)",
-        ));
-    };
     let tools = Tools::from_request(r.tools, r.tool_choice, r.parallel_tool_calls)?;
     let messages = template_messages(r.messages)?;
-    let (messages, listed) =
-        tools::template_input(messages, tools.as_ref(), template.supports_tools());
-    let text = tokio::task::spawn_blocking(move || template.render(&messages, listed.as_deref()))
-        .await
-        .map_err(|e| ApiError::invalid("messages", e.to_string()))?
-        .map_err(|e| ApiError::invalid("messages", e))?;
+    let text = tools::render_prompt(&state, messages, tools.as_ref()).await?;
     let sampling = Sampling {
         temperature: r.temperature,
         top_p: r.top_p,

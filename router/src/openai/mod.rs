@@ -10,17 +10,17 @@
 //! and the errors (`error`). Chat adds tool calling (`tools`). `adapters`: the `model`
 //! naming a LoRA adapter, and vLLM's runtime adapter loading routes.
 
-mod adapters;
+pub(crate) mod adapters;
 mod chat;
 mod completions;
-mod error;
-mod generate;
+pub(crate) mod error;
+pub(crate) mod generate;
 mod guided;
 mod logprobs;
 mod models;
-mod sampling;
+pub(crate) mod sampling;
 mod stream;
-mod tools;
+pub(crate) mod tools;
 
 use std::time::{SystemTime, UNIX_EPOCH};
 

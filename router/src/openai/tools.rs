@@ -24,14 +24,16 @@ mod request;
 use serde_json::Value;
 
 pub use answer::{DeltaPart, Reading, StreamedAnswer};
-pub use calls::{FunctionCall, FunctionDelta, ToolCall, ToolCallDelta};
+pub use calls::{random_id, FunctionCall, FunctionDelta, ToolCall, ToolCallDelta};
 pub use grammar::tags_are_special;
 pub use history::tool_fields;
-pub use request::{FunctionDefinition, Tool, Tools};
+pub use output::Piece;
+pub use request::{unique_names, Function, FunctionDefinition, Tool, ToolChoice, Tools};
 
 use crate::chat::TemplateMessage;
 use crate::constraints::Constraint;
 use crate::openai::error::ApiError;
+use crate::server::AppState;
 
 /// The request's constraint: the tool grammar when the model may call, else the
 /// `response_format` / `guided_*` one. Both at once are refused, naming the guided
@@ -76,6 +78,26 @@ pub fn template_input(
         }
         None => (messages, None),
     }
+}
+
+/// The prompt a chat's messages and tools render to with the model's chat template
+/// (text whose special tokens the template wrote), as `template_input` prepares them.
+pub async fn render_prompt(
+    state: &AppState,
+    messages: Vec<TemplateMessage>,
+    tools: Option<&Tools>,
+) -> Result<String, ApiError> {
+    let Some(template) = state.chat.clone() else {
+        return Err(ApiError::invalid(
+            "messages",
+            "the model has no chat template (use /v1/completions)",
+        ));
+    };
+    let (messages, listed) = template_input(messages, tools, template.supports_tools());
+    tokio::task::spawn_blocking(move || template.render(&messages, listed.as_deref()))
+        .await
+        .map_err(|e| ApiError::invalid("messages", e.to_string()))?
+        .map_err(|e| ApiError::invalid("messages", e))
 }
 
 #[cfg(test)]

@@ -67,6 +67,40 @@ fn valid_name(name: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }
 
+impl Function {
+    /// A function as a request declares it, its name and schema checked; `field` names
+    /// the tool's entry in the request's own shape (`tools[i].function` for OpenAI's),
+    /// `schema_key` its schema's key there.
+    pub fn new(
+        field: &str,
+        name: String,
+        description: Option<String>,
+        (schema_key, schema): (&str, Option<Value>),
+    ) -> Result<Self, ApiError> {
+        if !valid_name(&name) {
+            return Err(ApiError::invalid(
+                &format!("{field}.name"),
+                format!("must match ^[a-zA-Z0-9_-]{{1,64}}$, got {name:?}"),
+            ));
+        }
+        let parameters = match schema {
+            None | Some(Value::Null) => json!({"type": "object", "properties": {}}),
+            Some(Value::Object(schema)) => Value::Object(schema),
+            Some(other) => {
+                return Err(ApiError::invalid(
+                    &format!("{field}.{schema_key}"),
+                    format!("must be a JSON schema object, got {other}"),
+                ))
+            }
+        };
+        Ok(Self {
+            name,
+            description,
+            parameters,
+        })
+    }
+}
+
 fn function(i: usize, tool: Tool) -> Result<Function, ApiError> {
     if tool.kind != "function" {
         return Err(ApiError::invalid(
@@ -75,27 +109,12 @@ fn function(i: usize, tool: Tool) -> Result<Function, ApiError> {
         ));
     }
     let f = tool.function;
-    if !valid_name(&f.name) {
-        return Err(ApiError::invalid(
-            &format!("tools[{i}].function.name"),
-            format!("must match ^[a-zA-Z0-9_-]{{1,64}}$, got {:?}", f.name),
-        ));
-    }
-    let parameters = match f.parameters {
-        None | Some(Value::Null) => json!({"type": "object", "properties": {}}),
-        Some(Value::Object(schema)) => Value::Object(schema),
-        Some(other) => {
-            return Err(ApiError::invalid(
-                &format!("tools[{i}].function.parameters"),
-                format!("must be a JSON schema object, got {other}"),
-            ))
-        }
-    };
-    Ok(Function {
-        name: f.name,
-        description: f.description,
-        parameters,
-    })
+    Function::new(
+        &format!("tools[{i}].function"),
+        f.name,
+        f.description,
+        ("parameters", f.parameters),
+    )
 }
 
 fn choice(value: Value, functions: &[Function]) -> Result<ToolChoice, ApiError> {
@@ -131,6 +150,20 @@ fn choice(value: Value, functions: &[Function]) -> Result<ToolChoice, ApiError> 
     }
 }
 
+/// Refuses a function named as an earlier one; `field(i)` names tool i's name field.
+pub fn unique_names(functions: &[Function], field: impl Fn(usize) -> String) -> Result<(), ApiError> {
+    let mut seen = HashSet::new();
+    for (i, f) in functions.iter().enumerate() {
+        if !seen.insert(f.name.as_str()) {
+            return Err(ApiError::invalid(
+                &field(i),
+                format!("{:?} names an earlier tool too", f.name),
+            ));
+        }
+    }
+    Ok(())
+}
+
 impl Tools {
     /// The request's tools; `None` when it has none (`tools` absent, null or empty).
     pub fn from_request(
@@ -154,15 +187,7 @@ impl Tools {
             .enumerate()
             .map(|(i, tool)| function(i, tool))
             .collect::<Result<Vec<_>, _>>()?;
-        let mut seen = HashSet::new();
-        for (i, f) in functions.iter().enumerate() {
-            if !seen.insert(f.name.as_str()) {
-                return Err(ApiError::invalid(
-                    &format!("tools[{i}].function.name"),
-                    format!("{:?} names an earlier tool too", f.name),
-                ));
-            }
-        }
+        unique_names(&functions, |i| format!("tools[{i}].function.name"))?;
         let choice = match tool_choice {
             None => ToolChoice::Auto,
             Some(value) => choice(value, &functions)?,
