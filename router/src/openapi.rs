@@ -55,16 +55,23 @@ use crate::validation::{GenerateParameters, GenerateRequest};
 )]
 pub struct ApiDoc;
 
-/// Declares the bearer API key scheme (enforced only when the router has keys).
+/// Declares the API key schemes, a bearer token or Anthropic's `x-api-key` header
+/// (enforced only when the router has keys).
 struct BearerAuth;
 
 impl utoipa::Modify for BearerAuth {
     fn modify(&self, doc: &mut utoipa::openapi::OpenApi) {
-        use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+        use utoipa::openapi::security::{
+            ApiKey, ApiKeyValue, HttpAuthScheme, HttpBuilder, SecurityScheme,
+        };
         let components = doc.components.get_or_insert_with(Default::default);
         components.add_security_scheme(
             "api_key",
             SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
+        );
+        components.add_security_scheme(
+            "x_api_key",
+            SecurityScheme::ApiKey(ApiKey::Header(ApiKeyValue::new("x-api-key"))),
         );
     }
 }

@@ -5,7 +5,7 @@
 
 use serde_json::{json, Value};
 
-use super::request::{ContentBlock, InputMessage, InputContent, ToolChoiceInput, ToolDefinition};
+use super::request::{ContentBlock, InputContent, InputMessage, ToolChoiceInput, ToolDefinition};
 use crate::chat::{TemplateFunctionCall, TemplateMessage, TemplateToolCall};
 use crate::openai::error::ApiError;
 use crate::openai::tools::{unique_names, Function, ToolChoice, Tools};
@@ -120,7 +120,13 @@ fn user_turn(
                 });
                 results += 1;
             }
-            kind => return Err(refused(&field, kind, "user turns take text and tool_result")),
+            kind => {
+                return Err(refused(
+                    &field,
+                    kind,
+                    "user turns take text and tool_result",
+                ))
+            }
         }
     }
     // A turn of no blocks is an empty user message; one of results alone, none.

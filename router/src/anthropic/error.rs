@@ -84,8 +84,7 @@ impl IntoResponse for MessagesError {
 pub fn unauthorized() -> Response {
     MessagesError::new(
         StatusCode::UNAUTHORIZED,
-        "missing or invalid API key: send x-api-key: <key> (or Authorization: Bearer <key>)"
-            .into(),
+        "missing or invalid API key: send x-api-key: <key> (or Authorization: Bearer <key>)".into(),
     )
     .into_response()
 }

@@ -28,8 +28,8 @@ pub use answer::{Message, MessageUsage, OutputBlock};
 pub use error::{unauthorized, AnthropicError, AnthropicErrorDetail};
 pub use messages::{__path_count_tokens, __path_messages, count_tokens, messages, TokenCount};
 pub use request::{
-    ContentBlock, CountTokensRequest, InputMessage, InputContent, MessagesRequest,
-    ToolChoiceInput, ToolDefinition,
+    ContentBlock, CountTokensRequest, InputContent, InputMessage, MessagesRequest, ToolChoiceInput,
+    ToolDefinition,
 };
 pub use stream::{BlockDelta, MessageDeltaBody, OutputUsage, StreamEvent};
 

@@ -187,7 +187,10 @@ pub(super) fn respond(
     names: ParamNames,
 ) -> Response {
     let start = StreamEvent::MessageStart { message };
-    let samples = submitted.samples.into_iter().map(UnboundedReceiverStream::new);
+    let samples = submitted
+        .samples
+        .into_iter()
+        .map(UnboundedReceiverStream::new);
     let body = stream::iter(samples).flatten().flat_map(move |event| {
         let sent = match event {
             Ok(event) => events.token(&event.token.text, event.end.as_ref()),
@@ -227,7 +230,8 @@ mod tests {
 
     fn reading() -> Reading {
         let schema = json!({"type": "object"});
-        let f = |name: &str| Function::new("tools[0]", name.into(), None, ("s", Some(schema.clone())));
+        let f =
+            |name: &str| Function::new("tools[0]", name.into(), None, ("s", Some(schema.clone())));
         let tools = Tools {
             functions: vec![f("f").unwrap(), f("g").unwrap()],
             choice: ToolChoice::Auto,
@@ -309,25 +313,38 @@ mod tests {
         let reading = reading();
         let e = end(text, FinishReason::EosToken, None);
         let (names, message) = streamed(text, &e, Some(&reading));
-        let deltas = names.iter().filter(|n| **n == "content_block_delta").count();
+        let deltas = names
+            .iter()
+            .filter(|n| **n == "content_block_delta")
+            .count();
         let mut want = vec!["message_start", "content_block_start"];
         want.extend(std::iter::repeat_n("content_block_delta", deltas - 2));
         want.push("content_block_stop");
         for _ in 0..2 {
-            want.extend(["content_block_start", "content_block_delta", "content_block_stop"]);
+            want.extend([
+                "content_block_start",
+                "content_block_delta",
+                "content_block_stop",
+            ]);
         }
         want.extend(["message_delta", "message_stop"]);
         assert_eq!(names, want);
         let whole = whole(e, Some(&reading));
         assert_eq!(without_ids(message), whole);
         assert_eq!(whole["stop_reason"], "tool_use");
-        assert_eq!(whole["content"][0], json!({"type": "text", "text": "Checking."}));
+        assert_eq!(
+            whole["content"][0],
+            json!({"type": "text", "text": "Checking."})
+        );
         assert_eq!(
             whole["content"][1],
             json!({"type": "tool_use", "id": null, "name": "f", "input": {"a": [1]}})
         );
         assert_eq!(whole["content"][2]["input"], json!({}));
-        assert_eq!(whole["usage"], json!({"input_tokens": 3, "output_tokens": 7}));
+        assert_eq!(
+            whole["usage"],
+            json!({"input_tokens": 3, "output_tokens": 7})
+        );
     }
 
     #[test]
@@ -345,7 +362,10 @@ mod tests {
             let w = whole(e, None);
             assert_eq!(w["stop_reason"], want);
             assert_eq!(w["stop_sequence"], json!(stop));
-            assert_eq!(w["content"], json!([{"type": "text", "text": "Hello there"}]));
+            assert_eq!(
+                w["content"],
+                json!([{"type": "text", "text": "Hello there"}])
+            );
         }
         // A call cut by the token limit is text, and the reason is the limit's.
         let reading = reading();
@@ -360,7 +380,11 @@ mod tests {
     fn an_empty_answer_has_no_blocks_and_errors_are_error_events() {
         let mut events = Events::new(None);
         let e = end("", FinishReason::EosToken, None);
-        let names: Vec<_> = events.token("", Some(&e)).iter().map(StreamEvent::name).collect();
+        let names: Vec<_> = events
+            .token("", Some(&e))
+            .iter()
+            .map(StreamEvent::name)
+            .collect();
         assert_eq!(names, ["message_delta", "message_stop"]);
         assert_eq!(whole(e, None)["content"], json!([]));
         let error = ApiError::from_infer(crate::error::InferError::Overloaded("busy".into()), &[]);
@@ -369,8 +393,12 @@ mod tests {
             serde_json::to_value(&event).unwrap(),
             json!({"type": "error", "error": {"type": "rate_limit_error", "message": "busy"}})
         );
-        let unhealthy = ApiError::from_infer(crate::error::InferError::Unhealthy("down".into()), &[]);
+        let unhealthy =
+            ApiError::from_infer(crate::error::InferError::Unhealthy("down".into()), &[]);
         let event = StreamEvent::error(unhealthy.into());
-        assert_eq!(serde_json::to_value(&event).unwrap()["error"]["type"], "overloaded_error");
+        assert_eq!(
+            serde_json::to_value(&event).unwrap()["error"]["type"],
+            "overloaded_error"
+        );
     }
 }

@@ -6,7 +6,7 @@ use super::*;
 fn messages_request(extra: Value) -> Value {
     let mut body = json!({
         "model": "test-model",
-        "max_tokens": 64,
+        "max_tokens": 32,
         "messages": [{"role": "user", "content": "hi"}],
         "tools": [{"name": "f", "input_schema": {"type": "object"}}],
     });
@@ -44,24 +44,36 @@ async fn a_tool_use_answer_and_its_events_agree() {
         .build();
     let (status, v) = h.post("/v1/messages", messages_request(json!({}))).await;
     assert_eq!(status, StatusCode::OK, "{v}");
-    assert_eq!((v["type"].as_str(), v["role"].as_str()), (Some("message"), Some("assistant")));
+    assert_eq!(
+        (v["type"].as_str(), v["role"].as_str()),
+        (Some("message"), Some("assistant"))
+    );
     assert!(v["id"].as_str().unwrap().starts_with("msg_"));
     assert_eq!(v["stop_reason"], "tool_use");
     assert_eq!(v["content"][0], json!({"type": "text", "text": "ok"}));
     assert_eq!(v["content"][1]["type"], "tool_use");
     assert_eq!(v["content"][1]["name"], "f");
     assert_eq!(v["content"][1]["input"], json!({}));
-    assert!(v["content"][1]["id"].as_str().unwrap().starts_with("toolu_"));
+    assert!(v["content"][1]["id"]
+        .as_str()
+        .unwrap()
+        .starts_with("toolu_"));
     let generated = ids(&format!("ok {TOOL_CALL}")).len() + 1;
     assert_eq!(v["usage"]["output_tokens"], generated);
     assert_eq!(v["usage"]["input_tokens"], prompt_tokens("hi") - 1);
     let streamed = events(&h, &messages_request(json!({"stream": true}))).await;
     let names: Vec<&str> = streamed.iter().map(|(n, _)| n.as_str()).collect();
     assert_eq!(names.first(), Some(&"message_start"));
-    assert_eq!(&names[names.len() - 5..], [
-        "content_block_start", "content_block_delta", "content_block_stop",
-        "message_delta", "message_stop"
-    ]);
+    assert_eq!(
+        &names[names.len() - 5..],
+        [
+            "content_block_start",
+            "content_block_delta",
+            "content_block_stop",
+            "message_delta",
+            "message_stop"
+        ]
+    );
     let start = &streamed[0].1["message"];
     assert_eq!(start["content"], json!([]));
     assert_eq!(start["usage"]["input_tokens"], v["usage"]["input_tokens"]);
@@ -107,8 +119,14 @@ async fn errors_take_anthropic_s_shape_and_name_the_field() {
                 {"type": "image", "source": {"type": "url", "url": "http://x"}}]}]})),
             "messages[0].content[0].type",
         ),
-        (messages_request(json!({"max_tokens": "many"})), "max_tokens"),
-        (messages_request(json!({"stop_sequences": [""]})), "stop_sequences"),
+        (
+            messages_request(json!({"max_tokens": "many"})),
+            "max_tokens",
+        ),
+        (
+            messages_request(json!({"stop_sequences": [""]})),
+            "stop_sequences",
+        ),
     ];
     for (body, field) in cases {
         let (status, v) = h.post("/v1/messages", body.clone()).await;

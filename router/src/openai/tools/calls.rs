@@ -28,7 +28,10 @@ fn function_kind() -> String {
 
 /// A new call id: `prefix` and 24 letters and digits.
 pub fn random_id(prefix: &str) -> String {
-    format!("{prefix}{}", Alphanumeric.sample_string(&mut rand::rng(), 24))
+    format!(
+        "{prefix}{}",
+        Alphanumeric.sample_string(&mut rand::rng(), 24)
+    )
 }
 
 impl ToolCall {

@@ -151,7 +151,10 @@ fn choice(value: Value, functions: &[Function]) -> Result<ToolChoice, ApiError> 
 }
 
 /// Refuses a function named as an earlier one; `field(i)` names tool i's name field.
-pub fn unique_names(functions: &[Function], field: impl Fn(usize) -> String) -> Result<(), ApiError> {
+pub fn unique_names(
+    functions: &[Function],
+    field: impl Fn(usize) -> String,
+) -> Result<(), ApiError> {
     let mut seen = HashSet::new();
     for (i, f) in functions.iter().enumerate() {
         if !seen.insert(f.name.as_str()) {
