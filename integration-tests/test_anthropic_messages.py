@@ -13,27 +13,13 @@ import anthropic
 import jsonschema
 import openai
 import pytest
+from test_tool_calling import TIME, WEATHER
 
 from conftest import SMOLLM_FLOAT32, LaunchedServer, launch, stop
 
 MODEL = "smollm"
 SYSTEM = "You are a concise assistant."
 ASK = "Explain what a KV cache is in two sentences."
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 30},
-        "unit": {"enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
-TIME = {
-    "type": "object",
-    "properties": {"timezone": {"type": "string", "maxLength": 30}},
-    "required": ["timezone"],
-    "additionalProperties": False,
-}
 TOOLS = [
     {
         "name": "get_weather",

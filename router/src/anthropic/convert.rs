@@ -243,13 +243,7 @@ fn tool_choice(choice: ToolChoiceInput, functions: &[Function]) -> Result<ToolCh
         "none" => Ok(ToolChoice::None),
         "tool" => {
             let name = required("tool_choice.name".into(), choice.name)?;
-            if !functions.iter().any(|f| f.name == name) {
-                return Err(ApiError::invalid(
-                    "tool_choice.name",
-                    format!("{name:?} is not one of the tools"),
-                ));
-            }
-            Ok(ToolChoice::Function(name))
+            ToolChoice::named(name, functions, "tool_choice.name")
         }
         other => Err(ApiError::invalid(
             "tool_choice.type",

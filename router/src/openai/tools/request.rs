@@ -42,6 +42,20 @@ pub enum ToolChoice {
     Function(String),
 }
 
+impl ToolChoice {
+    /// A call to the function `name`, which must be one of `functions` (else a 400
+    /// naming `field`).
+    pub fn named(name: String, functions: &[Function], field: &str) -> Result<Self, ApiError> {
+        if !functions.iter().any(|f| f.name == name) {
+            return Err(ApiError::invalid(
+                field,
+                format!("{name:?} is not one of the tools"),
+            ));
+        }
+        Ok(Self::Function(name))
+    }
+}
+
 /// A function the model may call.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Function {
@@ -135,13 +149,7 @@ fn choice(value: Value, functions: &[Function]) -> Result<ToolChoice, ApiError> 
                     "must be {\"type\": \"function\", \"function\": {\"name\": ...}}",
                 )
             })?;
-            if !functions.iter().any(|f| f.name == name) {
-                return Err(ApiError::invalid(
-                    "tool_choice.function.name",
-                    format!("{name:?} is not one of the tools"),
-                ));
-            }
-            Ok(ToolChoice::Function(name))
+            ToolChoice::named(name, functions, "tool_choice.function.name")
         }
         other => Err(ApiError::invalid(
             "tool_choice",
