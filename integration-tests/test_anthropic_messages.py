@@ -18,6 +18,8 @@ from test_tool_calling import TIME, WEATHER
 from conftest import SMOLLM_FLOAT32, LaunchedServer, launch, stop
 
 MODEL = "smollm"
+# This SDK's create() has no `temperature` argument: sent as an extra field, as the API takes it.
+GREEDY = {"temperature": 0}
 SYSTEM = "You are a concise assistant."
 ASK = "Explain what a KV cache is in two sentences."
 TOOLS = [
@@ -73,7 +75,7 @@ def ask(ant: anthropic.Anthropic, **kwargs) -> anthropic.types.Message:
         max_tokens=kwargs.pop("max_tokens", 48),
         system=SYSTEM,
         messages=[{"role": "user", "content": ASK}],
-        temperature=0,
+        extra_body=GREEDY,
         **kwargs,
     )
 
@@ -128,7 +130,7 @@ def test_max_tokens_and_stop_sequences_end_the_answer(ant: anthropic.Anthropic):
 
 
 def streamed(ant: anthropic.Anthropic, **kwargs) -> tuple[str, anthropic.types.Message, list[str]]:
-    with ant.messages.stream(model=MODEL, temperature=0, **kwargs) as stream:
+    with ant.messages.stream(model=MODEL, extra_body=GREEDY, **kwargs) as stream:
         names = []
         text = ""
         for event in stream:
@@ -167,7 +169,7 @@ def call(ant: anthropic.Anthropic, **kwargs) -> anthropic.types.Message:
         max_tokens=kwargs.pop("max_tokens", 200),
         messages=kwargs.pop("messages", TOOL_ASK),
         tools=TOOLS,
-        temperature=0,
+        extra_body=GREEDY,
         **kwargs,
     )
 
@@ -285,7 +287,9 @@ def test_bad_requests_are_400s_naming_the_field(ant: anthropic.Anthropic):
         assert error.value.body["error"]["type"] == "invalid_request_error"
         assert error.value.body["error"]["message"].startswith(field), error.value.body
     with pytest.raises(anthropic.BadRequestError) as error:
-        ant.messages.create(model=MODEL, max_tokens=5, messages=TOOL_ASK, temperature=1.5)
+        ant.messages.create(
+            model=MODEL, max_tokens=5, messages=TOOL_ASK, extra_body={"temperature": 1.5}
+        )
     assert error.value.body["error"]["message"].startswith("temperature")
 
 

@@ -42,7 +42,9 @@ async fn a_tool_use_answer_and_its_events_agree() {
     let h = setup(Script::Fixed(script))
         .chat_template_source(TOOL_TEMPLATE)
         .build();
-    let (status, v) = h.post("/v1/messages", messages_request(json!({}))).await;
+    // The whole room the context leaves (64 tokens, the prompt's 2): the call fits.
+    let room = json!({"max_tokens": 62});
+    let (status, v) = h.post("/v1/messages", messages_request(room.clone())).await;
     assert_eq!(status, StatusCode::OK, "{v}");
     assert_eq!(
         (v["type"].as_str(), v["role"].as_str()),
@@ -61,7 +63,11 @@ async fn a_tool_use_answer_and_its_events_agree() {
     let generated = ids(&format!("ok {TOOL_CALL}")).len() + 1;
     assert_eq!(v["usage"]["output_tokens"], generated);
     assert_eq!(v["usage"]["input_tokens"], prompt_tokens("hi") - 1);
-    let streamed = events(&h, &messages_request(json!({"stream": true}))).await;
+    let streamed = events(
+        &h,
+        &messages_request(json!({"stream": true, "max_tokens": 62})),
+    )
+    .await;
     let names: Vec<&str> = streamed.iter().map(|(n, _)| n.as_str()).collect();
     assert_eq!(names.first(), Some(&"message_start"));
     assert_eq!(
