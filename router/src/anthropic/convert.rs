@@ -174,7 +174,7 @@ fn assistant_turn(i: usize, blocks: Vec<ContentBlock>) -> Result<TemplateMessage
         }
     }
     // As the chat route passes it: null content for a turn that only calls.
-    let content = (!(text.is_empty() && !calls.is_empty())).then_some(text);
+    let content = (!text.is_empty() || calls.is_empty()).then_some(text);
     Ok(TemplateMessage {
         content,
         tool_calls: (!calls.is_empty()).then_some(calls),
