@@ -1,4 +1,5 @@
-//! Access control and browser access: bearer API keys on every route but the open ones,
+//! Access control and browser access: API keys on every route but the open ones (sent
+//! as `Authorization: Bearer <key>` or, as Anthropic's clients send it, `x-api-key`),
 //! CORS, and the request body limit.
 
 use std::collections::HashMap;
@@ -6,7 +7,7 @@ use std::sync::Arc;
 
 use axum::body::Body;
 use axum::extract::{DefaultBodyLimit, Request};
-use axum::http::{header, HeaderValue, Method};
+use axum::http::{header, HeaderName, HeaderValue, Method};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::{Json, Router};
@@ -26,6 +27,9 @@ const OPEN_PATHS: &[&str] = &[
     "/openapi.json",
     "/api-doc/openapi.json",
 ];
+
+/// The key header of Anthropic's clients.
+const API_KEY_HEADER: &str = "x-api-key";
 
 #[derive(Debug, Clone, Default)]
 pub struct Access {
@@ -63,7 +67,12 @@ pub fn layers(app: Router, access: Access) -> Router {
             CorsLayer::new()
                 .allow_origin(allow)
                 .allow_methods([Method::GET, Method::POST])
-                .allow_headers([header::AUTHORIZATION, header::CONTENT_TYPE]),
+                .allow_headers([
+                    header::AUTHORIZATION,
+                    header::CONTENT_TYPE,
+                    HeaderName::from_static(API_KEY_HEADER),
+                    HeaderName::from_static("anthropic-version"),
+                ]),
         );
     }
     app
@@ -80,17 +89,26 @@ async fn check_key(
     if open || req.method() == Method::OPTIONS {
         return next.run(req).await;
     }
-    let given = req
-        .headers()
+    let headers = req.headers();
+    let bearer = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim);
-    if let Some(tenant) = given.and_then(|k| keys.get(k)).cloned() {
+        .and_then(|v| v.strip_prefix("Bearer "));
+    let api_key = headers.get(API_KEY_HEADER).and_then(|v| v.to_str().ok());
+    let tenant = [bearer, api_key]
+        .into_iter()
+        .flatten()
+        .find_map(|k| keys.get(k.trim()))
+        .cloned();
+    if let Some(tenant) = tenant {
         req.extensions_mut().insert(Tenant(tenant));
         return next.run(req).await;
     }
-    if req.uri().path().starts_with("/v1/") {
+    let path = req.uri().path();
+    if path.starts_with(crate::anthropic::PATH_PREFIX) {
+        return crate::anthropic::unauthorized();
+    }
+    if path.starts_with("/v1/") {
         return ApiError::unauthorized().into_response();
     }
     let body = ErrorBody {

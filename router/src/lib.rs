@@ -11,6 +11,7 @@
 //! SIGTERM drains before the router exits (`drain`).
 
 pub mod access;
+pub mod anthropic;
 pub mod args;
 pub mod blocks;
 pub mod chat;

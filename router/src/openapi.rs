@@ -6,6 +6,11 @@ use axum::routing::get;
 use axum::{Json, Router};
 use utoipa::OpenApi;
 
+use crate::anthropic::{
+    self, AnthropicError, AnthropicErrorDetail, BlockDelta, ContentBlock, CountTokensRequest,
+    InputContent, InputMessage, Message, MessageDeltaBody, MessageUsage, MessagesRequest,
+    OutputBlock, OutputUsage, StreamEvent, TokenCount, ToolChoiceInput, ToolDefinition,
+};
 use crate::error::ErrorBody;
 use crate::infer::{FinishReason, Token};
 use crate::openai::{self, *};
@@ -15,7 +20,7 @@ use crate::validation::{GenerateParameters, GenerateRequest};
 
 #[derive(OpenApi)]
 #[openapi(
-    info(title = "cadence", description = "Text generation: TGI's API and OpenAI's"),
+    info(title = "cadence", description = "Text generation: TGI's API, OpenAI's and Anthropic's Messages"),
     paths(
         server::compat_generate,
         server::generate,
@@ -31,6 +36,8 @@ use crate::validation::{GenerateParameters, GenerateRequest};
         openai::get_response,
         openai::load_lora_adapter,
         openai::unload_lora_adapter,
+        anthropic::messages,
+        anthropic::count_tokens,
     ),
     components(schemas(
         GenerateRequest, GenerateParameters, GenerateResponse, Details, BestOfSequence,
@@ -43,21 +50,32 @@ use crate::validation::{GenerateParameters, GenerateRequest};
         FunctionDefinition, ToolCall, FunctionCall, ToolCallDelta, FunctionDelta, NotReadyBody,
         LoraInfo, LoadLoraAdapterRequest, UnloadLoraAdapterRequest, ResponsesRequest,
         ResponseObject, OutputItem, OutputText, ResponseUsage, IncompleteDetails, Settings,
+        MessagesRequest,
+        CountTokensRequest, InputMessage, InputContent, ContentBlock, ToolDefinition,
+        ToolChoiceInput, Message, MessageUsage, OutputBlock, TokenCount, StreamEvent, BlockDelta,
+        MessageDeltaBody, OutputUsage, AnthropicError, AnthropicErrorDetail,
     )),
     modifiers(&BearerAuth),
 )]
 pub struct ApiDoc;
 
-/// Declares the bearer API key scheme (enforced only when the router has keys).
+/// Declares the API key schemes, a bearer token or Anthropic's `x-api-key` header
+/// (enforced only when the router has keys).
 struct BearerAuth;
 
 impl utoipa::Modify for BearerAuth {
     fn modify(&self, doc: &mut utoipa::openapi::OpenApi) {
-        use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+        use utoipa::openapi::security::{
+            ApiKey, ApiKeyValue, HttpAuthScheme, HttpBuilder, SecurityScheme,
+        };
         let components = doc.components.get_or_insert_with(Default::default);
         components.add_security_scheme(
             "api_key",
             SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
+        );
+        components.add_security_scheme(
+            "x_api_key",
+            SecurityScheme::ApiKey(ApiKey::Header(ApiKeyValue::new("x-api-key"))),
         );
     }
 }

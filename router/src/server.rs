@@ -121,6 +121,7 @@ pub fn router(state: AppState) -> Router {
         .route("/generate", post(generate))
         .route("/generate_stream", post(generate_stream))
         .merge(crate::openai::routes())
+        .merge(crate::anthropic::routes())
         .merge(runtime_lora)
         // The routes above: each request gets its `x-request-id` and, with traces on, spans.
         .route_layer(axum::middleware::from_fn(crate::request_scope::scope))
@@ -138,7 +139,7 @@ pub fn router(state: AppState) -> Router {
 pub async fn read_body<S: Send + Sync>(
     req: Request,
     state: &S,
-    shape: fn(InferError) -> Response,
+    shape: impl FnOnce(InferError) -> Response,
 ) -> Result<Bytes, Response> {
     Bytes::from_request(req, state).await.map_err(|e| {
         if e.status() == StatusCode::PAYLOAD_TOO_LARGE {

@@ -7,6 +7,8 @@ pub struct StopMatcher {
     stops: Vec<String>,
     /// Text not yet released: a suffix that could begin a stop string.
     pending: String,
+    /// The stop string that ended generation (Anthropic's answers name it).
+    matched: Option<String>,
 }
 
 /// What a piece of new text gives.
@@ -23,6 +25,7 @@ impl StopMatcher {
         Self {
             stops,
             pending: String::new(),
+            matched: None,
         }
     }
 
@@ -40,9 +43,10 @@ impl StopMatcher {
         let hit = self
             .stops
             .iter()
-            .filter_map(|s| self.pending.find(s.as_str()))
-            .min();
-        if let Some(at) = hit {
+            .filter_map(|s| self.pending.find(s.as_str()).map(|at| (at, s)))
+            .min_by_key(|&(at, _)| at);
+        if let Some((at, stop)) = hit {
+            self.matched = Some(stop.clone());
             self.pending.truncate(at);
             return Release {
                 text: std::mem::take(&mut self.pending),
@@ -56,6 +60,11 @@ impl StopMatcher {
             text: std::mem::replace(&mut self.pending, rest),
             stopped: false,
         }
+    }
+
+    /// The stop string that matched, once one has.
+    pub fn matched(&self) -> Option<&str> {
+        self.matched.as_deref()
     }
 
     /// Releases the held text (generation ended for another reason).
@@ -117,6 +126,10 @@ mod tests {
         let (out, stopped) = run(&["world", "lo"], &["hello world"]);
         assert!(stopped);
         assert_eq!(out.concat(), "hel");
+        let mut m = StopMatcher::new(vec!["world".into(), "lo".into()]);
+        assert_eq!(m.matched(), None);
+        m.push("hello world");
+        assert_eq!(m.matched(), Some("lo"));
     }
 
     #[test]

@@ -28,6 +28,8 @@ use crate::scheduler::SchedulerConfig;
 use crate::server::{router, AppState, Info};
 use crate::validation::{Constraints, Validation};
 
+/// Anthropic's Messages API.
+mod anthropic;
 /// `/health`, `/ready`, the drain, and what gateways read.
 mod lifecycle;
 /// LoRA adapters: host loads, paging into the KV pool, the HTTP surface.
@@ -1609,6 +1611,8 @@ async fn tokenize_returns_ids_with_character_offsets_and_the_openapi_document_li
         "/v1/models",
         "/v1/responses",
         "/v1/responses/{id}",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
     ] {
         assert!(doc["paths"].get(path).is_some(), "{path}");
     }

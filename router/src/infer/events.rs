@@ -38,6 +38,8 @@ impl FinishReason {
 #[derive(Debug, Clone)]
 pub struct End {
     pub finish_reason: FinishReason,
+    /// The stop string that ended it (`FinishReason::StopSequence`).
+    pub stop_sequence: Option<String>,
     /// The generated text (stop string excluded), prefixed by the prompt when asked.
     pub generated_text: String,
     pub generated_tokens: usize,

@@ -333,6 +333,7 @@ impl Entry {
         self.text.push_str(&text);
         let end = finish.map(|finish_reason| End {
             finish_reason,
+            stop_sequence: self.stop.matched().map(str::to_string),
             generated_text: match &self.prefix {
                 Some(prefix) => format!("{prefix}{}", self.text),
                 None => self.text.clone(),

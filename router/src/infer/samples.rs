@@ -71,6 +71,7 @@ mod tests {
             prefill_top_tokens: Vec::new(),
             end: End {
                 finish_reason: FinishReason::Length,
+                stop_sequence: None,
                 generated_text: String::new(),
                 generated_tokens: 1,
                 input_length: 1,

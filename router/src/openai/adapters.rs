@@ -24,7 +24,7 @@ use crate::server::AppState;
 /// its id, or no `model`), an adapter's name, or 404 in OpenAI's shape when any LoRA
 /// option is on. Without LoRA options every name is the base model (clients written for
 /// TGI send any name).
-pub(super) fn model_adapter(
+pub(crate) fn model_adapter(
     state: &AppState,
     model: Option<&str>,
 ) -> Result<Option<String>, ApiError> {

@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use utoipa::ToSchema;
 
-use super::conversation::Conversation;
+use super::conversation::{template_prompt, Conversation};
 use super::error::{ApiError, OpenAiError, OpenAiJson, ParamNames};
 use super::generate;
 use super::guided::GuidedFields;
@@ -285,7 +285,7 @@ pub async fn chat_completions(
     extra.constraint = prepared.constraint;
     let reading = prepared.reading;
     let n = extra.n.max(1) as usize;
-    let prompt = prepared.prompt;
+    let prompt = template_prompt(prepared.text);
     let names = if r.max_completion_tokens.is_none() && r.max_tokens.is_some() {
         NAMES_MAX_TOKENS
     } else {

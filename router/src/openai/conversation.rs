@@ -11,7 +11,7 @@ use crate::server::AppState;
 use crate::validation::Prompt;
 
 /// A conversation to answer.
-pub(super) struct Conversation {
+pub(crate) struct Conversation {
     pub messages: Vec<TemplateMessage>,
     pub tools: Option<Tools>,
     /// The requested output format (`response_format`, `text.format`, vLLM's fields).
@@ -21,9 +21,9 @@ pub(super) struct Conversation {
 }
 
 /// A conversation ready to submit.
-pub(super) struct Prepared {
+pub(crate) struct Prepared {
     /// The rendered text; the template wrote the special tokens itself.
-    pub prompt: Prompt,
+    pub text: String,
     pub constraint: Option<Constraint>,
     /// Set when the model may call tools.
     pub reading: Option<Reading>,
@@ -49,12 +49,18 @@ impl Conversation {
         let special_tags = tools::tags_are_special(&state.infer.validation.tokenizer);
         let constraint = tools::constraint(tools.as_ref(), self.format, special_tags)?;
         Ok(Prepared {
-            prompt: Prompt::Text {
-                text,
-                add_special: false,
-            },
+            text,
             constraint,
             reading: Reading::of(tools.as_ref()),
         })
+    }
+}
+
+/// The prompt to submit for a rendered conversation: no special tokens added (the
+/// template wrote them).
+pub(crate) fn template_prompt(text: String) -> Prompt {
+    Prompt::Text {
+        text,
+        add_special: false,
     }
 }

@@ -27,7 +27,7 @@ pub struct OpenAiError {
 
 /// A route's TGI parameter names paired with its OpenAI names, so a validation error
 /// names the field the client sent.
-pub(super) type ParamNames = &'static [(&'static str, &'static str)];
+pub(crate) type ParamNames = &'static [(&'static str, &'static str)];
 
 /// An error answered in OpenAI's shape.
 #[derive(Debug)]
@@ -35,6 +35,12 @@ pub struct ApiError {
     status: StatusCode,
     /// Also sent alone as an SSE event when a stream fails after it started.
     pub(super) body: OpenAiError,
+}
+
+/// What an `ApiError` says, for the routes that answer in another shape.
+pub(crate) struct ErrorParts {
+    pub status: StatusCode,
+    pub message: String,
 }
 
 impl ApiError {
@@ -73,8 +79,15 @@ impl ApiError {
         e
     }
 
+    pub(crate) fn into_parts(self) -> ErrorParts {
+        ErrorParts {
+            status: self.status,
+            message: self.body.error.message,
+        }
+    }
+
     /// A router error, its TGI parameter names turned into the route's OpenAI names.
-    pub(super) fn from_infer(e: InferError, names: ParamNames) -> Self {
+    pub(crate) fn from_infer(e: InferError, names: ParamNames) -> Self {
         let (status, kind) = match &e {
             InferError::Validation(_) => (StatusCode::BAD_REQUEST, "invalid_request_error"),
             InferError::Overloaded(_) => (StatusCode::TOO_MANY_REQUESTS, "rate_limit_exceeded"),
@@ -116,11 +129,6 @@ impl IntoResponse for ApiError {
     }
 }
 
-/// `InferError` → OpenAI's shape, for `read_body`.
-fn shaped(e: InferError) -> Response {
-    ApiError::from_infer(e, &[]).into_response()
-}
-
 /// A JSON body whose errors are 400s in OpenAI's shape naming the field.
 pub struct OpenAiJson<T>(pub T);
 
@@ -128,15 +136,27 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for OpenAiJson<T> {
     type Rejection = Response;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        let bytes = read_body(req, state, shaped).await?;
-        let mut de = serde_json::Deserializer::from_slice(&bytes);
-        let value: T = serde_path_to_error::deserialize(&mut de).map_err(|e| {
-            let path = e.path().to_string();
-            let param = if path == "." { "body" } else { path.as_str() };
-            ApiError::invalid(param, e.inner().to_string()).into_response()
-        })?;
-        de.end()
-            .map_err(|e| ApiError::invalid("body", e.to_string()).into_response())?;
-        Ok(OpenAiJson(value))
+        parse_json(req, state, IntoResponse::into_response)
+            .await
+            .map(OpenAiJson)
     }
+}
+
+/// Reads and parses a JSON body; every error is an `ApiError` naming the field (the
+/// body's path, "body" for the whole) that `shape` answers in the route's shape.
+pub(crate) async fn parse_json<T: DeserializeOwned, S: Send + Sync>(
+    req: Request,
+    state: &S,
+    shape: fn(ApiError) -> Response,
+) -> Result<T, Response> {
+    let bytes = read_body(req, state, |e| shape(ApiError::from_infer(e, &[]))).await?;
+    let mut de = serde_json::Deserializer::from_slice(&bytes);
+    let value: T = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let path = e.path().to_string();
+        let param = if path == "." { "body" } else { path.as_str() };
+        shape(ApiError::invalid(param, e.inner().to_string()))
+    })?;
+    de.end()
+        .map_err(|e| shape(ApiError::invalid("body", e.to_string())))?;
+    Ok(value)
 }

@@ -11,7 +11,7 @@ use crate::validation::{Extra, GenerateParameters, Prompt, ValidRequest};
 
 /// Submits every prompt with the same parameters; the first rejection answers for all
 /// (the ones already queued are cancelled when dropped).
-pub(super) async fn submit_all(
+pub(crate) async fn submit_all(
     state: &AppState,
     prompts: Vec<Prompt>,
     parameters: GenerateParameters,
@@ -31,13 +31,13 @@ pub(super) async fn submit_all(
 }
 
 /// One prompt, generated to the end: every sample (`best_of` of them), in sample order.
-pub(super) struct Answered {
+pub(crate) struct Answered {
     pub request: ValidRequest,
     pub samples: Vec<Sample>,
 }
 
 /// Reads every sample of every prompt to its end, prompt by prompt.
-pub(super) async fn collect_all(
+pub(crate) async fn collect_all(
     submitted: Vec<Submitted>,
     names: ParamNames,
 ) -> Result<Vec<Answered>, ApiError> {
@@ -56,7 +56,7 @@ pub(super) async fn collect_all(
 
 /// Prompt tokens of every prompt, generated tokens of every sample (the ones `best_of`
 /// discards included).
-pub(super) fn usage(answered: &[Answered]) -> Usage {
+pub(crate) fn usage(answered: &[Answered]) -> Usage {
     let prompt_tokens = answered.iter().map(|a| a.request.input_ids.len()).sum();
     let completion_tokens = answered
         .iter()
@@ -68,7 +68,7 @@ pub(super) fn usage(answered: &[Answered]) -> Usage {
 
 /// The timing headers over every sample, `x-prompt-tokens` counting every prompt (as
 /// `usage` and a stream's header do).
-pub(super) fn headers(answered: &[Answered], usage: &Usage) -> HeaderMap {
+pub(crate) fn headers(answered: &[Answered], usage: &Usage) -> HeaderMap {
     let ends: Vec<_> = answered
         .iter()
         .flat_map(|a| &a.samples)

@@ -12,19 +12,19 @@
 //! chat does (`conversation`: template, tools, output constraint). `adapters`: the
 //! `model` naming a LoRA adapter, and vLLM's runtime adapter loading routes.
 
-mod adapters;
+pub(crate) mod adapters;
 mod chat;
 mod completions;
-mod conversation;
-mod error;
-mod generate;
+pub(crate) mod conversation;
+pub(crate) mod error;
+pub(crate) mod generate;
 mod guided;
 mod logprobs;
 mod models;
 mod responses;
-mod sampling;
+pub(crate) mod sampling;
 mod stream;
-mod tools;
+pub(crate) mod tools;
 
 use std::time::{SystemTime, UNIX_EPOCH};
 

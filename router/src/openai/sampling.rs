@@ -28,7 +28,7 @@ impl StopInput {
 /// What a request asks of the sampler, with vLLM's extensions (top_k, min_p, typical_p,
 /// repetition_penalty, ignore_eos). Each route fills it from its own request shape.
 #[derive(Debug, Clone, Default)]
-pub(super) struct Sampling {
+pub(crate) struct Sampling {
     pub temperature: Option<f32>,
     pub top_p: Option<f32>,
     pub n: Option<u32>,

@@ -24,12 +24,11 @@ mod request;
 use serde_json::Value;
 
 pub use answer::{DeltaPart, Reading, StreamedAnswer};
-pub use calls::{FunctionCall, FunctionDelta, ToolCall, ToolCallDelta};
+pub use calls::{random_id, FunctionCall, FunctionDelta, ToolCall, ToolCallDelta};
 pub use grammar::tags_are_special;
 pub use history::{call_arguments, tool_fields};
-#[cfg(test)]
-pub use request::ToolChoice;
-pub use request::{FunctionDefinition, Shape, Tool, Tools};
+pub use output::Piece;
+pub use request::{unique_names, Function, FunctionDefinition, Shape, Tool, ToolChoice, Tools};
 
 use crate::chat::TemplateMessage;
 use crate::constraints::Constraint;

@@ -36,7 +36,7 @@ use items::Item;
 use object::new_id;
 use store::Stored;
 
-use super::conversation::Conversation;
+use super::conversation::{template_prompt, Conversation};
 use super::error::{ApiError, OpenAiError, OpenAiJson, ParamNames};
 use super::sampling::Sampling;
 use super::{finish_reason, generate, Envelope};
@@ -98,8 +98,14 @@ pub async fn create_response(
     let streamed = r.stream.unwrap_or(false);
     extra.stream = streamed;
     extra.constraint = prepared.constraint;
-    let submitted =
-        generate::submit_all(&state, vec![prepared.prompt], parameters, extra, NAMES).await?;
+    let submitted = generate::submit_all(
+        &state,
+        vec![template_prompt(prepared.text)],
+        parameters,
+        extra,
+        NAMES,
+    )
+    .await?;
     let envelope = Envelope::new("resp", &state, adapter.as_deref());
     let settings = object::Settings::of(&r);
     let keep = Keep {

@@ -24,6 +24,8 @@ pub struct Answer {
     pub content: Option<String>,
     pub calls: Vec<ToolCall>,
     pub finish_reason: &'static str,
+    /// The answer made calls and ended as calls end (`CallReader::called`).
+    pub called: bool,
 }
 
 /// A piece of a streamed choice: one chunk's delta.
@@ -50,6 +52,7 @@ impl Reading {
             content: read.content,
             calls: read.calls,
             finish_reason: self.finish_reason(read.called, usual),
+            called: read.called,
         }
     }
 
@@ -89,12 +92,8 @@ impl StreamedAnswer {
         text: &str,
         end: Option<&'static str>,
     ) -> (Vec<DeltaPart>, Option<&'static str>) {
-        let mut pieces = self.reader.push(text);
-        if end.is_some() {
-            pieces.extend(self.reader.finish());
-        }
         let mut parts = Vec::new();
-        for piece in pieces {
+        for piece in self.pieces(text, end.is_some()) {
             match piece {
                 Piece::Content(text) => parts.push(DeltaPart::Content(text)),
                 Piece::Call(call) => {
@@ -103,8 +102,23 @@ impl StreamedAnswer {
                 }
             }
         }
-        let reason = end.map(|usual| self.reading.finish_reason(self.reader.called(), usual));
+        let reason = end.map(|usual| self.reading.finish_reason(self.called(), usual));
         (parts, reason)
+    }
+
+    /// What the next token's `text` makes known, content and whole calls; with the
+    /// last token (`ended`) what is left too. For shapes other than OpenAI's deltas.
+    pub fn pieces(&mut self, text: &str, ended: bool) -> Vec<Piece> {
+        let mut pieces = self.reader.push(text);
+        if ended {
+            pieces.extend(self.reader.finish());
+        }
+        pieces
+    }
+
+    /// As `Answer::called`, once the output has ended.
+    pub fn called(&self) -> bool {
+        self.reader.called()
     }
 }
 

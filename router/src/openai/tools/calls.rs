@@ -26,11 +26,19 @@ fn function_kind() -> String {
     "function".into()
 }
 
+/// A new call id: `prefix` and 24 letters and digits.
+pub fn random_id(prefix: &str) -> String {
+    format!(
+        "{prefix}{}",
+        Alphanumeric.sample_string(&mut rand::rng(), 24)
+    )
+}
+
 impl ToolCall {
     /// A call made now, with a new id.
     pub fn new(name: String, arguments: String) -> Self {
         Self {
-            id: format!("call_{}", Alphanumeric.sample_string(&mut rand::rng(), 24)),
+            id: random_id("call_"),
             kind: function_kind(),
             function: FunctionCall { name, arguments },
         }

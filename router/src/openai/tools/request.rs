@@ -43,6 +43,20 @@ pub enum ToolChoice {
     Function(String),
 }
 
+impl ToolChoice {
+    /// A call to the function `name`, which must be one of `functions` (else a 400
+    /// naming `field`).
+    pub fn named(name: String, functions: &[Function], field: &str) -> Result<Self, ApiError> {
+        if !functions.iter().any(|f| f.name == name) {
+            return Err(ApiError::invalid(
+                field,
+                format!("{name:?} is not one of the tools"),
+            ));
+        }
+        Ok(Self::Function(name))
+    }
+}
+
 /// A function the model may call.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Function {
@@ -71,12 +85,17 @@ pub enum Shape {
 }
 
 impl Shape {
+    /// Where the function that `base` holds is declared.
+    fn holder(self, base: &str) -> String {
+        match self {
+            Shape::Chat => format!("{base}.function"),
+            Shape::Flat => base.to_string(),
+        }
+    }
+
     /// The field `name` of the function that `base` holds.
     fn field(self, base: &str, name: &str) -> String {
-        match self {
-            Shape::Chat => format!("{base}.function.{name}"),
-            Shape::Flat => format!("{base}.{name}"),
-        }
+        format!("{}.{name}", self.holder(base))
     }
 }
 
@@ -87,6 +106,40 @@ fn valid_name(name: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }
 
+impl Function {
+    /// A function as a request declares it, its name and schema checked; `field` names
+    /// the tool's entry in the request's own shape (`tools[i].function` for OpenAI's),
+    /// `schema_key` its schema's key there.
+    pub fn new(
+        field: &str,
+        name: String,
+        description: Option<String>,
+        (schema_key, schema): (&str, Option<Value>),
+    ) -> Result<Self, ApiError> {
+        if !valid_name(&name) {
+            return Err(ApiError::invalid(
+                &format!("{field}.name"),
+                format!("must match ^[a-zA-Z0-9_-]{{1,64}}$, got {name:?}"),
+            ));
+        }
+        let parameters = match schema {
+            None | Some(Value::Null) => json!({"type": "object", "properties": {}}),
+            Some(Value::Object(schema)) => Value::Object(schema),
+            Some(other) => {
+                return Err(ApiError::invalid(
+                    &format!("{field}.{schema_key}"),
+                    format!("must be a JSON schema object, got {other}"),
+                ))
+            }
+        };
+        Ok(Self {
+            name,
+            description,
+            parameters,
+        })
+    }
+}
+
 fn function(i: usize, tool: Tool, shape: Shape) -> Result<Function, ApiError> {
     if tool.kind != "function" {
         return Err(ApiError::invalid(
@@ -95,27 +148,12 @@ fn function(i: usize, tool: Tool, shape: Shape) -> Result<Function, ApiError> {
         ));
     }
     let f = tool.function;
-    if !valid_name(&f.name) {
-        return Err(ApiError::invalid(
-            &shape.field(&format!("tools[{i}]"), "name"),
-            format!("must match ^[a-zA-Z0-9_-]{{1,64}}$, got {:?}", f.name),
-        ));
-    }
-    let parameters = match f.parameters {
-        None | Some(Value::Null) => json!({"type": "object", "properties": {}}),
-        Some(Value::Object(schema)) => Value::Object(schema),
-        Some(other) => {
-            return Err(ApiError::invalid(
-                &shape.field(&format!("tools[{i}]"), "parameters"),
-                format!("must be a JSON schema object, got {other}"),
-            ))
-        }
-    };
-    Ok(Function {
-        name: f.name,
-        description: f.description,
-        parameters,
-    })
+    Function::new(
+        &shape.holder(&format!("tools[{i}]")),
+        f.name,
+        f.description,
+        ("parameters", f.parameters),
+    )
 }
 
 fn choice(value: Value, functions: &[Function], shape: Shape) -> Result<ToolChoice, ApiError> {
@@ -141,19 +179,30 @@ fn choice(value: Value, functions: &[Function], shape: Shape) -> Result<ToolChoi
                 };
                 ApiError::invalid("tool_choice", format!("must be {shown}"))
             })?;
-            if !functions.iter().any(|f| f.name == name) {
-                return Err(ApiError::invalid(
-                    &shape.field("tool_choice", "name"),
-                    format!("{name:?} is not one of the tools"),
-                ));
-            }
-            Ok(ToolChoice::Function(name))
+            ToolChoice::named(name, functions, &shape.field("tool_choice", "name"))
         }
         other => Err(ApiError::invalid(
             "tool_choice",
             format!("must be \"none\", \"auto\", \"required\" or a function, got {other}"),
         )),
     }
+}
+
+/// Refuses a function named as an earlier one; `field(i)` names tool i's name field.
+pub fn unique_names(
+    functions: &[Function],
+    field: impl Fn(usize) -> String,
+) -> Result<(), ApiError> {
+    let mut seen = HashSet::new();
+    for (i, f) in functions.iter().enumerate() {
+        if !seen.insert(f.name.as_str()) {
+            return Err(ApiError::invalid(
+                &field(i),
+                format!("{:?} names an earlier tool too", f.name),
+            ));
+        }
+    }
+    Ok(())
 }
 
 impl Tools {
@@ -189,15 +238,7 @@ impl Tools {
             .enumerate()
             .map(|(i, tool)| function(i, tool, shape))
             .collect::<Result<Vec<_>, _>>()?;
-        let mut seen = HashSet::new();
-        for (i, f) in functions.iter().enumerate() {
-            if !seen.insert(f.name.as_str()) {
-                return Err(ApiError::invalid(
-                    &shape.field(&format!("tools[{i}]"), "name"),
-                    format!("{:?} names an earlier tool too", f.name),
-                ));
-            }
-        }
+        unique_names(&functions, |i| shape.field(&format!("tools[{i}]"), "name"))?;
         let choice = match tool_choice {
             None => ToolChoice::Auto,
             Some(value) => choice(value, &functions, shape)?,

@@ -1,0 +1,138 @@
+//! The answer: a message of text and `tool_use` blocks, its stop reason and usage.
+
+use serde::Serialize;
+use serde_json::{json, Value};
+use utoipa::ToSchema;
+
+use crate::infer::{End, FinishReason};
+use crate::openai::tools::{random_id, Reading, ToolCall};
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct Message {
+    /// `msg_` and 32 hex digits.
+    pub id: String,
+    /// "message".
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    /// "assistant".
+    pub role: &'static str,
+    pub content: Vec<OutputBlock>,
+    /// The adapter's name when the request used one, else the served model name.
+    pub model: String,
+    /// end_turn, max_tokens, stop_sequence or tool_use (null in `message_start`).
+    pub stop_reason: Option<&'static str>,
+    /// The stop sequence that ended the answer.
+    pub stop_sequence: Option<String>,
+    pub usage: MessageUsage,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct MessageUsage {
+    pub input_tokens: usize,
+    pub output_tokens: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum OutputBlock {
+    Text {
+        text: String,
+    },
+    ToolUse {
+        /// `toolu_` and 24 letters and digits.
+        id: String,
+        name: String,
+        /// The arguments, valid against the tool's `input_schema`.
+        #[schema(value_type = Object)]
+        input: Value,
+    },
+}
+
+impl OutputBlock {
+    /// A call read from the output, with an id in Anthropic's shape.
+    pub(super) fn tool_use(call: ToolCall) -> Self {
+        // The reader took the arguments from parsed JSON: they parse.
+        let input = serde_json::from_str(&call.function.arguments).unwrap_or_else(|_| json!({}));
+        Self::ToolUse {
+            id: random_id("toolu_"),
+            name: call.function.name,
+            input,
+        }
+    }
+
+    /// The block as a stream opens it (no text, an empty input) and what its deltas
+    /// carry (the text, the input as JSON text).
+    pub(super) fn streamed(self) -> (Self, String) {
+        match self {
+            Self::Text { text } => (
+                Self::Text {
+                    text: String::new(),
+                },
+                text,
+            ),
+            Self::ToolUse { id, name, input } => {
+                let input_json = input.to_string();
+                let opening = Self::ToolUse {
+                    id,
+                    name,
+                    input: json!({}),
+                };
+                (opening, input_json)
+            }
+        }
+    }
+}
+
+impl Message {
+    /// A message with no content yet (and no stop reason), as a stream opens.
+    pub(super) fn opening(model: String, input_tokens: usize) -> Self {
+        Self {
+            id: format!("msg_{}", uuid::Uuid::new_v4().simple()),
+            kind: "message",
+            role: "assistant",
+            content: Vec::new(),
+            model,
+            stop_reason: None,
+            stop_sequence: None,
+            usage: MessageUsage {
+                input_tokens,
+                output_tokens: 0,
+            },
+        }
+    }
+
+    /// The whole answer from the generated text; `reading` when the model may call.
+    pub(super) fn answered(mut self, end: End, reading: Option<&Reading>) -> Self {
+        let (text, calls, called) = match reading {
+            None => (Some(end.generated_text.clone()), Vec::new(), false),
+            // `Reading` gives OpenAI's finish reason, unused here.
+            Some(reading) => {
+                let answer = reading.answer(&end.generated_text, "");
+                (answer.content, answer.calls, answer.called)
+            }
+        };
+        // An empty text is no block, as a stream opens none for it.
+        self.content = text
+            .filter(|t| !t.is_empty())
+            .map(|text| OutputBlock::Text { text })
+            .into_iter()
+            .chain(calls.into_iter().map(OutputBlock::tool_use))
+            .collect();
+        self.stop_reason = Some(stop_reason(&end, called));
+        self.stop_sequence = end.stop_sequence;
+        self.usage.output_tokens = end.generated_tokens;
+        self
+    }
+}
+
+/// "tool_use" when the answer ended as calls end, else why generation stopped.
+pub(super) fn stop_reason(end: &End, called: bool) -> &'static str {
+    if called {
+        return "tool_use";
+    }
+    match end.finish_reason {
+        FinishReason::Length => "max_tokens",
+        FinishReason::EosToken => "end_turn",
+        FinishReason::StopSequence => "stop_sequence",
+    }
+}
