@@ -14,18 +14,23 @@ import pytest
 from huggingface_hub import InferenceClient
 from text_generation import Client
 
-from conftest import LaunchedServer, launch, stop
+from conftest import SMOLLM_FLOAT32, LaunchedServer, launch, stop
 
 KEY = "test-key-4"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedServer]:
+def server(
+    tmp_path_factory: pytest.TempPathFactory, smollm_float_dir: str
+) -> Iterator[LaunchedServer]:
+    """The float32 copy. Served as the GGUF it is, products dispatch by row count (on AVX2
+    a prefill's rows go to a float copy, decode rows to int4), so a prefix-cache hit that
+    computes the prompt's last rows in a smaller product can flip a close greedy choice
+    between two equal requests; the float copy has one path."""
     tmp: Path = tmp_path_factory.mktemp("clients")
     s = launch(
         tmp,
-        "--dtype",
-        "float32",
+        *SMOLLM_FLOAT32,
         "--kv-cache-memory",
         "256MiB",
         "--api-key",
