@@ -13,12 +13,13 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::metrics::{Counter, Gauge};
+use crate::metrics::Counter;
 
 /// An accepted API key and its tenant's name.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -85,8 +86,8 @@ pub struct TenantUsage {
     pub prompt_tokens: Counter,
     /// Tokens generated for it (every sample's).
     pub generation_tokens: Counter,
-    /// Its requests admitted and not ended.
-    pub in_flight: Gauge,
+    /// Its requests admitted and not ended (counted atomically: admissions race).
+    pub in_flight: AtomicUsize,
     limiter: Option<Arc<Semaphore>>,
 }
 
@@ -99,8 +100,7 @@ pub struct TenantHold {
 
 impl Drop for TenantHold {
     fn drop(&mut self) {
-        let usage = &self.usage;
-        usage.in_flight.set(usage.in_flight.get() - 1.0);
+        self.usage.in_flight.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -122,7 +122,7 @@ impl Tenants {
                     rejected: Counter::default(),
                     prompt_tokens: Counter::default(),
                     generation_tokens: Counter::default(),
-                    in_flight: Gauge::default(),
+                    in_flight: AtomicUsize::new(0),
                     limiter: max_concurrent_per_key.map(|n| Arc::new(Semaphore::new(n))),
                 };
                 (k.tenant.clone(), Arc::new(usage))
@@ -155,7 +155,7 @@ impl Tenants {
             },
         };
         usage.requests.add(1);
-        usage.in_flight.set(usage.in_flight.get() + 1.0);
+        usage.in_flight.fetch_add(1, Ordering::AcqRel);
         Ok(Some(TenantHold {
             usage: usage.clone(),
             _permit: permit,
@@ -210,9 +210,9 @@ mod tests {
         assert!(other.is_some(), "another tenant's limit is its own");
         let usage = first.usage.clone();
         assert_eq!((usage.requests.get(), usage.rejected.get()), (1, 1));
-        assert_eq!(usage.in_flight.get(), 1.0);
+        assert_eq!(usage.in_flight.load(Ordering::Acquire), 1);
         drop(first);
-        assert_eq!(usage.in_flight.get(), 0.0);
+        assert_eq!(usage.in_flight.load(Ordering::Acquire), 0);
         assert!(tenants.admit(Some("a")).unwrap().is_some());
         assert!(tenants.admit(None).unwrap().is_none());
     }

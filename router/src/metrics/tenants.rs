@@ -3,6 +3,7 @@
 //! entry (never the key).
 
 use std::fmt::Write;
+use std::sync::atomic::Ordering;
 
 use crate::tenants::Tenants;
 
@@ -46,7 +47,7 @@ pub(super) fn render(out: &mut String, l: &str, tenants: &Tenants) {
                 1 => usage.rejected.get() as f64,
                 2 => usage.prompt_tokens.get() as f64,
                 3 => usage.generation_tokens.get() as f64,
-                _ => usage.in_flight.get(),
+                _ => usage.in_flight.load(Ordering::Acquire) as f64,
             };
             let _ = writeln!(out, "{name}{{{l},tenant=\"{tenant}\"}} {value}");
         }
