@@ -4,7 +4,11 @@
 # the Python unit tests and the integration tests with that environment's Python.
 PYTHON ?= python3
 VENV ?= .venv
-PY := $(VENV)/bin/python
+# python3, not python: maturin hands the interpreter's path to pyo3's build script, so the
+# editable build here and the Dockerfile's `maturin build` (which finds python3 on the PATH,
+# as integration-tests/test_wheel_entrypoint.py runs it) share one cargo build instead of
+# compiling the router twice.
+PY := $(VENV)/bin/python3
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/cadence-target
 # The environment's scripts (cadence, maturin) come first for every recipe.
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)

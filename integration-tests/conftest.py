@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -168,6 +169,61 @@ def smollm_float_dir(smollm_dir: str) -> str:
     return str(convert_gguf(Path(smollm_dir) / GGUF_WEIGHTS, smollm_float_copy()))
 
 
+# A random Llama with SmolLM2's tokenizer and chat template, for the tests where the
+# scheduler, the HTTP layer or operations are the point rather than the embedded model: a
+# step costs a fraction of SmolLM2-135M's, so the same checks run in much less time.
+TINY_LAYERS, TINY_KV_HEADS, TINY_HEAD_DIM = 2, 1, 64
+TINY_BLOCK_BYTES_FLOAT32 = TINY_LAYERS * 2 * TINY_KV_HEADS * TINY_HEAD_DIM * 16 * 4
+
+
+def tiny_kv_memory(blocks: int) -> str:
+    """--kv-cache-memory that holds `blocks` float32 blocks of the tiny Llama."""
+    return str(blocks * TINY_BLOCK_BYTES_FLOAT32)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm_dir: str) -> str:
+    """The tiny random Llama's folder (config, safetensors, SmolLM2's tokenizer files).
+
+    Its weights are drawn wide (logits with a standard deviation of ~8), so a greedy
+    choice is rarely within float32 rounding of the runner-up, and the special tokens'
+    rows are zero: their logit is 0 where the top one is far above, so random text never
+    ends early at an EOS and a request runs to its token limit."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    source = json.loads((Path(smollm_dir) / "config.json").read_text())
+    config = LlamaConfig(
+        vocab_size=source["vocab_size"],
+        hidden_size=TINY_KV_HEADS * 4 * TINY_HEAD_DIM,
+        intermediate_size=512,
+        num_hidden_layers=TINY_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=TINY_KV_HEADS,
+        head_dim=TINY_HEAD_DIM,
+        max_position_embeddings=8192,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=source["bos_token_id"],
+        eos_token_id=source["eos_token_id"],
+        pad_token_id=source["pad_token_id"],
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.5 if "embed" in name else 0.08)
+        model.model.embed_tokens.weight[:3] = 0  # <|endoftext|>, <|im_start|>, <|im_end|>
+    model.save_pretrained(path, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(smollm_dir) / name, path / name)
+    return str(path)
+
+
 @pytest.fixture
 def client(smollm_server: LaunchedServer) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=smollm_server.url, timeout=300) as http:
@@ -197,13 +253,25 @@ def greedy_ids(client: httpx.Client, text: str, max_new_tokens: int) -> list[int
 
 
 @pytest.fixture(scope="session")
-def transformers_reference(smollm_float_dir: str) -> tuple[list[str], list[list[int]], int]:
-    """Chat prompts rendered with the model's template, and transformers' greedy continuations."""
+def float_reference(smollm_float_dir: str) -> tuple[object, object]:
+    """transformers' tokenizer and float32 model on the embedded GGUF's dequantized weights:
+    the oracle for the embedded model however it is served."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(smollm_float_dir)
     model = AutoModelForCausalLM.from_pretrained(smollm_float_dir, dtype=torch.float32).eval()
+    return tokenizer, model
+
+
+@pytest.fixture(scope="session")
+def transformers_reference(
+    float_reference: tuple[object, object],
+) -> tuple[list[str], list[list[int]], int]:
+    """Chat prompts rendered with the model's template, and transformers' greedy continuations."""
+    import torch
+
+    tokenizer, model = float_reference
     texts, outputs = [], []
     for prompt in CHAT_PROMPTS:
         text = tokenizer.apply_chat_template(

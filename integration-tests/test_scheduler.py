@@ -1,11 +1,14 @@
-"""The scheduler and the paged KV cache against the launched stack (SmolLM2, float32):
-preemption under 3x KV over-subscription, prefix caching counted by the shard, chunked
-prefill next to running decodes, the bounded queue and /metrics."""
+"""The scheduler and the paged KV cache against the launched stack (the tiny random Llama
+with SmolLM2's tokenizer, float32: the scheduler is the point, not the model): preemption
+under 3x KV over-subscription, prefix caching counted by the shard, chunked prefill next to
+running decodes, the bounded queue and /metrics."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -13,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from conftest import SMOLLM_FLOAT32, LaunchedServer, launch, stop
+from conftest import FLOAT32, LaunchedServer, launch, stop, the_shard, tiny_kv_memory, wait_for
 
 MAX_NEW = 24
 BLOCK = 16
@@ -78,12 +81,22 @@ def prefix_prompts() -> tuple[str, list[str]]:
     return system, [f"{system}Question {i}: what is {i} plus {i}?" for i in range(16)]
 
 
+ROOMY_BLOCKS = 1024  # every test's requests at once
+TIGHT_BLOCKS = 42  # a third of what the 64 load requests need
+
+
+def model(tiny_llama_dir: str, blocks: int) -> tuple[str, ...]:
+    return ("--model-id", tiny_llama_dir, *FLOAT32, "--kv-cache-memory", tiny_kv_memory(blocks))
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedServer]:
+def reference(
+    tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: str
+) -> Iterator[LaunchedServer]:
     """A roomy cache, no prefix caching, prompt chunks of 256 tokens."""
     server = launch(
         tmp_path_factory.mktemp("ref"),
-        *(*SMOLLM_FLOAT32, "--kv-cache-memory", "256MiB", "--no-prefix-caching"),
+        *(*model(tiny_llama_dir, ROOMY_BLOCKS), "--no-prefix-caching"),
         *("--max-prefill-chunk", "256", "--max-input-tokens", "4000"),
         *("--max-total-tokens", "4096"),
     )
@@ -91,31 +104,32 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedServ
     assert stop(server) == 0, server.log()
 
 
-def small_cache(tmp_path_factory: pytest.TempPathFactory, *extra: str) -> LaunchedServer:
-    # ~42 blocks of 16 tokens (0.7 MiB each in float32): the 64 requests need 3x that.
+def small_cache(
+    tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: str, *extra: str
+) -> LaunchedServer:
+    # 42 blocks of 16 tokens: the 64 requests need 3x that.
     return launch(
         tmp_path_factory.mktemp("small"),
-        *(*SMOLLM_FLOAT32, "--kv-cache-memory", "30MiB", "--max-waiting-requests", "64"),
+        *(*model(tiny_llama_dir, TIGHT_BLOCKS), "--max-waiting-requests", "64"),
         *extra,
     )
 
 
 @pytest.fixture(scope="module")
-def tight(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedServer]:
-    server = small_cache(tmp_path_factory)
+def tight(
+    tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: str
+) -> Iterator[LaunchedServer]:
+    server = small_cache(tmp_path_factory, tiny_llama_dir)
     yield server
     assert stop(server) == 0, server.log()
 
 
 @pytest.fixture(scope="module")
-def cached(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedServer]:
+def cached(
+    tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: str
+) -> Iterator[LaunchedServer]:
     """Prefix caching on (the default), room for every request's blocks."""
-    server = launch(
-        tmp_path_factory.mktemp("cached"),
-        *SMOLLM_FLOAT32,
-        "--kv-cache-memory",
-        "128MiB",
-    )
+    server = launch(tmp_path_factory.mktemp("cached"), *model(tiny_llama_dir, ROOMY_BLOCKS))
     yield server
     assert stop(server) == 0, server.log()
 
@@ -185,11 +199,14 @@ def test_constrained_outputs_survive_preemption_and_prefix_caching(
 
 
 def test_async_scheduling_under_3x_kv_capacity_gives_the_same_outputs(
-    tmp_path_factory: pytest.TempPathFactory, unloaded: list[str], smollm_dir: str
+    tmp_path_factory: pytest.TempPathFactory,
+    tiny_llama_dir: str,
+    unloaded: list[str],
+    smollm_dir: str,
 ) -> None:
     """Steps scheduled while the previous one runs (off by default on CPU): the same 64
     requests, preempting when the blocks run out, with prefix caching on."""
-    server = small_cache(tmp_path_factory, "--async-scheduling", "on")
+    server = small_cache(tmp_path_factory, tiny_llama_dir, "--async-scheduling", "on")
     try:
         assert "async_scheduling=true" in server.log()
         assert_load_survives(server, unloaded, "recompute", smollm_dir)
@@ -199,9 +216,12 @@ def test_async_scheduling_under_3x_kv_capacity_gives_the_same_outputs(
 
 @pytest.mark.slow
 def test_swap_preemption_gives_the_same_outputs(
-    tmp_path_factory: pytest.TempPathFactory, unloaded: list[str], smollm_dir: str
+    tmp_path_factory: pytest.TempPathFactory,
+    tiny_llama_dir: str,
+    unloaded: list[str],
+    smollm_dir: str,
 ) -> None:
-    server = small_cache(tmp_path_factory, "--preemption", "swap")
+    server = small_cache(tmp_path_factory, tiny_llama_dir, "--preemption", "swap")
     try:
         assert_load_survives(server, unloaded, "swap", smollm_dir)
     finally:
@@ -246,18 +266,18 @@ def test_a_long_prompt_is_chunked_while_16_requests_keep_decoding(
     reference: LaunchedServer,
 ) -> None:
     chunk = 256
+    decode_tokens = 400  # long enough to outlast the long prompt's prefill on any CPU
     long_prompt = "The history of the river valley, told year by year. " * 180
     with ThreadPoolExecutor(17) as pool:
         decoders = [
-            pool.submit(stream, reference.url, f"Count slowly from {i} upward:", 40)
+            pool.submit(stream, reference.url, f"Count slowly from {i} upward:", decode_tokens)
             for i in range(16)
         ]
-        time.sleep(0.5)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:  # every decoder has its first token
-            if metrics(reference.url)["cadence_running_requests"] >= 16:
-                break
-            time.sleep(0.2)
+        wait_for(
+            lambda: metrics(reference.url)["cadence_running_requests"] >= 16,
+            300,
+            "16 decoders running",
+        )
         submitted = time.monotonic()
         long_times, long_last = pool.submit(stream, reference.url, long_prompt, 1).result()
         results = [d.result() for d in decoders]
@@ -266,9 +286,8 @@ def test_a_long_prompt_is_chunked_while_16_requests_keep_decoding(
     first_token = long_times[0]
     chunks = -(-prompt_len // chunk)
     for times, last in results:
-        assert last["details"]["generated_tokens"] == 40
-        if times[-1] < first_token:
-            continue  # finished before the long prompt's prefill ended
+        assert last["details"]["generated_tokens"] == decode_tokens
+        assert times[-1] > first_token, "a decoder finished before the prefill ended"
         during = sum(submitted <= t <= first_token for t in times)
         # One decode per step, and every chunk is a step: a decoder that waited for the
         # whole prompt would get at most one token in this window.
@@ -276,15 +295,23 @@ def test_a_long_prompt_is_chunked_while_16_requests_keep_decoding(
 
 
 def test_beyond_max_waiting_requests_is_429_overloaded(tight: LaunchedServer) -> None:
-    # ~300-token prompts: two fit in the 42-block cache at a time, so the queue fills.
+    # ~300-token prompts: two fit in the 42-block cache at a time. The shard is frozen
+    # while they arrive, so the first step never ends and the queue certainly fills.
     prompt = "Tell me about the harbor and the lanterns near the old market. " * 22
-    with ThreadPoolExecutor(90) as pool:
-        body = {"inputs": prompt, "parameters": {"max_new_tokens": 1}}
-        futures = [
-            pool.submit(httpx.post, f"{tight.url}/generate", json=body, timeout=600)
-            for _ in range(90)
-        ]
-        responses = [f.result() for f in futures]
+    shard = the_shard(tight)
+    os.kill(shard, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(90) as pool:
+            body = {"inputs": prompt, "parameters": {"max_new_tokens": 1}}
+            futures = [
+                pool.submit(httpx.post, f"{tight.url}/generate", json=body, timeout=600)
+                for _ in range(90)
+            ]
+            wait_for(lambda: sum(f.done() for f in futures) >= 90 - 64 - 2, 60, "429s")
+            os.kill(shard, signal.SIGCONT)
+            responses = [f.result() for f in futures]
+    finally:
+        os.kill(shard, signal.SIGCONT)
     codes = [r.status_code for r in responses]
     assert set(codes) <= {200, 429}
     rejected = [r.json() for r in responses if r.status_code == 429]

@@ -22,6 +22,7 @@ import pytest
 from deploy_files import REPO, image_argv, run_commands
 
 from conftest import LaunchedServer, free_port, stop
+from margin import QUANTIZED_BOUND, judge, served_greedy
 
 BUILD_TIMEOUT_S = 3600
 CHAT_PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
@@ -170,7 +171,9 @@ def test_the_router_process_runs_the_wheels_extension(
     assert all(Path(path).is_relative_to(installed) for path in extensions), extensions
 
 
-def test_the_wheel_completes_a_prompt(server: LaunchedServer) -> None:
+def test_the_wheel_completes_a_prompt(server: LaunchedServer, float_reference) -> None:
+    """The image serves the embedded GGUF as it is: its greedy answer is transformers' on
+    the file's dequantized weights by the margin rule (`margin.py`)."""
     response = httpx.post(
         f"{server.url}/v1/completions",
         json={"prompt": CHAT_PROMPT, "max_tokens": 12, "temperature": 0},
@@ -178,4 +181,8 @@ def test_the_wheel_completes_a_prompt(server: LaunchedServer) -> None:
     )
     assert response.status_code == 200, response.text
     (choice,) = response.json()["choices"]
-    assert "Paris" in choice["text"]
+    assert choice["text"]
+    _, model = float_reference
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        judgement = judge(model, *served_greedy(client, CHAT_PROMPT, 12))
+    assert judgement.holds(QUANTIZED_BOUND), judgement

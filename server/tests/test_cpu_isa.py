@@ -108,3 +108,26 @@ def test_launch_refuses_an_instruction_set_the_cpu_lacks_before_starting_anythin
 def test_this_machine_runs_at_least_the_portable_kernels():
     assert isa.supported()[-1] == "scalar"
     assert isa.resolve("scalar") == "scalar"
+
+
+@pytest.mark.parametrize(
+    ("vendor", "family", "model", "generation"),
+    [
+        ("AuthenticAMD", 25, 17, "Zen 4"),  # EPYC 9004 (Genoa), often named just "AMD EPYC"
+        ("AuthenticAMD", 25, 1, "Zen 3"),  # EPYC 7003 (Milan)
+        ("AuthenticAMD", 26, 2, "Zen 5"),  # EPYC 9005 (Turin)
+        ("AuthenticAMD", 23, 49, "Zen 2"),  # EPYC 7002 (Rome)
+        ("GenuineIntel", 6, 143, "Sapphire Rapids"),
+        ("GenuineIntel", 6, 106, "Ice Lake-SP"),
+        ("GenuineIntel", 6, 1, None),  # unknown: the name and numbers alone
+    ],
+)
+def test_the_cpu_generation_is_told_by_family_and_model(vendor, family, model, generation):
+    """CPUs with the same ISA names differ: figures name the generation, not only the ISA."""
+    assert isa.generation(vendor, family, model) == generation
+
+
+def test_the_cpu_model_names_family_and_model_on_x86():
+    if not isa.is_x86():
+        pytest.skip("family and model numbers are x86's")
+    assert " (family " in isa.cpu_model() and " model " in isa.cpu_model()

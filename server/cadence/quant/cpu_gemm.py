@@ -134,15 +134,12 @@ def takes(weight: QuantizedWeight) -> bool:
 
 
 def integer_product_is_fast(isa: str) -> bool:
-    """Whether shards multiply quantized weights with the C++ integer product: the
-    `avx512_bf16` build (VNNI's vpdpbusd; every CPU with AVX-512 BF16 has VNNI), which beats
-    torch's packed kernels at every row count measured (docs/quantization.md). The `avx2`
-    build has integer tiles too (vpmaddubsw + vpmaddwd, held to their float reference by
-    the kernel tests), but served on a real AVX2-only CPU the embedded model answered
-    wrongly through them where torch's kernels answer right, so AVX2 CPUs use torch's
-    kernels until that is understood. The `avx512` and `scalar` builds run the same
-    arithmetic in portable C++, correct but slower than torch's kernels."""
-    return isa == "avx512_bf16"
+    """Whether the selected C++ kernels multiply quantized weights with vector integer dot
+    products: the `avx512_bf16` build (VNNI's vpdpbusd; every CPU with AVX-512 BF16 has
+    VNNI) and the `avx2` one (vpmaddubsw + vpmaddwd), which beat torch's packed kernels at
+    every row count measured (docs/quantization.md). The `avx512` and `scalar` builds run
+    the same arithmetic in portable C++, correct but slower than torch's kernels."""
+    return isa in ("avx512_bf16", "avx2")
 
 
 class IntegerCpuKernel:

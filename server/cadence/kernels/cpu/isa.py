@@ -83,10 +83,44 @@ def cpu_flags() -> frozenset[str]:
     return frozenset((_cpuinfo("flags", "Features") or "").split())
 
 
+# (vendor, family, first model, last model) -> core generation, for the x86 server parts
+# cadence is measured on. A virtual machine's "model name" is often only "AMD EPYC" or
+# "Intel Xeon Processor": the family and model numbers tell Zen 4 from Zen 5 and Sapphire
+# Rapids from Ice Lake, which have the same ISA names and differ in speed.
+GENERATIONS: tuple[tuple[str, int, int, int, str], ...] = (
+    ("AuthenticAMD", 0x17, 0x00, 0x2F, "Zen/Zen+"),
+    ("AuthenticAMD", 0x17, 0x30, 0xFF, "Zen 2"),
+    ("AuthenticAMD", 0x19, 0x00, 0x0F, "Zen 3"),
+    ("AuthenticAMD", 0x19, 0x10, 0x1F, "Zen 4"),
+    ("AuthenticAMD", 0x19, 0x20, 0x5F, "Zen 3"),
+    ("AuthenticAMD", 0x19, 0x60, 0xAF, "Zen 4"),
+    ("AuthenticAMD", 0x1A, 0x00, 0xFF, "Zen 5"),
+    ("GenuineIntel", 6, 0x55, 0x55, "Skylake-SP/Cascade Lake"),
+    ("GenuineIntel", 6, 0x6A, 0x6C, "Ice Lake-SP"),
+    ("GenuineIntel", 6, 0x8F, 0x8F, "Sapphire Rapids"),
+    ("GenuineIntel", 6, 0xCF, 0xCF, "Emerald Rapids"),
+    ("GenuineIntel", 6, 0xAD, 0xAE, "Granite Rapids"),
+)
+
+
+def generation(vendor: str, family: int, model: int) -> str | None:
+    """The core generation of an x86 CPU by its family and model numbers, where known."""
+    for v, f, first, last, name in GENERATIONS:
+        if v == vendor and f == family and first <= model <= last:
+            return name
+    return None
+
+
 @cache
 def cpu_model() -> str:
-    """The processor's name as /proc/cpuinfo gives it."""
-    return _cpuinfo("model name", "Model", "cpu model") or platform.processor()
+    """The processor's name as /proc/cpuinfo gives it, with its family and model numbers
+    (and generation where known) on x86: "AMD EPYC (family 25 model 17: Zen 4)"."""
+    name = _cpuinfo("model name", "Model", "cpu model") or platform.processor()
+    family, model = _cpuinfo("cpu family"), _cpuinfo("model")
+    if not (family and model and family.isdigit() and model.isdigit()):
+        return name
+    known = generation(_cpuinfo("vendor_id") or "", int(family), int(model))
+    return f"{name} (family {family} model {model}{f': {known}' if known else ''})"
 
 
 def supported(flags: frozenset[str] | None = None) -> tuple[str, ...]:
