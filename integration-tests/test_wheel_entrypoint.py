@@ -20,9 +20,9 @@ from pathlib import Path
 import httpx
 import pytest
 from deploy_files import REPO, image_argv, run_commands
+from margin import QUANTIZED_BOUND, judge, served_greedy
 
 from conftest import LaunchedServer, free_port, stop
-from margin import QUANTIZED_BOUND, judge, served_greedy
 
 BUILD_TIMEOUT_S = 3600
 CHAT_PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
