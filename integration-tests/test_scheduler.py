@@ -214,7 +214,6 @@ def test_async_scheduling_under_3x_kv_capacity_gives_the_same_outputs(
         assert stop(server) == 0, server.log()
 
 
-@pytest.mark.slow
 def test_swap_preemption_gives_the_same_outputs(
     tmp_path_factory: pytest.TempPathFactory,
     tiny_llama_dir: str,
