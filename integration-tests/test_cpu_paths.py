@@ -25,7 +25,8 @@ from conftest import (
     stop,
 )
 
-PROMPTS = 2  # of test_fidelity's chat prompts, 64 greedy tokens each
+PROMPTS = 2  # of test_fidelity's chat prompts, 64 greedy tokens each, per kernel path
+JUDGED = 4  # chat prompts the default's answers are judged on, 24 tokens each
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +65,7 @@ def test_the_default_launch_serves_the_embedded_gguf_as_it_is(
     tokenizer, model = float_reference
     judgements = []
     with httpx.Client(base_url=default_server.url, timeout=120) as client:
-        for prompt in CHAT_PROMPTS[:PROMPTS]:
+        for prompt in CHAT_PROMPTS[:JUDGED]:
             text = tokenizer.apply_chat_template(
                 [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
             )
