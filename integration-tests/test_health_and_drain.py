@@ -20,11 +20,26 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import LaunchedServer, launch, metrics, shard_pids, stop, the_shard, wait_for
+from conftest import (
+    FLOAT32,
+    LaunchedServer,
+    launch,
+    metrics,
+    shard_pids,
+    stop,
+    the_shard,
+    tiny_kv_memory,
+    wait_for,
+)
 
 SERVED_NAME = "smollm-under-test"
 STALL_TIMEOUT_MS = 1000  # a 4000-token prefill on CPU takes longer: /ready must stay green
 LONG_PROMPT_TOKENS = 4000
+
+
+def tiny_model(tiny_llama_dir: str) -> tuple[str, ...]:
+    """The tiny random Llama, for the tests about the shard process rather than the model."""
+    return ("--model-id", tiny_llama_dir, *FLOAT32, "--kv-cache-memory", tiny_kv_memory(256))
 
 
 def ready(url: str) -> tuple[int, str]:
@@ -135,14 +150,14 @@ def test_a_long_prefill_on_a_busy_server_keeps_ready_green(server: LaunchedServe
 
 
 def test_a_wedged_forward_turns_ready_red_while_the_shard_still_answers(
-    tmp_path: Path,
+    tmp_path: Path, tiny_llama_dir: str
 ) -> None:
     """The shard's forward thread blocks for good at its second step (fault injection)
     while its gRPC event loop answers Health: only the heartbeats show it stuck."""
     launched = launch(
         tmp_path,
-        *("--kv-cache-memory", "64MiB", "--shutdown-timeout", "1"),
-        *("--ready-stall-timeout-ms", str(STALL_TIMEOUT_MS)),
+        *tiny_model(tiny_llama_dir),
+        *("--shutdown-timeout", "1", "--ready-stall-timeout-ms", str(STALL_TIMEOUT_MS)),
         env=os.environ | {"CADENCE_FAULT_WEDGE_AT_STEP": "2"},
     )
     try:
@@ -277,8 +292,10 @@ def test_sigterm_drains_the_requests_in_flight_refuses_new_ones_and_exits_0(
     assert answer.headers["x-generated-tokens"] == str(new_tokens)
 
 
-def test_a_killed_shard_makes_the_launcher_exit_nonzero(tmp_path: Path) -> None:
-    launched = launch(tmp_path, "--kv-cache-memory", "64MiB")
+def test_a_killed_shard_makes_the_launcher_exit_nonzero(
+    tmp_path: Path, tiny_llama_dir: str
+) -> None:
+    launched = launch(tmp_path, *tiny_model(tiny_llama_dir))
     try:
         os.kill(the_shard(launched), signal.SIGKILL)
         code = launched.process.wait(timeout=120)

@@ -18,7 +18,7 @@ import pytest
 
 from conftest import FLOAT32, SMOLLM_FLOAT32, LaunchedServer, launch, metrics, stop, tiny_kv_memory
 
-NEW_TOKENS = 20
+NEW_TOKENS = 12
 PROMPTS = ["The capital of France is", "def reverse(items):", "Once upon a time, a robot"]
 
 # name -> the LoraConfig fields it is made with: ranks, targets and scalings that differ

@@ -342,3 +342,34 @@ def test_metrics_names_every_series_with_the_model_label(tight: LaunchedServer) 
         "cadence_shard_computed_tokens_total",
     ):
         assert re.search(rf'^{name}\{{model="[^"]+"', text, re.M), name
+
+
+def test_cut_streams_release_their_requests_and_blocks_at_once(cached: LaunchedServer) -> None:
+    """32 clients stream one shared prompt and hang up after 3 tokens; with nothing else
+    to do the server must still retire them: running 0 and no block in use within a second
+    (the gauges a gateway reads; they once stayed at the last step's values until another
+    request arrived)."""
+    prompt = "<|im_start|>user\nTell me a very long story about the sea.<|im_end|>\n"
+    prompt += "<|im_start|>assistant\n"
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": 200}}
+
+    def cut_after_three_tokens() -> int:
+        seen = 0
+        with httpx.stream("POST", f"{cached.url}/generate_stream", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                seen += line.startswith("data:")
+                if seen == 3:
+                    break  # leaving the block closes the connection
+        return seen
+
+    with ThreadPoolExecutor(32) as pool:
+        assert list(pool.map(lambda _: cut_after_three_tokens(), range(32))) == [3] * 32
+    wait_for(
+        lambda: (
+            (now := metrics(cached.url))["cadence_running_requests"] == 0
+            and now["cadence_kv_blocks_used"] == 0
+        ),
+        1.0,
+        "running 0 and no KV block used after the cuts",
+    )

@@ -225,7 +225,8 @@ impl<B: Backend> Loop<B> {
         }
     }
 
-    /// Drops the requests whose client went away.
+    /// Drops the requests whose client went away, and records the gauges at once: when
+    /// they were the last work the loop sleeps next, and no step would record them.
     fn drop_cancelled(&mut self) {
         let gone: Vec<RequestId> = self
             .entries
@@ -233,12 +234,16 @@ impl<B: Backend> Loop<B> {
             .filter(|(_, e)| e.events.is_closed())
             .map(|(&id, _)| id)
             .collect();
+        if gone.is_empty() {
+            return;
+        }
         for id in gone {
             if let Some(entry) = self.retire(id) {
                 let request_id = &*entry.request_id;
                 tracing::debug!(request_id, id, "client went away; cancelled");
             }
         }
+        self.record_state();
     }
 
     /// Drops a request everywhere: blocks now, shard state at the next step.
