@@ -176,9 +176,11 @@ TINY_LAYERS, TINY_KV_HEADS, TINY_HEAD_DIM = 2, 1, 64
 TINY_BLOCK_BYTES_FLOAT32 = TINY_LAYERS * 2 * TINY_KV_HEADS * TINY_HEAD_DIM * 16 * 4
 
 
-def tiny_kv_memory(blocks: int) -> str:
-    """--kv-cache-memory that holds `blocks` float32 blocks of the tiny Llama."""
-    return str(blocks * TINY_BLOCK_BYTES_FLOAT32)
+def tiny_model(tiny_llama_dir: str, blocks: int) -> tuple[str, ...]:
+    """`cadence launch` flags serving the tiny Llama in float32 with a KV cache of
+    `blocks` blocks."""
+    memory = str(blocks * TINY_BLOCK_BYTES_FLOAT32)
+    return ("--model-id", tiny_llama_dir, *FLOAT32, "--kv-cache-memory", memory)
 
 
 @pytest.fixture(scope="session")

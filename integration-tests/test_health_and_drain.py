@@ -21,25 +21,21 @@ import httpx
 import pytest
 
 from conftest import (
-    FLOAT32,
     LaunchedServer,
     launch,
     metrics,
     shard_pids,
     stop,
     the_shard,
-    tiny_kv_memory,
+    tiny_model,
     wait_for,
 )
 
 SERVED_NAME = "smollm-under-test"
 STALL_TIMEOUT_MS = 1000  # a 4000-token prefill on CPU takes longer: /ready must stay green
 LONG_PROMPT_TOKENS = 4000
-
-
-def tiny_model(tiny_llama_dir: str) -> tuple[str, ...]:
-    """The tiny random Llama, for the tests about the shard process rather than the model."""
-    return ("--model-id", tiny_llama_dir, *FLOAT32, "--kv-cache-memory", tiny_kv_memory(256))
+# the tiny random Llama's cache, for the tests about the shard process rather than the model
+TINY_BLOCKS = 256
 
 
 def ready(url: str) -> tuple[int, str]:
@@ -156,7 +152,7 @@ def test_a_wedged_forward_turns_ready_red_while_the_shard_still_answers(
     while its gRPC event loop answers Health: only the heartbeats show it stuck."""
     launched = launch(
         tmp_path,
-        *tiny_model(tiny_llama_dir),
+        *tiny_model(tiny_llama_dir, TINY_BLOCKS),
         *("--shutdown-timeout", "1", "--ready-stall-timeout-ms", str(STALL_TIMEOUT_MS)),
         env=os.environ | {"CADENCE_FAULT_WEDGE_AT_STEP": "2"},
     )
@@ -295,7 +291,7 @@ def test_sigterm_drains_the_requests_in_flight_refuses_new_ones_and_exits_0(
 def test_a_killed_shard_makes_the_launcher_exit_nonzero(
     tmp_path: Path, tiny_llama_dir: str
 ) -> None:
-    launched = launch(tmp_path, *tiny_model(tiny_llama_dir))
+    launched = launch(tmp_path, *tiny_model(tiny_llama_dir, TINY_BLOCKS))
     try:
         os.kill(the_shard(launched), signal.SIGKILL)
         code = launched.process.wait(timeout=120)

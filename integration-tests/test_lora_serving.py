@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import FLOAT32, SMOLLM_FLOAT32, LaunchedServer, launch, metrics, stop, tiny_kv_memory
+from conftest import SMOLLM_FLOAT32, LaunchedServer, launch, metrics, stop, tiny_model
 
 NEW_TOKENS = 12
 PROMPTS = ["The capital of France is", "def reverse(items):", "Once upon a time, a robot"]
@@ -280,8 +280,7 @@ def test_64_requests_over_16_adapters_in_a_small_pool_each_equal_their_output_al
     # the requests in flight do not fit together, so adapters are evicted.
     launched = launch(
         tmp_path_factory.mktemp("sixteen-server"),
-        *("--model-id", tiny_llama_dir, *FLOAT32),
-        *("--kv-cache-memory", tiny_kv_memory(SIXTEEN_POOL_BLOCKS)),
+        *tiny_model(tiny_llama_dir, SIXTEEN_POOL_BLOCKS),
         *("--lora-dir", str(root)),
     )
     try:

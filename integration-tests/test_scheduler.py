@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from conftest import FLOAT32, LaunchedServer, launch, stop, the_shard, tiny_kv_memory, wait_for
+from conftest import LaunchedServer, launch, stop, the_shard, tiny_model, wait_for
 
 MAX_NEW = 24
 BLOCK = 16
@@ -85,10 +85,6 @@ ROOMY_BLOCKS = 1024  # every test's requests at once
 TIGHT_BLOCKS = 42  # a third of what the 64 load requests need
 
 
-def model(tiny_llama_dir: str, blocks: int) -> tuple[str, ...]:
-    return ("--model-id", tiny_llama_dir, *FLOAT32, "--kv-cache-memory", tiny_kv_memory(blocks))
-
-
 @pytest.fixture(scope="module")
 def reference(
     tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: str
@@ -96,7 +92,7 @@ def reference(
     """A roomy cache, no prefix caching, prompt chunks of 256 tokens."""
     server = launch(
         tmp_path_factory.mktemp("ref"),
-        *(*model(tiny_llama_dir, ROOMY_BLOCKS), "--no-prefix-caching"),
+        *(*tiny_model(tiny_llama_dir, ROOMY_BLOCKS), "--no-prefix-caching"),
         *("--max-prefill-chunk", "256", "--max-input-tokens", "4000"),
         *("--max-total-tokens", "4096"),
     )
@@ -110,7 +106,7 @@ def small_cache(
     # 42 blocks of 16 tokens: the 64 requests need 3x that.
     return launch(
         tmp_path_factory.mktemp("small"),
-        *(*model(tiny_llama_dir, TIGHT_BLOCKS), "--max-waiting-requests", "64"),
+        *(*tiny_model(tiny_llama_dir, TIGHT_BLOCKS), "--max-waiting-requests", "64"),
         *extra,
     )
 
@@ -129,7 +125,7 @@ def cached(
     tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: str
 ) -> Iterator[LaunchedServer]:
     """Prefix caching on (the default), room for every request's blocks."""
-    server = launch(tmp_path_factory.mktemp("cached"), *model(tiny_llama_dir, ROOMY_BLOCKS))
+    server = launch(tmp_path_factory.mktemp("cached"), *tiny_model(tiny_llama_dir, ROOMY_BLOCKS))
     yield server
     assert stop(server) == 0, server.log()
 
