@@ -49,11 +49,11 @@
 //! an adapter nobody uses stays resident until eviction by last use, or until the
 //! adapter is being unloaded (`set_doomed`), and leaves with `adapters_out`. A request
 //! whose adapter and KV cannot fit even in an empty pool is refused (`Schedule::refused`).
-
 //!
-//! One file per phase: `sequence` and `queue` (the requests, running and waiting),
-//! `admission` (with the adapter gate), `step` (decodes, prefill chunks, the diff),
-//! `release` (finish, failure, preemption), `host_pool` (swap space), `proposals`
+//! This file holds the types and the order of the phases (`schedule_at`, `schedule_ahead`);
+//! each phase has its own file: `sequence` and `queue` (the requests, running and
+//! waiting), `admission` (with the adapter gate), `step` (decodes, prefill chunks, the
+//! diff), `release` (finish, failure, preemption), `host_pool` (swap space), `proposals`
 //! (speculation) and `invariants`.
 
 mod admission;

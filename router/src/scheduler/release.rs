@@ -9,11 +9,11 @@ use super::step::StepPlan;
 use super::{Preemption, Scheduler};
 
 impl Scheduler {
-    /// Gives back what `seq` (already out of `running` or the queue) holds: when it was
-    /// `running`, its adapter reference, its KV blocks and its state on the shards (dropped
-    /// at the next step); swapped out, its host blocks.
-    fn release(&mut self, seq: &mut Sequence, running: bool) {
-        if running {
+    /// Gives back what `seq` (already out of `running` or the queue) holds: if it was
+    /// running, its adapter reference, its KV blocks and its state on the shards (dropped
+    /// at the next step); if it was swapped out, its host blocks.
+    fn release(&mut self, seq: &mut Sequence, was_running: bool) {
+        if was_running {
             self.leave_adapter(seq);
             self.blocks.free(seq.id);
             if seq.on_shard {

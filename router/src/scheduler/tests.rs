@@ -945,3 +945,4 @@ fn random_workloads_with_proposals_match_the_kv_model_and_never_pass_limits() {
 
 /// LoRA adapters in the pool.
 mod adapters;
+mod random_loop;
