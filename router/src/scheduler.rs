@@ -72,9 +72,8 @@ use crate::blocks::{chain_seed, BlockManager, RequestId};
 use crate::pb;
 
 use host_pool::HostPool;
-pub use proposals::Proposal;
 pub use queue::Queue;
-pub use sequence::Sequence;
+pub use sequence::{Proposal, Sequence};
 
 /// What happens to a request's KV when the cache runs out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

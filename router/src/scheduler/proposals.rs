@@ -1,45 +1,11 @@
-//! Speculative decoding's part of a step: what a decoding request proposes, how much of
-//! it goes into the step, and what the shards' verification leaves of it.
+//! Speculative decoding's part of a step: how much of a decoding request's `Proposal`
+//! goes into the step, and what the shards' verification leaves of it.
 
 use crate::blocks::RequestId;
 
+use super::sequence::Proposal;
 use super::step::StepPlan;
 use super::Scheduler;
-
-/// What a decoding request proposes to follow its sampled token at its next step
-/// (speculative decoding), set by the batching loop before each schedule.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub enum Proposal {
-    #[default]
-    None,
-    /// Tokens the router proposes (n-gram lookup, or the synthetic benchmark proposer).
-    Tokens(Vec<u32>),
-    /// This many tokens for the shard's draft model to propose.
-    Draft(usize),
-}
-
-impl Proposal {
-    pub(super) fn len(&self) -> usize {
-        match self {
-            Proposal::None => 0,
-            Proposal::Tokens(t) => t.len(),
-            Proposal::Draft(k) => *k,
-        }
-    }
-
-    /// The first `k` proposals.
-    fn take(self, k: usize) -> Proposal {
-        match self {
-            Proposal::None => Proposal::None,
-            _ if k == 0 => Proposal::None,
-            Proposal::Tokens(mut t) => {
-                t.truncate(k);
-                Proposal::Tokens(t)
-            }
-            Proposal::Draft(n) => Proposal::Draft(n.min(k)),
-        }
-    }
-}
 
 impl Scheduler {
     /// Sets what running request `id` proposes at its next decode (speculative decoding);

@@ -3,8 +3,7 @@
 
 use crate::blocks::RequestId;
 
-use super::proposals::Proposal;
-use super::sequence::Sequence;
+use super::sequence::{Proposal, Sequence};
 use super::step::StepPlan;
 use super::{Preemption, Scheduler};
 

@@ -1,5 +1,5 @@
 //! The scheduler's view of one request: its tokens, how far they are computed, where its
-//! KV is, and what it may still compute.
+//! KV is, what it may still compute, and what it proposes to follow its next token.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -7,7 +7,40 @@ use std::time::Instant;
 use crate::blocks::RequestId;
 use crate::pb;
 
-use super::proposals::Proposal;
+/// What a decoding request proposes to follow its sampled token at its next step
+/// (speculative decoding), set by the batching loop before each schedule.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Proposal {
+    #[default]
+    None,
+    /// Tokens the router proposes (n-gram lookup, or the synthetic benchmark proposer).
+    Tokens(Vec<u32>),
+    /// This many tokens for the shard's draft model to propose.
+    Draft(usize),
+}
+
+impl Proposal {
+    pub(super) fn len(&self) -> usize {
+        match self {
+            Proposal::None => 0,
+            Proposal::Tokens(t) => t.len(),
+            Proposal::Draft(k) => *k,
+        }
+    }
+
+    /// The first `k` proposals.
+    pub(super) fn take(self, k: usize) -> Proposal {
+        match self {
+            Proposal::None => Proposal::None,
+            _ if k == 0 => Proposal::None,
+            Proposal::Tokens(mut t) => {
+                t.truncate(k);
+                Proposal::Tokens(t)
+            }
+            Proposal::Draft(n) => Proposal::Draft(n.min(k)),
+        }
+    }
+}
 
 /// The scheduler's view of one request.
 #[derive(Debug, Clone)]

@@ -4,8 +4,7 @@
 use crate::blocks::{chain_seed, RequestId};
 use crate::pb;
 
-use super::proposals::Proposal;
-use super::sequence::Sequence;
+use super::sequence::{Proposal, Sequence};
 use super::{Schedule, Scheduler};
 
 /// One request's share of the step being built.
