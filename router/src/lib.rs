@@ -29,7 +29,6 @@ pub mod openai;
 pub mod openapi;
 #[cfg(feature = "python")]
 mod python;
-pub mod queue;
 pub mod readiness;
 pub mod request_id;
 pub mod request_scope;

@@ -945,3 +945,5 @@ fn random_workloads_with_proposals_match_the_kv_model_and_never_pass_limits() {
 
 /// LoRA adapters in the pool.
 mod adapters;
+/// The batching loop's whole protocol at random.
+mod random_loop;

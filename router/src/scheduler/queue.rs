@@ -3,8 +3,8 @@
 
 use std::collections::VecDeque;
 
+use super::sequence::Sequence;
 use crate::blocks::RequestId;
-use crate::scheduler::Sequence;
 
 #[derive(Debug, Default)]
 pub struct Queue {
