@@ -19,7 +19,7 @@ from cadence.model_source import default_model_dir
 from cadence.quant.quantize import group_size_for, quantize_int4, quantize_int8
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-CORPUS = Path(__file__).resolve().parents[1] / "server/cadence/bench/corpus.txt"
+CORPUS = Path(__file__).resolve().parents[1] / "server/cadence_bench/corpus.txt"
 VARIANTS = [("int8", 0), ("int4", 32), ("int4", 64), ("int4", 128)]
 # The embedded SmolLM2 comes from a GGUF file whose linears are 4-bit in blocks of 32: int4
 # g32 reproduces them exactly, and only the head (8-bit there) shows what int4 costs.

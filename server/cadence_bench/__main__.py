@@ -1,4 +1,4 @@
-"""`python -m cadence.bench ...` is `cadence bench ...`."""
+"""`python -m cadence_bench ...` is `cadence bench ...`."""
 
 from __future__ import annotations
 

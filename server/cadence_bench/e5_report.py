@@ -9,13 +9,13 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from cadence.bench.e5_arithmetic import (  # noqa: E402
+from cadence_bench.e5_arithmetic import (  # noqa: E402
     GOAL_MIN_ADAPTERS,
     GOAL_SHARE,
     goal_checks,
     ratio,
 )
-from cadence.bench.e5_records import E5Records, ServedRun  # noqa: E402
+from cadence_bench.e5_records import E5Records, ServedRun  # noqa: E402
 
 PLOT = "E5-throughput.png"
 COLUMNS = (

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cadence.bench.e5_arithmetic import MergedEstimate, ShareTime, compose_merged, ratio
+from cadence_bench.e5_arithmetic import MergedEstimate, ShareTime, compose_merged, ratio
 
 
 @dataclass(slots=True)

@@ -26,13 +26,13 @@ import httpx  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from cadence.bench.datasets import (  # noqa: E402
+from cadence_bench.datasets import (  # noqa: E402
     BenchRequest,
     PromptMaker,
     capped_exponential,
     load_tokenizer,
 )
-from cadence.bench.kv import (  # noqa: E402
+from cadence_bench.kv import (  # noqa: E402
     MetricsSampler,
     contiguous_slots,
     contiguous_utilization,
@@ -40,9 +40,9 @@ from cadence.bench.kv import (  # noqa: E402
     running_at,
     shared_sampling_blocks,
 )
-from cadence.bench.metrics import summarize  # noqa: E402
-from cadence.bench.runner import RunConfig, run_benchmark, warm_up  # noqa: E402
-from cadence.bench.server_process import LaunchedServer  # noqa: E402
+from cadence_bench.metrics import summarize  # noqa: E402
+from cadence_bench.runner import RunConfig, run_benchmark, warm_up  # noqa: E402
+from cadence_bench.server_process import LaunchedServer  # noqa: E402
 
 MODES = ("continuous", "dynamic", "static", "none")
 
@@ -643,7 +643,7 @@ def e4(scale: Scale, out: Path, server_args: list[str], scale_name: str) -> None
 def e6(scale: Scale, out: Path, server_args: list[str], scale_name: str) -> None:
     """Speculative decoding's speed-up against acceptance (its own module, which uses this
     one's helpers)."""
-    from cadence.bench.speculative_experiment import e6 as run_e6
+    from cadence_bench.speculative_experiment import e6 as run_e6
 
     run_e6(scale, out, server_args, scale_name)
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from cadence.bench.adapter_maker import ADAPTER_CONFIG
-from cadence.bench.datasets import BenchRequest
+from cadence_bench.adapter_maker import ADAPTER_CONFIG
+from cadence_bench.datasets import BenchRequest
 
 DEFAULT_ZIPF_ALPHA = 1.0
 # Mixed into the seed so the adapter draws never repeat the dataset's own stream.

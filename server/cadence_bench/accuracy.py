@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from cadence.config import ShardConfig
 from cadence.pb import shard_pb2
 from cadence.shard.engine import Engine
@@ -244,11 +243,10 @@ VARIANTS = {
 
 
 def run_accuracy_command(args: argparse.Namespace) -> int:
-    from transformers import AutoTokenizer
-
     from cadence.convert import convert_gguf
     from cadence.model_source import resolve_model
     from cadence.quant.checkpoints import GGUF_WEIGHTS
+    from transformers import AutoTokenizer
 
     model_dir = given_dir = Path(resolve_model(args.model_id))
     if (model_dir / GGUF_WEIGHTS).exists():

@@ -8,7 +8,6 @@ import os
 from typing import Any
 
 import httpx
-
 from cadence.kernels.cpu import isa
 
 

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from cadence.bench import machine
-from cadence.bench.metrics import LATENCIES, PERCENTILES
+from cadence_bench import machine
+from cadence_bench.metrics import LATENCIES, PERCENTILES
 
 TITLES = {
     "ttft": "Time to First Token",

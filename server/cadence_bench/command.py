@@ -21,8 +21,8 @@ from cadence.flags import add_flag, add_switch
 # The client's modules (numpy, tokenizers, aiohttp) load when a benchmark runs, so the rest
 # of the `cadence` command line starts fast.
 if TYPE_CHECKING:
-    from cadence.bench.datasets import BenchRequest
-    from cadence.bench.runner import RunConfig
+    from cadence_bench.datasets import BenchRequest
+    from cadence_bench.runner import RunConfig
 
 BACKENDS = ("tgi", "openai")
 DATASETS = ("random", "sharegpt-like", "capped-exponential", "grounded", "jsonl")
@@ -110,7 +110,7 @@ def _add_adapter_parsers(inner: Any) -> None:
 def _run_make_adapters(args: argparse.Namespace) -> int:
     import time
 
-    from cadence.bench.adapter_maker import make_adapters
+    from cadence_bench.adapter_maker import make_adapters
 
     start = time.perf_counter()
     targets = tuple(t.strip() for t in args.targets.split(",") if t.strip())
@@ -132,13 +132,13 @@ def _run_make_adapters(args: argparse.Namespace) -> int:
 
 
 def _run_merge_adapter(args: argparse.Namespace) -> int:
-    from cadence.bench.adapter_merge import merge_adapter
+    from cadence_bench.adapter_merge import merge_adapter
 
     print(f"wrote {merge_adapter(args.model, args.adapter, args.out)}")
     return 0
 
 
-# `cadence bench accuracy --variants` names (cadence.bench.accuracy.VARIANTS).
+# `cadence bench accuracy --variants` names (cadence_bench.accuracy.VARIANTS).
 ACCURACY_VARIANTS = (
     "served,gguf,bfloat16,int8,int4,int4-g128,kv-bfloat16,kv-int8,kv-fp8_e4m3,kv-fp8_e5m2"
 )
@@ -167,7 +167,7 @@ def _add_accuracy_parser(inner: Any) -> None:
 
 
 def _run_accuracy(args: argparse.Namespace) -> int:
-    from cadence.bench.accuracy import run_accuracy_command
+    from cadence_bench.accuracy import run_accuracy_command
 
     return run_accuracy_command(args)
 
@@ -275,13 +275,13 @@ def add_workload_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _distribution(text: str) -> Any:
-    from cadence.bench.adapter_workload import parse_distribution
+    from cadence_bench.adapter_workload import parse_distribution
 
     return parse_distribution(text)
 
 
 def build_dataset(args: argparse.Namespace) -> list[BenchRequest]:
-    from cadence.bench.datasets import (
+    from cadence_bench.datasets import (
         capped_exponential_dataset,
         grounded_dataset,
         jsonl_dataset,
@@ -316,7 +316,7 @@ def with_adapters(
     --lora-adapters-dir is given."""
     if not args.lora_adapters_dir:
         return requests, None
-    from cadence.bench.adapter_workload import assign_adapters, list_adapters, workload_record
+    from cadence_bench.adapter_workload import assign_adapters, list_adapters, workload_record
 
     dist = args.adapter_distribution
     folder = args.lora_adapters_dir
@@ -329,10 +329,10 @@ def with_adapters(
 
 
 def measure(cfg: RunConfig, requests: list[BenchRequest]) -> dict[str, Any]:
-    from cadence.bench.datasets import BenchRequest
-    from cadence.bench.machine import machine, server_kernels
-    from cadence.bench.metrics import summarize
-    from cadence.bench.runner import run_benchmark, warm_up
+    from cadence_bench.datasets import BenchRequest
+    from cadence_bench.machine import machine, server_kernels
+    from cadence_bench.metrics import summarize
+    from cadence_bench.runner import run_benchmark, warm_up
 
     warm_up(cfg, BenchRequest(requests[0].prompt, requests[0].prompt_len, 2))
     outputs, duration = asyncio.run(run_benchmark(cfg, requests))
@@ -345,9 +345,9 @@ def measure(cfg: RunConfig, requests: list[BenchRequest]) -> dict[str, Any]:
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
-    from cadence.bench.report import save_json, table
-    from cadence.bench.runner import RunConfig
-    from cadence.bench.server_process import LaunchedServer
+    from cadence_bench.report import save_json, table
+    from cadence_bench.runner import RunConfig
+    from cadence_bench.server_process import LaunchedServer
 
     requests, adapters = with_adapters(args, build_dataset(args))
     cfg = RunConfig(
@@ -364,7 +364,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     )
     server_args = shlex.split(args.server_args)
     if adapters is not None:
-        from cadence.bench.adapter_workload import with_lora_dir
+        from cadence_bench.adapter_workload import with_lora_dir
 
         server_args = with_lora_dir(server_args, args.lora_adapters_dir)
     if args.base_url:
@@ -399,7 +399,7 @@ def _plain(value: Any) -> Any:
 
 def run_experiment_command(args: argparse.Namespace) -> int:
     if args.name == "E5":
-        from cadence.bench.lora_experiment import run_e5
+        from cadence_bench.lora_experiment import run_e5
 
         run_e5(
             args.out_dir,
@@ -409,7 +409,7 @@ def run_experiment_command(args: argparse.Namespace) -> int:
             adapters_dir=args.adapters_dir,
         )
         return 0
-    from cadence.bench.experiments import run_experiment
+    from cadence_bench.experiments import run_experiment
 
     run_experiment(
         args.name,

@@ -25,24 +25,24 @@ from typing import Any
 import httpx
 import numpy as np
 
-from cadence.bench.adapter_maker import make_adapters
-from cadence.bench.adapter_merge import MERGED_WEIGHTS, merge_adapter
-from cadence.bench.adapter_workload import (
+from cadence_bench.adapter_maker import make_adapters
+from cadence_bench.adapter_merge import MERGED_WEIGHTS, merge_adapter
+from cadence_bench.adapter_workload import (
     Distribution,
     adapter_counts,
     assign_adapters,
     list_adapters,
     with_lora_dir,
 )
-from cadence.bench.datasets import BenchRequest, PromptMaker, load_tokenizer
-from cadence.bench.e5_arithmetic import ShareTime, share_sizes
-from cadence.bench.e5_records import E5Records, RealMerged, ServedRun, save
-from cadence.bench.e5_report import PLOT, plot, probes_text, shares_table, summary, table
-from cadence.bench.experiments import _cpu_class, _cpus
-from cadence.bench.metrics import summarize
-from cadence.bench.runner import RunConfig, run_benchmark, warm_up
-from cadence.bench.server_process import LaunchedServer
-from cadence.bench.speculative_experiment import _float_copy, _served_folder
+from cadence_bench.datasets import BenchRequest, PromptMaker, load_tokenizer
+from cadence_bench.e5_arithmetic import ShareTime, share_sizes
+from cadence_bench.e5_records import E5Records, RealMerged, ServedRun, save
+from cadence_bench.e5_report import PLOT, plot, probes_text, shares_table, summary, table
+from cadence_bench.experiments import _cpu_class, _cpus
+from cadence_bench.metrics import summarize
+from cadence_bench.runner import RunConfig, run_benchmark, warm_up
+from cadence_bench.server_process import LaunchedServer
+from cadence_bench.speculative_experiment import _float_copy, _served_folder
 
 RANK = 8
 TARGETS = ("q_proj", "v_proj")

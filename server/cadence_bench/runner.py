@@ -10,10 +10,10 @@ from typing import Any
 
 from tqdm import tqdm
 
-from cadence.bench.arrivals import arrival_gaps
-from cadence.bench.client import send, served_model, session
-from cadence.bench.datasets import BenchRequest
-from cadence.bench.metrics import RequestOutput
+from cadence_bench.arrivals import arrival_gaps
+from cadence_bench.client import send, served_model, session
+from cadence_bench.datasets import BenchRequest
+from cadence_bench.metrics import RequestOutput
 
 
 @dataclass(slots=True)

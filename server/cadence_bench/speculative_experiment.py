@@ -7,7 +7,7 @@ real proposer: n-gram prompt lookup, the served model as its own draft, and that
 quantized to int4. Every run sends the same grounded prompts (a passage the model is asked
 to repeat or correct, so prompt lookup has spans to find) one at a time, greedy, EOS
 ignored. The measured acceptance comes from the router's /metrics; the theory curves
-(`cadence.bench.speculation`) are drawn over the points.
+(`cadence_bench.speculation`) are drawn over the points.
 """
 
 from __future__ import annotations
@@ -22,16 +22,16 @@ import httpx
 import matplotlib.pyplot as plt
 import numpy as np
 
-from cadence.bench.datasets import (
+from cadence_bench.datasets import (
     BenchRequest,
     GroundedPromptMaker,
     load_chat_renderer,
     load_tokenizer,
 )
-from cadence.bench.experiments import Scale, _header, _serve
-from cadence.bench.metrics import summarize
-from cadence.bench.runner import RunConfig, run_benchmark
-from cadence.bench.speculation import (
+from cadence_bench.experiments import Scale, _header, _serve
+from cadence_bench.metrics import summarize
+from cadence_bench.runner import RunConfig, run_benchmark
+from cadence_bench.speculation import (
     SpecCounts,
     acceptance_of,
     expected_tokens,

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from cadence.bench.adapter_maker import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, weight_files
+from cadence_bench.adapter_maker import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, weight_files
 
 MERGED_WEIGHTS = "model.safetensors"
 _A, _B = ".lora_A.weight", ".lora_B.weight"

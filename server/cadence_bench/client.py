@@ -16,8 +16,8 @@ from typing import Any
 
 import aiohttp
 
-from cadence.bench.datasets import BenchRequest
-from cadence.bench.metrics import RequestOutput
+from cadence_bench.datasets import BenchRequest
+from cadence_bench.metrics import RequestOutput
 
 # Largest event line read (a final event carries the whole generated text).
 MAX_LINE_BYTES = 1 << 22
