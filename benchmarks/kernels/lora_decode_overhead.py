@@ -5,7 +5,7 @@ into the KV pool), then all 32 with one adapter. The LoRA products go through th
 kernels where the engine's CPU kernels serve (`cadence.lora.cpu_rows`), or through torch
 with --torch-lora.
 
-    PYTHONPATH=server python kernels/lora_decode_overhead.py [--batch 32] [--rank 8] \
+    PYTHONPATH=server python benchmarks/kernels/lora_decode_overhead.py [--batch 32] [--rank 8] \
         [--threads 1] [--dtype float32] [--torch-lora]
 
 Held to AVX2 (float32 is what such a CPU serves): ONEDNN_MAX_CPU_ISA=AVX2

@@ -16,7 +16,7 @@ The threshold is the largest step, B * (1 + k) tokens, whose gain is at least `-
 start (`speculative_threshold`, InfoResponse.speculative_max_step_tokens) and the router's
 load switch applies.
 
-    PYTHONPATH=server python kernels/spec_threshold_bench.py [--model-id DIR] [--write]
+    PYTHONPATH=server python benchmarks/kernels/spec_threshold_bench.py [--model-id DIR] [--write]
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ the faster of the two. Hold the libraries to AVX2 with `ONEDNN_MAX_CPU_ISA=AVX2
 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 CADENCE_CPU_ISA=avx2` (and
 `--dtype float32`, what is served there).
 
-    python kernels/quant_integer_bench.py [--threads 2] [--dtype float32] [--rows 1,4,8]
+    python benchmarks/kernels/quant_integer_bench.py [--threads 2] [--dtype float32] [--rows 1,4,8]
         [--formats int4,int8]
 """
 

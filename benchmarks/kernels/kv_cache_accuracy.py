@@ -4,7 +4,7 @@ and every later token teacher-forced as a decode step (so most positions attend 
 the decode kernel over the quantized cache), each --kv-dtype against a float32 cache:
 top-1 agreement and the largest |logit difference| over every position.
 
-    PYTHONPATH=server python kernels/kv_cache_accuracy.py [--kv-dtype int8 fp8_e4m3 ...]
+    PYTHONPATH=server python benchmarks/kernels/kv_cache_accuracy.py [--kv-dtype int8 fp8_e4m3 ...]
 """
 
 from __future__ import annotations

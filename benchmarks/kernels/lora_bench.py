@@ -1,4 +1,4 @@
-"""The Triton LoRA products (`cadence.kernels.lora`) against their torch definition
+r"""The Triton LoRA products (`cadence.kernels.lora`) against their torch definition
 (`cadence.kernels.reference`, a gather then a matmul per adapter) on a GPU: one fused
 q/k/v layer of a Llama-8B-sized model (hidden 4096, outputs 4096 + 1024 + 1024), its
 adapters paged into a pool at scattered rows, for decode batches (rows of different
@@ -6,7 +6,8 @@ adapters, taken one by one), prefill chunks (segments) and a mix of both. Per wo
 shrink + three expands, time per layer and the GB/s of the bytes it must move (x, the
 adapters' A and Bᵀ rows, h, y read and written).
 
-    PYTHONPATH=server python kernels/lora_bench.py [--rank 16] [--adapters 8] [--dtype bfloat16]
+    PYTHONPATH=server python benchmarks/kernels/lora_bench.py [--rank 16] [--adapters 8] \
+        [--dtype bfloat16]
 
 Without a GPU it says so and exits 0 (the kernels' tests run under the interpreter).
 """

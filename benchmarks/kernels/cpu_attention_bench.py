@@ -6,7 +6,7 @@ AVX512-BF16), with `--kv-dtype` for their cache: a float dtype, or a quantized c
 (int8, fp8_e4m3, fp8_e5m2: `cadence.kv_format`, read with its scales). $CADENCE_CPU_ISA
 picks the kernels' build.
 
-    PYTHONPATH=server python kernels/cpu_attention_bench.py [--batch 32] [--context 420]
+    PYTHONPATH=server python benchmarks/kernels/cpu_attention_bench.py [--batch 32] [--context 420]
         [--dtype float32] [--kv-dtype bfloat16]
         [--in-cache]   # every sequence and layer reads the same blocks: compute alone
         [--cpu-time]   # time in CPU seconds of this process, not wall time
@@ -21,7 +21,9 @@ from cadence.attention_backends.torch_sdpa import decode_attention
 from cadence.kernels import cpu
 from cadence.kv_cache import bytes_per_block
 from cadence.kv_format import kv_format, quantize
-from cpu_decode_step import clock_of, timed  # the same timing (run as a script from kernels/)
+
+# The same timing (run as a script, this folder is on sys.path).
+from cpu_decode_step import clock_of, timed
 
 
 def main() -> None:

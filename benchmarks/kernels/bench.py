@@ -1,9 +1,10 @@
-"""Kernel and decode-step benchmarks on a GPU: per kernel and size, time, achieved GB/s
+r"""Kernel and decode-step benchmarks on a GPU: per kernel and size, time, achieved GB/s
 and the fraction of the device's measured memory bandwidth (a device-to-device copy);
 then one decode step of a model against its roofline (weight + KV bytes / bandwidth).
 
-    PYTHONPATH=server python kernels/bench.py                  # kernels
-    PYTHONPATH=server python kernels/bench.py --model ~/.cache/cadence/models/SmolLM2-135M-Instruct
+    PYTHONPATH=server python benchmarks/kernels/bench.py                  # kernels
+    PYTHONPATH=server python benchmarks/kernels/bench.py \
+        --model ~/.cache/cadence/models/SmolLM2-135M-Instruct
 """
 
 # ruff: noqa: B023 (each lambda is timed at once, inside its loop iteration)

@@ -12,7 +12,7 @@ torch's whatever the CPU.
 with `ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
 CADENCE_CPU_ISA=avx2` (and `--dtype float32`, what is served there).
 
-    python kernels/quant_linear_bench.py [--threads 2] [--dtype bfloat16] [--write]
+    python benchmarks/kernels/quant_linear_bench.py [--threads 2] [--dtype bfloat16] [--write]
         [--torch-kernels]
 """
 

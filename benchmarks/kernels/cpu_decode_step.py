@@ -7,7 +7,7 @@ last line runs it through the model's modules instead, as every other variant ru
 (prepacked linears, fused norms when the C++ kernels are built), which is the
 like-for-like comparison of paged against contiguous attention.
 
-    PYTHONPATH=server python kernels/cpu_decode_step.py --batch 32 --context 350
+    PYTHONPATH=server python benchmarks/kernels/cpu_decode_step.py --batch 32 --context 350
         [--kv-dtype int8]   # the cache's format (cadence.kv_format; default: --dtype)
         [--cpu-time]        # time in CPU seconds of this process, not wall time
 """

@@ -5,7 +5,7 @@ rows bfloat16 weights are used packed (`BF16_PACKED_MAX_ROWS`), and that float32
 always are. `ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2` holds both libraries
 to what an AVX2-only CPU runs.
 
-    python kernels/cpu_linear_bench.py [--threads 2] [--rows 1,32,96,256,352,512,1024]
+    python benchmarks/kernels/cpu_linear_bench.py [--threads 2] [--rows 1,32,96,256,352,512,1024]
         [--dtype bfloat16|float32]
 """
 

@@ -2,7 +2,7 @@
 no gRPC): 32 requests of 320 prompt tokens prefilled three at a time, then decode steps,
 with a torch profiler table of one batch of decode steps.
 
-    PYTHONPATH=server python kernels/engine_step_profile.py [--batch 32] [--prompt 320]
+    PYTHONPATH=server python benchmarks/kernels/engine_step_profile.py [--batch 32] [--prompt 320]
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What each quantization costs in accuracy on a real model: perplexity on the bench
+r"""What each quantization costs in accuracy on a real model: perplexity on the bench
 corpus and agreement of the greedy next token with the float model, for int8 and int4
 (groups 32/64/128), with the LM head kept float, quantized alike, or in int8.
 
@@ -6,7 +6,8 @@ The weights are quantized with cadence's quantizers and dequantized back into a
 transformers model (the kernels compute exactly that product: server/tests/
 test_quant_model.py), so this measures the formats, not the kernels.
 
-    python kernels/quant_accuracy.py [--model ~/.cache/cadence/models/SmolLM2-135M-Instruct]
+    python benchmarks/kernels/quant_accuracy.py \
+        [--model ~/.cache/cadence/models/SmolLM2-135M-Instruct]
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from cadence.model_source import default_model_dir
 from cadence.quant.quantize import group_size_for, quantize_int4, quantize_int8
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-CORPUS = Path(__file__).resolve().parents[1] / "server/cadence_bench/corpus.txt"
+CORPUS = Path(__file__).resolve().parents[2] / "server/cadence_bench/corpus.txt"
 VARIANTS = [("int8", 0), ("int4", 32), ("int4", 64), ("int4", 128)]
 # The embedded SmolLM2 comes from a GGUF file whose linears are 4-bit in blocks of 32: int4
 # g32 reproduces them exactly, and only the head (8-bit there) shows what int4 costs.
