@@ -72,17 +72,17 @@ test-rust:
 	cargo test --manifest-path router/Cargo.toml --quiet
 
 test-python:
-	$(PY) -m pytest -q server/tests kernels/tests integration-tests
+	$(PY) -m pytest -q server/tests integration-tests
 
 lint:
-	$(PY) -m ruff check server kernels integration-tests
-	$(PY) -m ruff format --check server kernels integration-tests
+	$(PY) -m ruff check server benchmarks integration-tests
+	$(PY) -m ruff format --check server benchmarks integration-tests
 	cargo fmt --manifest-path router/Cargo.toml --check
 	cargo clippy --manifest-path router/Cargo.toml --all-targets -- -D warnings
 
 fmt:
-	$(PY) -m ruff format server kernels integration-tests
-	$(PY) -m ruff check --fix server kernels integration-tests
+	$(PY) -m ruff format server benchmarks integration-tests
+	$(PY) -m ruff check --fix server benchmarks integration-tests
 	cargo fmt --manifest-path router/Cargo.toml
 
 clean:

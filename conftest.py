@@ -1,4 +1,4 @@
-"""Fixtures shared by server/tests, kernels/tests and integration-tests."""
+"""Fixtures shared by server/tests (the kernels' tests among them) and integration-tests."""
 
 from __future__ import annotations
 

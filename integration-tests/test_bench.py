@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from cadence.bench.metrics import LATENCIES, PERCENTILES
+from cadence_bench.metrics import LATENCIES, PERCENTILES
 
 STATS = ("mean", "median", "std", *(f"p{p}" for p in PERCENTILES))
 COUNTS = ("completed", "failed", "total_input_tokens", "total_output_tokens", "duration_s")
@@ -40,7 +40,7 @@ def test_bench_reports_every_metric_and_the_counts_add_up(
             assert f"{stat}_{name}_ms" in r, (stat, name)
     assert (r["completed"], r["failed"], r["num_prompts"]) == (6, 0, 6)
     # The same workload rebuilt here: its lengths are what the server must have seen.
-    from cadence.bench.datasets import load_tokenizer, random_dataset
+    from cadence_bench.datasets import load_tokenizer, random_dataset
 
     reqs = random_dataset(load_tokenizer(None), 6, (12, 40), (3, 9), seed=7)
     assert r["total_input_tokens"] == sum(q.prompt_len for q in reqs)

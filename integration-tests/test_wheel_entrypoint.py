@@ -93,6 +93,33 @@ def test_the_wheel_carries_the_router_and_the_generated_grpc_code(installed: Pat
     assert (installed / "bin" / "cadence").is_file()
 
 
+def test_the_wheels_cadence_bench_runs(installed: Path, tmp_path: Path) -> None:
+    """`cadence bench` lives in a package beside `cadence` (with its corpus): the wheel
+    carries it, and the wheel's own script finds it."""
+    assert (installed / "cadence_bench" / "corpus.txt").is_file()
+    assert not (installed / "cadence" / "bench").exists()
+    done = subprocess.run(
+        [str(installed / "bin" / "cadence"), "bench", "--help"],
+        env=wheel_env(installed),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: cadence bench"), done.stdout
+    done = subprocess.run(
+        [sys.executable, "-c", "import cadence_bench; print(cadence_bench.__file__)"],
+        env=wheel_env(installed),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert Path(done.stdout.strip()).is_relative_to(installed)
+
+
 def test_the_installed_wheel_is_what_python_imports(installed: Path, tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-c", "import cadence, cadence._router; print(cadence.__file__)"],

@@ -15,10 +15,10 @@ from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
+from cadence_bench.command import add_bench_parser
 from loguru import logger
 
 from cadence import __version__
-from cadence.bench.command import add_bench_parser
 from cadence.config import (
     ATTENTION_BACKENDS,
     GROUP_SIZES,

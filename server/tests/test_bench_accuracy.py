@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cadence.bench.accuracy import Variant, compare, divergence, measure
+from cadence_bench.accuracy import Variant, compare, divergence, measure
 
 
 def test_float32_engine_matches_the_reference_teacher_forced_and_greedy(model_dirs) -> None:

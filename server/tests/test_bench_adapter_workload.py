@@ -11,7 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cadence.bench.adapter_workload import (
+from cadence.cli import build_parser
+from cadence_bench.adapter_workload import (
     Distribution,
     adapter_counts,
     assign_adapters,
@@ -21,10 +22,9 @@ from cadence.bench.adapter_workload import (
     probabilities,
     with_lora_dir,
 )
-from cadence.bench.client import _openai_body, _tgi_body
-from cadence.bench.command import _plain, with_adapters
-from cadence.bench.datasets import BenchRequest
-from cadence.cli import build_parser
+from cadence_bench.client import _openai_body, _tgi_body
+from cadence_bench.command import _plain, with_adapters
+from cadence_bench.datasets import BenchRequest
 
 NAMES = [f"adapter-{i:04d}" for i in range(8)]
 DRAWS = 40_000

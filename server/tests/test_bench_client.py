@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 import json
 
-from cadence.bench.client import send, session
-from cadence.bench.datasets import BenchRequest
+from cadence_bench.client import send, session
+from cadence_bench.datasets import BenchRequest
 
 EVENTS = [
     {"choices": [{"text": " hi"}]},

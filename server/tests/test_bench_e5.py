@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from cadence.bench.e5_arithmetic import (
+from cadence_bench.e5_arithmetic import (
     GoalCheck,
     ShareTime,
     compose_merged,
@@ -14,9 +14,9 @@ from cadence.bench.e5_arithmetic import (
     ratio,
     share_sizes,
 )
-from cadence.bench.e5_records import E5Records, RealMerged, ServedRun, from_json, to_json
-from cadence.bench.e5_report import plot, summary, table
-from cadence.bench.lora_experiment import document
+from cadence_bench.e5_records import E5Records, RealMerged, ServedRun, from_json, to_json
+from cadence_bench.e5_report import plot, summary, table
+from cadence_bench.lora_experiment import document
 
 SHARES = {
     1: ShareTime(1, 2.0, 64),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from cadence.bench.datasets import (
+from cadence_bench.datasets import (
     CORPUS,
     GROUNDED_TASKS,
     GroundedPromptMaker,

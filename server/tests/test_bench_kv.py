@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from cadence.bench.kv import (
+from cadence_bench.kv import (
     InFlight,
     blocks_for,
     contiguous_slots,

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from cadence.bench.adapter_maker import (
+from cadence_bench.adapter_maker import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     DEFAULT_RELATIVE_SCALE,
     find_targets,
     make_adapters,
 )
-from cadence.bench.adapter_merge import MERGED_WEIGHTS, merge_adapter
+from cadence_bench.adapter_merge import MERGED_WEIGHTS, merge_adapter
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.utils import load_peft_weights, set_peft_model_state_dict
 from safetensors.torch import load_file

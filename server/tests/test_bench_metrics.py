@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from cadence.bench.metrics import RequestOutput, summarize
+from cadence_bench.metrics import RequestOutput, summarize
 
 
 def _outputs() -> list[RequestOutput]:

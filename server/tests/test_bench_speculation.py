@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 import pytest
-from cadence.bench.speculation import (
+from cadence_bench.speculation import (
     SpecCounts,
     acceptance_of,
     expected_tokens,
@@ -16,7 +16,7 @@ from cadence.bench.speculation import (
     read_spec_counts,
     theory_speedup,
 )
-from cadence.bench.speculative_experiment import KS, MAX_STEP_TOKENS, plan_runs
+from cadence_bench.speculative_experiment import KS, MAX_STEP_TOKENS, plan_runs
 
 # The router's exposition of the series (router/src/speculative/metrics.rs), after 10
 # verifications of 4 proposals, 13 accepted.

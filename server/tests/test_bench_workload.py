@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cadence.bench.arrivals import arrival_gaps
-from cadence.bench.datasets import (
+from cadence_bench.arrivals import arrival_gaps
+from cadence_bench.datasets import (
     SHAREGPT_MEAN_INPUT,
     _lognormal,
     capped_exponential,

@@ -5,7 +5,7 @@ the dense definitions (`cadence.kernels.reference`) over adapters of ranks 0, 4,
 selections that are an index or a run; every row they must not touch, every pool row no
 adapter names and every padding index NaN, so a stray read or write shows. Then through
 `cadence.lora.torch_ops` against its torch path, the shape and index checks, and an
-engine's mixed-adapter run with the kernels on and off. (`kernels/tests/test_cpu_ops.py`
+engine's mixed-adapter run with the kernels on and off. (`server/tests/kernels/test_cpu_ops.py`
 runs `torch.library.opcheck` on both, the Meta implementations among what it checks.)"""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""kernels/spec_threshold_bench.py: the threshold rule, the router's block bookkeeping it
+"""benchmarks/kernels/spec_threshold_bench.py: the threshold rule, the router's block bookkeeping it
 mirrors against a real engine's, and the file it writes, read back by the shard's
 `speculative_threshold`."""
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 from cadence.speculative.threshold import speculative_threshold
 
-BENCH = Path(__file__).resolve().parents[2] / "kernels" / "spec_threshold_bench.py"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels" / "spec_threshold_bench.py"
 
 
 @pytest.fixture(scope="module")

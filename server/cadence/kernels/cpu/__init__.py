@@ -1,7 +1,7 @@
-"""C++ kernels for the shard's CPU path (`cpu_kernels.cpp` beside this file), registered
-as torch operators in the `cadence` namespace (`torch.ops.cadence.*`) by a C++ shim
-(`cpu_ops.cpp`), with a plain torch reference beside each (`reference.py`), which is what
-the tests compare against.
+"""C++ kernels for the shard's CPU path (the `*_kernels.cpp` beside this file, one per op
+family; `cpu_kernels.h` declares their entry points), registered as torch operators in the
+`cadence` namespace (`torch.ops.cadence.*`) by a C++ shim (`cpu_ops.cpp`), with a plain
+torch reference beside each (`reference.py`), which is what the tests compare against.
 
 The kernels are compiled once per instruction set (`isa.ISAS`: AVX-512 with BF16,
 AVX-512, AVX2 + FMA + F16C, portable scalar), each with its own explicit `-march`, by the

@@ -3,8 +3,8 @@
 sources, its flags and the compiler (and torch's version for the shim), so an edited
 source, another compiler or another torch builds anew:
 
-- `build(isa)`: `cpu_kernels.cpp`, `lora_kernels.cpp` and `quant_kernels.cpp`, one plain-C
-  shared library per instruction set (`isa.ISAS`), with OpenMP and no torch;
+- `build(isa)`: the kernel sources (`SOURCES`: one per op family), one plain-C shared
+  library per instruction set (`isa.ISAS`), with OpenMP and no torch;
 - `build_operators()`: `cpu_ops.cpp`, the operator shim, once, with the machine's baseline
   flags (it has no vector code) against torch's headers and libraries.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -25,24 +26,39 @@ import torch
 from cadence.kernels.cpu import isa as isas
 
 _HERE = Path(__file__).parent
-SOURCES = (_HERE / "cpu_kernels.cpp", _HERE / "lora_kernels.cpp", _HERE / "quant_kernels.cpp")
+# The kernel library's translation units, one per op family, compiled together per ISA.
+SOURCES = tuple(
+    _HERE / name
+    for name in (
+        "attention_kernels.cpp",
+        "rotary_kernels.cpp",
+        "elementwise_kernels.cpp",
+        "sampling_kernels.cpp",
+        "lora_kernels.cpp",
+        "quant_kernels.cpp",
+    )
+)
 OPS_SOURCE = _HERE / "cpu_ops.cpp"
-# Every file each build includes (the entry points' header is shared by both).
-KERNEL_FILES = (
-    *SOURCES,
-    _HERE / "cpu_kernels.h",
-    _HERE / "cpu_elements.h",
-    _HERE / "quant_rows.h",
-    _HERE / "quant_tiles_avx512.h",
-    _HERE / "quant_tiles_avx2.h",
-)
-OPS_FILES = (
-    OPS_SOURCE,
-    _HERE / "cpu_ops_checks.h",
-    _HERE / "lora_checks.h",
-    _HERE / "quant_checks.h",
-    _HERE / "cpu_kernels.h",
-)
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+def local_files(sources: Sequence[Path]) -> tuple[Path, ...]:
+    """`sources` and every file of this folder they include, transitively (`#include
+    "..."`), in a fixed order: what a build's key hashes, so no header can be left out."""
+    found: dict[Path, None] = {}
+    pending = list(sources)
+    while pending:
+        path = pending.pop(0)
+        if path in found:
+            continue
+        found[path] = None
+        pending += [_HERE / name for name in _INCLUDE.findall(path.read_text())]
+    return (*sources, *sorted(set(found) - set(sources)))
+
+
+# Every file each build includes (the entry points' header, cpu_kernels.h, is in both).
+KERNEL_FILES = local_files(SOURCES)
+OPS_FILES = local_files((OPS_SOURCE,))
 # -fno-trapping-math: loops with a select or a min/max around fast_exp (greedy's sum, the
 # generic SwiGLU) vectorize without AVX-512's masked stores (avx2 greedy: 1.5 -> 0.43 ms at
 # 32 x 49152); no FP exception flag is ever read here.

@@ -1,8 +1,21 @@
-// The C entry points of cpu_kernels.cpp, declared once for both sides of the call: the
+// The C entry points of the kernel library, declared once for both sides of the call: the
 // kernels' definitions (a definition that differs from its declaration here is a compile
 // error, both being extern "C") and the operator shim cpu_ops.cpp, which takes its
 // function-pointer types from them. Plain C ABI, no torch: one library per instruction
 // set, each dlopen'ed by the shim.
+//
+// The library is one translation unit per op family, compiled together with g++ -O3
+// -fopenmp once per instruction set (cadence/kernels/cpu/builds.py, isa.py):
+// attention_kernels.cpp (paged decode attention), rotary_kernels.cpp (the rotary, and with
+// it the KV-cache write), elementwise_kernels.cpp (RMSNorm, SwiGLU), sampling_kernels.cpp
+// (greedy with log-probabilities), lora_kernels.cpp and quant_kernels.cpp. Their vector
+// paths are chosen at compile time by what that build's -march enables
+// (CADENCE_AVX512_BF16, CADENCE_AVX2, else portable: cpu_elements.h). Python calls them
+// only through the torch operators of the shim (torch.ops.cadence.*), which checks every
+// shape, dtype, device and layout (cpu_ops_checks.h) and calls the selected library's entry
+// points through function pointers: each entry point takes raw pointers and trusts them.
+// Everything here is memory-bound work that torch on CPU does in several passes. OpenMP
+// is the same runtime torch uses (its bundled libgomp.so.1 is loaded first).
 
 #pragma once
 

@@ -1,0 +1,66 @@
+"""Times and profiles the shard's whole `Engine.step` on the embedded SmolLM2 (no router,
+no gRPC): 32 requests of 320 prompt tokens prefilled three at a time, then decode steps,
+with a torch profiler table of one batch of decode steps.
+
+    PYTHONPATH=server python benchmarks/kernels/engine_step_profile.py [--batch 32] [--prompt 320]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from cadence.config import ShardConfig
+from cadence.pb import shard_pb2 as pb
+from cadence.shard.engine import Engine
+from torch.profiler import ProfilerActivity, profile
+
+MODEL = Path.home() / ".cache/cadence/models/SmolLM2-135M-Instruct"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--prompt", type=int, default=320)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--kv-mib", type=int, default=512)
+    a = p.parse_args()
+    engine = Engine(ShardConfig(model_dir=str(MODEL), uds_path="/unused", dtype=a.dtype))
+    engine.warmup(1024, 64, a.kv_mib * 1024**2, 0.1)
+    per_request = (a.prompt + a.steps + 16) // 16 + 1  # blocks each request may fill
+    greedy = pb.SamplingParams(top_p=1.0, typical_p=1.0, repetition_penalty=1.0)
+    joined = [
+        pb.NewRequest(
+            id=i,
+            token_ids=[(7 * i + j) % 40000 + 100 for j in range(a.prompt)],
+            prompt_len=a.prompt,
+            num_compute=a.prompt,
+            block_table=list(range(i * per_request, (i + 1) * per_request)),
+            sampling=greedy,
+        )
+        for i in range(a.batch)
+    ]
+    started = time.perf_counter()
+    for k in range(0, a.batch, 3):
+        engine.step(pb.StepRequest(joined=joined[k : k + 3]))
+    print(f"prefill {a.batch} x {a.prompt}: {time.perf_counter() - started:.2f} s")
+    decode = pb.StepRequest(
+        continuing=[pb.ContinuingRequest(id=i, num_compute=1) for i in range(a.batch)]
+    )
+    engine.step(decode)  # warm the workspace
+    started = time.perf_counter()
+    for _ in range(a.steps - 4):
+        answer = engine.step(decode)
+    per_step = (time.perf_counter() - started) / (a.steps - 4) * 1000
+    forward_ms = answer.forward_ns / 1e6
+    print(f"decode step, batch {a.batch}: {per_step:.1f} ms ({forward_ms:.1f} in forward)")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            engine.step(decode)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,299 @@
+// The AVX2 decode attention of attention_kernels.cpp (the avx2 and avx512 builds): a
+// whole sequence per call (attention_shared.h), any query and cache dtype.
+
+#pragma once
+
+#include "cache_rows.h"
+#include "cpu_elements.h"
+#include "attention_shared.h"
+#include "fast_exp.h"
+
+#include <algorithm>
+#include <cstdint>
+
+namespace {
+
+using namespace cadence_kernels;  // DType, Status
+
+#ifdef CADENCE_AVX2
+// ---- decode attention in 8 float32 lanes (AVX2 + FMA + F16C) ----------------------------
+// Any query and cache dtype (the path of the float32 servers below AVX512-BF16), head_dim
+// D a multiple of 16, block_size a multiple of 8: one sequence, all of its KV heads, so
+// each cache block is read front to back once. Keys and values are read in place and
+// converted in registers; each query head scores 8 rows at a time with one accumulator
+// per row and a single transposed reduction, the block's softmax step runs in registers,
+// and each head accumulates its D dimensions in registers.
+
+// Asks for cache lines ahead of use: blocks sit anywhere in the pool, so the hardware
+// prefetcher only finds each one after its start (and stops at every 4 KiB page).
+inline void prefetch_block(const void* rows, int64_t bytes) {
+    const char* p = static_cast<const char*>(rows);
+    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+}
+
+// The next block's keys and values (`bytes` at byte offset `at` of each cache), asked for
+// a slice at a time over the current block's work: prefetched in one burst, its misses
+// held this block's loads behind them (a third slower with a float32 cache).
+struct BlockPrefetch {
+    const char* k;
+    const char* v;
+    int64_t at, bytes, slice, done = 0;
+    void next_slice() {
+        const int64_t n = std::min(slice, bytes - done);
+        if (n <= 0) return;
+        prefetch_block(k + at + done, n);
+        prefetch_block(v + at + done, n);
+        done += n;
+    }
+    void rest() {
+        while (done < bytes) next_slice();
+    }
+};
+
+// Elements [i, i + 16) of a row as two float32 vectors: in order, except for bfloat16,
+// where a shift and a mask of the same 32-bit lanes give the even elements, then the odd
+// ones (no widening shuffle). Queries and accumulators are kept in this order
+// (`pair_order`): dot products and sums do not care.
+template <int DT>
+inline void load16(const void* p, int64_t i, __m256& a, __m256& b) {
+    if constexpr (DT == F32) {
+        a = _mm256_loadu_ps(static_cast<const float*>(p) + i);
+        b = _mm256_loadu_ps(static_cast<const float*>(p) + i + 8);
+    } else if constexpr (DT == BF16) {
+        const __m256i x = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i));
+        a = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+        const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+        b = _mm256_castsi256_ps(_mm256_and_si256(x, high));
+    } else if constexpr (DT == F16) {
+        const auto* h = reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i);
+        a = _mm256_cvtph_ps(_mm_loadu_si128(h));
+        b = _mm256_cvtph_ps(_mm_loadu_si128(h + 1));
+    } else if constexpr (DT == I8) {  // the stored integers; the caller applies the scales
+        const __m128i x = _mm_loadu_si128(
+            reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(p) + i));
+        a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x));
+        b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(x, 8)));
+    } else {  // fp8 as half (fp8_to_f32's bits, before FP8_UNIT and the scale)
+        const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128(
+            reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(p) + i)));
+        __m256i h;
+        if constexpr (DT == F8E4M3) {
+            const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8);
+            const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7f)), 7);
+            h = _mm256_or_si256(sign, rest);
+        } else {
+            h = _mm256_slli_epi16(x, 8);
+        }
+        a = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+        b = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+    }
+}
+
+// Where element d of a head sits in load16's order.
+template <int DT>
+inline int pair_order(int d) {
+    return DT == BF16 ? d / 16 * 16 + d % 2 * 8 + d % 16 / 2 : d;
+}
+
+// Lane i of the result is the sum of the 8 lanes of v[i].
+inline __m256 reduce8(const __m256* v) {
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+inline float hmax8(__m256 v) {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_max_ss(x, _mm_shuffle_ps(x, x, 1)));
+}
+
+inline float hsum8(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_shuffle_ps(x, x, 1)));
+}
+
+// One query head (qf, in pair_order) against 8 rows of KT elements `stride` apart.
+template <int KT, int D>
+inline __m256 scores8(const float* qf, const void* k, int64_t at, int64_t stride) {
+    __m256 dot[8];
+    for (int r = 0; r < 8; ++r) dot[r] = _mm256_setzero_ps();
+    for (int c = 0; c < D; c += 16) {
+        const __m256 qa = _mm256_loadu_ps(qf + c), qb = _mm256_loadu_ps(qf + c + 8);
+        for (int r = 0; r < 8; ++r) {
+            __m256 ka, kb;
+            load16<KT>(k, at + r * stride + c, ka, kb);
+            dot[r] = _mm256_fmadd_ps(qb, kb, _mm256_fmadd_ps(qa, ka, dot[r]));
+        }
+    }
+    return reduce8(dot);
+}
+
+// online_softmax_block for the n query heads of a KV head (scores sc + i * stride), one
+// step at a time over all of them so that their latency chains overlap: whole groups of
+// 8 scores, rows outside [lo, hi) made -inf by a select whatever their slot held (NaN
+// included), so they weigh exactly 0. correction[i] gets the factor head i's accumulator
+// is rescaled by, which accumulate_values16 applies.
+inline void softmax_heads8(float* sc, int stride, int n, int lo, int hi, float* m, float* l,
+                           float* correction) {
+    const int first = lo / 8 * 8;
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int i = 0; i < n; ++i) {
+        float* si = sc + i * stride;
+        __m256 top = _mm256_set1_ps(NEG_INF);
+        for (int t = first; t < hi; t += 8) {
+            const __m256i row = _mm256_add_epi32(lane, _mm256_set1_epi32(t));
+            const __m256i valid =
+                _mm256_and_si256(_mm256_cmpgt_epi32(row, _mm256_set1_epi32(lo - 1)),
+                                 _mm256_cmpgt_epi32(_mm256_set1_epi32(hi), row));
+            const __m256 x = _mm256_blendv_ps(_mm256_set1_ps(NEG_INF), _mm256_loadu_ps(si + t),
+                                              _mm256_castsi256_ps(valid));
+            _mm256_storeu_ps(si + t, x);
+            top = _mm256_max_ps(top, x);
+        }
+        const float m_new = std::max(m[i], hmax8(top));
+        correction[i] = fast_exp(m[i] - m_new);
+        m[i] = m_new;
+    }
+    for (int i = 0; i < n; ++i) {
+        float* si = sc + i * stride;
+        const __m256 mv = _mm256_set1_ps(m[i]);
+        __m256 sum = _mm256_setzero_ps();
+        for (int t = first; t < hi; t += 8) {
+            const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(si + t), mv));
+            _mm256_storeu_ps(si + t, p);
+            sum = _mm256_add_ps(sum, p);
+        }
+        l[i] = l[i] * correction[i] + hsum8(sum);
+    }
+}
+
+// acc[0, 16N) = acc * correction + sum over rows t in [lo, hi) of p[t] * v[t] (KT rows
+// `stride` apart, acc in pair_order), in 2N registers. Rows past hi are never read.
+template <int KT, int N>
+inline void accumulate_values16(const void* v, int64_t at, int64_t stride, const float* p,
+                                int lo, int hi, float correction, float* acc) {
+    __m256 a[2 * N];
+    const __m256 c = _mm256_set1_ps(correction);
+    for (int i = 0; i < 2 * N; ++i) a[i] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * i), c);
+    for (int t = lo; t < hi; ++t) {
+        const __m256 pt = _mm256_broadcast_ss(p + t);
+        for (int i = 0; i < N; ++i) {
+            __m256 va, vb;
+            load16<KT>(v, at + t * stride + 16 * i, va, vb);
+            a[2 * i] = _mm256_fmadd_ps(pt, va, a[2 * i]);
+            a[2 * i + 1] = _mm256_fmadd_ps(pt, vb, a[2 * i + 1]);
+        }
+    }
+    for (int i = 0; i < 2 * N; ++i) _mm256_storeu_ps(acc + 8 * i, a[i]);
+}
+
+// 16-element chunks per accumulate_values16 pass over a head of D: the most, up to 5,
+// that split D / 16 evenly (8 to 10 chains of FMAs keep both FMA ports busy).
+template <int D>
+constexpr int value_chunks() {
+    int n = 5;
+    while ((D / 16) % n != 0) --n;
+    return n;
+}
+
+// A quantized cache is read as stored and its scales applied outside the inner loops:
+// fp8's layer scales fold into the query (keys) and the final 1 / sum (values); int8's
+// per-row key scales multiply each row's score, its value scales each row's probability.
+template <int QT, int KT, int D>
+void decode_seq_avx2(const void* q, void* out, const void* k_cache, const void* v_cache,
+                     const float* k_scale, const float* v_scale, const int64_t* table,
+                     int64_t context_len, int64_t seq, int num_heads, int num_kv_heads,
+                     int block_size, float scale, int64_t window, float* scratch) {
+    constexpr int N = value_chunks<D>();
+    const int G = num_heads / num_kv_heads;
+    float* qf = scratch;                        // [H, D] queries times scale, pair_order
+    float* acc = qf + num_heads * D;            // [H, D] pair_order
+    float* s = acc + num_heads * D;             // [H, block_size] scores, then probabilities
+    float* m = s + num_heads * block_size;      // [H] running max
+    float* l = m + num_heads;                   // [H] running sum
+    float* correction = l + num_heads;          // [H] this block's rescaling
+    float* row = correction + num_heads;        // [D]
+    float* vs = row + D;                        // [block_size] an int8 block's value scales
+    constexpr bool per_row = KT == I8, per_layer = KT == F8E4M3 || KT == F8E5M2;
+    const float q_mul = per_layer ? scale * k_scale[0] * FP8_UNIT<KT> : scale;
+    const float out_mul = per_layer ? v_scale[0] * FP8_UNIT<KT> : 1.0f;
+    for (int h = 0; h < num_heads; ++h) {
+        load_row<QT>(q, (seq * num_heads + h) * D, row, D);
+        for (int d = 0; d < D; ++d) qf[h * D + pair_order<KT>(d)] = row[d] * q_mul;
+    }
+    std::fill(acc, acc + num_heads * D, 0.0f);
+    std::fill(m, m + num_heads, NEG_INF);
+    std::fill(l, l + num_heads, 0.0f);
+    const int64_t first_key = window > 0 ? std::max<int64_t>(0, context_len - window) : 0;
+    const int64_t row_stride = static_cast<int64_t>(num_kv_heads) * D;
+    const int64_t block_bytes = block_size * row_stride * sizeof_dtype<KT>();
+    const int64_t slices = num_heads * (block_size / 8 + 1);  // score groups, value passes
+    const int64_t slice = ((block_bytes + slices - 1) / slices + 63) / 64 * 64;
+    const int64_t num_blocks = (context_len + block_size - 1) / block_size;
+    for (int64_t b = first_key / block_size; b < num_blocks; ++b) {
+        const int64_t base = table[b] * block_size;
+        const int lo = static_cast<int>(std::max<int64_t>(0, first_key - b * block_size));
+        const int hi = static_cast<int>(std::min<int64_t>(block_size, context_len - b * block_size));
+        const bool last = b + 1 == num_blocks;
+        BlockPrefetch next{static_cast<const char*>(k_cache), static_cast<const char*>(v_cache),
+                           last ? 0 : table[b + 1] * block_bytes, last ? 0 : block_bytes, slice};
+        for (int kh = 0; kh < num_kv_heads; ++kh) {
+            const int64_t at = base * row_stride + kh * D;
+            for (int h = kh * G; h < (kh + 1) * G; ++h) {
+                for (int t = lo / 8 * 8; t < hi; t += 8) {  // whole groups of 8 rows
+                    next.next_slice();
+                    __m256 sc =
+                        scores8<KT, D>(qf + h * D, k_cache, at + t * row_stride, row_stride);
+                    if constexpr (per_row) {  // rows past hi: the block's own, masked below
+                        const __m256i rows = _mm256_mullo_epi32(
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                            _mm256_set1_epi32(num_kv_heads));
+                        sc = _mm256_mul_ps(
+                            sc, _mm256_i32gather_ps(k_scale + (base + t) * num_kv_heads + kh,
+                                                    rows, 4));
+                    }
+                    _mm256_storeu_ps(s + h * block_size + t, sc);
+                }
+            }
+            softmax_heads8(s + kh * G * block_size, block_size, G, lo, hi, m + kh * G, l + kh * G,
+                           correction + kh * G);
+            if constexpr (per_row) {  // l summed the plain probabilities; acc takes p * scale
+                for (int t = lo; t < hi; ++t) vs[t] = v_scale[(base + t) * num_kv_heads + kh];
+                for (int h = kh * G; h < (kh + 1) * G; ++h)
+                    for (int t = lo; t < hi; ++t) s[h * block_size + t] *= vs[t];
+            }
+            for (int h = kh * G; h < (kh + 1) * G; ++h) {
+                next.next_slice();
+                for (int c = 0; c < D; c += 16 * N)
+                    accumulate_values16<KT, N>(v_cache, at + c, row_stride, s + h * block_size,
+                                               lo, hi, correction[h], acc + h * D + c);
+            }
+        }
+        next.rest();  // what a partial block's fewer passes left over
+    }
+    for (int h = 0; h < num_heads; ++h) {
+        const float inv = l[h] > 0.0f ? out_mul / l[h] : 0.0f;  // no visible key: zeros
+        for (int d = 0; d < D; ++d) row[d] = acc[h * D + pair_order<KT>(d)];
+        store_row<QT>(out, (seq * num_heads + h) * D, row, inv, D);
+    }
+}
+
+template <int QT, int KT>
+DecodeSeqFn pick_avx2(int head_dim, int block_size) {
+    if (block_size % 8 != 0) return nullptr;
+    switch (head_dim) {
+        case 32: return decode_seq_avx2<QT, KT, 32>;
+        case 64: return decode_seq_avx2<QT, KT, 64>;
+        case 80: return decode_seq_avx2<QT, KT, 80>;
+        case 96: return decode_seq_avx2<QT, KT, 96>;
+        case 128: return decode_seq_avx2<QT, KT, 128>;
+        case 256: return decode_seq_avx2<QT, KT, 256>;
+        default: return nullptr;
+    }
+}
+#endif
+
+}  // namespace
