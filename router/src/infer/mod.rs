@@ -21,6 +21,7 @@
 //! - `batching_loop`: the loop itself: scheduling, sending steps, applying their answers.
 //! - `book`: the request book, the one owner of the loop's requests: admits, emits their
 //!   tokens, retires and fails them.
+//! - `emit`: the one way a token reaches its request (counted, turned into its event).
 //! - `entry`: one sample's decoding state: its text, stop strings, grammar and end.
 //! - `siblings`: a request's `best_of` samples, forked from the first.
 //! - `adapters`: the LoRA adapters' loads as the loop learns of them.
@@ -35,6 +36,7 @@ mod admission;
 pub mod balance;
 mod batching_loop;
 mod book;
+mod emit;
 mod entry;
 mod events;
 mod handle;
