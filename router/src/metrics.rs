@@ -2,21 +2,23 @@
 //! gauges and fixed-bucket histograms over atomics and one small lock per histogram): the
 //! batching loop updates them once per step and once per token event, the HTTP side
 //! reads them at scrape time. Every series carries the `model` label. `gateway` adds the
-//! gauges gateways' endpoint pickers read, under vLLM's names. `text` writes every
-//! family's lines.
+//! gauges gateways' endpoint pickers read, under vLLM's names. `series` holds the kinds
+//! of series, `text` writes every family's lines.
 
 mod gateway;
 mod load;
 mod lora;
+pub(crate) mod series;
 mod tenants;
-mod text;
+pub(crate) mod text;
 
 pub use load::LoadGauges;
 pub use lora::{LoraMetrics, ReplicaAdapters};
-pub(crate) use text::{Kind, Labels, Text};
+pub use series::{Counter, Gauge, Histogram};
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use text::{Kind, Labels, Text};
 
 use crate::speculative::SpecDecodeMetrics;
 use crate::tenants::Tenants;
@@ -34,79 +36,6 @@ const BATCH_SIZES: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0
 const BATCH_TOKENS: &[f64] = &[
     1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0,
 ];
-
-#[derive(Debug)]
-pub struct Histogram {
-    bounds: &'static [f64],
-    inner: Mutex<HistogramData>,
-}
-
-#[derive(Debug, Default)]
-struct HistogramData {
-    counts: Vec<u64>,
-    sum: f64,
-    count: u64,
-}
-
-impl Histogram {
-    pub(crate) fn new(bounds: &'static [f64]) -> Self {
-        Self {
-            bounds,
-            inner: Mutex::new(HistogramData {
-                counts: vec![0; bounds.len()],
-                ..Default::default()
-            }),
-        }
-    }
-
-    pub fn observe(&self, value: f64) {
-        let mut d = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(i) = self.bounds.iter().position(|&b| value <= b) {
-            d.counts[i] += 1;
-        }
-        d.sum += value;
-        d.count += 1;
-    }
-
-    /// Writes the histogram's family: `name`, `help`, every sample labelled `labels`.
-    pub(crate) fn write(&self, w: &mut Text, name: &str, help: &str, labels: &Labels) {
-        let d = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        let observed = text::Observed {
-            bounds: self.bounds,
-            counts: &d.counts,
-            sum: d.sum,
-            count: d.count,
-        };
-        w.histogram(name, help, labels, observed);
-    }
-}
-
-/// A gauge holding an f64 (stored as bits).
-#[derive(Debug, Default)]
-pub struct Gauge(AtomicU64);
-
-impl Gauge {
-    pub fn set(&self, value: f64) {
-        self.0.store(value.to_bits(), Ordering::Relaxed);
-    }
-
-    pub fn get(&self) -> f64 {
-        f64::from_bits(self.0.load(Ordering::Relaxed))
-    }
-}
-
-#[derive(Debug, Default)]
-pub struct Counter(AtomicU64);
-
-impl Counter {
-    pub fn add(&self, n: u64) {
-        self.0.fetch_add(n, Ordering::Relaxed);
-    }
-
-    pub fn get(&self) -> u64 {
-        self.0.load(Ordering::Relaxed)
-    }
-}
 
 /// Every metric the router exports.
 #[derive(Debug)]
@@ -423,8 +352,9 @@ impl Metrics {
             speculative.write(w, &l, &model_name);
         }
         if let Some(lora) = self.lora.get() {
-            let replicas: Vec<&LoadGauges> = self.replicas.iter().map(|r| &**r).collect();
-            lora::write(w, &l, lora, &replicas);
+            let adapters: Vec<&ReplicaAdapters> =
+                self.replicas.iter().map(|r| &r.adapters).collect();
+            lora::write(w, &l, lora, &adapters);
         }
         if let Some(tenants) = self.tenants.get() {
             tenants::write(w, &l, tenants);

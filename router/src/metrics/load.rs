@@ -3,8 +3,10 @@
 //! and `vllm:` names (a gateway sees one endpoint), and per replica, with a `replica`
 //! label (replica "0" alone without `--replicas`, so dashboards need no second case).
 
+use super::gateway;
+use super::lora::ReplicaAdapters;
+use super::series::{Counter, Gauge};
 use super::text::{Kind, Labels, Text};
-use super::{gateway, Counter, Gauge};
 
 /// One replica's queue and KV cache, as of its last step.
 #[derive(Debug, Default)]
@@ -23,7 +25,7 @@ pub struct LoadGauges {
     /// Requests the balancer sent to this replica.
     pub routed: Counter,
     /// The LoRA adapters of its requests and in its pool.
-    pub adapters: super::ReplicaAdapters,
+    pub adapters: ReplicaAdapters,
 }
 
 impl LoadGauges {

@@ -7,8 +7,8 @@
 use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use super::series::{Counter, Gauge};
 use super::text::{Labels, Text};
-use super::{Counter, Gauge, LoadGauges};
 
 /// The registry's side of the LoRA series (the replicas' side is in `LoadGauges`).
 #[derive(Debug, Default)]
@@ -49,12 +49,11 @@ impl ReplicaAdapters {
     }
 }
 
-/// Writes the LoRA series; `l` holds the model label.
-pub(super) fn write(w: &mut Text, l: &Labels, lora: &LoraMetrics, replicas: &[&LoadGauges]) {
+/// Writes the LoRA series; `l` holds the model label, `replicas` each replica's adapters.
+pub(super) fn write(w: &mut Text, l: &Labels, lora: &LoraMetrics, replicas: &[&ReplicaAdapters]) {
     let (mut running, mut waiting, mut at) = (Vec::new(), Vec::new(), 0.0f64);
     let (mut resident, mut blocks, mut in_use) = (0.0, 0.0, 0.0);
-    for r in replicas {
-        let a = &r.adapters;
+    for a in replicas {
         let names = a.names.lock().unwrap_or_else(|e| e.into_inner());
         running.extend(names.0.iter().cloned());
         waiting.extend(names.1.iter().cloned());

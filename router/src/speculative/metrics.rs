@@ -3,7 +3,8 @@
 //! unchanged), and cadence's own accepted-length histogram and switch-off counter under
 //! the `model` label. Shown only once speculation is on (`Metrics::enable_speculative`).
 
-use crate::metrics::{Counter, Histogram, Kind, Labels, Text};
+use crate::metrics::series::{Counter, Histogram};
+use crate::metrics::text::{Kind, Labels, Text};
 
 /// Tokens one verification yields (1 + accepted).
 const ACCEPTED_LENGTHS: &[f64] = &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 10.0, 12.0, 16.0];
