@@ -2,19 +2,23 @@
 //! gauges and fixed-bucket histograms over atomics and one small lock per histogram): the
 //! batching loop updates them once per step and once per token event, the HTTP side
 //! reads them at scrape time. Every series carries the `model` label. `gateway` adds the
-//! gauges gateways' endpoint pickers read, under vLLM's names.
+//! gauges gateways' endpoint pickers read, under vLLM's names. `series` holds the kinds
+//! of series, `text` writes every family's lines.
 
 mod gateway;
 mod load;
 mod lora;
+pub(crate) mod series;
 mod tenants;
+pub(crate) mod text;
 
 pub use load::LoadGauges;
 pub use lora::{LoraMetrics, ReplicaAdapters};
+pub use series::{Counter, Gauge, Histogram};
 
-use std::fmt::Write;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use text::{Kind, Labels, Text};
 
 use crate::speculative::SpecDecodeMetrics;
 use crate::tenants::Tenants;
@@ -33,83 +37,10 @@ const BATCH_TOKENS: &[f64] = &[
     1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0,
 ];
 
-#[derive(Debug)]
-pub struct Histogram {
-    bounds: &'static [f64],
-    inner: Mutex<HistogramData>,
-}
-
-#[derive(Debug, Default)]
-struct HistogramData {
-    counts: Vec<u64>,
-    sum: f64,
-    count: u64,
-}
-
-impl Histogram {
-    pub(crate) fn new(bounds: &'static [f64]) -> Self {
-        Self {
-            bounds,
-            inner: Mutex::new(HistogramData {
-                counts: vec![0; bounds.len()],
-                ..Default::default()
-            }),
-        }
-    }
-
-    pub fn observe(&self, value: f64) {
-        let mut d = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(i) = self.bounds.iter().position(|&b| value <= b) {
-            d.counts[i] += 1;
-        }
-        d.sum += value;
-        d.count += 1;
-    }
-
-    pub(crate) fn render(&self, out: &mut String, name: &str, help: &str, labels: &str) {
-        let d = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
-        let mut cumulative = 0;
-        for (bound, n) in self.bounds.iter().zip(&d.counts) {
-            cumulative += n;
-            let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{bound}\"}} {cumulative}");
-        }
-        let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {}", d.count);
-        let _ = writeln!(out, "{name}_sum{{{labels}}} {}", d.sum);
-        let _ = writeln!(out, "{name}_count{{{labels}}} {}", d.count);
-    }
-}
-
-/// A gauge holding an f64 (stored as bits).
-#[derive(Debug, Default)]
-pub struct Gauge(AtomicU64);
-
-impl Gauge {
-    pub fn set(&self, value: f64) {
-        self.0.store(value.to_bits(), Ordering::Relaxed);
-    }
-
-    pub fn get(&self) -> f64 {
-        f64::from_bits(self.0.load(Ordering::Relaxed))
-    }
-}
-
-#[derive(Debug, Default)]
-pub struct Counter(AtomicU64);
-
-impl Counter {
-    pub fn add(&self, n: u64) {
-        self.0.fetch_add(n, Ordering::Relaxed);
-    }
-
-    pub fn get(&self) -> u64 {
-        self.0.load(Ordering::Relaxed)
-    }
-}
-
 /// Every metric the router exports.
 #[derive(Debug)]
 pub struct Metrics {
+    /// The served model's name (the `model` and `model_name` labels).
     model: String,
     /// Each replica's queue and KV gauges, in replica order (one without --replicas).
     replicas: Vec<Arc<LoadGauges>>,
@@ -137,7 +68,7 @@ pub struct Metrics {
     pub step_time: Histogram,
     pub forward_time: Histogram,
     /// The labels of `cadence_quantization_info` (set once the shards have answered).
-    quantization: std::sync::OnceLock<String>,
+    quantization: std::sync::OnceLock<Labels>,
     /// Speculative decoding's series, once it is on.
     speculative: std::sync::OnceLock<SpecDecodeMetrics>,
     /// LoRA adapters' series, when any LoRA option is on.
@@ -154,7 +85,7 @@ impl Metrics {
     /// Metrics for a router in front of `replicas` shard groups.
     pub fn with_replicas(model: &str, replicas: usize) -> Self {
         Self {
-            model: model.replace('\\', "\\\\").replace('"', "\\\""),
+            model: model.to_string(),
             replicas: (0..replicas.max(1))
                 .map(|_| Arc::new(LoadGauges::new()))
                 .collect(),
@@ -202,11 +133,12 @@ impl Metrics {
     /// How the shards store weights and KV cache (the shards' `InfoResponse.quantization`),
     /// exported as the labels of `cadence_quantization_info`; only the first call counts.
     pub fn set_quantization(&self, fields: &std::collections::BTreeMap<String, String>) {
-        let labels: String = fields
+        let labels = fields
             .iter()
             .filter(|(k, _)| k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'))
-            .map(|(k, v)| format!(",{k}=\"{}\"", v.replace('\\', "\\\\").replace('"', "\\\"")))
-            .collect();
+            .fold(Labels::one("model_name", &self.model), |l, (k, v)| {
+                l.with(k, v)
+            });
         let _ = self.quantization.set(labels);
     }
 
@@ -230,8 +162,9 @@ impl Metrics {
     /// The Prometheus text exposition; `shard_computed` are the shard-side cumulative
     /// (all tokens, prompt tokens) computed, when the shards answered.
     pub fn render(&self, shard_computed: Option<(u64, u64)>) -> String {
-        let l = format!("model=\"{}\"", self.model);
+        let l = Labels::one("model", &self.model);
         let mut out = String::with_capacity(8192);
+        let w = &mut Text::new(&mut out);
         // Read once: the gateways' gauges show the same values (`gateway`).
         let totals = load::totals(&self.replicas);
         let load = totals.load;
@@ -273,10 +206,7 @@ impl Metrics {
             ),
         ];
         for (name, help, value) in gauges {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} gauge\n{name}{{{l}}} {value}"
-            );
+            w.gauge(name, help, &l, value);
         }
         let counters: [(&str, &str, &Counter); 11] = [
             (
@@ -336,29 +266,33 @@ impl Metrics {
             ),
         ];
         for (name, help, c) in counters {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} counter\n{name}{{{l}}} {}",
-                c.get()
-            );
+            w.counter(name, help, &l, c.get());
         }
         let name = "cadence_preemptions_total";
-        let _ = writeln!(out, "# HELP {name} Requests preempted when KV blocks ran out, by kind.\n# TYPE {name} counter");
-        let _ = writeln!(
-            out,
-            "{name}{{{l},kind=\"recompute\"}} {}",
-            self.preemptions_recompute.get()
+        w.family(
+            name,
+            Kind::Counter,
+            "Requests preempted when KV blocks ran out, by kind.",
         );
-        let _ = writeln!(
-            out,
-            "{name}{{{l},kind=\"swap\"}} {}",
-            self.preemptions_swap.get()
-        );
+        for (kind, c) in [
+            ("recompute", &self.preemptions_recompute),
+            ("swap", &self.preemptions_swap),
+        ] {
+            w.sample(name, &l.with("kind", kind), c.get());
+        }
         if let Some((all, prompt)) = shard_computed {
-            let name = "cadence_shard_computed_tokens_total";
-            let _ = writeln!(out, "# HELP {name} Tokens the shard's forward passes computed, counted by the shard.\n# TYPE {name} counter\n{name}{{{l}}} {all}");
-            let name = "cadence_shard_prompt_tokens_computed_total";
-            let _ = writeln!(out, "# HELP {name} Prompt tokens the shard's forward passes computed (prefill), counted by the shard.\n# TYPE {name} counter\n{name}{{{l}}} {prompt}");
+            w.counter(
+                "cadence_shard_computed_tokens_total",
+                "Tokens the shard's forward passes computed, counted by the shard.",
+                &l,
+                all,
+            );
+            w.counter(
+                "cadence_shard_prompt_tokens_computed_total",
+                "Prompt tokens the shard's forward passes computed (prefill), counted by the shard.",
+                &l,
+                prompt,
+            );
         }
         let histograms: [(&str, &str, &Histogram); 10] = [
             ("cadence_batch_size", "Requests per step.", &self.batch_size),
@@ -409,29 +343,29 @@ impl Metrics {
             ),
         ];
         for (name, help, h) in histograms {
-            h.render(&mut out, name, help, &l);
+            h.write(w, name, help, &l);
         }
-        load::render_replicas(&mut out, &l, &self.replicas);
-        gateway::render(&mut out, &self.model, load);
+        load::write_replicas(w, &l, &self.replicas);
+        let model_name = Labels::one("model_name", &self.model);
+        gateway::write(w, &model_name, load);
         if let Some(speculative) = self.speculative.get() {
-            speculative.render(&mut out, &self.model);
+            speculative.write(w, &l, &model_name);
         }
         if let Some(lora) = self.lora.get() {
-            let replicas: Vec<&LoadGauges> = self.replicas.iter().map(|r| &**r).collect();
-            lora::render(&mut out, &l, lora, &replicas);
+            let adapters: Vec<&ReplicaAdapters> =
+                self.replicas.iter().map(|r| &r.adapters).collect();
+            lora::write(w, &l, lora, &adapters);
         }
         if let Some(tenants) = self.tenants.get() {
-            tenants::render(&mut out, &l, tenants);
+            tenants::write(w, &l, tenants);
         }
         if let Some(labels) = self.quantization.get() {
-            out.push_str(
-                "# HELP cadence_quantization_info How weights and KV cache are stored (labels); always 1.\n\
-                 # TYPE cadence_quantization_info gauge\n",
+            w.gauge(
+                "cadence_quantization_info",
+                "How weights and KV cache are stored (labels); always 1.",
+                labels,
+                1.0,
             );
-            out.push_str(&format!(
-                "cadence_quantization_info{{model_name=\"{}\"{labels}}} 1\n",
-                self.model
-            ));
         }
         out
     }

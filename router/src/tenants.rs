@@ -19,7 +19,7 @@ use std::sync::Arc;
 use sha2::{Digest, Sha256};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::metrics::Counter;
+use crate::metrics::series::Counter;
 
 /// An accepted API key and its tenant's name.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -1,33 +1,35 @@
-//! The batching loop: the one task that owns the scheduler and every request's decoding
-//! state. It takes new requests, drops those whose client left, schedules, sends each
-//! step to the shards and applies their answer (`output`); a step that fails fails every
-//! request in flight. It records when it waits for a step (`progress`, for `/ready`), and
+//! The batching loop: the one task that owns the scheduler and the request book (`book`:
+//! every request's decoding state). It takes new requests, drops those whose client
+//! left, schedules, sends each step to the shards and applies their answer (the book
+//! sends the tokens, the scheduler appends them); a step that fails fails every request
+//! in flight. It records when it waits for a step (`progress`, for `/ready`), and
 //! when a drain is cut it fails every request it still holds and stops. LoRA adapters
 //! (`adapters`): before each schedule it learns which adapters the waiting requests wait
 //! for have loaded, and it tells the registry what its steps page in and out.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Instant;
 
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
-use super::handle::Admission;
-use super::output::Entry;
+use super::adapters::Adapters;
+use super::admission::Admission;
+use super::book::{Outcome, RequestBook};
 use super::progress::StepClock;
-use super::siblings::Sibling;
 use super::speculation::{Speculation, SpeculativeConfig};
+use super::step_metrics::{record_schedule, record_state};
 use crate::blocks::RequestId;
 use crate::client::Backend;
 use crate::constraints::MaskShape;
 use crate::detokenize::TokenizerInfo;
 use crate::drain::Drain;
 use crate::error::{InferError, ShardError};
-use crate::lora::{Registry, Residency};
+use crate::lora::Registry;
 use crate::metrics::{LoadGauges, Metrics};
 use crate::pb;
-use crate::scheduler::{Schedule, Scheduler, SchedulerConfig};
+use crate::scheduler::{Schedule, Scheduler, SchedulerConfig, Sequence};
 
 /// The loop's fixed inputs.
 #[derive(Clone)]
@@ -60,7 +62,7 @@ pub(super) struct Shared {
 }
 
 /// A step sent to the shards whose answer has not been applied yet.
-pub(super) struct InFlight {
+struct InFlight {
     step_id: u64,
     num_tokens: usize,
     /// Requests the shards sample a token for.
@@ -75,35 +77,25 @@ pub(super) struct InFlight {
     prefill_spans: Vec<opentelemetry_sdk::trace::Span>,
 }
 
-pub(super) struct Loop<B> {
+struct Loop<B> {
     backend: Arc<B>,
-    pub(super) tokenizer: TokenizerInfo,
-    pub(super) eos: HashSet<u32>,
-    pub(super) scheduler: Scheduler,
-    pub(super) entries: HashMap<RequestId, Entry>,
-    /// Siblings waiting to fork from their first sample, keyed by its id.
-    pub(super) siblings: HashMap<RequestId, Vec<Sibling>>,
-    pub(super) next_id: RequestId,
-    pub(super) metrics: Arc<Metrics>,
-    pub(super) load: Arc<LoadGauges>,
+    scheduler: Scheduler,
+    /// Every request's decoding state, its samples and ids.
+    book: RequestBook,
+    metrics: Arc<Metrics>,
+    load: Arc<LoadGauges>,
     progress: Arc<StepClock>,
     /// Nothing can run before then (a dynamic batch waiting to fill).
     wake_at: Option<Instant>,
     async_scheduling: bool,
-    pub(super) mask_shape: MaskShape,
-    pub(super) fast_forward: bool,
-    /// Speculative decoding's proposers (None: off).
-    pub(super) speculation: Option<Speculation>,
+    mask_shape: MaskShape,
+    fast_forward: bool,
     /// The oldest step sent and not yet applied.
-    pub(super) in_flight: Option<InFlight>,
-    /// The adapters this replica's steps have paged in, as told to the registry.
-    pub(super) residency: Residency,
-    /// Wakes the loop when an adapter's load ends or an adapter is unloaded.
-    pub(super) adapter_changes: tokio::sync::watch::Receiver<u64>,
-    /// The registry's version last applied (`sync_adapters`).
-    pub(super) adapters_seen: u64,
+    in_flight: Option<InFlight>,
+    /// The LoRA adapters paged in, and the registry's changes.
+    adapters: Adapters,
     /// Nothing can run until an adapter's load ends (or a request arrives).
-    pub(super) awaiting_adapters: bool,
+    awaiting_adapters: bool,
 }
 
 /// Runs the loop until every handle (`Infer`) is dropped, or until a drain is cut.
@@ -125,14 +117,12 @@ pub(super) async fn run<B: Backend>(
         metrics.enable_speculative(speculative.max_tokens);
     }
     load.kv_block_size.set(config.scheduler.block_size as f64);
+    let eos: HashSet<u32> = config.eos_token_ids.into_iter().collect();
+    let speculation = config.speculative.map(Speculation::new);
     let mut lp = Loop {
         backend: Arc::new(backend),
-        tokenizer,
-        eos: config.eos_token_ids.into_iter().collect(),
         scheduler: Scheduler::new(config.scheduler),
-        entries: HashMap::new(),
-        siblings: HashMap::new(),
-        next_id: 0,
+        book: RequestBook::new(tokenizer, eos, metrics.clone(), speculation),
         metrics,
         load,
         progress,
@@ -140,11 +130,8 @@ pub(super) async fn run<B: Backend>(
         async_scheduling: config.async_scheduling,
         mask_shape: config.mask_shape,
         fast_forward: config.grammar_fast_forward,
-        speculation: config.speculative.map(Speculation::new),
         in_flight: None,
-        adapter_changes: config.adapters.subscribe(),
-        residency: Residency::new(config.adapters),
-        adapters_seen: 0,
+        adapters: Adapters::new(config.adapters),
         awaiting_adapters: false,
     };
     // The loop's future holds `lp` and `rx`: dropped here when the cut wins, so the
@@ -171,7 +158,7 @@ impl<B: Backend> Loop<B> {
                         Some(admission) => self.admit(admission),
                         None => return,
                     },
-                    _ = self.adapter_changes.changed() => {}
+                    () = self.adapters.changed() => {}
                 }
                 self.sync_adapters();
             } else if let Some(at) = self.wake_at.take() {
@@ -197,7 +184,7 @@ impl<B: Backend> Loop<B> {
     /// The drain's timeout is up: fails every request held or still on its way in.
     fn cut(&mut self, rx: &mut mpsc::UnboundedReceiver<Admission>) {
         let message = "the server shut down before the request finished (--shutdown-timeout)";
-        let held = self.entries.len();
+        let held = self.book.len();
         self.fail_all(InferError::ShuttingDown(message.into()));
         rx.close();
         while let Ok(admission) = rx.try_recv() {
@@ -216,60 +203,50 @@ impl<B: Backend> Loop<B> {
     /// `error`, and forgets them and their blocks.
     fn fail_all(&mut self, error: InferError) {
         self.scheduler.reset();
-        self.residency.release_all();
-        let siblings = self.siblings.drain().flat_map(|(_, s)| s).map(|s| s.entry);
-        for mut entry in self.entries.drain().map(|(_, e)| e).chain(siblings) {
-            self.metrics.requests_failed.add(1);
-            entry.spans.fail(&error);
-            let _ = entry.events.send(Err(error.clone()));
-        }
+        self.adapters.residency().release_all();
+        self.book.fail_all(&error);
+    }
+
+    /// Takes a request: the book queues its samples.
+    fn admit(&mut self, admission: Admission) {
+        self.book.admit(admission, &mut self.scheduler);
     }
 
     /// Drops the requests whose client went away, and records the gauges at once: when
     /// they were the last work the loop sleeps next, and no step would record them.
     fn drop_cancelled(&mut self) {
-        let gone: Vec<RequestId> = self
-            .entries
-            .iter()
-            .filter(|(_, e)| e.events.is_closed())
-            .map(|(&id, _)| id)
-            .collect();
-        if gone.is_empty() {
-            return;
+        if self.book.drop_cancelled(&mut self.scheduler) {
+            self.record_state();
         }
-        for id in gone {
-            if let Some(entry) = self.retire(id) {
-                let request_id = &*entry.request_id;
-                tracing::debug!(request_id, id, "client went away; cancelled");
-            }
-        }
-        self.record_state();
     }
 
     /// Drops a request everywhere: blocks now, shard state at the next step.
-    pub(super) fn retire(&mut self, id: RequestId) -> Option<Entry> {
-        self.scheduler.finish(id);
-        if let Some(speculation) = self.speculation.as_mut() {
-            speculation.forget(id);
-        }
-        self.start_siblings(id, false);
-        self.entries.remove(&id)
+    fn retire(&mut self, id: RequestId) {
+        self.book.retire(id, &mut self.scheduler);
     }
 
-    pub(super) fn fail(&mut self, id: RequestId, error: InferError) {
-        if let Some(mut entry) = self.retire(id) {
-            self.metrics.requests_failed.add(1);
-            tracing::warn!(request_id = &*entry.request_id, id, %error, "failed");
-            entry.spans.fail(&error);
-            let _ = entry.events.send(Err(error));
+    fn fail(&mut self, id: RequestId, error: InferError) {
+        self.book.fail(id, error, &mut self.scheduler);
+    }
+
+    /// Brings the scheduler up to date with the adapters' loads; fails the requests
+    /// waiting for one that could not be loaded.
+    fn sync_adapters(&mut self) {
+        for (id, error) in self.adapters.sync(&mut self.scheduler) {
+            self.fail(id, error);
         }
+    }
+
+    /// Queue and KV gauges after a step.
+    fn record_state(&self) {
+        record_state(&self.load, &self.scheduler, self.adapters.enabled());
     }
 
     /// Sends a step unless one is in flight, sends the next one ahead of it when
     /// asynchronous scheduling allows, then applies the answer of the one in flight.
     async fn iterate(&mut self) {
         if self.in_flight.is_none() {
-            if let Some(speculation) = self.speculation.as_mut() {
+            if let Some(speculation) = self.book.speculation() {
                 speculation.propose(&mut self.scheduler);
             }
             self.sync_adapters();
@@ -297,13 +274,13 @@ impl<B: Backend> Loop<B> {
         // or the next could carry some, nothing is scheduled ahead.
         let speculating = self.in_flight.as_ref().is_some_and(|s| s.speculating > 0)
             || self
-                .speculation
-                .as_ref()
+                .book
+                .speculation_ref()
                 .is_some_and(|s| s.may_speculate(&self.scheduler));
         let mut next = None;
         if self.async_scheduling
-            && self.siblings.is_empty()
-            && !self.any_constrained()
+            && !self.book.has_siblings_waiting()
+            && !self.book.any_constrained()
             && !speculating
         {
             self.sync_adapters();
@@ -329,7 +306,7 @@ impl<B: Backend> Loop<B> {
 
     /// Records a schedule and sends its step, if it has one, to the shards.
     async fn send(&mut self, schedule: Schedule) -> Option<InFlight> {
-        self.record_schedule(&schedule);
+        record_schedule(&self.metrics, &schedule, &mut self.book);
         for id in schedule.failed {
             self.fail(
                 id,
@@ -356,14 +333,11 @@ impl<B: Backend> Loop<B> {
         };
         step.allowed = self.masks(&schedule.samples);
         let sent = Instant::now();
-        for joined in &step.joined {
-            if let Some(entry) = self.entries.get_mut(&joined.id) {
-                entry.started_at.get_or_insert(sent);
-            }
-        }
-        let prefill_spans = self.prefill_spans(&step);
+        self.book.started(&step.joined, sent);
+        let prefill_spans = self.book.prefill_spans(&step);
         self.scheduler.expect_samples(&schedule.samples);
-        self.residency
+        self.adapters
+            .residency()
             .paged_in(step.adapters_in.iter().map(|a| a.name.as_str()));
         let adapters_out = step.adapters_out.clone();
         let step_id = step.step_id;
@@ -381,11 +355,6 @@ impl<B: Backend> Loop<B> {
         })
     }
 
-    /// Whether a request with a grammar is queued or running.
-    fn any_constrained(&self) -> bool {
-        self.entries.values().any(|e| e.grammar.is_some())
-    }
-
     /// The allowed-token masks of the constrained requests among `samples`. A request
     /// whose grammar fails here gets an EOS-only mask and fails (its token is dropped).
     fn masks(&mut self, samples: &[RequestId]) -> Vec<pb::AllowedTokens> {
@@ -393,7 +362,7 @@ impl<B: Backend> Loop<B> {
         let mut masks = Vec::new();
         let mut failed = Vec::new();
         for &id in samples {
-            let Some(grammar) = self.entries.get_mut(&id).and_then(|e| e.grammar.as_mut()) else {
+            let Some(grammar) = self.book.grammar(id) else {
                 continue;
             };
             let words = grammar.allowed(&self.mask_shape).unwrap_or_else(|e| {
@@ -446,7 +415,7 @@ impl<B: Backend> Loop<B> {
             if let Some(m) = self.metrics.speculative() {
                 m.record_verification(proposed, accepted);
             }
-            if let Some(speculation) = self.speculation.as_mut() {
+            if let Some(speculation) = self.book.speculation() {
                 speculation.verified(id, proposed, accepted);
             }
         }
@@ -474,7 +443,7 @@ impl<B: Backend> Loop<B> {
             }),
         };
         // Answered or failed, the shards no longer hold what it paged out.
-        self.residency.paged_out(&adapters_out);
+        self.adapters.residency().paged_out(&adapters_out);
         drop(prefill_spans); // the chunks are computed (or failed): their spans end
 
         match answer {
@@ -503,7 +472,7 @@ impl<B: Backend> Loop<B> {
                     self.apply(generation);
                 }
                 for id in samples {
-                    if !sampled.contains(&id) && self.entries.contains_key(&id) {
+                    if !sampled.contains(&id) && self.book.contains(id) {
                         self.fail(
                             id,
                             InferError::Generation("the shard returned no token".into()),
@@ -526,6 +495,52 @@ impl<B: Backend> Loop<B> {
                 self.backend.end_session();
                 false
             }
+        }
+    }
+
+    /// Applies one request's sampled tokens: the book sends them (text, stops, events)
+    /// and the scheduler appends them, or the request retires.
+    fn apply(&mut self, generation: pb::Generation) {
+        let id = generation.id;
+        // Its first token: the prompt is computed, so its siblings fork from it now.
+        self.book.start_siblings(id, true, &mut self.scheduler);
+        let generated = self.scheduler.get(id).map_or(0, Sequence::num_generated);
+        match self.book.emit_sampled(&generation, generated) {
+            Outcome::Gone => {}
+            Outcome::Ended => self.retire(id),
+            Outcome::Failed(message) => self.fail(id, InferError::Generation(message)),
+            Outcome::Continues => {
+                self.scheduler.append_tokens(id, &generation.token_ids);
+                if let Some(speculation) = self.book.speculation() {
+                    speculation.extend(id, &generation.token_ids);
+                }
+                self.fast_forward(id);
+            }
+        }
+    }
+
+    /// Appends the tokens `id`'s grammar forces next, as generated tokens the next step
+    /// computes (a short chunk) instead of sampling them one step each.
+    fn fast_forward(&mut self, id: RequestId) {
+        // Unconstrained requests stop at the first check (this runs for every token).
+        // Forced tokens have no alternatives to report, and a pending token (a step
+        // scheduled ahead) would come before them.
+        if !self.fast_forward || !self.book.is_constrained(id) {
+            return;
+        }
+        let Some(seq) = self.scheduler.get(id) else {
+            return;
+        };
+        if seq.pending != 0 || seq.top_n_tokens != 0 {
+            return;
+        }
+        let (forced, outcome) = self.book.emit_forced(id, seq.num_generated());
+        match outcome {
+            Outcome::Ended => self.retire(id),
+            Outcome::Continues if !forced.is_empty() => {
+                self.scheduler.append_forced(id, &forced);
+            }
+            _ => {}
         }
     }
 }

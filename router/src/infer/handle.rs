@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 
+use super::admission::{Admission, Held, QueueSlot};
 use super::balance::{Balancer, ReplicaLoad};
 use super::batching_loop::{self, LoopConfig, Shared};
 use super::events::EventResult;
@@ -19,84 +20,16 @@ use crate::error::InferError;
 use crate::lora::{AdapterPin, Registry};
 use crate::metrics::{LoadGauges, Metrics};
 use crate::request_scope::RequestContext;
-use crate::tenants::{TenantHold, TenantUsage, Tenants};
+use crate::tenants::{TenantHold, Tenants};
 use crate::validation::{Extra, GenerateParameters, Prompt, ValidRequest, Validation};
 
 /// How often a drain checks whether the requests in flight have ended.
 const IDLE_POLL: Duration = Duration::from_millis(10);
 
-/// A validated request on its way to the loop.
-pub(super) struct Admission {
-    pub request: ValidRequest,
-    /// One channel per sample (`best_of` of them), in sample order.
-    pub samples: Vec<mpsc::UnboundedSender<EventResult>>,
-    pub permit: Held,
-    pub queued_at: Instant,
-    /// One place in the bounded waiting queue for all the samples of the request.
-    pub slot: QueueSlot,
-    /// Its request id and trace.
-    pub context: RequestContext,
-}
-
 /// A queued request: what validation made of it, one event stream per sample.
 pub struct Submitted {
     pub request: ValidRequest,
     pub samples: Vec<mpsc::UnboundedReceiver<EventResult>>,
-}
-
-/// A place in the bounded waiting queue, held from submission until the request's first
-/// step (or its end, whichever comes first).
-pub(super) struct QueueSlot(Arc<AtomicUsize>);
-
-impl QueueSlot {
-    fn try_take(queued: &Arc<AtomicUsize>, max: usize) -> Option<Self> {
-        queued
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < max).then_some(n + 1)
-            })
-            .ok()
-            .map(|_| Self(queued.clone()))
-    }
-}
-
-impl Drop for QueueSlot {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
-/// What a request holds from admission to its end: its place among the concurrent
-/// requests, its count on the replica it went to (which the balancer reads), its LoRA
-/// adapter in use (never dropped from the shards' host memory meanwhile) and its
-/// tenant's place and account.
-pub(super) struct Held {
-    _permit: OwnedSemaphorePermit,
-    _on_replica: Assigned,
-    _adapter: Option<AdapterPin>,
-    tenant: Option<TenantHold>,
-}
-
-impl Held {
-    /// The account the request's tokens count to, when it has a tenant.
-    pub(super) fn tenant(&self) -> Option<&TenantUsage> {
-        self.tenant.as_ref().map(|t| &*t.usage)
-    }
-}
-
-/// One request counted on a replica while it lives.
-struct Assigned(Arc<AtomicUsize>);
-
-impl Assigned {
-    fn new(count: &Arc<AtomicUsize>) -> Self {
-        count.fetch_add(1, Ordering::AcqRel);
-        Self(count.clone())
-    }
-}
-
-impl Drop for Assigned {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
-    }
 }
 
 /// One shard group and its batching loop.
@@ -331,12 +264,7 @@ impl Infer {
         let admission = Admission {
             request: request.clone(),
             samples: senders,
-            permit: Held {
-                _permit: permit,
-                _on_replica: Assigned::new(&replica.assigned),
-                _adapter: adapter,
-                tenant,
-            },
+            permit: Held::new(permit, &replica.assigned, adapter, tenant),
             queued_at: Instant::now(),
             slot,
             context,

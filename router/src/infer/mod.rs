@@ -16,11 +16,15 @@
 //! while proposals are possible: they follow the token the step in flight samples.
 //!
 //! - `handle`: `Infer`, what the HTTP side holds; `Infer::submit` is the one way in.
+//! - `admission`: what a request brings to its loop and holds until it ends.
 //! - `balance`: which replica (shard group and its loop) a new request goes to.
-//! - `batching_loop`: the loop itself: sending steps, applying their answers, failures.
-//! - `adapters`: the LoRA adapters' loads as the loop learns of them.
+//! - `batching_loop`: the loop itself: scheduling, sending steps, applying their answers.
+//! - `book`: the request book, the one owner of the loop's requests: admits, emits their
+//!   tokens, retires and fails them.
+//! - `emit`: the one way a token reaches its request (counted, turned into its event).
+//! - `entry`: one sample's decoding state: its text, stop strings, grammar and end.
 //! - `siblings`: a request's `best_of` samples, forked from the first.
-//! - `output`: sampled tokens turned into text and events; ends of requests.
+//! - `adapters`: the LoRA adapters' loads as the loop learns of them.
 //! - `step_metrics`: what the loop records per schedule and per step.
 //! - `speculation`: speculative decoding's proposers, one per eligible request.
 //! - `spans`: each request's trace spans (queue, prefill chunks, decode) when traced.
@@ -28,11 +32,14 @@
 //! - `events`: what a handler receives; `samples`: those events gathered, and ranked.
 
 mod adapters;
+mod admission;
 pub mod balance;
 mod batching_loop;
+mod book;
+mod emit;
+mod entry;
 mod events;
 mod handle;
-mod output;
 mod progress;
 mod samples;
 mod siblings;

@@ -6,7 +6,7 @@
 //! the whole batch anyway.
 //!
 //! Untraced requests (traces off, or a request without a server span) hold nothing
-//! here, and the loop skips the per-step work (`Loop::prefill_spans`).
+//! here, and the loop skips the per-step work (`RequestBook::prefill_spans`).
 
 use std::time::{Instant, SystemTime};
 
@@ -14,11 +14,8 @@ use opentelemetry::trace::{Span as _, Status, Tracer as _};
 use opentelemetry::{Context, KeyValue};
 use opentelemetry_sdk::trace::{SdkTracer, Span};
 
-use super::batching_loop::Loop;
 use super::events::End;
-use crate::client::Backend;
 use crate::error::InferError;
-use crate::pb;
 use crate::telemetry;
 
 /// The spans of one sample of a request.
@@ -63,7 +60,7 @@ impl RequestSpans {
 
     /// The span of a chunk of its prompt the shards compute in step `step_id`: `tokens`
     /// of them, after `cached` found in the prefix cache. `None` once it decodes.
-    fn prefill_chunk(&mut self, step_id: u64, tokens: u32, cached: u32) -> Option<Span> {
+    pub(super) fn prefill_chunk(&mut self, step_id: u64, tokens: u32, cached: u32) -> Option<Span> {
         self.scheduled();
         let open = self.0.as_mut().filter(|open| !open.decoding)?;
         let span = open
@@ -107,27 +104,5 @@ impl RequestSpans {
         if let Some(span) = open.decode.as_mut().or(open.queue.as_mut()) {
             span.set_status(Status::error(error.to_string()));
         }
-    }
-}
-
-impl<B: Backend> Loop<B> {
-    /// The `prefill` spans of the traced requests computing part of their prompt in
-    /// `step` (ended when its answer comes); nothing to do with traces off.
-    pub(super) fn prefill_spans(&mut self, step: &pb::StepRequest) -> Vec<Span> {
-        if telemetry::tracer().is_none() {
-            return Vec::new();
-        }
-        let joined = step
-            .joined
-            .iter()
-            .map(|r| (r.id, r.num_compute, r.num_cached));
-        let continuing = step.continuing.iter().map(|r| (r.id, r.num_compute, 0));
-        joined
-            .chain(continuing)
-            .filter_map(|(id, tokens, cached)| {
-                let entry = self.entries.get_mut(&id)?;
-                entry.spans.prefill_chunk(step.step_id, tokens, cached)
-            })
-            .collect()
     }
 }

@@ -108,6 +108,11 @@ impl Speculation {
         self.requests.remove(&id);
     }
 
+    /// Every request was failed (a step failed, or a drain was cut).
+    pub fn forget_all(&mut self) {
+        self.requests.clear();
+    }
+
     /// Whether the next step may carry proposals: then it cannot be scheduled ahead of the
     /// answer that brings the tokens they follow.
     pub fn may_speculate(&self, scheduler: &Scheduler) -> bool {

@@ -3,7 +3,7 @@
 //! `model_name` label. Each is computed from the very value its `cadence_*` twin shows
 //! in the same scrape (`Load`, read once), so the two never disagree.
 
-use std::fmt::Write;
+use super::text::{Labels, Text};
 
 /// The gauges both namings show, read once per scrape.
 #[derive(Debug, Clone, Copy, Default)]
@@ -15,9 +15,8 @@ pub(super) struct Load {
     pub kv_block_size: f64,
 }
 
-/// Appends the `vllm:` series to `out`; `model` is the escaped served model name.
-pub(super) fn render(out: &mut String, model: &str, load: Load) {
-    let l = format!("model_name=\"{model}\"");
+/// Writes the `vllm:` series; `l` holds the `model_name` label.
+pub(super) fn write(w: &mut Text, l: &Labels, load: Load) {
     let total = load.kv_blocks_total;
     let usage = if total > 0.0 {
         load.kv_blocks_used / total
@@ -42,17 +41,16 @@ pub(super) fn render(out: &mut String, model: &str, load: Load) {
         ),
     ];
     for (name, help, value) in gauges {
-        let _ = writeln!(
-            out,
-            "# HELP {name} {help}\n# TYPE {name} gauge\n{name}{{{l}}} {value}"
-        );
+        w.gauge(name, help, l, value);
     }
-    let name = "vllm:cache_config_info";
-    let _ = writeln!(
-        out,
-        "# HELP {name} The KV cache's configuration, in its labels.\n# TYPE {name} gauge\n\
-         {name}{{{l},block_size=\"{}\",num_gpu_blocks=\"{}\"}} 1",
-        load.kv_block_size as u64, total as u64
+    let config = l
+        .with("block_size", load.kv_block_size as u64)
+        .with("num_gpu_blocks", total as u64);
+    w.gauge(
+        "vllm:cache_config_info",
+        "The KV cache's configuration, in its labels.",
+        &config,
+        1.0,
     );
 }
 

@@ -3,9 +3,10 @@
 //! and `vllm:` names (a gateway sees one endpoint), and per replica, with a `replica`
 //! label (replica "0" alone without `--replicas`, so dashboards need no second case).
 
-use std::fmt::Write;
-
-use super::{gateway, Counter, Gauge};
+use super::gateway;
+use super::lora::ReplicaAdapters;
+use super::series::{Counter, Gauge};
+use super::text::{Kind, Labels, Text};
 
 /// One replica's queue and KV cache, as of its last step.
 #[derive(Debug, Default)]
@@ -24,7 +25,7 @@ pub struct LoadGauges {
     /// Requests the balancer sent to this replica.
     pub routed: Counter,
     /// The LoRA adapters of its requests and in its pool.
-    pub adapters: super::ReplicaAdapters,
+    pub adapters: ReplicaAdapters,
 }
 
 impl LoadGauges {
@@ -78,8 +79,8 @@ pub(super) fn totals(replicas: &[std::sync::Arc<LoadGauges>]) -> Totals {
     t
 }
 
-/// Appends the per-replica series; `l` holds the model label.
-pub(super) fn render_replicas(out: &mut String, l: &str, replicas: &[std::sync::Arc<LoadGauges>]) {
+/// Writes the per-replica series; `l` holds the model label.
+pub(super) fn write_replicas(w: &mut Text, l: &Labels, replicas: &[std::sync::Arc<LoadGauges>]) {
     type Read = fn(&LoadGauges) -> f64;
     let series: [(&str, &str, Read); 4] = [
         (
@@ -103,18 +104,16 @@ pub(super) fn render_replicas(out: &mut String, l: &str, replicas: &[std::sync::
             |r| r.ready.get(),
         ),
     ];
+    let replica = |i: usize| l.with("replica", i);
     for (name, help, read) in series {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+        w.family(name, Kind::Gauge, help);
         for (i, r) in replicas.iter().enumerate() {
-            let _ = writeln!(out, "{name}{{{l},replica=\"{i}\"}} {}", read(r));
+            w.sample(name, &replica(i), read(r));
         }
     }
     let name = "cadence_replica_requests_total";
-    let _ = writeln!(
-        out,
-        "# HELP {name} Requests sent to this replica.\n# TYPE {name} counter"
-    );
+    w.family(name, Kind::Counter, "Requests sent to this replica.");
     for (i, r) in replicas.iter().enumerate() {
-        let _ = writeln!(out, "{name}{{{l},replica=\"{i}\"}} {}", r.routed.get());
+        w.sample(name, &replica(i), r.routed.get());
     }
 }

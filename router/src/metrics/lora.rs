@@ -4,11 +4,11 @@
 //! waiting requests and whose value is when they were last recorded (unix seconds), as
 //! vLLM sets it; gateways' adapter-affinity pickers read its labels.
 
-use std::fmt::Write;
 use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use super::{Counter, Gauge, LoadGauges};
+use super::series::{Counter, Gauge};
+use super::text::{Labels, Text};
 
 /// The registry's side of the LoRA series (the replicas' side is in `LoadGauges`).
 #[derive(Debug, Default)]
@@ -49,12 +49,11 @@ impl ReplicaAdapters {
     }
 }
 
-/// Appends the LoRA series; `l` holds the model label.
-pub(super) fn render(out: &mut String, l: &str, lora: &LoraMetrics, replicas: &[&LoadGauges]) {
+/// Writes the LoRA series; `l` holds the model label, `replicas` each replica's adapters.
+pub(super) fn write(w: &mut Text, l: &Labels, lora: &LoraMetrics, replicas: &[&ReplicaAdapters]) {
     let (mut running, mut waiting, mut at) = (Vec::new(), Vec::new(), 0.0f64);
     let (mut resident, mut blocks, mut in_use) = (0.0, 0.0, 0.0);
-    for r in replicas {
-        let a = &r.adapters;
+    for a in replicas {
         let names = a.names.lock().unwrap_or_else(|e| e.into_inner());
         running.extend(names.0.iter().cloned());
         waiting.extend(names.1.iter().cloned());
@@ -66,16 +65,16 @@ pub(super) fn render(out: &mut String, l: &str, lora: &LoraMetrics, replicas: &[
     let joined = |mut v: Vec<String>| {
         v.sort_unstable();
         v.dedup();
-        v.join(",").replace('\\', "\\\\").replace('"', "\\\"")
+        v.join(",")
     };
-    let name = "vllm:lora_requests_info";
-    let _ = writeln!(
-        out,
-        "# HELP {name} Running stats on lora requests.\n# TYPE {name} gauge\n\
-         {name}{{max_lora=\"{}\",running_lora_adapters=\"{}\",waiting_lora_adapters=\"{}\"}} {at}",
-        lora.max_lora,
-        joined(running),
-        joined(waiting),
+    let info = Labels::one("max_lora", lora.max_lora)
+        .with("running_lora_adapters", joined(running))
+        .with("waiting_lora_adapters", joined(waiting));
+    w.gauge(
+        "vllm:lora_requests_info",
+        "Running stats on lora requests.",
+        &info,
+        at,
     );
     let counters: [(&str, &str, &Counter); 3] = [
         (
@@ -95,11 +94,7 @@ pub(super) fn render(out: &mut String, l: &str, lora: &LoraMetrics, replicas: &[
         ),
     ];
     for (name, help, c) in counters {
-        let _ = writeln!(
-            out,
-            "# HELP {name} {help}\n# TYPE {name} counter\n{name}{{{l}}} {}",
-            c.get()
-        );
+        w.counter(name, help, l, c.get());
     }
     let gauges: [(&str, &str, f64); 4] = [
         (
@@ -125,9 +120,6 @@ pub(super) fn render(out: &mut String, l: &str, lora: &LoraMetrics, replicas: &[
         ),
     ];
     for (name, help, value) in gauges {
-        let _ = writeln!(
-            out,
-            "# HELP {name} {help}\n# TYPE {name} gauge\n{name}{{{l}}} {value}"
-        );
+        w.gauge(name, help, l, value);
     }
 }

@@ -2,45 +2,45 @@
 //! and generated tokens, requests in flight, one series per tenant named by its API key's
 //! entry (never the key).
 
-use std::fmt::Write;
 use std::sync::atomic::Ordering;
 
+use super::text::{Kind, Labels, Text};
 use crate::tenants::Tenants;
 
-/// Appends the tenant series; `l` holds the model label.
-pub(super) fn render(out: &mut String, l: &str, tenants: &Tenants) {
+/// Writes the tenant series; `l` holds the model label.
+pub(super) fn write(w: &mut Text, l: &Labels, tenants: &Tenants) {
     if tenants.is_empty() {
         return;
     }
-    let series: [(&str, &str, &str); 5] = [
+    let series: [(&str, Kind, &str); 5] = [
         (
             "cadence_tenant_requests_total",
-            "counter",
+            Kind::Counter,
             "Requests admitted, by the tenant of their API key.",
         ),
         (
             "cadence_tenant_requests_rejected_total",
-            "counter",
+            Kind::Counter,
             "Requests answered 429 for their tenant's --max-concurrent-requests-per-key.",
         ),
         (
             "cadence_tenant_prompt_tokens_total",
-            "counter",
+            Kind::Counter,
             "Prompt tokens of admitted requests (once per request, n samples or not), by tenant.",
         ),
         (
             "cadence_tenant_generation_tokens_total",
-            "counter",
+            Kind::Counter,
             "Tokens generated, by tenant.",
         ),
         (
             "cadence_tenant_running_requests",
-            "gauge",
+            Kind::Gauge,
             "Requests admitted and not ended, by tenant.",
         ),
     ];
     for (i, (name, kind, help)) in series.into_iter().enumerate() {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        w.family(name, kind, help);
         for (tenant, usage) in tenants.iter() {
             let value = match i {
                 0 => usage.requests.get() as f64,
@@ -49,7 +49,7 @@ pub(super) fn render(out: &mut String, l: &str, tenants: &Tenants) {
                 3 => usage.generation_tokens.get() as f64,
                 _ => usage.in_flight.load(Ordering::Acquire) as f64,
             };
-            let _ = writeln!(out, "{name}{{{l},tenant=\"{tenant}\"}} {value}");
+            w.sample(name, &l.with("tenant", tenant), value);
         }
     }
 }

@@ -3,9 +3,8 @@
 //! unchanged), and cadence's own accepted-length histogram and switch-off counter under
 //! the `model` label. Shown only once speculation is on (`Metrics::enable_speculative`).
 
-use std::fmt::Write;
-
-use crate::metrics::{Counter, Histogram};
+use crate::metrics::series::{Counter, Histogram};
+use crate::metrics::text::{Kind, Labels, Text};
 
 /// Tokens one verification yields (1 + accepted).
 const ACCEPTED_LENGTHS: &[f64] = &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 10.0, 12.0, 16.0];
@@ -62,9 +61,8 @@ impl SpecDecodeMetrics {
         self.steps_off.add(1);
     }
 
-    /// Appends the series to `out`; `model` is the escaped served model name.
-    pub(crate) fn render(&self, out: &mut String, model: &str) {
-        let vllm = format!("model_name=\"{model}\"");
+    /// Writes the series: vLLM's labelled `model_name`, cadence's `model`.
+    pub(crate) fn write(&self, w: &mut Text, model: &Labels, model_name: &Labels) {
         let counters = [
             (
                 "vllm:spec_decode_num_drafts_total",
@@ -83,33 +81,28 @@ impl SpecDecodeMetrics {
             ),
         ];
         for (name, help, c) in counters {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} counter\n{name}{{{vllm}}} {}",
-                c.get()
-            );
+            w.counter(name, help, model_name, c.get());
         }
         let name = "vllm:spec_decode_num_accepted_tokens_per_pos_total";
-        let _ = writeln!(
-            out,
-            "# HELP {name} Accepted proposed tokens at each proposal position (0 is the first).\n# TYPE {name} counter"
+        w.family(
+            name,
+            Kind::Counter,
+            "Accepted proposed tokens at each proposal position (0 is the first).",
         );
         for (position, c) in self.accepted_per_position.iter().enumerate() {
-            let _ = writeln!(out, "{name}{{{vllm},position=\"{position}\"}} {}", c.get());
+            w.sample(name, &model_name.with("position", position), c.get());
         }
-        let cadence = format!("model=\"{model}\"");
-        self.accepted_length.render(
-            out,
+        self.accepted_length.write(
+            w,
             "cadence_spec_decode_accepted_length",
             "Tokens one verification yielded: 1 + the accepted proposals.",
-            &cadence,
+            model,
         );
-        let name = "cadence_spec_decode_steps_off_total";
-        let _ = writeln!(
-            out,
-            "# HELP {name} Steps that left proposals out because the step was past the speculative threshold (the load switch).\n\
-             # TYPE {name} counter\n{name}{{{cadence}}} {}",
-            self.steps_off.get()
+        w.counter(
+            "cadence_spec_decode_steps_off_total",
+            "Steps that left proposals out because the step was past the speculative threshold (the load switch).",
+            model,
+            self.steps_off.get(),
         );
     }
 }
