@@ -358,6 +358,7 @@ impl Args {
             kv_cache_bytes: self.kv_cache_bytes.unwrap_or(0),
             memory_fraction: self.memory_fraction.unwrap_or(0.0), // 0: the device's default
             replicas: self.replicas,
+            swap_blocks: self.swap_blocks.unwrap_or(0), // 0: the default, 4 × the blocks
         }
     }
 
