@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 from loguru import logger
 
-from cadence.attention_backends.base import Workspace
 from cadence.config import ShardConfig
 from cadence.kernels import cpu as cpu_kernels
 from cadence.kernels.cpu import isa as cpu_isa
@@ -33,6 +32,7 @@ from cadence.models import load_model, read_config, to_dtype
 from cadence.pb import shard_pb2
 from cadence.quant.crossover import rows_text
 from cadence.quant.setup import QuantizeConfig
+from cadence.runners import ModelRunner
 from cadence.sampling import SamplingBatch
 from cadence.shard import backends
 from cadence.shard.adapters import ShardAdapters
@@ -89,17 +89,9 @@ class Engine:
         self.device = torch.device(cfg.device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", cfg.rank % torch.cuda.device_count())
-        cpu = backends.CpuKernels(False, "not on a CPU device")
         if self.device.type == "cpu" and cfg.cpu_threads > 0:
             torch.set_num_threads(cfg.cpu_threads)  # on the thread every forward runs on
-        if self.device.type == "cpu":
-            # once, before the model is built: every CPU kernel call runs this choice
-            try:
-                cpu_kernels.select(cfg.cpu_isa)
-                cpu = backends.CpuKernels(cfg.cpu_kernels, "turned off (--no-cpu-kernels)")
-            except cpu_kernels.KernelBuildError as err:
-                logger.warning(f"C++ CPU kernels unavailable, serving through torch: {err}")
-                cpu = backends.CpuKernels(False, str(err))
+        cpu = backends.cpu_kernels_for(cfg, self.device)
         if cfg.dtype == "auto":
             isa = cpu_kernels.selected_isa() or "scalar"
             self.cfg = cfg = replace(cfg, dtype=cpu_isa.default_dtype(cfg.device, isa))
@@ -132,27 +124,25 @@ class Engine:
         if cfg.kv_cache_scales:
             check_kv_cache_choice(self.kv_format.name, cfg.kv_cache_scales)
             self.kv_layer_scales = read_scales_file(cfg.kv_cache_scales, len(self.attention))
-        self.attention_backend = backends.attention_backend(
-            cfg.attention_backend, self.device, cpu, Workspace()
-        )
-        self.ops = backends.layer_ops(self.device, self.attention_backend, cpu)
+        kernels = backends.choose(cfg.attention_backend, self.device, cpu, self.model)
+        self.attention_backend = kernels.attention
+        self.ops = kernels.ops
         kernel_ops.bind(self.model, self.ops)
-        self.runner = backends.model_runner(self.model, self.attention_backend)
         # LoRA adapters, paged into the KV pool's blocks (the target model's layers only)
         slab = cfg.block_size * first.num_kv_heads * first.head_dim
         slab_bytes = slab * self.kv_format.storage.itemsize
         self.adapters = ShardAdapters(
-            self.model, self.dtype, PoolShape(len(self.attention), 0, slab_bytes), cpu.on,
-            triton=self.attention_backend.name == "triton",
+            self.model, self.dtype, PoolShape(len(self.attention), 0, slab_bytes),
+            cpu_kernels=kernels.lora.cpu_rows, triton=kernels.lora.triton,
         )  # fmt: skip
         self.kv: KVCache | None = None
         self.state: BatchState | None = None
         # proposes for ContinuingRequest.num_draft_tokens; its KV blocks ride on the target's
-        self.draft: DraftModel | None = self._load_draft(cfg)
-        if self.draft is not None:
-            self.bytes_per_block += self.draft.bytes_per_block
+        draft = self._load_draft(cfg)
+        if draft is not None:
+            self.bytes_per_block += draft.bytes_per_block
         self.steps = StepRunner(
-            self.model, self.runner, self.ops, self.adapters, self.draft, self.device,
+            self.model, kernels.runner, self.ops, self.adapters, draft, self.device,
             cfg.speculative_acceptance,
         )  # fmt: skip
         logger.info(
@@ -170,6 +160,24 @@ class Engine:
             self.packed_bytes, self.quantization,
         )  # fmt: skip
         logger.info(log_line(self.kernels))
+
+    @property
+    def runner(self) -> ModelRunner:
+        """The model's forward (`StepRunner.runner`)."""
+        return self.steps.runner
+
+    @runner.setter
+    def runner(self, runner: ModelRunner) -> None:
+        self.steps.runner = runner
+
+    @property
+    def draft(self) -> DraftModel | None:
+        """The draft model the steps propose with (`StepRunner.draft`), if any."""
+        return self.steps.draft
+
+    @draft.setter
+    def draft(self, draft: DraftModel | None) -> None:
+        self.steps.draft = draft
 
     # -- RPCs ----------------------------------------------------------------------
 
