@@ -620,6 +620,9 @@ mod tests {
             .contains("at most 4 × the KV cache's blocks (400)"));
         let args = parse(&["--shard-uds-path", "/s"]).unwrap();
         assert_eq!(args.scheduler_config(CACHE).swap_blocks, 400);
+        assert_eq!(args.warmup_request().swap_blocks, 0); // the shard takes 4 × its blocks
+        let args = parse(&["--shard-uds-path", "/s", "--swap-blocks", "7"]).unwrap();
+        assert_eq!(args.warmup_request().swap_blocks, 7); // the host pool the shard checks
     }
 
     #[test]

@@ -1,7 +1,8 @@
 """Chooses, once per engine, what computes a shard's step: the C++ CPU kernels' build,
-the attention backend, the layers' per-op kernels, the model runner and the LoRA delta's
-products (`Kernels`, the registry the engine hands on). The one place that maps names
-(the `--attention-backend` flag, devices) to implementations."""
+the quantized weights' products, the attention backend, the layers' per-op kernels, the
+model runner and the LoRA delta's products (`Kernels`, the registry the engine hands on).
+The one place that maps names (the `--attention-backend` flag, devices, instruction
+sets) to implementations."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from cadence.kernels import cpu as cpu_kernels
 from cadence.kernels import triton_available
 from cadence.layers.kernel_ops import TORCH_OPS, LayerOps, cpu_ops, triton_ops
 from cadence.models.llama import LlamaForCausalLM
+from cadence.quant.cpu_gemm import integer_product_is_fast
+from cadence.quant.product import ProductKernels
 from cadence.runners import LlamaCpuFlatRunner, ModelRunner
 
 
@@ -48,6 +51,7 @@ class Kernels:
     """Everything that computes a shard's steps, chosen once (`choose`)."""
 
     cpu: CpuKernels
+    products: ProductKernels  # quantized weights' (chosen before the model loads)
     attention: AttentionBackend[Any]
     ops: LayerOps
     runner: ModelRunner
@@ -67,16 +71,30 @@ def cpu_kernels_for(cfg: ShardConfig, device: torch.device) -> CpuKernels:
     return CpuKernels(cfg.cpu_kernels, "turned off (--no-cpu-kernels)")
 
 
+def product_kernels(device: torch.device) -> ProductKernels:
+    """Quantized weights' products: Triton's on CUDA; on CPU the C++ integer product where
+    the selected instruction set makes it the fast path (`cpu_kernels_for` selected it),
+    else torch's weight-only kernels."""
+    if device.type == "cuda":
+        return ProductKernels.TRITON
+    if device.type == "cpu" and integer_product_is_fast(cpu_kernels.selected_isa() or ""):
+        return ProductKernels.CPU_INTEGER
+    return ProductKernels.CPU_TORCH
+
+
 def choose(
-    requested_attention: str, device: torch.device, cpu: CpuKernels, model: nn.Module
+    requested_attention: str,
+    device: torch.device,
+    cpu: CpuKernels,
+    products: ProductKernels,
+    model: nn.Module,
 ) -> Kernels:
     """The registry of a loaded model's kernels: see `attention_backend`, `layer_ops` and
     `model_runner`; the LoRA delta through Triton exactly when the attention is."""
     attention = attention_backend(requested_attention, device, cpu, Workspace())
     lora = LoraKernels(triton=attention.name == "triton", cpu_rows=cpu.on)
-    return Kernels(
-        cpu, attention, layer_ops(device, attention, cpu), model_runner(model, attention), lora
-    )
+    ops = layer_ops(device, attention, cpu)
+    return Kernels(cpu, products, attention, ops, model_runner(model, attention), lora)
 
 
 def attention_backend(

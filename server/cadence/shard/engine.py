@@ -31,6 +31,7 @@ from cadence.lora.pool import PoolShape
 from cadence.models import load_model, read_config, to_dtype
 from cadence.pb import shard_pb2
 from cadence.quant.crossover import rows_text
+from cadence.quant.product import ProductKernels
 from cadence.quant.setup import QuantizeConfig
 from cadence.runners import ModelRunner
 from cadence.sampling import SamplingBatch
@@ -92,6 +93,7 @@ class Engine:
         if self.device.type == "cpu" and cfg.cpu_threads > 0:
             torch.set_num_threads(cfg.cpu_threads)  # on the thread every forward runs on
         cpu = backends.cpu_kernels_for(cfg, self.device)
+        products = backends.product_kernels(self.device)
         if cfg.dtype == "auto":
             isa = cpu_kernels.selected_isa() or "scalar"
             self.cfg = cfg = replace(cfg, dtype=cpu_isa.default_dtype(cfg.device, isa))
@@ -101,7 +103,9 @@ class Engine:
         # before the weights: what is already in use is not this shard's to spend
         self.memory_at_start = cuda_reading(self.device) if self.device.type == "cuda" else None
         started = time.perf_counter()
-        quantize = QuantizeConfig(cfg.quantize, cfg.quantize_group_size, cfg.quantize_keep_float)
+        quantize = QuantizeConfig(
+            cfg.quantize, cfg.quantize_group_size, cfg.quantize_keep_float, products
+        )
         self.model = load_model(cfg.model_dir, self.dtype, self.device, quantize)
         # what is quantized: source, formats, crossover, float kept ({} for none)
         self.quantization: dict[str, Any] = self.model.quantization
@@ -124,7 +128,7 @@ class Engine:
         if cfg.kv_cache_scales:
             check_kv_cache_choice(self.kv_format.name, cfg.kv_cache_scales)
             self.kv_layer_scales = read_scales_file(cfg.kv_cache_scales, len(self.attention))
-        kernels = backends.choose(cfg.attention_backend, self.device, cpu, self.model)
+        kernels = backends.choose(cfg.attention_backend, self.device, cpu, products, self.model)
         self.attention_backend = kernels.attention
         self.ops = kernels.ops
         kernel_ops.bind(self.model, self.ops)
@@ -138,7 +142,7 @@ class Engine:
         self.kv: KVCache | None = None
         self.state: BatchState | None = None
         # proposes for ContinuingRequest.num_draft_tokens; its KV blocks ride on the target's
-        draft = self._load_draft(cfg)
+        draft = self._load_draft(cfg, products)
         if draft is not None:
             self.bytes_per_block += draft.bytes_per_block
         self.steps = StepRunner(
@@ -347,7 +351,7 @@ class Engine:
             self.block_size, num_blocks, vocab, capacity=max(16, max_batch_size)
         )
 
-    def _load_draft(self, cfg: ShardConfig) -> DraftModel | None:
+    def _load_draft(self, cfg: ShardConfig, products: ProductKernels) -> DraftModel | None:
         """The draft model of `--draft-model-id` on this device, with the target's kernels,
         attention backend, block size and KV format (None without one)."""
         if not cfg.draft_model_id:
@@ -355,7 +359,7 @@ class Engine:
         from cadence.speculative.draft import DraftModel
 
         keep_float = cfg.quantize_keep_float
-        quantize = QuantizeConfig(cfg.draft_quantize, cfg.quantize_group_size, keep_float)
+        quantize = QuantizeConfig(cfg.draft_quantize, cfg.quantize_group_size, keep_float, products)
         draft = DraftModel(
             cfg.draft_model_id, self.dtype, self.device, quantize, self.ops,
             self.attention_backend, target_vocab_size=self.model.config.vocab_size,
