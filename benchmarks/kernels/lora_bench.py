@@ -85,6 +85,7 @@ def bench_workload(
     from bench import cuda_ms
     from cadence.kernels.lora import lora_expand_, lora_shrink, plan_rows
     from cadence.kernels.reference import lora_expand_ref_, lora_shrink_ref
+    from cadence.lora.products import ExpandTables, ShrinkTables
 
     rows = runs[-1][1]
     row_adapter = torch.empty(rows, device="cuda", dtype=torch.int32)
@@ -94,18 +95,21 @@ def bench_workload(
     y = torch.zeros(rows, Y_WIDTH, device="cuda", dtype=dtype)
     plan = plan_rows(rows, runs, "cuda")  # once per step, outside the timing
     p = paged
+    shrink = ShrinkTables(p.rows_in, p.a_idx, p.ranks, row_adapter)
+    expands = [
+        ExpandTables(p.rows_out[w], p.b_idx[i], p.piece_ranks, p.rank_start[i], col, row_adapter)
+        for i, (w, col) in enumerate(PIECES)
+    ]
 
     def triton_layer() -> None:
-        h = lora_shrink(x, p.rows_in, p.a_idx, p.ranks, row_adapter, plan)
-        for i, (w, col) in enumerate(PIECES):
-            b = (p.rows_out[w], p.b_idx[i], p.piece_ranks, p.rank_start[i])
-            lora_expand_(y, h, *b, col, row_adapter, plan)
+        h = lora_shrink(x, shrink, plan)
+        for expand in expands:
+            lora_expand_(y, h, expand, plan)
 
     def torch_layer() -> None:
-        h = lora_shrink_ref(x, p.rows_in, p.a_idx, p.ranks, row_adapter)
-        for i, (w, col) in enumerate(PIECES):
-            b = (p.rows_out[w], p.b_idx[i], p.piece_ranks, p.rank_start[i])
-            lora_expand_ref_(y, h, *b, col, row_adapter)
+        h = lora_shrink_ref(x, shrink)
+        for expand in expands:
+            lora_expand_ref_(y, h, expand)
 
     esize = torch.finfo(dtype).bits // 8
     used = len({adapter for _, _, adapter in runs})

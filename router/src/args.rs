@@ -358,6 +358,7 @@ impl Args {
             kv_cache_bytes: self.kv_cache_bytes.unwrap_or(0),
             memory_fraction: self.memory_fraction.unwrap_or(0.0), // 0: the device's default
             replicas: self.replicas,
+            swap_blocks: self.swap_blocks.unwrap_or(0), // 0: the default, 4 × the blocks
         }
     }
 
@@ -619,6 +620,9 @@ mod tests {
             .contains("at most 4 × the KV cache's blocks (400)"));
         let args = parse(&["--shard-uds-path", "/s"]).unwrap();
         assert_eq!(args.scheduler_config(CACHE).swap_blocks, 400);
+        assert_eq!(args.warmup_request().swap_blocks, 0); // the shard takes 4 × its blocks
+        let args = parse(&["--shard-uds-path", "/s", "--swap-blocks", "7"]).unwrap();
+        assert_eq!(args.warmup_request().swap_blocks, 7); // the host pool the shard checks
     }
 
     #[test]

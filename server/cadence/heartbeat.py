@@ -9,11 +9,6 @@ need to see it change."""
 
 from __future__ import annotations
 
-import os
-import threading
-
-from loguru import logger
-
 
 class Heartbeat:
     def __init__(self) -> None:
@@ -24,14 +19,3 @@ class Heartbeat:
 
 
 HEARTBEAT = Heartbeat()
-
-# Fault injection for the readiness tests: the forward thread blocks forever at the start
-# of this step (counted from 1 after warm-up), with the event loop still answering.
-_WEDGE_AT_STEP = int(os.environ.get("CADENCE_FAULT_WEDGE_AT_STEP", "0") or 0)
-
-
-def wedge_if_asked(step_number: int) -> None:
-    """Blocks forever when `CADENCE_FAULT_WEDGE_AT_STEP` names this step."""
-    if _WEDGE_AT_STEP and step_number == _WEDGE_AT_STEP:
-        logger.warning(f"CADENCE_FAULT_WEDGE_AT_STEP={_WEDGE_AT_STEP}: the forward blocks now")
-        threading.Event().wait()

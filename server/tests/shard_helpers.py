@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from cadence.pb import shard_pb2
 from cadence.shard.engine import Engine
-from cadence.shard.state import ForwardBatch
+from cadence.shard.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:  # transformers is slow to import; tensor-parallel ranks do without it
     from transformers import PreTrainedModel
@@ -138,7 +138,7 @@ class MiniRouter:
             forced = forced or {}
             sampled = [forced[batch.ids[i]] for i in batch.sample_rows.tolist()]
             e.state.commit(batch, torch.tensor(sampled, dtype=torch.long))
-        starts = batch.query_start.tolist()
+        starts = batch.layout.query_start.tolist()
         out = {rid: logits[starts[i] : starts[i + 1]] for i, rid in enumerate(batch.ids)}
         for i in batch.sample_rows.tolist():
             self.reqs[batch.ids[i]].tokens.append(forced[batch.ids[i]])

@@ -24,7 +24,7 @@ from cadence.pb import shard_pb2
 from cadence.runners import LlamaCpuFlatRunner, ModelRunner
 from cadence.sampling import mask_disallowed
 from cadence.shard.engine import Engine
-from cadence.shard.state import StepError
+from cadence.shard.step_checks import StepError
 from cadence.shard.steps import StepSession
 from shard_helpers import MiniRouter, allowed_tokens, hf_logits, mask_of_words, words_of
 from tp_worker import constrained_generations, run_group

@@ -10,7 +10,7 @@ import pytest
 import torch
 from cadence.pb import shard_pb2
 from cadence.shard.engine import Engine
-from cadence.shard.state import StepError
+from cadence.shard.step_checks import StepError
 from shard_helpers import MiniRouter
 from transformers import PreTrainedModel
 

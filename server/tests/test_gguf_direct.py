@@ -315,13 +315,14 @@ def test_a_tied_head_over_a_q8_0_table_multiplies_by_its_blocks(
     float table for lookups."""
     from cadence.quant.cpu_gemm import pack_int8_blocks
     from cadence.quant.formats import Int8BlockWeight
-    from cadence.quant.product import integer_product_serves
+    from cadence.quant.product import ProductKernels
+    from cadence.shard.backends import product_kernels
 
     written = written_tied
     assert written.model.config.tie_word_embeddings
     engine = engine_for(gguf_folder(written.path, tmp_path / "m"), dtype="bfloat16")
     head = engine.model.lm_head
-    if not integer_product_serves(torch.device("cpu")):
+    if product_kernels(torch.device("cpu")) is not ProductKernels.CPU_INTEGER:
         assert head.quantized is None  # served float where no integer product runs
         return
     assert head.quantized.formats == ["int8 g32"] and head.quantized.float_kept

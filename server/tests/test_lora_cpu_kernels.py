@@ -16,6 +16,7 @@ import pytest
 import torch
 from cadence.kernels import cpu
 from cadence.kernels.reference import lora_expand_ref_, lora_shrink_ref
+from cadence.lora.products import ExpandTables, ShrinkTables
 from cadence.lora.torch_ops import group_rows, lora_expand_, lora_shrink
 from lora_script import REQUESTS, mixed_run
 
@@ -130,7 +131,7 @@ def test_row_kernels_match_the_reference(dtype, kind, width):
 
     h = torch.full((len(ROW_ADAPTER), rmax), float("nan"), dtype=dtype)
     OPS.lora_shrink_rows_(x, t.rows_in, t.a_idx, t.ranks, adapters, index, first, h)
-    want = lora_shrink_ref(x, t.rows_in, t.a_idx, t.ranks, _only(rows))
+    want = lora_shrink_ref(x, ShrinkTables(t.rows_in, t.a_idx, t.ranks, _only(rows)))
     others = [r for r in range(len(ROW_ADAPTER)) if r not in rows]
     assert h[others].isnan().all()  # rows outside the selection untouched
     _assert_close(h[rows], want[rows], dtype)
@@ -143,7 +144,8 @@ def test_row_kernels_match_the_reference(dtype, kind, width):
         OPS.lora_expand_rows_(
             y, h_in, rows_out, b_idx, piece_ranks, rank_start, offset, adapters, index, first
         )
-        lora_expand_ref_(y_ref, h_in, rows_out, b_idx, piece_ranks, rank_start, offset, _only(rows))
+        expand = ExpandTables(rows_out, b_idx, piece_ranks, rank_start, offset, _only(rows))
+        lora_expand_ref_(y_ref, h_in, expand)
     assert torch.equal(y[others], y0[others])
     assert torch.equal(y[:, 72:76], y0[:, 72:76]) and torch.equal(y[:, 140:], y0[:, 140:])
     _assert_close(y, y_ref, dtype)
@@ -176,12 +178,10 @@ def test_torch_ops_through_the_kernels_match_its_torch_path(dtype):
     for segments in by_kind.values():
         got, want = y0.clone(), y0.clone()
         for y, on in ((got, True), (want, False)):
-            h = lora_shrink(x, t.rows_in, t.a_idx, t.ranks, row_adapter, segments, on)
+            h = lora_shrink(x, ShrinkTables(t.rows_in, t.a_idx, t.ranks, row_adapter), segments, on)
             for offset, rows_out, b_idx, piece_ranks, rank_start in t.pieces:
-                lora_expand_(
-                    y, h, rows_out, b_idx, piece_ranks, rank_start, offset, row_adapter,
-                    segments, on,
-                )  # fmt: skip
+                expand = ExpandTables(rows_out, b_idx, piece_ranks, rank_start, offset, row_adapter)
+                lora_expand_(y, h, expand, segments, on)
         _assert_close(got, want, dtype)
         assert not torch.equal(got, y0)
 

@@ -13,7 +13,7 @@ from cadence.lora.pool import read_layer
 from cadence.pb import shard_pb2
 from cadence.runners import LlamaCpuFlatRunner, ModelRunner
 from cadence.shard.adapters import AdapterRefused
-from cadence.shard.state import StepError
+from cadence.shard.step_checks import StepError
 from lora_random import merge_into, random_adapter, ranks_by_part
 from lora_script import ADAPTERS, REQUESTS, keep_adapters, mixed_run, page_in
 from shard_helpers import MiniRouter

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cadence.lora.products import ExpandTables, ShrinkTables
 from cadence.lora.torch_ops import SEGMENT_MIN_ROWS, lora_expand_, lora_shrink, segments_of
 
 IN, OUT = 48, 40
@@ -71,13 +72,15 @@ def test_shrink_and_expand_match_the_dense_products(dtype):
     y0 = torch.randn(len(row_adapter), OUT + 8, generator=g).to(dtype)
 
     ranks = torch.tensor(RANKS)
-    h = lora_shrink(x, rows_in, a_idx, ranks, row_adapter)
+    h = lora_shrink(x, ShrinkTables(rows_in, a_idx, ranks, row_adapter))
     for t, a in enumerate(row_adapter.tolist()):  # zero past each row's rank
         r = RANKS[a] if a >= 0 else 0
         assert not h[t, r:].any(), t
     y = y0.clone()
     for offset, rows_out, b_idx, piece_ranks, rank_start in pieces:
-        lora_expand_(y, h, rows_out, b_idx, piece_ranks, rank_start, offset, row_adapter)
+        lora_expand_(
+            y, h, ExpandTables(rows_out, b_idx, piece_ranks, rank_start, offset, row_adapter)
+        )
     want = dense(x, rows_in, a_idx, pieces, row_adapter, y0)
     # float32: rounding only; bfloat16: the products' inputs and outputs rounded to 8 bits
     atol, rtol = (1e-5, 1e-6) if dtype == torch.float32 else (0.1, 0.02)

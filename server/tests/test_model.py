@@ -83,7 +83,7 @@ def test_mixed_batch_of_prefills_and_decodes_matches_each_sequence_alone(
         forced={1: nxt[1][0], 2: nxt[2][0]},
     )
     assert router.last_batch is not None
-    assert router.last_batch.prefill_from_start  # whole prompts: the causal fast path
+    assert router.last_batch.layout.prefill_from_start  # whole prompts: the causal fast path
     for i in out:
         got[i].append(out[i])
     # step 2: 1 and 2 decode while 3 prefills whole and 4 prefills its first chunk
@@ -92,7 +92,7 @@ def test_mixed_batch_of_prefills_and_decodes_matches_each_sequence_alone(
         continuing=[router.cont(1), router.cont(2)],
         forced={1: nxt[1][1], 2: nxt[2][1], 3: nxt[3][0]},
     )
-    assert router.last_batch.prefill_from_start  # a first chunk starts at 0 too
+    assert router.last_batch.layout.prefill_from_start  # a first chunk starts at 0 too
     for i in out:
         got[i].append(out[i])
     # steps 3-4: everyone goes on (4 finishes its prefill in step 3)
@@ -101,7 +101,7 @@ def test_mixed_batch_of_prefills_and_decodes_matches_each_sequence_alone(
         forced |= {3: nxt[3][step - 1], 4: nxt[4][step - 2]}
         out = router.logits_step(continuing=[router.cont(i) for i in (4, 3, 2, 1)], forced=forced)
         if step == 2:  # 4's second chunk attends to its cached first: the masked path
-            assert not router.last_batch.prefill_from_start
+            assert not router.last_batch.layout.prefill_from_start
         for i in out:
             got[i].append(out[i])
     for i in lengths:

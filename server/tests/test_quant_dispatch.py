@@ -15,9 +15,11 @@ from cadence.quant import crossover
 from cadence.quant.load import Dispatch, install
 from cadence.quant.quantize import quantize_int4, quantize_int8
 from cadence.runners.llama_cpu_flat import _linear
+from cadence.shard.backends import product_kernels
 from torch import nn
 
 CROSSOVER = 4
+CPU_PRODUCTS = product_kernels(torch.device("cpu"))  # as a CPU shard chooses
 
 
 def _layer(fmt: str, keep_float: bool, bias: bool = False) -> ColumnParallelLinear:
@@ -29,7 +31,7 @@ def _layer(fmt: str, keep_float: bool, bias: bool = False) -> ColumnParallelLine
             layer.bias.normal_()
     w = layer.weight.data
     piece = quantize_int8(w) if fmt == "int8" else quantize_int4(w, 32)
-    install(layer, [piece], Dispatch(keep_float, {fmt: CROSSOVER}), True, False)
+    install(layer, [piece], Dispatch(keep_float, CPU_PRODUCTS, {fmt: CROSSOVER}), True, False)
     pack_linear_weights(nn.ModuleList([layer]))
     return layer
 
@@ -62,7 +64,7 @@ def test_a_row_parallel_layer_adds_its_bias_on_the_quantized_path():
     with torch.no_grad():
         layer.weight.normal_(0, 0.1)
         layer.bias.normal_()
-    install(layer, [quantize_int8(layer.weight.data)], Dispatch(False), True, False)
+    install(layer, [quantize_int8(layer.weight.data)], Dispatch(False, CPU_PRODUCTS), True, False)
     x = torch.randn(3, 64)
     assert torch.equal(layer(x), layer.quantized(x) + layer.bias)
 
@@ -85,13 +87,13 @@ def test_the_measured_table_wins_over_the_defaults(tmp_path):
 def test_a_float_copy_is_kept_only_where_some_product_reads_it():
     from cadence.quant.crossover import ALL_ROWS
 
-    auto = Dispatch(True, {"int4": ALL_ROWS, "int8": 128})
+    auto = Dispatch(True, CPU_PRODUCTS, {"int4": ALL_ROWS, "int8": 128})
     assert not auto.keeps_float(["int4 g32"])  # the quantized kernel serves every row count
     assert auto.keeps_float(["int8"])  # prefill chunks over 128 rows read it
     assert auto.keeps_float(["int4 g32", "int8"])  # a fused layer: its slowest format decides
-    asked = Dispatch(True, {"int4": ALL_ROWS}, keep_float_always=True)
+    asked = Dispatch(True, CPU_PRODUCTS, {"int4": ALL_ROWS}, keep_float_always=True)
     assert asked.keeps_float(["int4 g32"])
-    assert not Dispatch(False, {"int8": 4}).keeps_float(["int8"])
+    assert not Dispatch(False, CPU_PRODUCTS, {"int8": 4}).keeps_float(["int8"])
     layer = _layer("int4", keep_float=True)  # CROSSOVER rows: kept
     assert layer.weight.numel() > 0
     plain = ColumnParallelLinear(64, 48, bias=False)

@@ -14,6 +14,7 @@ import torch
 from cadence.quant import cpu_gemm
 from cadence.quant.formats import Int4Weight, Int8Weight, QuantizedWeight
 from cadence.quant.quantize import quantize_int4, quantize_int8, quantize_int8_blocks
+from cadence.shard.backends import product_kernels
 
 # Row counts covering 1..4-row tiles and their tails; widths covering 1..4 column blocks,
 # a partial last block, and int8's partial last input block.
@@ -204,7 +205,8 @@ def test_products_use_the_integer_kernel_where_it_is_fast():
     for isa in cpu.isa.supported():
         with cpu.selected(isa):
             for weight in weights:
-                kernel = make_kernel(weight, torch.float32, torch.device("cpu"))
+                products = product_kernels(torch.device("cpu"))  # the selected ISA's
+                kernel = make_kernel(weight, torch.float32, torch.device("cpu"), products)
                 integer = isinstance(kernel, cpu_gemm.IntegerCpuKernel)
                 assert integer == cpu_gemm.integer_product_is_fast(isa), (isa, type(kernel))
                 if not integer:  # torch's kernels, or int8 blocks' dequantized weight

@@ -14,6 +14,7 @@ from cadence.kv_format import kv_format
 from cadence.pb import shard_pb2
 from cadence.quant.setup import QuantizeConfig
 from cadence.sampling import processed_logprobs, uniform_noise
+from cadence.shard.backends import product_kernels
 from cadence.shard.engine import Engine
 from cadence.shard.state import BatchState
 from cadence.speculative.draft import DraftModel
@@ -315,8 +316,10 @@ def test_a_quantized_or_gguf_draft_proposes_what_its_folder_serves(
     else:
         target, draft_dir = str(model_dirs(TARGET)), str(model_dirs(OTHER_DRAFT))
     # no float copy: int4's products of few rows and of many would round differently
-    quantize = QuantizeConfig(None if source == "gguf" else source, keep_float="off")
     engine = engine_for(target)
+    products = product_kernels(engine.device)
+    method = None if source == "gguf" else source
+    quantize = QuantizeConfig(method, keep_float="off", products=products)
     draft = _draft_beside(engine, draft_dir, quantize=quantize)
     assert draft.model.quantization
     draft_alone = engine_for(

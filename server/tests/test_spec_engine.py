@@ -19,7 +19,8 @@ import torch
 from cadence.pb import shard_pb2
 from cadence.sampling import DO_SAMPLE, SamplingBatch, draw, processed_logprobs, uniform_noise
 from cadence.shard.engine import Engine
-from cadence.shard.state import BatchState, StepError
+from cadence.shard.state import BatchState
+from cadence.shard.step_checks import StepError
 from cadence.speculative.verify import select_rows
 from shard_helpers import MiniRouter, allowed_tokens
 

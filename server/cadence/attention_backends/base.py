@@ -24,10 +24,11 @@ SHORT_CHUNK = 16
 
 @dataclass(slots=True)
 class StepLayout:
-    """Where one step's tokens sit, on the model's device. Rows are ordered so the
-    single-token (decode) sequences come first, then the short chunks (at most
-    SHORT_CHUNK tokens), then the longer ones. The Python ints come from the caller, who
-    knows them without a device sync."""
+    """Where one step's tokens sit: built on CPU (`cadence.shard.flat_rows`), handed to
+    the backends on the model's device (`to`). Rows are ordered so the single-token
+    (decode) sequences come first, then the short chunks (at most SHORT_CHUNK tokens),
+    then the longer ones. The Python ints come from the caller, who knows them without a
+    device sync."""
 
     slot_mapping: torch.Tensor  # [T] int64: cache slot each new token's K/V goes to
     query_start: torch.Tensor  # [B+1] int64: token offsets of each sequence's queries
@@ -45,6 +46,24 @@ class StepLayout:
     @property
     def num_prefill(self) -> int:
         return int(self.context_lens.shape[0]) - self.num_decode
+
+    def to(self, device: torch.device) -> StepLayout:
+        """This layout with its tensors on `device` (copies that do not wait for the
+        device), its ints as they are."""
+        return StepLayout(
+            slot_mapping=self.slot_mapping.to(device, non_blocking=True),
+            query_start=self.query_start.to(device, non_blocking=True),
+            context_lens=self.context_lens.to(device, non_blocking=True),
+            block_tables=self.block_tables.to(device, non_blocking=True),
+            block_size=self.block_size,
+            num_decode=self.num_decode,
+            max_query_len=self.max_query_len,
+            decode_blocks=self.decode_blocks,
+            prefill_blocks=self.prefill_blocks,
+            prefill_from_start=self.prefill_from_start,
+            num_short=self.num_short,
+            short_tokens=self.short_tokens,
+        )
 
 
 class Workspace:

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from cadence.kernels import dot_in_f32
+from cadence.lora.products import ExpandTables, ShrinkTables
 
 SEGMENT_TILE = 16  # rows of one segment program (tl.dot's smallest M)
 MIN_SEGMENT_ROWS = 4  # shorter runs gain little from a shared weight tile: single rows
@@ -276,17 +277,15 @@ def _check_rows(name: str, t: torch.Tensor, width: int, dtype: torch.dtype) -> N
 
 def lora_shrink(
     x: torch.Tensor,
-    rows_in: torch.Tensor,
-    a_idx: torch.Tensor,
-    ranks: torch.Tensor,
-    row_adapter: torch.Tensor,
+    t: ShrinkTables,
     segments: RowPlan | Sequence[tuple[int, int, int]] | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [T, in], rows_in [N, in] (the pool's rows), a_idx int32 [A, Rmax], ranks int32
-    [A], row_adapter int32 [T] -> h [T, Rmax] in x's dtype (into `out` when given; every
+    """x [T, in], `t` (the pool's rows [N, in], a_idx int32 [A, Rmax], ranks int32 [A],
+    row_adapter int32 [T]) -> h [T, Rmax] in x's dtype (into `out` when given; every
     element is written). `segments`: a `RowPlan`, or the (start, end, adapter) runs to
     build one from; None takes every row alone."""
+    rows_in, a_idx, ranks, row_adapter = t.rows_in, t.a_idx, t.ranks, t.row_adapter
     rows, in_features = x.shape
     rmax = a_idx.shape[1]
     _check_rows("x", x, in_features, x.dtype)
@@ -317,18 +316,15 @@ def lora_shrink(
 def lora_expand_(
     y: torch.Tensor,
     h: torch.Tensor,
-    rows_out: torch.Tensor,
-    b_idx: torch.Tensor,
-    piece_ranks: torch.Tensor,
-    rank_start: torch.Tensor,
-    out_offset: int,
-    row_adapter: torch.Tensor,
+    t: ExpandTables,
     segments: RowPlan | Sequence[tuple[int, int, int]] | None = None,
 ) -> None:
     """In place: y [T, out_total] gets, on columns [out_offset, out_offset + out), h [T,
     Rmax]'s columns [rank_start[a], + piece_ranks[a]) times the piece's Bᵀ, the rows of
-    rows_out [N, out] listed in b_idx int32 [A, rmax_piece]. Rows without an adapter, or
-    whose adapter's piece rank is 0, are not touched."""
+    rows_out [N, out] listed in b_idx int32 [A, rmax_piece] (`t`). Rows without an
+    adapter, or whose adapter's piece rank is 0, are not touched."""
+    rows_out, b_idx, out_offset, row_adapter = t.rows_out, t.b_idx, t.out_offset, t.row_adapter
+    piece_ranks, rank_start = t.piece_ranks, t.rank_start
     rows, out_features = h.shape[0], rows_out.shape[1]
     _check_rows("y", y, y.shape[1], y.dtype)
     _check_rows("h", h, h.shape[1], y.dtype)

@@ -7,6 +7,8 @@ import math
 
 import torch
 
+from cadence.lora.products import ExpandTables, ShrinkTables
+
 
 def decode_attention_ref(
     q: torch.Tensor,
@@ -49,16 +51,11 @@ def decode_attention_ref(
     return out
 
 
-def lora_shrink_ref(
-    x: torch.Tensor,
-    rows_in: torch.Tensor,
-    a_idx: torch.Tensor,
-    ranks: torch.Tensor,
-    row_adapter: torch.Tensor,
-) -> torch.Tensor:
+def lora_shrink_ref(x: torch.Tensor, t: ShrinkTables) -> torch.Tensor:
     """h [T, Rmax]: for each row t of adapter a, h[t, :R] = x[t] @ Aᵀ with A the rows
     `rows_in[a_idx[a, :R]]` (R = ranks[a]), in float32, rounded to x's dtype; zero past R
     and on rows without an adapter. Adapter by adapter: gather, then one matmul."""
+    rows_in, a_idx, ranks, row_adapter = t.rows_in, t.a_idx, t.ranks, t.row_adapter
     h = torch.zeros(x.shape[0], a_idx.shape[1], dtype=x.dtype, device=x.device)
     for a in range(a_idx.shape[0]):
         rows = (row_adapter == a).nonzero().flatten()
@@ -70,20 +67,13 @@ def lora_shrink_ref(
     return h
 
 
-def lora_expand_ref_(
-    y: torch.Tensor,
-    h: torch.Tensor,
-    rows_out: torch.Tensor,
-    b_idx: torch.Tensor,
-    piece_ranks: torch.Tensor,
-    rank_start: torch.Tensor,
-    out_offset: int,
-    row_adapter: torch.Tensor,
-) -> None:
+def lora_expand_ref_(y: torch.Tensor, h: torch.Tensor, t: ExpandTables) -> None:
     """In place: for each row t of adapter a, y[t, out_offset : out_offset + out] +=
     h[t, s : s + r] @ Bᵀ with Bᵀ the rows `rows_out[b_idx[a, :r]]` (r = piece_ranks[a], s
     = rank_start[a]); the sum in float32, rounded once to y's dtype. Other rows and
     columns are left as they are."""
+    rows_out, b_idx, out_offset, row_adapter = t.rows_out, t.b_idx, t.out_offset, t.row_adapter
+    piece_ranks, rank_start = t.piece_ranks, t.rank_start
     cols = slice(out_offset, out_offset + rows_out.shape[1])
     for a in range(b_idx.shape[0]):
         rows = (row_adapter == a).nonzero().flatten()

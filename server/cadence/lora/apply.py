@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from cadence.lora.batch import LoraStep, StepKind
+from cadence.lora.batch import LoraStep, StepKind, StepPiece
 from cadence.lora.pool import PoolRows
+from cadence.lora.products import ExpandTables, ShrinkTables
 from cadence.lora.resident import Site, layer_sites
 from cadence.lora.torch_ops import lora_expand_, lora_shrink
 
@@ -52,40 +53,43 @@ class LoraHook:
             return
         x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
         a = kind.a
+        shrink = ShrinkTables(
+            pool.rows(kind.in_features), a.rows[layer], a.ranks[layer], step.row_adapter
+        )
         if step.row_plan is not None:
-            _triton_delta_(x2, y2, pool, kind, layer, step)
+            _triton_delta_(x2, y2, shrink, pool, kind, layer, step)
             return
-        h = lora_shrink(
-            x2, pool.rows(kind.in_features), a.rows[layer], a.ranks[layer],
-            step.row_adapter, step.segments, self.context.cpu_kernels,
-        )  # fmt: skip
+        h = lora_shrink(x2, shrink, step.segments, self.context.cpu_kernels)
         for piece in kind.pieces:
-            b = piece.index
-            if b.active[layer]:
-                lora_expand_(
-                    y2, h, pool.rows(piece.out_size), b.rows[layer], b.ranks[layer],
-                    b.rank_start[layer], piece.out_offset, step.row_adapter, step.segments,
-                    self.context.cpu_kernels,
-                )  # fmt: skip
+            if piece.index.active[layer]:
+                expand = _expand_tables(pool, piece, layer, step)
+                lora_expand_(y2, h, expand, step.segments, self.context.cpu_kernels)
+
+
+def _expand_tables(pool: PoolRows, piece: StepPiece, layer: int, step: LoraStep) -> ExpandTables:
+    b = piece.index
+    return ExpandTables(
+        pool.rows(piece.out_size), b.rows[layer], b.ranks[layer], b.rank_start[layer],
+        piece.out_offset, step.row_adapter,
+    )  # fmt: skip
 
 
 def _triton_delta_(
-    x: torch.Tensor, y: torch.Tensor, pool: PoolRows, kind: StepKind, layer: int, step: LoraStep
+    x: torch.Tensor,
+    y: torch.Tensor,
+    shrink: ShrinkTables,
+    pool: PoolRows,
+    kind: StepKind,
+    layer: int,
+    step: LoraStep,
 ) -> None:
     """The hook's products through the Triton kernels, over the step's row plan."""
     from cadence.kernels import lora as triton_lora  # imports triton
 
-    a, plan = kind.a, step.row_plan
-    h = triton_lora.lora_shrink(
-        x, pool.rows(kind.in_features), a.rows[layer], a.ranks[layer], step.row_adapter, plan
-    )
+    h = triton_lora.lora_shrink(x, shrink, step.row_plan)
     for piece in kind.pieces:
-        b = piece.index
-        if b.active[layer]:
-            triton_lora.lora_expand_(
-                y, h, pool.rows(piece.out_size), b.rows[layer], b.ranks[layer],
-                b.rank_start[layer], piece.out_offset, step.row_adapter, plan,
-            )  # fmt: skip
+        if piece.index.active[layer]:
+            triton_lora.lora_expand_(y, h, _expand_tables(pool, piece, layer, step), step.row_plan)
 
 
 def install(model: nn.Module, context: LoraContext) -> dict[str, Site]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from cadence.kernels import cpu as cpu_kernels
+from cadence.lora.products import ExpandTables, ShrinkTables
 
 Rows = slice | torch.Tensor
 
@@ -47,34 +48,20 @@ def _selection(rows: Rows) -> tuple[torch.Tensor | None, int]:
 
 
 def shrink_rows_(
-    h: torch.Tensor,
-    x: torch.Tensor,
-    rows_in: torch.Tensor,
-    a_idx: torch.Tensor,
-    ranks: torch.Tensor,
-    rows: Rows,
-    adapters: torch.Tensor,
+    h: torch.Tensor, x: torch.Tensor, t: ShrinkTables, rows: Rows, adapters: torch.Tensor
 ) -> None:
-    """h[t] for each t of `rows` (adapters[i] that of rows[i]): x[t] · its adapter's A rows,
+    """h[r] for each r of `rows` (adapters[i] that of rows[i]): x[r] · its adapter's A rows,
     0 past its rank."""
     index, first = _selection(rows)
-    _cadence.lora_shrink_rows_.default(x, rows_in, a_idx, ranks, adapters, index, first, h)
+    _cadence.lora_shrink_rows_.default(x, t.rows_in, t.a_idx, t.ranks, adapters, index, first, h)
 
 
 def expand_rows_(
-    y: torch.Tensor,
-    h: torch.Tensor,
-    rows_out: torch.Tensor,
-    b_idx: torch.Tensor,
-    piece_ranks: torch.Tensor,
-    rank_start: torch.Tensor,
-    out_offset: int,
-    rows: Rows,
-    adapters: torch.Tensor,
+    y: torch.Tensor, h: torch.Tensor, t: ExpandTables, rows: Rows, adapters: torch.Tensor
 ) -> None:
-    """y[t, out_offset : out_offset + out] += h[t, its piece's ranks] @ its Bᵀ rows, for
-    each t of `rows`."""
+    """y[r, piece] += h[r, its piece's ranks] @ its Bᵀ rows, for each r of `rows`."""
     index, first = _selection(rows)
     _cadence.lora_expand_rows_.default(
-        y, h, rows_out, b_idx, piece_ranks, rank_start, out_offset, adapters, index, first
-    )
+        y, h, t.rows_out, t.b_idx, t.piece_ranks, t.rank_start, t.out_offset, adapters, index,
+        first,
+    )  # fmt: skip

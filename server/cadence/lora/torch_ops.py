@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from cadence.lora import cpu_rows
+from cadence.lora.products import ExpandTables, ShrinkTables
 
 SEGMENT_MIN_ROWS = 8  # an adapter's rows from which they take the gather + matmul path
 
@@ -89,17 +90,15 @@ def segments_of(row_adapter: torch.Tensor) -> Segments:
 
 def lora_shrink(
     x: torch.Tensor,
-    rows_in: torch.Tensor,
-    a_idx: torch.Tensor,
-    ranks: torch.Tensor,
-    row_adapter: torch.Tensor,
+    t: ShrinkTables,
     segments: Segments | None = None,
     cpu_kernels: bool = False,
 ) -> torch.Tensor:
-    """h [T, Rmax] in x's dtype: h[t, j] = x[t] · rows_in[a_idx[a, j]] for a =
-    row_adapter[t] and j < ranks[a], else 0. `cpu_kernels`: the small rows through the C++
-    kernels where they take the tensors."""
-    seg = segments if segments is not None else segments_of(row_adapter)
+    """h [T, Rmax] in x's dtype (`ShrinkTables`), 0 past each row's rank and on rows
+    without an adapter. `cpu_kernels`: the small rows through the C++ kernels where they
+    take the tensors."""
+    rows_in, a_idx, ranks = t.rows_in, t.a_idx, t.ranks
+    seg = segments if segments is not None else segments_of(t.row_adapter)
     rmax = a_idx.shape[1]
     h = x.new_zeros(x.shape[0], rmax)
     if seg.big:
@@ -111,7 +110,7 @@ def lora_shrink(
     if seg.small_rows is not None and seg.small_adapter is not None:
         rows, adapters = seg.small_rows, seg.small_adapter
         if cpu_kernels and cpu_rows.fits(x, rows_in, h):
-            cpu_rows.shrink_rows_(h, x, rows_in, a_idx, ranks, rows, adapters)
+            cpu_rows.shrink_rows_(h, x, t, rows, adapters)
             return h
         a_mats = _gather(rows_in, a_idx[adapters])  # [n, Rmax, in]
         hs = torch.bmm(a_mats, _take(x, rows).unsqueeze(2)).squeeze(2)
@@ -123,20 +122,16 @@ def lora_shrink(
 def lora_expand_(
     y: torch.Tensor,
     h: torch.Tensor,
-    rows_out: torch.Tensor,
-    b_idx: torch.Tensor,
-    piece_ranks: torch.Tensor,
-    rank_start: torch.Tensor,
-    out_offset: int,
-    row_adapter: torch.Tensor,
+    t: ExpandTables,
     segments: Segments | None = None,
     cpu_kernels: bool = False,
 ) -> None:
-    """y[t, out_offset : out_offset + out] += h[t, rank_start[a] : rank_start[a] + r] @
-    rows_out[b_idx[a, :r]] for a = row_adapter[t] >= 0, r = piece_ranks[a]. `cpu_kernels`:
-    the small rows through the C++ kernels where they take the tensors."""
-    seg = segments if segments is not None else segments_of(row_adapter)
-    target = y.narrow(1, out_offset, rows_out.shape[1])
+    """In place: y += one output piece's delta (`ExpandTables`) on the rows with an
+    adapter. `cpu_kernels`: the small rows through the C++ kernels where they take the
+    tensors."""
+    rows_out, b_idx, piece_ranks, rank_start = t.rows_out, t.b_idx, t.piece_ranks, t.rank_start
+    seg = segments if segments is not None else segments_of(t.row_adapter)
+    target = y.narrow(1, t.out_offset, rows_out.shape[1])
     if seg.big:
         rank, start = piece_ranks.tolist(), rank_start.tolist()
         for rows, a in seg.big:
@@ -148,9 +143,7 @@ def lora_expand_(
     if seg.small_rows is not None and seg.small_adapter is not None:
         rows, adapters = seg.small_rows, seg.small_adapter
         if cpu_kernels and cpu_rows.fits(y, h, rows_out):
-            cpu_rows.expand_rows_(
-                y, h, rows_out, b_idx, piece_ranks, rank_start, out_offset, rows, adapters
-            )
+            cpu_rows.expand_rows_(y, h, t, rows, adapters)
             return
         rp = b_idx.shape[1]
         j = torch.arange(rp, device=h.device)

@@ -29,7 +29,7 @@ from cadence.models.loader import TensorSlice, WeightFiller
 from cadence.quant.checkpoints import QuantizedSource
 from cadence.quant.crossover import ALL_ROWS, format_of
 from cadence.quant.formats import Int4Weight, Int8BlockWeight, Int8Weight, QuantizedWeight
-from cadence.quant.product import QuantizedProduct, describe, integer_product_serves
+from cadence.quant.product import ProductKernels, QuantizedProduct, describe
 from cadence.quant.quantize import group_size_for, quantize_int4, quantize_int8
 
 
@@ -38,6 +38,7 @@ class Dispatch:
     """How quantized layers share the products with a float weight."""
 
     keep_float: bool  # keep a float weight for products above the crossover
+    products: ProductKernels  # the shard's product kernels
     crossover: dict[str, int] = field(default_factory=dict)  # "int8"/"int4" -> most rows
     # keep it even where the quantized kernel serves every row count (asked for: "on")
     keep_float_always: bool = False
@@ -108,7 +109,7 @@ def install(
     formats = [describe(p) for p in pieces]
     keep = dispatch.keeps_float(formats) or shared
     module.quantized = QuantizedProduct(
-        pieces, weight.dtype, weight.device, dispatch.rows_for(formats), float_kept=keep
+        pieces, weight.dtype, weight.device, dispatch.rows_for(formats), keep, dispatch.products
     )
     if keep and not float_loaded:
         with torch.no_grad():
@@ -174,7 +175,7 @@ def serve_tied_head_in_blocks(
         if isinstance(m, ParallelLMHead)
         and getattr(m, "quantized", None) is None
         and id(m.weight) in shared
-        and integer_product_serves(m.weight.device)
+        and dispatch.products is ProductKernels.CPU_INTEGER
     ]
     whole = table() if heads else None
     for module in heads if whole is not None else []:

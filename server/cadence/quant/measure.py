@@ -21,6 +21,7 @@ from cadence.quant.crossover import ALL_ROWS
 from cadence.quant.formats import Int8Weight, QuantizedWeight
 from cadence.quant.product import Kernel, make_kernel
 from cadence.quant.quantize import group_size_for, quantize_int4, quantize_int8
+from cadence.shard.backends import product_kernels
 
 # SmolLM2-135M as cadence serves it: (out, in) of the fused qkv, o, gate_up and down
 # projections of each of its 30 layers, and its LM head once.
@@ -55,6 +56,8 @@ def build(
     """`kernel` makes the quantized side's product of a weight (default: the one a shard
     would use, `make_kernel`)."""
     packs = onednn_packs(dtype)
+    cpu = torch.device("cpu")
+    products = product_kernels(cpu)  # the shard's choice on this CPU
     floats, quantized, widths = [], [], []
     for out_features, in_features in shapes:
         w = (torch.randn(out_features, in_features) * 0.05).to(dtype)
@@ -64,7 +67,7 @@ def build(
             q = quantize_int8(w)
         else:
             q = quantize_int4(w, group_size_for(in_features, group_size))
-        quantized.append(kernel(q) if kernel else make_kernel(q, dtype, torch.device("cpu")))
+        quantized.append(kernel(q) if kernel else make_kernel(q, dtype, cpu, products))
         widths.append(in_features)
     return Products(floats, quantized, widths)
 

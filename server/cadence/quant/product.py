@@ -9,6 +9,7 @@ concatenates their outputs. Compatible pieces are merged into one kernel first.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from enum import Enum
 
 import torch
 
@@ -16,6 +17,15 @@ from cadence.quant.crossover import ALL_ROWS
 from cadence.quant.formats import Int4Weight, Int8BlockWeight, Int8Weight, QuantizedWeight
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]
+
+
+class ProductKernels(Enum):
+    """Which kernels multiply by quantized weights: chosen once per shard, with its other
+    kernels (`cadence.shard.backends.product_kernels`)."""
+
+    TRITON = "triton"  # CUDA: `cadence.quant.triton_kernels`
+    CPU_INTEGER = "cpu integer"  # the C++ integer product for the formats it takes
+    CPU_TORCH = "cpu torch"  # torch's weight-only kernels
 
 
 def describe(weight: QuantizedWeight) -> str:
@@ -67,32 +77,26 @@ def join_rows(pieces: Sequence[QuantizedWeight]) -> list[QuantizedWeight]:
     return merged
 
 
-def make_kernel(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> Kernel:
-    """The kernel that multiplies by `weight` for activations of `dtype` on `device`."""
-    if isinstance(weight, Int8BlockWeight) and not integer_product_serves(device):
+def make_kernel(
+    weight: QuantizedWeight, dtype: torch.dtype, device: torch.device, kernels: ProductKernels
+) -> Kernel:
+    """The kernel of `kernels` that multiplies by `weight` for activations of `dtype` on
+    `device`."""
+    integer = kernels is ProductKernels.CPU_INTEGER
+    if isinstance(weight, Int8BlockWeight) and not integer:
         return DequantizedKernel(weight, dtype, device)
-    if device.type == "cuda":
+    if kernels is ProductKernels.TRITON:
         from cadence.quant import triton_kernels
 
         return triton_kernels.kernel_for(weight, dtype, device)
     from cadence.quant import cpu_gemm
     from cadence.quant.cpu_kernels import Int4CpuKernel, Int8CpuKernel
 
-    if integer_product_serves(device) and cpu_gemm.takes(weight):
+    if integer and cpu_gemm.takes(weight):
         return cpu_gemm.IntegerCpuKernel(weight)
     if isinstance(weight, Int8Weight):  # (torch's kernels run in bfloat16 whatever `dtype`)
         return Int8CpuKernel(weight)
     return Int4CpuKernel(weight)
-
-
-def integer_product_serves(device: torch.device) -> bool:
-    """Whether the CPU integer product (`cadence.quant.cpu_gemm`) is the fast path here."""
-    if device.type != "cpu":
-        return False
-    from cadence.kernels.cpu import selected_isa
-    from cadence.quant import cpu_gemm
-
-    return cpu_gemm.integer_product_is_fast(selected_isa() or "")
 
 
 class DequantizedKernel:
@@ -120,11 +124,13 @@ class QuantizedProduct:
         device: torch.device,
         crossover: int,
         float_kept: bool,
+        kernels: ProductKernels,
     ) -> None:
         """`pieces`: the weight's row pieces in order; `crossover`: the most rows this
-        product serves while a float weight is kept (`float_kept`) for more rows."""
+        product serves while a float weight is kept (`float_kept`) for more rows;
+        `kernels`: the shard's product kernels."""
         joined = join_rows(pieces)
-        self.kernels = [make_kernel(w, dtype, device) for w in joined]
+        self.kernels = [make_kernel(w, dtype, device, kernels) for w in joined]
         self.formats = sorted({describe(w) for w in joined})
         self.out_features = sum(w.shape[0] for w in joined)
         self.crossover = crossover

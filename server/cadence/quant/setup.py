@@ -18,6 +18,7 @@ from cadence.quant.load import (
     quantize_model,
     summary,
 )
+from cadence.quant.product import ProductKernels
 
 # auto keeps the float weights on CPU while they take at most this share of MemAvailable
 KEEP_FLOAT_MEMORY_SHARE = 0.5
@@ -28,6 +29,9 @@ class QuantizeConfig:
     method: str | None = None  # "int8" | "int4": quantize a float checkpoint at load
     group_size: int = 32  # int4 group (smaller where a layer's input does not divide)
     keep_float: str = "auto"  # one of cadence.config.KEEP_FLOAT_CHOICES
+    # the shard's product kernels (`cadence.shard.backends.product_kernels`); a model
+    # with quantized weights needs them
+    products: ProductKernels | None = None
 
 
 def float_linear_bytes(model: nn.Module) -> int:
@@ -63,12 +67,14 @@ def dispatch_for(
     """The dispatch for `model`, and where each format's crossover came from. auto keeps
     no float copy of a layer whose quantized kernel wins at every row count (nothing would
     read it); "on" keeps every one."""
+    if cfg.products is None:
+        raise ValueError("quantized weights need the shard's product kernels (products)")
     dtype_name = str(dtype).removeprefix("torch.")
     isa = isa_name(device)
     found = {fmt: crossover_rows(fmt, dtype_name, isa) for fmt in FORMATS}
     rows = {fmt: c.rows for fmt, c in found.items()}
     keep = keeps_float(cfg.keep_float, device, float_linear_bytes(model))
-    dispatch = Dispatch(keep, rows, keep_float_always=cfg.keep_float == "on")
+    dispatch = Dispatch(keep, cfg.products, rows, keep_float_always=cfg.keep_float == "on")
     return dispatch, {fmt: c.source for fmt, c in found.items()}
 
 
@@ -81,6 +87,8 @@ def apply(
 ) -> dict[str, Any]:
     """Loads `source` into `model` (whose float weights are still empty), or quantizes
     `model`'s loaded float weights when `cfg.method` is set. Returns what /info shows."""
+    if source is None and not cfg.method:
+        return {}
     dispatch, origin = dispatch_for(cfg, model, dtype, device)
     if source is not None:
         if cfg.method:
@@ -95,8 +103,6 @@ def apply(
         description = f"{cfg.method} at load" + (
             f" (group {cfg.group_size}, LM head int8)" if cfg.method == "int4" else ""
         )
-    else:
-        return {}
     info = summary(model)
     used = {f.split()[0] for f in info.get("formats", {})}
     return {

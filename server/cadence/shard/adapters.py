@@ -29,7 +29,9 @@ from cadence.lora.resident import ResidentAdapters
 from cadence.lora.torch_ops import SEGMENT_MIN_ROWS
 from cadence.lora.weights import AdapterWeights
 from cadence.pb import shard_pb2
-from cadence.shard.state import BatchState, ForwardBatch, StepError
+from cadence.shard.forward_batch import ForwardBatch
+from cadence.shard.state import BatchState
+from cadence.shard.step_checks import StepError
 
 
 class AdapterRefused(ValueError):

@@ -89,6 +89,7 @@ class ShardClient:
         max_batch_size: int,
         kv_cache_bytes: int = 0,
         memory_fraction: float = 0.0,  # 0: the shard's device default
+        swap_blocks: int = 0,  # 0: 4 × the blocks allocated (the router's default)
     ) -> shard_pb2.WarmupResponse:
         return self.stub.Warmup(
             shard_pb2.WarmupRequest(
@@ -96,6 +97,7 @@ class ShardClient:
                 max_batch_size=max_batch_size,
                 kv_cache_bytes=kv_cache_bytes,
                 memory_fraction=memory_fraction,
+                swap_blocks=swap_blocks,
             ),
             timeout=self.timeout,
         )

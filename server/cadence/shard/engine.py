@@ -1,9 +1,7 @@
 """The shard's engine: loads the model, chooses once what computes its steps (attention
-backend, per-op kernels, model runner: `cadence.shard.backends`), sizes and allocates the
-KV cache (Warmup), and runs one Step: apply the diff, one forward over every scheduled
-token, sample (under a constrained request's allowed-token mask, when the step has one).
-A step with speculative rows has the draft model propose first (when asked), takes the
-logits at every proposal's position and verifies them (`cadence.speculative.verify`)."""
+backend, per-op kernels, model runner: `cadence.shard.backends`), answers Info, and sizes
+and allocates the KV cache (Warmup: a profiling step on a scratch cache, then the budget).
+The steps themselves run in `cadence.shard.step` (`StepRunner`)."""
 
 from __future__ import annotations
 
@@ -16,9 +14,7 @@ import torch
 import torch.distributed as dist
 from loguru import logger
 
-from cadence.attention_backends.base import Workspace
 from cadence.config import ShardConfig
-from cadence.heartbeat import HEARTBEAT, wedge_if_asked
 from cadence.kernels import cpu as cpu_kernels
 from cadence.kernels.cpu import isa as cpu_isa
 from cadence.kv_cache import KVCache, bytes_per_block
@@ -35,20 +31,23 @@ from cadence.lora.pool import PoolShape
 from cadence.models import load_model, read_config, to_dtype
 from cadence.pb import shard_pb2
 from cadence.quant.crossover import rows_text
+from cadence.quant.product import ProductKernels
 from cadence.quant.setup import QuantizeConfig
-from cadence.sampling import DO_SAMPLE, TOP_N, SampleOutput, SamplingBatch, sample
+from cadence.runners import ModelRunner
+from cadence.sampling import SamplingBatch
 from cadence.shard import backends
 from cadence.shard.adapters import ShardAdapters
-from cadence.shard.flat_rows import step_layout
+from cadence.shard.forward_batch import ForwardBatch
 from cadence.shard.kernel_report import kernel_paths, log_line
 from cadence.shard.kv_budget import CudaBudget, cpu_kv_budget, default_fraction
 from cadence.shard.memory import PeakMeter, available_bytes, cuda_reading
-from cadence.shard.state import BatchState, ForwardBatch, StepPlan
+from cadence.shard.state import BatchState
+from cadence.shard.step import StepRunner
+from cadence.shard.step_checks import StepPlan
 from cadence.speculative.threshold import speculative_threshold
-from cadence.speculative.verify import Verified, expand, verify
 
 if TYPE_CHECKING:
-    from cadence.speculative.draft import DraftModel, DraftProposals
+    from cadence.speculative.draft import DraftModel
 
 MiB = 1 << 20
 
@@ -91,17 +90,10 @@ class Engine:
         self.device = torch.device(cfg.device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", cfg.rank % torch.cuda.device_count())
-        cpu = backends.CpuKernels(False, "not on a CPU device")
         if self.device.type == "cpu" and cfg.cpu_threads > 0:
             torch.set_num_threads(cfg.cpu_threads)  # on the thread every forward runs on
-        if self.device.type == "cpu":
-            # once, before the model is built: every CPU kernel call runs this choice
-            try:
-                cpu_kernels.select(cfg.cpu_isa)
-                cpu = backends.CpuKernels(cfg.cpu_kernels, "turned off (--no-cpu-kernels)")
-            except cpu_kernels.KernelBuildError as err:
-                logger.warning(f"C++ CPU kernels unavailable, serving through torch: {err}")
-                cpu = backends.CpuKernels(False, str(err))
+        cpu = backends.cpu_kernels_for(cfg, self.device)
+        products = backends.product_kernels(self.device)
         if cfg.dtype == "auto":
             isa = cpu_kernels.selected_isa() or "scalar"
             self.cfg = cfg = replace(cfg, dtype=cpu_isa.default_dtype(cfg.device, isa))
@@ -111,7 +103,9 @@ class Engine:
         # before the weights: what is already in use is not this shard's to spend
         self.memory_at_start = cuda_reading(self.device) if self.device.type == "cuda" else None
         started = time.perf_counter()
-        quantize = QuantizeConfig(cfg.quantize, cfg.quantize_group_size, cfg.quantize_keep_float)
+        quantize = QuantizeConfig(
+            cfg.quantize, cfg.quantize_group_size, cfg.quantize_keep_float, products
+        )
         self.model = load_model(cfg.model_dir, self.dtype, self.device, quantize)
         # what is quantized: source, formats, crossover, float kept ({} for none)
         self.quantization: dict[str, Any] = self.model.quantization
@@ -134,29 +128,27 @@ class Engine:
         if cfg.kv_cache_scales:
             check_kv_cache_choice(self.kv_format.name, cfg.kv_cache_scales)
             self.kv_layer_scales = read_scales_file(cfg.kv_cache_scales, len(self.attention))
-        self.attention_backend = backends.attention_backend(
-            cfg.attention_backend, self.device, cpu, Workspace()
-        )
-        self.ops = backends.layer_ops(self.device, self.attention_backend, cpu)
+        kernels = backends.choose(cfg.attention_backend, self.device, cpu, products, self.model)
+        self.attention_backend = kernels.attention
+        self.ops = kernels.ops
         kernel_ops.bind(self.model, self.ops)
-        self.runner = backends.model_runner(self.model, self.attention_backend)
         # LoRA adapters, paged into the KV pool's blocks (the target model's layers only)
         slab = cfg.block_size * first.num_kv_heads * first.head_dim
         slab_bytes = slab * self.kv_format.storage.itemsize
         self.adapters = ShardAdapters(
-            self.model, self.dtype, PoolShape(len(self.attention), 0, slab_bytes), cpu.on,
-            triton=self.attention_backend.name == "triton",
+            self.model, self.dtype, PoolShape(len(self.attention), 0, slab_bytes),
+            cpu_kernels=kernels.lora.cpu_rows, triton=kernels.lora.triton,
         )  # fmt: skip
         self.kv: KVCache | None = None
         self.state: BatchState | None = None
         # proposes for ContinuingRequest.num_draft_tokens; its KV blocks ride on the target's
-        self.draft: DraftModel | None = self._load_draft(cfg)
-        if self.draft is not None:
-            self.bytes_per_block += self.draft.bytes_per_block
-        # Cumulative counts of what the forward passes computed (HealthResponse).
-        self.computed_tokens_total = 0
-        self.steps_run = 0  # steps with rows since warm-up
-        self.prompt_tokens_computed_total = 0
+        draft = self._load_draft(cfg, products)
+        if draft is not None:
+            self.bytes_per_block += draft.bytes_per_block
+        self.steps = StepRunner(
+            self.model, kernels.runner, self.ops, self.adapters, draft, self.device,
+            cfg.speculative_acceptance,
+        )  # fmt: skip
         logger.info(
             f"loaded {self.config.get('model_type')} from {cfg.model_dir} "
             f"({self.weight_bytes / MiB:.1f} MiB {cfg.dtype} on {self.device}, rank "
@@ -172,6 +164,24 @@ class Engine:
             self.packed_bytes, self.quantization,
         )  # fmt: skip
         logger.info(log_line(self.kernels))
+
+    @property
+    def runner(self) -> ModelRunner:
+        """The model's forward (`StepRunner.runner`)."""
+        return self.steps.runner
+
+    @runner.setter
+    def runner(self, runner: ModelRunner) -> None:
+        self.steps.runner = runner
+
+    @property
+    def draft(self) -> DraftModel | None:
+        """The draft model the steps propose with (`StepRunner.draft`), if any."""
+        return self.steps.draft
+
+    @draft.setter
+    def draft(self, draft: DraftModel | None) -> None:
+        self.steps.draft = draft
 
     # -- RPCs ----------------------------------------------------------------------
 
@@ -230,10 +240,13 @@ class Engine:
         kv_cache_bytes: int = 0,
         memory_fraction: float = 0.0,
         replicas: int = 1,
+        swap_blocks: int = 0,
     ) -> shard_pb2.WarmupResponse:
         """Profiles the largest step, sizes the KV cache (`kv_cache_bytes`, else from
         `memory_fraction`, whose meaning and default depend on the device: see
-        `cadence.shard.kv_budget`; 0 means the default) and allocates it."""
+        `cadence.shard.kv_budget`; 0 means the default) and allocates it. `swap_blocks`:
+        the router's host pool for swap preemption (WarmupRequest.swap_blocks; 0 for its
+        default), the bound of the steps' host block ids."""
         max_batch_size = max(1, min(max_batch_size, max_batch_tokens))
         if self.kv_format.scales == "layer" and self.kv_layer_scales is None:
             self.kv_layer_scales = self._estimate_kv_scales(max_batch_tokens)
@@ -269,6 +282,8 @@ class Engine:
             )
         self._allocate(num_blocks, max_batch_size)
         assert self.kv is not None
+        # the router's default pool when its flag is unset (WarmupRequest.swap_blocks)
+        self.steps.host_blocks = swap_blocks or 4 * num_blocks
         tokens = num_blocks * self.block_size
         logger.info(
             f"KV cache: {num_blocks} blocks of {self.block_size} tokens "
@@ -296,245 +311,21 @@ class Engine:
         if self.state is None or self.kv is None:
             raise NotReadyError("Step before Warmup: the KV cache is not allocated")
         with torch.inference_mode():
-            return self._step(req, self.state, self.kv)
-
-    # -- internals -----------------------------------------------------------------
-
-    def _step(
-        self, req: shard_pb2.StepRequest, state: BatchState, kv: KVCache
-    ) -> shard_pb2.StepResponse:
-        plan = self.apply(req, state, kv)
-        if not plan.rows:
-            return shard_pb2.StepResponse()
-        self.steps_run += 1
-        wedge_if_asked(self.steps_run)
-        started = time.perf_counter_ns()
-        drafted = self._propose(plan, state) if plan.drafts else None
-        batch = state.prepare(plan.rows)
-        hidden = self.forward(batch)
-        if state.prompt_logprobs:
-            self._prompt_logprobs(batch, state, hidden)
-        HEARTBEAT.beat()
-        self.computed_tokens_total += batch.num_tokens
-        self.prompt_tokens_computed_total += batch.num_prompt_tokens
-        generations: list[shard_pb2.Generation] = []
-        if batch.num_proposed is not None:
-            generations = self._verify(batch, plan, state, hidden, drafted)
-            if state.prompt_logprobs:
-                self._attach_prompt_logprobs(batch, state, generations)
-        elif batch.sample_rows.numel():
-            logits = self.model.compute_logits(hidden[batch.sample_tokens.to(self.device)])
-            sb = self._on_device(state.sampling_batch(batch, plan))
-            out = sample(logits, sb, self.ops.greedy)
-            ids = out.ids.cpu()
-            state.commit(batch, ids)
-            generations = self._generations(batch, sb, ids, out)
-            if state.prompt_logprobs:
-                self._attach_prompt_logprobs(batch, state, generations)
-        else:
-            state.commit(batch, torch.empty(0, dtype=torch.long))
-        return shard_pb2.StepResponse(
-            generations=generations,
-            forward_ns=time.perf_counter_ns() - started,
-            computed_tokens=batch.num_tokens,
-        )
+            return self.steps.run(req, self.state, self.kv)
 
     def apply(self, req: shard_pb2.StepRequest, state: BatchState, kv: KVCache) -> StepPlan:
-        """Validates the diff, then applies it in the contract's order: drop `removed`,
-        swap-out, swap-in, block copies, LoRA adapters out of and into the pool, add
-        `joined`, extend `continuing` tables and append their forced tokens and the
-        router's proposals. The plan keeps the step's allowed-token masks for sampling and
-        the requests the draft model proposes for."""
-        plan = state.validate(
-            req, host_blocks_limit=4 * kv.num_blocks, draft_model=self.draft is not None
-        )
-        self.adapters.check(req, state)
-        state.remove(plan.removed)
-        # Swap-out first: the router may hand the blocks it frees to this very step.
-        kv.swap_out([c.src for c in req.swap_out], [c.dst for c in req.swap_out])
-        kv.swap_in([c.src for c in req.swap_in], [c.dst for c in req.swap_in])
-        kv.copy_blocks([c.src for c in req.copies], [c.dst for c in req.copies])
-        self.adapters.page(req.adapters_out, req.adapters_in)
-        state.join(plan.joined)
-        if self.draft is not None and plan.joined:  # a reused slot's draft KV is stale
-            self.draft.forget([state.slot_of[r.id] for r in plan.joined])
-        state.extend_blocks(list(req.continuing))
-        state.append_forced(list(req.continuing))
-        state.append_proposed(plan.proposals)
-        return plan
-
-    def _propose(self, plan: StepPlan, state: BatchState) -> DraftProposals:
-        """The draft model's proposals for the plan's draft rows, appended to their tokens."""
-        assert self.draft is not None
-        rows = [(state.slot_of[i], k) for i, k in plan.drafts]
-        sampling = self._on_device(state.sampling_rows(torch.tensor([s for s, _ in rows])))
-        drafted = self.draft.propose(state, rows, sampling)
-        assert [len(t) for t in drafted.tokens] == [k for _, k in plan.drafts]
-        state.append_proposed({i: t for (i, _), t in zip(plan.drafts, drafted.tokens, strict=True)})
-        return drafted
-
-    def _verify(
-        self,
-        batch: ForwardBatch,
-        plan: StepPlan,
-        state: BatchState,
-        hidden: torch.Tensor,
-        drafted: DraftProposals | None,
-    ) -> list[shard_pb2.Generation]:
-        """Verifies a speculative step's sampling rows, commits what they keep and answers
-        them. Router proposals are sampled and matched (or accepted at the set rate, for
-        benchmarks); draft proposals too in greedy rows, and rejection-sampled against the
-        draft's distributions in sampling rows."""
-        assert batch.num_proposed is not None and batch.verify_tokens is not None
-        k = batch.num_proposed
-        logits = self.model.compute_logits(hidden[batch.verify_tokens.to(self.device)])
-        sb = state.sampling_batch(batch, plan)
-        top_n = sb.params[:, TOP_N].long().tolist()
-        ids = [batch.ids[r] for r in batch.sample_rows.tolist()]
-        synthetic = torch.tensor([i in plan.proposals for i in ids], dtype=torch.bool)
-        if self.cfg.speculative_acceptance <= 0:
-            synthetic[:] = False
-        rejection = torch.zeros(len(ids), dtype=torch.bool)
-        q = None
-        if drafted is not None and drafted.q_logprobs is not None:
-            # each draft row's q rows, found by request id (propose saw the plan's order)
-            starts, at = 0, {}
-            for i, n in plan.drafts:
-                at[i] = torch.arange(starts, starts + n)
-                starts += n
-            rejection = torch.tensor([i in at for i in ids]) & sb.params[:, DO_SAMPLE].bool()
-            picked = [at[i] for i, r in zip(ids, rejection.tolist(), strict=True) if r]
-            if picked:
-                q = drafted.q_logprobs[torch.cat(picked).to(drafted.q_logprobs.device)]
-        v = verify(
-            logits, self._on_device(expand(sb, k)), k, state.proposals_of(batch), synthetic,
-            self.cfg.speculative_acceptance, rejection, q, self.ops.greedy,
-            synthetic_keys=torch.tensor(ids, dtype=torch.long),
-        )  # fmt: skip
-        state.commit_verified(batch, v.tokens, v.accepted)
-        if self.draft is not None and plan.drafts:
-            slots = [state.slot_of[i] for i, _ in plan.drafts]
-            self.draft.accepted(slots, state.computed[slots].tolist())
-        return self._verified_generations(ids, k, v, top_n)
-
-    @staticmethod
-    def _verified_generations(
-        ids: list[int], num_proposed: torch.Tensor, v: Verified, top_n: list[int]
-    ) -> list[shard_pb2.Generation]:
-        """One Generation per sampling row: its 1 + accepted tokens, their logprobs and top
-        alternatives, and the proposal counts."""
-        tokens, logprobs = v.tokens.tolist(), v.logprobs.tolist()
-        top_ids = top_lps = None
-        if v.top_ids is not None and v.top_logprobs is not None:
-            top_ids, top_lps = v.top_ids.tolist(), v.top_logprobs.tolist()
-        gens, start = [], 0
-        for i, k, a, n in zip(ids, num_proposed.tolist(), v.accepted.tolist(), top_n, strict=True):
-            end = start + 1 + a
-            g = shard_pb2.Generation(
-                id=i,
-                token_ids=tokens[start:end],
-                logprobs=logprobs[start:end],
-                num_proposed=k,
-                num_accepted=a,
-            )
-            if top_ids is not None and top_lps is not None and n > 0:
-                g.top_tokens.extend(
-                    shard_pb2.TopTokens(ids=top_ids[t][:n], logprobs=top_lps[t][:n])
-                    for t in range(start, end)
-                )
-            gens.append(g)
-            start = end
-        return gens
+        """A step's diff checked and applied, without its forward (`StepRunner.apply`)."""
+        return self.steps.apply(req, state, kv)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """One forward over the flat batch -> hidden states [T, hidden], each request's
-        rows through its LoRA adapter when it has one."""
-        d = self.device
-        layout = step_layout(batch, self.block_size, d)
+        """One forward over a prepared batch of the held requests (`StepRunner.forward`)."""
         assert self.state is not None
-        with self.adapters.step(batch, self.state):
-            return self.runner.forward(layout, batch.input_ids.to(d), batch.positions.to(d))
+        return self.steps.forward(batch, self.state)
 
     def _on_device(self, b: SamplingBatch) -> SamplingBatch:
-        if self.device.type == "cpu":
-            return b
-        names = ("params", "seeds", "positions", "history", "seq_lens", "prompt_lens")
-        extras = ("bias_rows", "bias_ids", "bias_values", "allowed_rows", "allowed_words")
-        for name in (*names, *extras):
-            t = getattr(b, name)
-            if t is not None:
-                setattr(b, name, t.to(self.device, non_blocking=True))
-        return b
+        return self.steps.on_device(b)
 
-    def _generations(
-        self,
-        batch: ForwardBatch,
-        sb: SamplingBatch,
-        ids: torch.Tensor,
-        out: SampleOutput,
-    ) -> list[shard_pb2.Generation]:
-        rows = batch.sample_rows.tolist()
-        tokens = ids.tolist()
-        logprobs = out.logprobs.tolist()
-        top_n = sb.params[:, TOP_N].long().tolist()
-        top_ids = top_lps = None
-        if out.top_ids is not None:
-            top_ids = out.top_ids.tolist()
-            top_lps = out.top_logprobs.tolist()
-        gens = []
-        for i, row in enumerate(rows):
-            g = shard_pb2.Generation(
-                id=batch.ids[row], token_ids=[tokens[i]], logprobs=[logprobs[i]]
-            )
-            if top_ids is not None and top_n[i] > 0:
-                n = top_n[i]
-                g.top_tokens.append(
-                    shard_pb2.TopTokens(ids=top_ids[i][:n], logprobs=top_lps[i][:n])
-                )
-            gens.append(g)
-        return gens
-
-    def _prompt_logprobs(
-        self, batch: ForwardBatch, state: BatchState, hidden: torch.Tensor
-    ) -> None:
-        """Logprobs of the prompt tokens this step's chunk predicts, for the requests that
-        asked: the raw model distribution (no penalties, bias or warpers)."""
-        starts = batch.query_start.tolist()
-        ends = batch.context_lens.tolist()
-        for row, slot in enumerate(batch.slots.tolist()):
-            acc = state.prompt_logprobs.get(slot)
-            if acc is None or acc.sent:
-                continue
-            n = starts[row + 1] - starts[row]
-            first = ends[row] - n  # position of the chunk's first token
-            prompt_len = int(state.prompt_lens[slot])
-            count = min(n, prompt_len - 1 - first)  # positions whose next token is prompt
-            if count <= 0:
-                continue
-            flat = hidden[starts[row] : starts[row] + count]
-            logprobs = self.model.compute_logits(flat).float().log_softmax(dim=-1)
-            targets = state.tokens[slot, first + 1 : first + 1 + count].to(logprobs.device)
-            acc.logprobs += logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
-            top_n = int(state.params[slot, TOP_N])
-            if top_n > 0:
-                values, ids = logprobs.topk(min(top_n, logprobs.shape[1]), dim=-1)
-                acc.top_ids += ids.tolist()
-                acc.top_logprobs += values.tolist()
-
-    @staticmethod
-    def _attach_prompt_logprobs(
-        batch: ForwardBatch, state: BatchState, generations: list[shard_pb2.Generation]
-    ) -> None:
-        """Sends each request's prompt logprobs once, with its first sampled token."""
-        for g in generations:
-            acc = state.prompt_logprobs.get(state.slot_of[g.id])
-            if acc is None or acc.sent:
-                continue
-            g.prompt_logprobs.extend(acc.logprobs)
-            for ids, lps in zip(acc.top_ids, acc.top_logprobs, strict=True):
-                g.prompt_top_tokens.append(shard_pb2.TopTokens(ids=ids, logprobs=lps))
-            acc.sent = True
-            acc.logprobs, acc.top_ids, acc.top_logprobs = [], [], []
+    # -- sizing the KV cache ----------------------------------------------------------
 
     def _allocate(self, num_blocks: int, max_batch_size: int, fmt: KVFormat | None = None) -> None:
         first = self.attention[0]
@@ -560,7 +351,7 @@ class Engine:
             self.block_size, num_blocks, vocab, capacity=max(16, max_batch_size)
         )
 
-    def _load_draft(self, cfg: ShardConfig) -> DraftModel | None:
+    def _load_draft(self, cfg: ShardConfig, products: ProductKernels) -> DraftModel | None:
         """The draft model of `--draft-model-id` on this device, with the target's kernels,
         attention backend, block size and KV format (None without one)."""
         if not cfg.draft_model_id:
@@ -568,7 +359,7 @@ class Engine:
         from cadence.speculative.draft import DraftModel
 
         keep_float = cfg.quantize_keep_float
-        quantize = QuantizeConfig(cfg.draft_quantize, cfg.quantize_group_size, keep_float)
+        quantize = QuantizeConfig(cfg.draft_quantize, cfg.quantize_group_size, keep_float, products)
         draft = DraftModel(
             cfg.draft_model_id, self.dtype, self.device, quantize, self.ops,
             self.attention_backend, target_vocab_size=self.model.config.vocab_size,
@@ -605,7 +396,7 @@ class Engine:
         assert self.kv is not None and self.state is not None
         try:
             with torch.inference_mode():
-                self._step(shard_pb2.StepRequest(joined=[prompt]), self.state, self.kv)
+                self.steps.run(shard_pb2.StepRequest(joined=[prompt]), self.state, self.kv)
             scales = estimate_scales(self.kv.blocks, blocks, self.kv_format.max)
         finally:
             self._release_cache()
@@ -664,7 +455,7 @@ class Engine:
         try:
             with PeakMeter(self.device) as meter, torch.inference_mode():
                 step = shard_pb2.StepRequest(joined=joined, allowed=allowed)
-                self._step(step, self.state, self.kv)
+                self.steps.run(step, self.state, self.kv)
             peak = meter.peak()
             torch_peak = max(0, meter.torch_reserved_peak() - scratch)
         finally:

@@ -1,13 +1,12 @@
 """Rows of consecutive tokens laid end to end for one forward: where each token sits in
-its request's blocks, and the shape facts the attention backends dispatch on. The rows
-come decode first (single-token rows, then short chunks, then longer ones), as the
-backends expect. The target's steps (`BatchState.prepare`) and the draft model's forwards
-(`cadence.speculative.draft_batch`) both lay out their rows here."""
+its request's blocks, and the shape facts the attention backends dispatch on (one
+`StepLayout`). The rows come decode first (single-token rows, then short chunks, then
+longer ones), as the backends expect. The target's steps (`BatchState.prepare`) and the
+draft model's forwards (`cadence.speculative.draft_batch`) both lay out their rows here."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -25,54 +24,7 @@ def decode_first(counts: list[int]) -> list[int]:
 class FlatRows:
     row: torch.Tensor  # [T] each token's row
     positions: torch.Tensor  # [T]
-    slot_mapping: torch.Tensor  # [T] where each token's key and value are written
-    query_start: torch.Tensor  # [B+1]
-    context_lens: torch.Tensor  # [B]
-    block_tables: torch.Tensor  # [B, blocks spanned by the longest context]
-    num_decode: int
-    num_short: int  # rows after the decodes with 2..SHORT_CHUNK tokens
-    short_tokens: int
-    max_query_len: int
-    decode_blocks: int  # blocks spanned by the longest decode context
-    prefill_blocks: int  # blocks spanned by the longest prefill context
-    prefill_from_start: bool  # every longer row starts at position 0 (no cached prefix)
-
-    def layout(self, block_size: int, device: torch.device) -> StepLayout:
-        return step_layout(self, block_size, device)
-
-
-class LaidOut(Protocol):
-    """What a StepLayout is made from: FlatRows, or the ForwardBatch built from them."""
-
-    slot_mapping: torch.Tensor
-    query_start: torch.Tensor
-    context_lens: torch.Tensor
-    block_tables: torch.Tensor
-    num_decode: int
-    num_short: int
-    short_tokens: int
-    max_query_len: int
-    decode_blocks: int
-    prefill_blocks: int
-    prefill_from_start: bool
-
-
-def step_layout(rows: LaidOut, block_size: int, device: torch.device) -> StepLayout:
-    """The attention backends' view of the rows, its tensors on `device`."""
-    return StepLayout(
-        slot_mapping=rows.slot_mapping.to(device, non_blocking=True),
-        query_start=rows.query_start.to(device, non_blocking=True),
-        context_lens=rows.context_lens.to(device, non_blocking=True),
-        block_tables=rows.block_tables.to(device, non_blocking=True),
-        block_size=block_size,
-        num_decode=rows.num_decode,
-        num_short=rows.num_short,
-        short_tokens=rows.short_tokens,
-        max_query_len=rows.max_query_len,
-        decode_blocks=rows.decode_blocks,
-        prefill_blocks=rows.prefill_blocks,
-        prefill_from_start=rows.prefill_from_start,
-    )
+    layout: StepLayout  # on CPU
 
 
 def flat_rows(
@@ -101,18 +53,19 @@ def flat_rows(
     spanned = (context_lens + block_size - 1) // block_size
     past = torch.arange(width) >= spanned.unsqueeze(1)
     padded_tables = torch.where(past, tables[:, :1], tables[:, :width])
-    return FlatRows(
-        row=row,
-        positions=positions,
+    layout = StepLayout(
         slot_mapping=blocks * block_size + positions % block_size,
         query_start=query_start,
         context_lens=context_lens,
         block_tables=padded_tables,
+        block_size=block_size,
         num_decode=num_decode,
-        num_short=len(short),
-        short_tokens=sum(short),
         max_query_len=max(counts[num_decode:], default=1),
         decode_blocks=decode_blocks,
         prefill_blocks=prefill_blocks,
+        # every longer row starts at position 0 (no cached prefix)
         prefill_from_start=lens[num_decode:] == counts[num_decode:],
+        num_short=len(short),
+        short_tokens=sum(short),
     )
+    return FlatRows(row=row, positions=positions, layout=layout)

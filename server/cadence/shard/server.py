@@ -24,6 +24,7 @@ from loguru import logger
 from cadence.config import ShardConfig
 from cadence.heartbeat import HEARTBEAT
 from cadence.pb import shard_pb2, shard_pb2_grpc
+from cadence.shard import faults
 from cadence.shard.adapters import AdapterRefused
 from cadence.shard.engine import Engine, init_distributed
 from cadence.shard.steps import StepSession
@@ -72,8 +73,8 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         e = self.engine
         return shard_pb2.HealthResponse(
             ready=e.ready,
-            computed_tokens_total=e.computed_tokens_total,
-            prompt_tokens_computed_total=e.prompt_tokens_computed_total,
+            computed_tokens_total=e.steps.counts.computed_tokens,
+            prompt_tokens_computed_total=e.steps.counts.prompt_tokens,
             heartbeats=HEARTBEAT.beats,
         )
 
@@ -90,6 +91,7 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
                 r.kv_cache_bytes,
                 r.memory_fraction,
                 r.replicas,
+                r.swap_blocks,
             ),
         )
 
@@ -149,6 +151,7 @@ async def serve_async(cfg: ShardConfig, stop: asyncio.Event | None = None) -> No
     # threads than cores libgomp stops spin-waiting, which made each decode step ~40%
     # slower (kernels/engine_step_profile.py with and without a main-thread team).
     engine = await asyncio.get_running_loop().run_in_executor(executor, Engine, cfg)
+    faults.install(engine, os.environ)  # the readiness tests' wedged forward, when asked
     # parses LoRA adapters (file reads, small tensor work) off the forward thread
     loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"shard{cfg.rank}-adapters")
     server = grpc.aio.server(options=GRPC_OPTIONS)

@@ -13,7 +13,8 @@ Structured outputs add two things to a step. A continuing request's `forced_toke
 ids before the forward, as generated tokens: past its prompt length, so the penalties
 count them as output, and computed like any known token (by this step's `num_compute` or
 a later one's). An `allowed` mask per constrained request that samples this step is
-checked here (`StepPlan.allowed_*`) and applied by the sampler before anything else.
+checked with the diff (`StepPlan.allowed_*`) and applied by the sampler before anything
+else.
 
 Speculative decoding adds proposals: tokens that may follow a decoding request's last
 sampled token t (at position p), from the router (`proposed_tokens`) or the shard's draft
@@ -23,14 +24,14 @@ logits verification needs, and `commit_verified` keeps t, the a accepted proposa
 the model's next token (computed = p + 1 + a), cutting the block table to the blocks the
 computed tokens fill.
 
-`StepPlan` is the validated diff; `BatchState.prepare` turns it into flat forward inputs
-with vectorized tensor ops (a handful of Python operations per request, none per token).
+`StepPlan` is the diff as `cadence.shard.step_checks` passed it; `BatchState.apply` takes
+it in, `BatchState.prepare` turns its rows into flat forward inputs with vectorized tensor
+ops (a handful of Python operations per request, none per token).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -47,48 +48,8 @@ from cadence.sampling import (
     param_row,
 )
 from cadence.shard.flat_rows import decode_first, flat_rows
-
-
-class StepError(ValueError):
-    """A malformed StepRequest; nothing of it has been applied. `request_id`: the id of the
-    request at fault, for the log line, when one is."""
-
-    def __init__(self, message: str, request_id: str = "") -> None:
-        super().__init__(message)
-        self.request_id = request_id
-
-
-@dataclass(slots=True)
-class ForwardBatch:
-    """Flat inputs of one forward, on CPU (the engine moves them to the device)."""
-
-    ids: list[int]  # request id of each scheduled row (decode rows first)
-    slots: torch.Tensor  # [B]
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    slot_mapping: torch.Tensor  # [T]
-    query_start: torch.Tensor  # [B+1]
-    context_lens: torch.Tensor  # [B]
-    block_tables: torch.Tensor  # [B, max_blocks]
-    num_decode: int
-    num_short: int  # rows after the decodes with 2..SHORT_CHUNK tokens (StepLayout's)
-    short_tokens: int
-    max_query_len: int
-    decode_blocks: int  # blocks spanned by the longest decode context
-    prefill_blocks: int  # blocks spanned by the longest prefill context
-    prefill_from_start: bool  # every prefill row starts at position 0 (no cached prefix)
-    sample_rows: torch.Tensor  # [R] rows that sample
-    sample_tokens: torch.Tensor  # [R] their last token's index in the flat batch
-    sampling: SamplingBatch | None = None
-    num_prompt_tokens: int = 0  # tokens at positions < their request's prompt_len
-    # speculative steps only (None otherwise): proposals per sampling row [R], and the
-    # flat indices of each sampling row's 1 + k verified positions, rows in order [sum(1 + k)]
-    num_proposed: torch.Tensor | None = None
-    verify_tokens: torch.Tensor | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
+from cadence.shard.forward_batch import ForwardBatch
+from cadence.shard.step_checks import StepPlan
 
 
 @dataclass(slots=True)
@@ -99,25 +60,6 @@ class PromptLogprobs:
     top_ids: list[list[int]] = field(default_factory=list)
     top_logprobs: list[list[float]] = field(default_factory=list)
     sent: bool = False
-
-
-@dataclass(slots=True)
-class StepPlan:
-    removed: list[int] = field(default_factory=list)
-    joined: list[shard_pb2.NewRequest] = field(default_factory=list)
-    rows: list[tuple[int, int]] = field(default_factory=list)  # (request id, num_compute)
-    # this step's allowed-token masks: the constrained requests' ids and their words
-    # [M, ceil(vocab / 32)] int32, zero-padded (the tail is disallowed); None without any
-    allowed_ids: list[int] = field(default_factory=list)
-    allowed_words: torch.Tensor | None = None
-    # speculative rows: the router's proposals by request id, and (id, k) of the
-    # requests whose k proposals the draft model makes
-    proposals: dict[int, list[int]] = field(default_factory=dict)
-    drafts: list[tuple[int, int]] = field(default_factory=list)
-
-    @property
-    def speculative(self) -> bool:
-        return bool(self.proposals or self.drafts)
 
 
 def offsets_within(counts: torch.Tensor) -> torch.Tensor:
@@ -188,208 +130,6 @@ class BatchState:
         self.features.clear()
         self.free = list(range(self.tokens.shape[0] - 1, -1, -1))
 
-    # -- validation ---------------------------------------------------------------
-
-    def validate(
-        self, req: shard_pb2.StepRequest, host_blocks_limit: int, draft_model: bool = False
-    ) -> StepPlan:
-        """Checks the whole diff against the current state without changing anything.
-        `draft_model`: whether this shard has one (for `num_draft_tokens`)."""
-        nb = self.num_blocks
-        plan = StepPlan(removed=list(req.removed))
-        held = set(self.slot_of) - set(plan.removed)
-        for kind, ops in (("copies", req.copies), ("swap_out", req.swap_out)):
-            for op in ops:
-                if op.src >= nb or (kind == "copies" and op.dst >= nb):
-                    raise StepError(f"{kind}: block {op.src}->{op.dst} out of range ({nb})")
-        for op in req.swap_out:
-            if op.dst >= host_blocks_limit:
-                raise StepError(f"swap_out: host block {op.dst} >= {host_blocks_limit}")
-        for op in req.swap_in:
-            if op.dst >= nb or op.src >= host_blocks_limit:
-                raise StepError(f"swap_in: block {op.src}->{op.dst} out of range")
-        bs = self.block_size
-        for r in req.joined:
-            n = len(r.token_ids)
-            if r.id in held:
-                raise StepError(
-                    f"request {r.id} joined but is already held", request_id=r.request_id
-                )
-            if n == 0 or r.prompt_len > n or r.num_cached + r.num_compute > n:
-                raise StepError(
-                    f"request {r.id}: {n} tokens, prompt_len {r.prompt_len}, "
-                    f"num_cached {r.num_cached} + num_compute {r.num_compute}",
-                    request_id=r.request_id,
-                )
-            if len(r.block_table) * bs < r.num_cached + r.num_compute:
-                raise StepError(
-                    f"request {r.id}: {len(r.block_table)} blocks are too few",
-                    request_id=r.request_id,
-                )
-            if r.block_table and max(r.block_table) >= nb:
-                raise StepError(
-                    f"request {r.id}: block {max(r.block_table)} >= {nb}", request_id=r.request_id
-                )
-            if max(r.token_ids) >= self.vocab_size:
-                raise StepError(
-                    f"request {r.id}: token id {max(r.token_ids)} >= vocab", request_id=r.request_id
-                )
-            if r.sampling.logit_bias and max(r.sampling.logit_bias) >= self.vocab_size:
-                raise StepError(
-                    f"request {r.id}: logit_bias token >= vocab", request_id=r.request_id
-                )
-            if r.prompt_logprobs and r.num_cached > 0:
-                raise StepError(
-                    f"request {r.id}: prompt_logprobs needs num_cached = 0", request_id=r.request_id
-                )
-            held.add(r.id)
-            if r.num_compute > 0:
-                plan.rows.append((r.id, r.num_compute))
-        plan.joined = list(req.joined)
-        cont: list[shard_pb2.ContinuingRequest] = []
-        joined_ids = {r.id for r in req.joined}
-        continuing_ids: set[int] = set()
-        for c in req.continuing:
-            if c.id not in held or c.id in joined_ids:
-                raise StepError(
-                    f"continuing request {c.id} is not held", request_id=self.request_id(c.id)
-                )
-            if c.id in continuing_ids:
-                raise StepError(
-                    f"continuing request {c.id} is listed twice", request_id=self.request_id(c.id)
-                )
-            continuing_ids.add(c.id)
-            if c.new_blocks and max(c.new_blocks) >= nb:
-                raise StepError(
-                    f"request {c.id}: new block {max(c.new_blocks)} >= {nb}",
-                    request_id=self.request_id(c.id),
-                )
-            if c.forced_tokens and max(c.forced_tokens) >= self.vocab_size:
-                raise StepError(
-                    f"request {c.id}: forced_tokens token id {max(c.forced_tokens)} >= vocab",
-                    request_id=self.request_id(c.id),
-                )
-            if c.proposed_tokens or c.num_draft_tokens:
-                self._check_proposals(c, plan, draft_model)
-            if c.num_compute > 0:
-                plan.rows.append((c.id, c.num_compute))
-                cont.append(c)
-        if len({i for i, _ in plan.rows}) != len(plan.rows):
-            raise StepError("a request is scheduled twice")
-        if cont:
-            slots = torch.tensor([self.slot_of[c.id] for c in cont])
-            n = torch.tensor([c.num_compute for c in cont])
-            blocks = torch.tensor([len(c.new_blocks) for c in cont])
-            known = self.seq_lens[slots]
-            if any(c.forced_tokens for c in cont) or plan.speculative:
-                known = known + torch.tensor(
-                    [
-                        len(c.forced_tokens) + len(c.proposed_tokens) + c.num_draft_tokens
-                        for c in cont
-                    ]
-                )
-            end = self.computed[slots] + n
-            bad = (end > known) | (end > (self.num_block_ids[slots] + blocks) * bs)
-            if bool(bad.any()):
-                c = cont[int(bad.nonzero()[0, 0])]
-                raise StepError(
-                    f"request {c.id}: num_compute {c.num_compute} exceeds its known tokens "
-                    "(with its forced or proposed tokens) or its blocks",
-                    request_id=self.request_id(c.id),
-                )
-            if plan.speculative:
-                # proposals follow a token sampled by the request's previous step: the
-                # only one it knows that is not computed
-                speculating = torch.tensor(
-                    [bool(c.proposed_tokens or c.num_draft_tokens) for c in cont]
-                )
-                bad = speculating & (self.computed[slots] != self.seq_lens[slots] - 1)
-                if bool(bad.any()):
-                    c = cont[int(bad.nonzero()[0, 0])]
-                    raise StepError(
-                        f"request {c.id}: proposals need a decoding request (every known "
-                        "token computed but the last sampled one)",
-                        request_id=self.request_id(c.id),
-                    )
-        if req.allowed:  # the requests that sample this step may have a mask
-            sampling = {
-                r.id for r in req.joined if 0 < r.num_compute == len(r.token_ids) - r.num_cached
-            }
-            if cont:
-                samples = (end == known).tolist()
-                sampling.update(c.id for c, s in zip(cont, samples, strict=True) if s)
-            plan.allowed_ids, plan.allowed_words = self._allowed(req.allowed, held, sampling)
-            masked = set(plan.allowed_ids) & (set(plan.proposals) | {i for i, _ in plan.drafts})
-            if masked:
-                raise StepError(
-                    f"allowed: request {min(masked)} has proposals (a mask constrains one position)"
-                )
-        return plan
-
-    def _check_proposals(
-        self, c: shard_pb2.ContinuingRequest, plan: StepPlan, draft_model: bool
-    ) -> None:
-        """One continuing request's proposals (the checks that need no state), entered in
-        `plan`."""
-
-        def fail(message: str) -> StepError:
-            return StepError(f"request {c.id}: {message}", request_id=self.request_id(c.id))
-
-        if c.proposed_tokens and c.num_draft_tokens:
-            raise fail("proposed_tokens and num_draft_tokens together")
-        if c.forced_tokens:
-            raise fail("proposals (proposed_tokens / num_draft_tokens) with forced_tokens")
-        k = len(c.proposed_tokens) or c.num_draft_tokens
-        if c.num_compute != 1 + k:
-            raise fail(f"num_compute {c.num_compute} is not 1 + {k} proposals")
-        if c.num_draft_tokens:
-            if not draft_model:
-                raise fail("num_draft_tokens without a draft model on this shard")
-            plan.drafts.append((c.id, k))
-            return
-        if max(c.proposed_tokens) >= self.vocab_size:
-            raise fail(f"proposed_tokens token id {max(c.proposed_tokens)} >= vocab")
-        plan.proposals[c.id] = list(c.proposed_tokens)
-
-    def _allowed(
-        self, allowed: Sequence[shard_pb2.AllowedTokens], held: set[int], sampling: set[int]
-    ) -> tuple[list[int], torch.Tensor]:
-        """The step's masks checked -- one per request that samples this step, at most
-        ceil(vocab / 32) words, at least one token allowed -- and packed into one
-        zero-padded int32 tensor (each word's bits as they are)."""
-        vocab = self.vocab_size
-        width = -(-vocab // 32)
-        ids: list[int] = []
-        seen: set[int] = set()
-        words = torch.zeros(len(allowed), width, dtype=torch.int32)
-        for i, a in enumerate(allowed):
-            if a.id not in held:
-                raise StepError(f"allowed: request {a.id} is not held")
-            if a.id not in sampling:
-                raise StepError(f"allowed: request {a.id} does not sample this step")
-            if a.id in seen:
-                raise StepError(f"allowed: request {a.id} has two masks")
-            if len(a.words) % 4:
-                raise StepError(
-                    f"allowed: request {a.id}'s words are {len(a.words)} bytes, not a multiple of 4"
-                )
-            if len(a.words) // 4 > width:
-                raise StepError(
-                    f"allowed: request {a.id} has {len(a.words) // 4} words, more than the "
-                    f"{width} of its {vocab}-token logits"
-                )
-            if a.words:  # little-endian words, as this (x86 / arm64) host reads them
-                packed = torch.frombuffer(bytearray(a.words), dtype=torch.int32)
-                words[i, : packed.shape[0]] = packed
-            ids.append(a.id)
-            seen.add(a.id)
-        # the bits past the vocabulary in the last word do not count as allowed tokens
-        live = words[:, -1] & ((1 << (vocab % 32)) - 1) if vocab % 32 else words[:, -1]
-        empty = ~((words[:, :-1] != 0).any(dim=1) | (live != 0))
-        if bool(empty.any()):
-            raise StepError(f"allowed: request {ids[int(empty.nonzero()[0, 0])]} allows no token")
-        return ids, words
-
     # -- applying the diff ----------------------------------------------------------
 
     def remove(self, ids: list[int]) -> None:
@@ -402,6 +142,15 @@ class BatchState:
                 self.prompt_logprobs.pop(slot, None)
                 self.adapter_of.pop(slot, None)
                 self.features.subtract(self.slot_features.pop(slot))
+
+    def apply(self, plan: StepPlan, continuing: list[shard_pb2.ContinuingRequest]) -> None:
+        """The checked diff's requests after `removed` (dropped first, `remove`): adds the
+        joined ones, extends the continuing ones' block tables and appends their forced
+        tokens and the router's proposals."""
+        self.join(plan.joined)
+        self.extend_blocks(continuing)
+        self.append_forced(continuing)
+        self.append_proposed(plan.proposals)
 
     def join(self, joined: list[shard_pb2.NewRequest]) -> None:
         if not joined:
@@ -516,7 +265,8 @@ class BatchState:
         counts = [n for _, n in rows]
         slots = torch.tensor([self.slot_of[i] for i in ids])
         flat = flat_rows(self.block_tables[slots], self.computed[slots], counts, self.block_size)
-        query_start, positions, context_lens = flat.query_start, flat.positions, flat.context_lens
+        layout, positions = flat.layout, flat.positions
+        query_start, context_lens = layout.query_start, layout.context_lens
         token_slot = slots[flat.row]
         input_ids = self.tokens[token_slot, positions]
         sample_rows = (context_lens == self.seq_lens[slots]).nonzero().squeeze(1)
@@ -533,17 +283,7 @@ class BatchState:
             slots=slots,
             input_ids=input_ids,
             positions=positions,
-            slot_mapping=flat.slot_mapping,
-            query_start=query_start,
-            context_lens=context_lens,
-            block_tables=flat.block_tables,
-            num_decode=flat.num_decode,
-            num_short=flat.num_short,
-            short_tokens=flat.short_tokens,
-            max_query_len=flat.max_query_len,
-            decode_blocks=flat.decode_blocks,
-            prefill_blocks=flat.prefill_blocks,
-            prefill_from_start=flat.prefill_from_start,
+            layout=layout,
             sample_rows=sample_rows,
             sample_tokens=sample_tokens,
             num_prompt_tokens=int((positions < self.prompt_lens[token_slot]).sum()),
@@ -597,7 +337,7 @@ class BatchState:
 
     def commit(self, batch: ForwardBatch, sampled: torch.Tensor) -> None:
         """After a successful forward: advance computed counts, append sampled tokens."""
-        self.computed[batch.slots] = batch.context_lens
+        self.computed[batch.slots] = batch.layout.context_lens
         if sampled.numel() == 0:
             return
         slots = batch.slots[batch.sample_rows]
@@ -625,7 +365,7 @@ class BatchState:
         then its answer; its computed count becomes p + 1 + a and a row that proposed cuts
         its block table to the blocks those tokens fill."""
         assert batch.num_proposed is not None
-        self.computed[batch.slots] = batch.context_lens
+        self.computed[batch.slots] = batch.layout.context_lens
         slots = batch.slots[batch.sample_rows]
         proposed = batch.num_proposed
         after_t = self.seq_lens[slots] - proposed  # p + 1

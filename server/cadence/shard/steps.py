@@ -19,7 +19,7 @@ from loguru import logger
 
 from cadence.pb import shard_pb2
 from cadence.shard.engine import Engine, NotReadyError
-from cadence.shard.state import StepError
+from cadence.shard.step_checks import StepError
 
 
 def failed(step_id: int, error: str) -> shard_pb2.StepAnswer:

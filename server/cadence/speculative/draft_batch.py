@@ -36,7 +36,5 @@ def draft_batch(
     flat = flat_rows(block_tables[rows], start, [counts[i] for i in order], block_size)
     order_t = torch.tensor(order)
     last = torch.empty(len(order), dtype=torch.long)
-    last[order_t] = flat.query_start[1:] - 1
-    return DraftBatch(
-        order_t, flat.positions.to(device), flat.layout(block_size, device), last.to(device)
-    )
+    last[order_t] = flat.layout.query_start[1:] - 1
+    return DraftBatch(order_t, flat.positions.to(device), flat.layout.to(device), last.to(device))

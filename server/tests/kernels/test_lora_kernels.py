@@ -16,6 +16,7 @@ pytest.importorskip("triton")
 
 from cadence.kernels.lora import RowPlan, lora_expand_, lora_shrink, plan_rows  # noqa: E402
 from cadence.kernels.reference import lora_expand_ref_, lora_shrink_ref  # noqa: E402
+from cadence.lora.products import ExpandTables, ShrinkTables  # noqa: E402
 from kernel_cases import DEVICE, TOLERANCE, poisoned  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -153,9 +154,11 @@ def test_shrink_and_expand_match_reference(dtype: torch.dtype, launch: str) -> N
     x = make_x(row_adapter, dtype, g)
     rows_in = layer.pool.rows(IN_FEATURES)
 
-    h_ref = lora_shrink_ref(x, rows_in, layer.a_idx, layer.ranks, row_adapter)
+    h_ref = lora_shrink_ref(x, ShrinkTables(rows_in, layer.a_idx, layer.ranks, row_adapter))
     h = poisoned(h_ref.shape, dtype)
-    got = lora_shrink(x, rows_in, layer.a_idx, layer.ranks, row_adapter, segments, out=h)
+    got = lora_shrink(
+        x, ShrinkTables(rows_in, layer.a_idx, layer.ranks, row_adapter), segments, out=h
+    )
     assert got is h
     assert h.isfinite().all(), "elements of h not written, or garbage read"
     close(h, h_ref, dtype)
@@ -173,8 +176,8 @@ def test_shrink_and_expand_match_reference(dtype: torch.dtype, launch: str) -> N
     y, y_ref = y0.clone(), y0.clone()
     for p, (out, offset) in enumerate(PIECES):
         args = (layer.pool.rows(out), layer.b_idx[p], layer.piece_ranks[p], layer.rank_start[p])
-        lora_expand_(y, h_ref, *args, offset, row_adapter, segments)
-        lora_expand_ref_(y_ref, h_ref, *args, offset, row_adapter)
+        lora_expand_(y, h_ref, ExpandTables(*args, offset, row_adapter), segments)
+        lora_expand_ref_(y_ref, h_ref, ExpandTables(*args, offset, row_adapter))
     close(y, y_ref, dtype)
     assert torch.equal(y.isnan(), y0.isnan())
     # rows whose adapter leaves a piece alone keep that piece's bits
@@ -200,16 +203,18 @@ def test_single_module_layer_at_every_rank(dtype: torch.dtype) -> None:
     rows_in = layer.pool.rows(IN_FEATURES)
     out = PIECES[0][0]
     args = (layer.pool.rows(out), layer.b_idx[0], layer.piece_ranks[0], layer.rank_start[0])
-    h_ref = lora_shrink_ref(x, rows_in, layer.a_idx, layer.ranks, row_adapter)
+    h_ref = lora_shrink_ref(x, ShrinkTables(rows_in, layer.a_idx, layer.ranks, row_adapter))
     y0 = torch.randn(row_adapter.shape[0], out, generator=g).to(dtype).to(DEVICE)
     y_ref = y0.clone()
-    lora_expand_ref_(y_ref, h_ref, *args, 0, row_adapter)
+    lora_expand_ref_(y_ref, h_ref, ExpandTables(*args, 0, row_adapter))
     for segments in (None, plan_rows(row_adapter.shape[0], runs, DEVICE)):
         h = poisoned(h_ref.shape, dtype)
-        lora_shrink(x, rows_in, layer.a_idx, layer.ranks, row_adapter, segments, out=h)
+        lora_shrink(
+            x, ShrinkTables(rows_in, layer.a_idx, layer.ranks, row_adapter), segments, out=h
+        )
         close(h, h_ref, dtype)
         y = y0.clone()
-        lora_expand_(y, h_ref, *args, 0, row_adapter, segments)
+        lora_expand_(y, h_ref, ExpandTables(*args, 0, row_adapter), segments)
         close(y, y_ref, dtype)
 
 
@@ -218,16 +223,16 @@ def test_rows_without_adapters_and_empty_steps() -> None:
     rows_in = layer.pool.rows(IN_FEATURES)
     none = torch.full((6,), -1, dtype=torch.int32, device=DEVICE)
     x = torch.full((6, IN_FEATURES), float("nan"), device=DEVICE)
-    h = lora_shrink(x, rows_in, layer.a_idx, layer.ranks, none, [(0, 6, -1)])
+    h = lora_shrink(x, ShrinkTables(rows_in, layer.a_idx, layer.ranks, none), [(0, 6, -1)])
     assert (h == 0).all()
     y = torch.full((6, 72), float("nan"), device=DEVICE)
     args = (layer.pool.rows(72), layer.b_idx[0], layer.piece_ranks[0], layer.rank_start[0])
-    lora_expand_(y, h, *args, 0, none)
+    lora_expand_(y, h, ExpandTables(*args, 0, none))
     assert y.isnan().all()
     empty = torch.zeros(0, dtype=torch.int32, device=DEVICE)
-    h = lora_shrink(x[:0], rows_in, layer.a_idx, layer.ranks, empty)
+    h = lora_shrink(x[:0], ShrinkTables(rows_in, layer.a_idx, layer.ranks, empty))
     assert h.shape == (0, layer.a_idx.shape[1])
-    lora_expand_(y[:0], h, *args, 0, empty)
+    lora_expand_(y[:0], h, ExpandTables(*args, 0, empty))
 
 
 def test_plan_rows_partitions_the_step() -> None:
