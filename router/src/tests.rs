@@ -14,6 +14,7 @@ use axum::Router;
 use serde_json::{json, Value};
 use tower::ServiceExt;
 
+use crate::api::{AppState, Info};
 use crate::args::Limits;
 use crate::chat::ChatTemplate;
 use crate::client::{Backend, ShardHealth};
@@ -25,7 +26,7 @@ use crate::lora::{AdapterShards, LoraConfig, Registry, Reply};
 use crate::pb;
 use crate::readiness::{HealthProbe, Readiness};
 use crate::scheduler::SchedulerConfig;
-use crate::server::{router, AppState, Info};
+use crate::server::router;
 use crate::validation::{Constraints, Validation};
 
 /// Anthropic's Messages API.
