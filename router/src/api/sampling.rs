@@ -25,35 +25,18 @@ impl StopInput {
     }
 }
 
-/// The sampling fields of OpenAI's request shapes, with vLLM's extensions (top_k, min_p,
-/// typical_p, repetition_penalty, ignore_eos). The other APIs set the few they have.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct SamplingFields {
-    pub temperature: Option<f32>,
-    pub top_p: Option<f32>,
-    pub n: Option<u32>,
-    pub stop: Option<StopInput>,
-    pub seed: Option<u64>,
-    pub frequency_penalty: Option<f32>,
-    pub presence_penalty: Option<f32>,
-    pub logit_bias: Option<HashMap<String, f32>>,
-    pub top_k: Option<i64>,
-    pub min_p: Option<f32>,
-    pub typical_p: Option<f32>,
-    pub repetition_penalty: Option<f32>,
-    pub ignore_eos: Option<bool>,
-}
-
-/// Declares a request struct with `SamplingFields`' fields at its top level, and
-/// `take_sampling` to take them out.
+/// Declares a struct with the sampling fields of OpenAI's request shapes (with vLLM's
+/// extensions: top_k, min_p, typical_p, repetition_penalty, ignore_eos) after its own:
+/// `SamplingFields` (the fields alone, which the other APIs fill with the few they
+/// have) and each OpenAI request, which also gets `take_sampling`.
 ///
 /// Not `#[serde(flatten)]`: serde reads a flattened struct from a buffered copy of the
 /// body, so its type errors would lose their field's path (and the `param` a 400 names)
 /// and their position in the body.
 macro_rules! with_sampling_fields {
-    ($(#[$meta:meta])* pub struct $name:ident { $($body:tt)* }) => {
+    (@fields $(#[$meta:meta])* $vis:vis struct $name:ident { $($body:tt)* }) => {
         $(#[$meta])*
-        pub struct $name {
+        $vis struct $name {
             $($body)*
             /// [0, 2]; 0 is greedy [default: 1].
             pub temperature: Option<f32>,
@@ -73,6 +56,11 @@ macro_rules! with_sampling_fields {
             /// vLLM's extension: generate past the end-of-sequence token up to the token
             /// limit.
             pub ignore_eos: Option<bool>,
+        }
+    };
+    ($(#[$meta:meta])* pub struct $name:ident { $($body:tt)* }) => {
+        $crate::api::sampling::with_sampling_fields! {
+            @fields $(#[$meta])* pub struct $name { $($body)* }
         }
 
         impl $name {
@@ -98,6 +86,13 @@ macro_rules! with_sampling_fields {
     };
 }
 pub(crate) use with_sampling_fields;
+
+with_sampling_fields! {
+    @fields
+    /// What a request sets of the sampling fields.
+    #[derive(Debug, Clone, Default)]
+    pub(crate) struct SamplingFields {}
+}
 
 /// What a request asks of the sampler: its sampling fields and what each route sets its
 /// own way.

@@ -9,10 +9,10 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use utoipa::ToSchema;
 
+use super::envelope::{Envelope, FINGERPRINT};
 use super::guided::GuidedFields;
 use super::logprobs::ChatLogprobs;
 use super::stream::{self, ChunkUsage, Chunks, StreamOptions};
-use super::{Envelope, FINGERPRINT};
 use crate::api::tools::{
     self, DeltaPart, Reading, StreamedAnswer, Tool, ToolCall, ToolCallDelta, Tools,
 };

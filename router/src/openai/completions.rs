@@ -7,10 +7,10 @@ use axum::Json;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
+use super::envelope::{Envelope, FINGERPRINT};
 use super::guided::GuidedFields;
 use super::logprobs::CompletionLogprobs;
 use super::stream::{self, ChunkUsage, Chunks, StreamOptions};
-use super::{Envelope, FINGERPRINT};
 use crate::api::submit::{self, Answered};
 use crate::api::{
     collect_all, model_adapter, with_sampling_fields, ApiError, AppState, ChoiceFinish, Generation,

@@ -15,13 +15,12 @@
 mod adapters;
 mod chat;
 mod completions;
+mod envelope;
 mod guided;
 mod logprobs;
 mod models;
 mod responses;
 mod stream;
-
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::routing::{get, post};
 use axum::Router;
@@ -69,29 +68,4 @@ pub fn lora_routes() -> Router<AppState> {
     Router::new()
         .route("/v1/load_lora_adapter", post(load_lora_adapter))
         .route("/v1/unload_lora_adapter", post(unload_lora_adapter))
-}
-
-const FINGERPRINT: &str = concat!("cadence-", env!("CARGO_PKG_VERSION"));
-
-/// What every body and chunk of one answer repeats.
-#[derive(Clone)]
-struct Envelope {
-    id: String,
-    /// Unix seconds.
-    created: u64,
-    model: String,
-}
-
-impl Envelope {
-    /// A new answer, created now, its id `<prefix>-<uuid>`, its `model` the adapter's
-    /// name when the request used one (as vLLM answers), else the served model name.
-    fn new(id_prefix: &str, state: &AppState, adapter: Option<&str>) -> Self {
-        Self {
-            id: format!("{id_prefix}-{}", uuid::Uuid::new_v4().simple()),
-            created: SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map_or(0, |d| d.as_secs()),
-            model: adapter.map_or_else(|| state.info.served_model_name.clone(), str::to_string),
-        }
-    }
 }

@@ -9,14 +9,14 @@
 //! - `object`: the response object.
 //! - `events`: the streaming events, and the writer both answers are made by.
 //! - `stream`: the SSE answer.
+//! - `keep`: what a finished response leaves in the store.
 
 mod events;
 mod items;
+mod keep;
 mod object;
 mod request;
 mod stream;
-
-use std::sync::Arc;
 
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
@@ -29,31 +29,15 @@ pub use object::{
 pub use request::ResponsesRequest;
 
 use events::{Ending, Writer};
-use items::Item;
+use keep::{Keep, Stored, NAMES};
 use object::new_id;
 
-use super::Envelope;
+use super::envelope::Envelope;
 use crate::api::submit;
 use crate::api::{
     collect_all, model_adapter, template_prompt, ApiError, AppState, Conversation, Generation,
-    OpenAiError, OpenAiJson, ParamNames, ResponseStore, Sampling, SamplingFields,
+    OpenAiError, OpenAiJson, Sampling, SamplingFields,
 };
-
-const NAMES: ParamNames = ParamNames {
-    inputs: Some("input"),
-    max_new_tokens: Some("max_output_tokens"),
-    adapter_id: Some("model"),
-    ..ParamNames::TGI
-};
-
-/// What a stored response holds.
-#[derive(Debug)]
-pub struct Stored {
-    pub response: ResponseObject,
-    /// The whole conversation up to and including its output, as the next turn's items
-    /// (its instructions left out, as OpenAI leaves them).
-    pub conversation: Vec<Item>,
-}
 
 #[utoipa::path(post, path = "/v1/responses", request_body = ResponsesRequest, tag = "OpenAI",
     responses((status = 200, description = "A response, or with stream: true an SSE stream of typed events (response.created ... response.completed)", body = ResponseObject),
@@ -166,26 +150,4 @@ pub async fn get_response(
         )
     })?;
     Ok(Json(stored.response.clone()))
-}
-
-/// Where a finished response goes: the store (unless the request said `store: false`),
-/// with the conversation it answered.
-pub(super) struct Keep {
-    store: Option<Arc<ResponseStore>>,
-    conversation: Vec<Item>,
-}
-
-impl Keep {
-    fn keep(self, response: &ResponseObject) {
-        let Some(store) = self.store else {
-            return;
-        };
-        let mut conversation = self.conversation;
-        conversation.extend(response.output.iter().map(OutputItem::as_input));
-        let stored = Stored {
-            response: response.clone(),
-            conversation,
-        };
-        store.put(response.id.clone(), stored);
-    }
 }

@@ -11,8 +11,8 @@ use futures::stream::{self, StreamExt};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use super::events::{Ending, Event, Writer};
+use super::keep::{Keep, NAMES};
 use super::object::ResponseUsage;
-use super::{Keep, NAMES};
 use crate::api::ApiError;
 use crate::infer::Submitted;
 
