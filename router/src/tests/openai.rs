@@ -87,6 +87,56 @@ fn streamed_choices(chunks: &[Value]) -> Vec<(String, Value)> {
     choices
 }
 
+/// TGI's names (`parameters.max_new_tokens`, `truncate`) never reach an OpenAI client:
+/// each limit is named as the client named it.
+#[tokio::test]
+async fn openai_errors_name_the_clients_fields_not_tgis() {
+    let h = harness(Script::Hash);
+    let long = "a ".repeat(80);
+    let cases = [
+        (
+            "/v1/completions",
+            json!({"prompt": "hi", "max_tokens": 100}),
+            "prompt tokens + max_tokens must be <= ",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": long, "max_tokens": 1}),
+            "prompt must have less than ",
+        ),
+    ];
+    let chat = setup(Script::Hash)
+        .chat_template_source(TOOL_TEMPLATE)
+        .build();
+    let messages = json!([{"role": "user", "content": "hi"}]);
+    let chat_cases = [
+        (
+            "/v1/chat/completions",
+            json!({"messages": messages, "max_completion_tokens": 100}),
+            "messages tokens + max_completion_tokens must be <= ",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": messages, "max_tokens": 100}),
+            "messages tokens + max_tokens must be <= ",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": long}]}),
+            "messages must have less than ",
+        ),
+    ];
+    let routes = cases.into_iter().map(|c| (&h, c));
+    for (h, (path, body, start)) in routes.chain(chat_cases.into_iter().map(|c| (&chat, c))) {
+        let (status, v) = h.post(path, body.clone()).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{body}: {v}");
+        let message = v["error"]["message"].as_str().unwrap();
+        assert!(message.starts_with(start), "{message}");
+        assert!(!message.contains("parameters."), "{message}");
+        assert!(!message.contains("max_new_tokens"), "{message}");
+    }
+}
+
 #[tokio::test]
 async fn several_prompts_count_every_prompt_in_x_prompt_tokens_streamed_or_not() {
     let h = harness(Script::Hash);
