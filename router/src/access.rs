@@ -13,8 +13,8 @@ use axum::response::{IntoResponse, Response};
 use axum::{Json, Router};
 use tower_http::cors::{AllowOrigin, Any, CorsLayer};
 
+use crate::api::ApiError;
 use crate::error::ErrorBody;
-use crate::openai::ApiError;
 use crate::tenants::{ApiKey, Tenant};
 
 /// Routes anyone may call: probes, metrics and the API's description (and the files of

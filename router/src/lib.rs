@@ -12,6 +12,7 @@
 
 pub mod access;
 pub mod anthropic;
+pub mod api;
 pub mod args;
 pub mod blocks;
 pub mod chat;
@@ -35,11 +36,13 @@ pub mod request_scope;
 pub mod scheduler;
 pub mod server;
 pub mod speculative;
+pub mod status;
 pub mod stop;
 pub mod telemetry;
 pub mod tenants;
 #[cfg(test)]
 mod tests;
+pub mod tgi;
 pub mod validation;
 pub mod warmup;
 
@@ -57,6 +60,7 @@ use tokio::net::TcpListener;
 use tokio::task::JoinError;
 
 use crate::access::Access;
+use crate::api::{AppState, Info};
 use crate::args::{Args, SpeculativeArg};
 use crate::chat::ChatTemplate;
 use crate::client::ShardClient;
@@ -65,7 +69,6 @@ use crate::detokenize::TokenizerInfo;
 use crate::error::RouterError;
 use crate::infer::{Infer, LoopConfig, SpeculativeConfig, SpeculativeMethod};
 use crate::readiness::{HealthProbe, Readiness};
-use crate::server::{AppState, Info};
 use crate::telemetry::Telemetry;
 use crate::tenants::Tenants;
 use crate::validation::{Constraints, Validation};

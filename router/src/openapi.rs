@@ -9,26 +9,28 @@ use utoipa::OpenApi;
 use crate::anthropic::{
     self, AnthropicError, AnthropicErrorDetail, BlockDelta, ContentBlock, CountTokensRequest,
     InputContent, InputMessage, Message, MessageDeltaBody, MessageUsage, MessagesRequest,
-    OutputBlock, OutputUsage, StreamEvent, TokenCount, ToolChoiceInput, ToolDefinition,
+    OutputBlock, OutputUsage, StopReason, StreamEvent, TokenCount, ToolChoiceInput, ToolDefinition,
 };
+use crate::api::{ChoiceFinish, Info, LoraInfo, Role};
 use crate::error::ErrorBody;
 use crate::infer::{FinishReason, Token};
 use crate::openai::{self, *};
 use crate::readiness::NotReadyBody;
-use crate::server::{self, *};
+use crate::status;
+use crate::tgi::{self, *};
 use crate::validation::{GenerateParameters, GenerateRequest};
 
 #[derive(OpenApi)]
 #[openapi(
     info(title = "cadence", description = "Text generation: TGI's API, OpenAI's and Anthropic's Messages"),
     paths(
-        server::compat_generate,
-        server::generate,
-        server::generate_stream,
-        server::tokenize,
-        server::health,
-        server::ready,
-        server::info,
+        tgi::compat_generate,
+        tgi::generate,
+        tgi::generate_stream,
+        tgi::tokenize,
+        status::health,
+        status::ready,
+        status::info,
         openai::completions,
         openai::chat_completions,
         openai::models,
@@ -53,7 +55,8 @@ use crate::validation::{GenerateParameters, GenerateRequest};
         MessagesRequest,
         CountTokensRequest, InputMessage, InputContent, ContentBlock, ToolDefinition,
         ToolChoiceInput, Message, MessageUsage, OutputBlock, TokenCount, StreamEvent, BlockDelta,
-        MessageDeltaBody, OutputUsage, AnthropicError, AnthropicErrorDetail,
+        MessageDeltaBody, OutputUsage, AnthropicError, AnthropicErrorDetail, ChoiceFinish,
+        Role, StopReason,
     )),
     modifiers(&BearerAuth),
 )]

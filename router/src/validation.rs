@@ -15,6 +15,10 @@ use crate::pb;
 
 /// max_new_tokens when the client gives none (clamped to what the context leaves).
 pub const DEFAULT_MAX_NEW_TOKENS: usize = 100;
+/// Ends the message of a prompt over `max_input_tokens` (the APIs without `truncate`
+/// leave it out).
+pub const TRUNCATE_HINT: &str = " (use parameters.truncate to keep the last tokens)";
+
 /// How a request's prompt arrives: text to tokenize, or token ids (OpenAI's completions).
 #[derive(Debug, Clone)]
 pub enum Prompt {
@@ -366,8 +370,8 @@ impl Validation {
         }
         if input_len > limits.max_input_tokens {
             return Err(invalid(format!(
-                "inputs must have less than {} tokens (max_input_tokens), got {input_len} (use \
-                 parameters.truncate to keep the last tokens)",
+                "inputs must have less than {} tokens (max_input_tokens), got {input_len}\
+                 {TRUNCATE_HINT}",
                 limits.max_input_tokens + 1
             )));
         }

@@ -4,8 +4,9 @@ use serde::Serialize;
 use serde_json::{json, Value};
 use utoipa::ToSchema;
 
+use crate::api::tools::{random_id, Reading, ToolCall};
+use crate::api::Role;
 use crate::infer::{End, FinishReason};
-use crate::openai::tools::{random_id, Reading, ToolCall};
 
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct Message {
@@ -14,13 +15,12 @@ pub struct Message {
     /// "message".
     #[serde(rename = "type")]
     pub kind: &'static str,
-    /// "assistant".
-    pub role: &'static str,
+    pub role: Role,
     pub content: Vec<OutputBlock>,
     /// The adapter's name when the request used one, else the served model name.
     pub model: String,
-    /// end_turn, max_tokens, stop_sequence or tool_use (null in `message_start`).
-    pub stop_reason: Option<&'static str>,
+    /// Null in `message_start`.
+    pub stop_reason: Option<StopReason>,
     /// The stop sequence that ended the answer.
     pub stop_sequence: Option<String>,
     pub usage: MessageUsage,
@@ -89,7 +89,7 @@ impl Message {
         Self {
             id: format!("msg_{}", uuid::Uuid::new_v4().simple()),
             kind: "message",
-            role: "assistant",
+            role: Role::Assistant,
             content: Vec::new(),
             model,
             stop_reason: None,
@@ -107,7 +107,7 @@ impl Message {
             None => (Some(end.generated_text.clone()), Vec::new(), false),
             // `Reading` gives OpenAI's finish reason, unused here.
             Some(reading) => {
-                let answer = reading.answer(&end.generated_text, "");
+                let answer = reading.answer(&end.generated_text, end.finish_reason.into());
                 (answer.content, answer.calls, answer.called)
             }
         };
@@ -125,14 +125,24 @@ impl Message {
     }
 }
 
-/// "tool_use" when the answer ended as calls end, else why generation stopped.
-pub(super) fn stop_reason(end: &End, called: bool) -> &'static str {
+/// Why an answer stopped, in Anthropic's words.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum StopReason {
+    EndTurn,
+    MaxTokens,
+    StopSequence,
+    ToolUse,
+}
+
+/// `ToolUse` when the answer ended as calls end, else why generation stopped.
+pub(super) fn stop_reason(end: &End, called: bool) -> StopReason {
     if called {
-        return "tool_use";
+        return StopReason::ToolUse;
     }
     match end.finish_reason {
-        FinishReason::Length => "max_tokens",
-        FinishReason::EosToken => "end_turn",
-        FinishReason::StopSequence => "stop_sequence",
+        FinishReason::Length => StopReason::MaxTokens,
+        FinishReason::EosToken => StopReason::EndTurn,
+        FinishReason::StopSequence => StopReason::StopSequence,
     }
 }

@@ -6,9 +6,9 @@
 use serde_json::{json, Value};
 
 use super::request::{ContentBlock, InputContent, InputMessage, ToolChoiceInput, ToolDefinition};
+use crate::api::tools::{unique_names, Function, ToolChoice, Tools};
+use crate::api::ApiError;
 use crate::chat::{TemplateFunctionCall, TemplateMessage, TemplateToolCall};
-use crate::openai::error::ApiError;
-use crate::openai::tools::{unique_names, Function, ToolChoice, Tools};
 
 /// The template's messages: `system` first, then each turn's.
 pub(super) fn template_messages(

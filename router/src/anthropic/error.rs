@@ -10,8 +10,8 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use utoipa::ToSchema;
 
+use crate::api::{parse_json, ApiError};
 use crate::error::error_response;
-use crate::openai::error::{parse_json, ApiError};
 
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct AnthropicErrorDetail {

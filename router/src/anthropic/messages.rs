@@ -1,5 +1,5 @@
 //! `POST /v1/messages` and `POST /v1/messages/count_tokens`: the conversation prepared
-//! as the chat route prepares its own (`openai::conversation`: template, tools, their
+//! as the chat route prepares its own (`api::conversation`: template, tools, their
 //! grammar), generated with the same parameters, answered in Anthropic's shapes.
 
 use axum::extract::State;
@@ -14,20 +14,20 @@ use super::error::{AnthropicError, AnthropicJson, MessagesError};
 use super::request::{CountTokensRequest, InputContent, MessagesRequest};
 use super::request::{InputMessage, ToolChoiceInput, ToolDefinition};
 use super::stream::{self, Events};
-use crate::openai::adapters::model_adapter;
-use crate::openai::conversation::{template_prompt, Conversation, Prepared};
-use crate::openai::error::{ApiError, ParamNames};
-use crate::openai::generate;
-use crate::openai::sampling::{Sampling, StopInput};
-use crate::server::AppState;
+use crate::api::submit;
+use crate::api::{
+    collect_all, model_adapter, template_prompt, ApiError, AppState, Conversation, Generation,
+    ParamNames, Prepared, Sampling, SamplingFields, StopInput,
+};
 
 /// The router's parameter names as this API names them.
-const NAMES: ParamNames = &[
-    ("max_new_tokens", "max_tokens"),
-    ("stop", "stop_sequences"),
-    ("inputs", "messages"),
-    ("adapter_id", "model"),
-];
+const NAMES: ParamNames = ParamNames {
+    inputs: Some("messages"),
+    max_new_tokens: Some("max_tokens"),
+    stop: Some("stop_sequences"),
+    adapter_id: Some("model"),
+    ..ParamNames::TGI
+};
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct TokenCount {
@@ -74,27 +74,22 @@ pub async fn messages(
     let adapter = model_adapter(&state, r.model.as_deref())?;
     let prepared = prepare(&state, r.system, r.messages, r.tools, r.tool_choice).await?;
     let sampling = Sampling {
-        temperature: Some(temperature),
-        top_p: r.top_p,
-        top_k: r.top_k,
-        stop: r.stop_sequences.map(StopInput::Many),
+        fields: SamplingFields {
+            temperature: Some(temperature),
+            top_p: r.top_p,
+            top_k: r.top_k,
+            stop: r.stop_sequences.map(StopInput::Many),
+            ..SamplingFields::default()
+        },
         max_tokens: Some(max_tokens),
         ..Sampling::default()
     };
     let stream = r.stream.unwrap_or(false);
-    let (mut parameters, mut extra) = sampling.into_parameters()?;
-    parameters.adapter_id = adapter.clone();
-    extra.stream = stream;
-    extra.constraint = prepared.constraint;
+    let generation =
+        Generation::new(sampling, adapter.clone(), stream)?.constrained(prepared.constraint);
     let reading = prepared.reading;
-    let submitted = generate::submit_all(
-        &state,
-        vec![template_prompt(prepared.text)],
-        parameters,
-        extra,
-        NAMES,
-    )
-    .await?;
+    let prompts = vec![template_prompt(prepared.text)];
+    let submitted = generation.submit(&state, prompts, &NAMES).await?;
     let model = adapter.unwrap_or_else(|| state.info.served_model_name.clone());
     let input_tokens = submitted[0].request.input_ids.len();
     let message = Message::opening(model, input_tokens);
@@ -103,9 +98,9 @@ pub async fn messages(
         let submitted = submitted.into_iter().next().expect("one prompt submitted");
         return Ok(stream::respond(submitted, message, events, NAMES));
     }
-    let answered = generate::collect_all(submitted, NAMES).await?;
-    let usage = generate::usage(&answered);
-    let headers = generate::headers(&answered, &usage);
+    let answered = collect_all(submitted, &NAMES).await?;
+    let usage = submit::usage(&answered);
+    let headers = submit::headers(&answered, &usage);
     let end = answered
         .into_iter()
         .flat_map(|a| a.samples)

@@ -2,8 +2,8 @@
 //! not) and `POST /v1/messages/count_tokens`, with errors in Anthropic's shape
 //! `{"type": "error", "error": {"type", "message"}}`.
 //!
-//! Built on the chat route's machinery (`crate::openai`): the conversation becomes the
-//! chat template's messages (`convert`), tools become `openai::tools::Tools`, whose
+//! Built on the shared API layer (`crate::api`): the conversation becomes the
+//! chat template's messages (`convert`), tools become `api::tools::Tools`, whose
 //! grammar constrains the output and whose `Reading` reads the calls back; the answer
 //! (`answer`) and its events (`stream`) only change the shape.
 //!
@@ -24,7 +24,7 @@ mod stream;
 use axum::routing::post;
 use axum::Router;
 
-pub use answer::{Message, MessageUsage, OutputBlock};
+pub use answer::{Message, MessageUsage, OutputBlock, StopReason};
 pub use error::{unauthorized, AnthropicError, AnthropicErrorDetail};
 pub use messages::{__path_count_tokens, __path_messages, count_tokens, messages, TokenCount};
 pub use request::{
@@ -33,7 +33,7 @@ pub use request::{
 };
 pub use stream::{BlockDelta, MessageDeltaBody, OutputUsage, StreamEvent};
 
-use crate::server::AppState;
+use crate::api::AppState;
 
 /// The path prefix of the routes that answer in Anthropic's shape (401s included).
 pub const PATH_PREFIX: &str = "/v1/messages";

@@ -15,11 +15,11 @@ use serde::Serialize;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use utoipa::ToSchema;
 
-use super::answer::{stop_reason, Message, OutputBlock};
+use super::answer::{stop_reason, Message, OutputBlock, StopReason};
 use super::error::{AnthropicErrorDetail, MessagesError};
+use crate::api::tools::{Piece, Reading, StreamedAnswer};
+use crate::api::{ApiError, ParamNames};
 use crate::infer::{End, Submitted};
-use crate::openai::error::{ApiError, ParamNames};
-use crate::openai::tools::{Piece, Reading, StreamedAnswer};
 
 #[derive(Debug, Clone, Serialize, ToSchema)]
 #[serde(tag = "type", rename_all = "snake_case")]
@@ -57,7 +57,7 @@ pub enum BlockDelta {
 
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct MessageDeltaBody {
-    pub stop_reason: &'static str,
+    pub stop_reason: StopReason,
     pub stop_sequence: Option<String>,
 }
 
@@ -194,7 +194,7 @@ pub(super) fn respond(
     let body = stream::iter(samples).flatten().flat_map(move |event| {
         let sent = match event {
             Ok(event) => events.token(&event.token.text, event.end.as_ref()),
-            Err(e) => vec![StreamEvent::error(ApiError::from_infer(e, names).into())],
+            Err(e) => vec![StreamEvent::error(ApiError::from_infer(e, &names).into())],
         };
         stream::iter(sent.iter().map(StreamEvent::sse).collect::<Vec<_>>())
     });
@@ -211,8 +211,8 @@ mod tests {
     use serde_json::{json, Value};
 
     use super::*;
+    use crate::api::tools::{Function, ToolChoice, Tools};
     use crate::infer::FinishReason;
-    use crate::openai::tools::{Function, ToolChoice, Tools};
 
     fn end(text: &str, finish_reason: FinishReason, stop: Option<&str>) -> End {
         End {
@@ -387,14 +387,19 @@ mod tests {
             .collect();
         assert_eq!(names, ["message_delta", "message_stop"]);
         assert_eq!(whole(e, None)["content"], json!([]));
-        let error = ApiError::from_infer(crate::error::InferError::Overloaded("busy".into()), &[]);
+        let error = ApiError::from_infer(
+            crate::error::InferError::Overloaded("busy".into()),
+            &ParamNames::TGI,
+        );
         let event = StreamEvent::error(error.into());
         assert_eq!(
             serde_json::to_value(&event).unwrap(),
             json!({"type": "error", "error": {"type": "rate_limit_error", "message": "busy"}})
         );
-        let unhealthy =
-            ApiError::from_infer(crate::error::InferError::Unhealthy("down".into()), &[]);
+        let unhealthy = ApiError::from_infer(
+            crate::error::InferError::Unhealthy("down".into()),
+            &ParamNames::TGI,
+        );
         let event = StreamEvent::error(unhealthy.into());
         assert_eq!(
             serde_json::to_value(&event).unwrap()["error"]["type"],

@@ -1,5 +1,5 @@
-//! LoRA adapters on OpenAI's routes, in vLLM's shapes: a request's `model` names the base
-//! model or an adapter; `POST /v1/load_lora_adapter` `{lora_name, lora_path}` and
+//! vLLM's runtime adapter loading (a request's `model` naming an adapter is
+//! `api::model_adapter`): `POST /v1/load_lora_adapter` `{lora_name, lora_path}` and
 //! `POST /v1/unload_lora_adapter` `{lora_name}` (served with `--allow-runtime-lora` only,
 //! else they are 404 as on vLLM without VLLM_ALLOW_RUNTIME_LORA_UPDATING) answer 200 with
 //! a line of text, or an error in OpenAI's shape (400, 404 for an unknown adapter, 409
@@ -16,38 +16,8 @@ use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use utoipa::ToSchema;
 
-use super::error::{ApiError, OpenAiError, OpenAiJson};
+use crate::api::{ApiError, AppState, OpenAiError, OpenAiJson};
 use crate::lora::LoadError;
-use crate::server::AppState;
-
-/// The adapter a request's `model` names: None for the base model (its served name or
-/// its id, or no `model`), an adapter's name, or 404 in OpenAI's shape when any LoRA
-/// option is on. Without LoRA options every name is the base model (clients written for
-/// TGI send any name).
-pub(crate) fn model_adapter(
-    state: &AppState,
-    model: Option<&str>,
-) -> Result<Option<String>, ApiError> {
-    let adapters = state.infer.adapters();
-    let Some(model) = model else {
-        return Ok(None);
-    };
-    if model == state.info.served_model_name || model == state.info.model_id || model.is_empty() {
-        return Ok(None);
-    }
-    if adapters.resolve(model) {
-        return Ok(Some(model.to_string()));
-    }
-    if !adapters.enabled() {
-        return Ok(None);
-    }
-    Err(ApiError::new(
-        StatusCode::NOT_FOUND,
-        "NotFoundError",
-        format!("The model `{model}` does not exist."),
-        Some("model".into()),
-    ))
-}
 
 /// `POST /v1/load_lora_adapter`.
 #[derive(Debug, Clone, Deserialize, ToSchema)]

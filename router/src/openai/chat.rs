@@ -2,8 +2,6 @@
 //! (`crate::chat`), `n` choices, logprobs in the chat shape, structured outputs
 //! (`guided`), tool calling (`tools`).
 
-use std::collections::HashMap;
-
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -11,21 +9,21 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use utoipa::ToSchema;
 
-use super::conversation::{template_prompt, Conversation};
-use super::error::{ApiError, OpenAiError, OpenAiJson, ParamNames};
-use super::generate;
+use super::envelope::{Envelope, FINGERPRINT};
 use super::guided::GuidedFields;
 use super::logprobs::ChatLogprobs;
-use super::sampling::{Sampling, StopInput};
 use super::stream::{self, ChunkUsage, Chunks, StreamOptions};
-use super::tools::{
+use crate::api::tools::{
     self, DeltaPart, Reading, StreamedAnswer, Tool, ToolCall, ToolCallDelta, Tools,
 };
-use super::{finish_reason, Envelope, Usage, FINGERPRINT};
+use crate::api::{
+    collect_all, model_adapter, submit, template_prompt, with_sampling_fields, ApiError, AppState,
+    ChoiceFinish, Conversation, Generation, OpenAiError, OpenAiJson, ParamNames, Role, Sampling,
+    Usage,
+};
 use crate::chat::TemplateMessage;
 use crate::detokenize::TokenizerInfo;
 use crate::infer::{Submitted, TokenEvent};
-use crate::server::AppState;
 
 #[derive(Debug, Clone, Deserialize, ToSchema)]
 pub struct ContentPart {
@@ -76,57 +74,44 @@ pub struct ChatMessage {
     pub tool_call_id: Option<String>,
 }
 
-#[derive(Debug, Clone, Deserialize, ToSchema)]
-pub struct ChatRequest {
-    pub model: Option<String>,
-    pub messages: Vec<ChatMessage>,
-    /// Most tokens to generate per choice (deprecated name of max_completion_tokens).
-    pub max_tokens: Option<u32>,
-    pub max_completion_tokens: Option<u32>,
-    /// [0, 2]; 0 is greedy [default: 1].
-    pub temperature: Option<f32>,
-    pub top_p: Option<f32>,
-    pub n: Option<u32>,
-    pub stream: Option<bool>,
-    pub stream_options: Option<StreamOptions>,
-    pub stop: Option<StopInput>,
-    pub presence_penalty: Option<f32>,
-    pub frequency_penalty: Option<f32>,
-    pub logit_bias: Option<HashMap<String, f32>>,
-    /// Return each token's logprob.
-    pub logprobs: Option<bool>,
-    /// Alternatives per token with logprobs (needs logprobs: true).
-    pub top_logprobs: Option<u32>,
-    pub seed: Option<u64>,
-    /// Structured output: `response_format` and vLLM's `guided_*` / `structured_outputs`.
-    #[serde(flatten)]
-    pub guided: GuidedFields,
-    /// Functions the model may call.
-    pub tools: Option<Vec<Tool>>,
-    /// "none", "auto" (the default with tools), "required", or
-    /// `{"type": "function", "function": {"name": ...}}`.
-    #[schema(value_type = Option<Object>)]
-    pub tool_choice: Option<Value>,
-    /// Several calls in one answer [default: true].
-    pub parallel_tool_calls: Option<bool>,
-    /// OpenAI's deprecated function calling: refused (use `tools`).
-    #[schema(value_type = Option<Vec<Object>>)]
-    pub functions: Option<Value>,
-    /// As `functions`.
-    #[schema(value_type = Option<Object>)]
-    pub function_call: Option<Value>,
-    pub user: Option<String>,
-    pub top_k: Option<i64>,
-    pub min_p: Option<f32>,
-    pub typical_p: Option<f32>,
-    pub repetition_penalty: Option<f32>,
-    /// vLLM's extension: generate past the end-of-sequence token up to the token limit.
-    pub ignore_eos: Option<bool>,
+with_sampling_fields! {
+    #[derive(Debug, Clone, Deserialize, ToSchema)]
+    pub struct ChatRequest {
+        pub model: Option<String>,
+        pub messages: Vec<ChatMessage>,
+        /// Most tokens to generate per choice (deprecated name of max_completion_tokens).
+        pub max_tokens: Option<u32>,
+        pub max_completion_tokens: Option<u32>,
+        pub stream: Option<bool>,
+        pub stream_options: Option<StreamOptions>,
+        /// Return each token's logprob.
+        pub logprobs: Option<bool>,
+        /// Alternatives per token with logprobs (needs logprobs: true).
+        pub top_logprobs: Option<u32>,
+        /// Structured output: `response_format` and vLLM's `guided_*` / `structured_outputs`.
+        #[serde(flatten)]
+        pub guided: GuidedFields,
+        /// Functions the model may call.
+        pub tools: Option<Vec<Tool>>,
+        /// "none", "auto" (the default with tools), "required", or
+        /// `{"type": "function", "function": {"name": ...}}`.
+        #[schema(value_type = Option<Object>)]
+        pub tool_choice: Option<Value>,
+        /// Several calls in one answer [default: true].
+        pub parallel_tool_calls: Option<bool>,
+        /// OpenAI's deprecated function calling: refused (use `tools`).
+        #[schema(value_type = Option<Vec<Object>>)]
+        pub functions: Option<Value>,
+        /// As `functions`.
+        #[schema(value_type = Option<Object>)]
+        pub function_call: Option<Value>,
+        pub user: Option<String>,
+    }
 }
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct AssistantMessage {
-    role: &'static str,
+    role: Role,
     /// Null when the answer is only tool calls.
     content: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -138,7 +123,7 @@ pub struct ChatChoice {
     index: usize,
     message: AssistantMessage,
     logprobs: Option<ChatLogprobs>,
-    finish_reason: &'static str,
+    finish_reason: ChoiceFinish,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -155,7 +140,7 @@ pub struct ChatCompletion {
 #[derive(Debug, Default, Serialize, ToSchema)]
 pub struct Delta {
     #[serde(skip_serializing_if = "Option::is_none")]
-    role: Option<&'static str>,
+    role: Option<Role>,
     #[serde(skip_serializing_if = "Option::is_none")]
     content: Option<String>,
     /// A piece of one call: its opening (`id`, `type`, name) or arguments.
@@ -189,7 +174,7 @@ pub struct ChatChunkChoice {
     index: usize,
     delta: Delta,
     logprobs: Option<ChatLogprobs>,
-    finish_reason: Option<&'static str>,
+    finish_reason: Option<ChoiceFinish>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -220,20 +205,13 @@ impl ChatCompletionChunk {
     }
 }
 
-const NAMES: ParamNames = &[
-    ("max_new_tokens", "max_completion_tokens"),
-    ("top_n_tokens", "top_logprobs"),
-    ("inputs", "messages"),
-    ("adapter_id", "model"),
-];
-
-/// The same, for a request that used the older name `max_tokens`.
-const NAMES_MAX_TOKENS: ParamNames = &[
-    ("max_new_tokens", "max_tokens"),
-    ("top_n_tokens", "top_logprobs"),
-    ("inputs", "messages"),
-    ("adapter_id", "model"),
-];
+const NAMES: ParamNames = ParamNames {
+    inputs: Some("messages"),
+    max_new_tokens: Some("max_completion_tokens"),
+    top_n_tokens: Some("top_logprobs"),
+    adapter_id: Some("model"),
+    ..ParamNames::TGI
+};
 
 #[utoipa::path(post, path = "/v1/chat/completions", request_body = ChatRequest, tag = "OpenAI",
     responses((status = 200, description = "A chat completion, or an SSE stream of chat.completion.chunk ending with [DONE] when stream is true", body = ChatCompletion),
@@ -241,10 +219,11 @@ const NAMES_MAX_TOKENS: ParamNames = &[
               (status = 429, body = OpenAiError)))]
 pub async fn chat_completions(
     State(state): State<AppState>,
-    OpenAiJson(r): OpenAiJson<ChatRequest>,
+    OpenAiJson(mut r): OpenAiJson<ChatRequest>,
 ) -> Result<Response, ApiError> {
+    let fields = r.take_sampling();
     refuse_unsupported(&r)?;
-    let adapter = super::adapters::model_adapter(&state, r.model.as_deref())?;
+    let adapter = model_adapter(&state, r.model.as_deref())?;
     let with_logprobs = r.logprobs.unwrap_or(false);
     if r.top_logprobs.is_some_and(|n| n > 0) && !with_logprobs {
         return Err(ApiError::invalid("top_logprobs", "needs logprobs: true"));
@@ -258,40 +237,28 @@ pub async fn chat_completions(
     };
     let prepared = conversation.prepare(&state).await?;
     let sampling = Sampling {
-        temperature: r.temperature,
-        top_p: r.top_p,
-        n: r.n,
-        best_of: None,
-        stop: r.stop,
-        seed: r.seed,
-        frequency_penalty: r.frequency_penalty,
-        presence_penalty: r.presence_penalty,
-        logit_bias: r.logit_bias,
-        top_k: r.top_k,
-        min_p: r.min_p,
-        typical_p: r.typical_p,
-        repetition_penalty: r.repetition_penalty,
-        ignore_eos: r.ignore_eos,
+        fields,
         max_tokens: r.max_completion_tokens.or(r.max_tokens),
         top_n: if with_logprobs { r.top_logprobs } else { None },
-        prompt_logprobs: false,
-        echo: false,
+        ..Sampling::default()
     };
     let stream = r.stream.unwrap_or(false);
-    let (mut parameters, mut extra) = sampling.into_parameters()?;
-    parameters.adapter_id = adapter.clone();
-    extra.stream = stream;
+    let generation =
+        Generation::new(sampling, adapter.clone(), stream)?.constrained(prepared.constraint);
     let tokenizer = state.infer.validation.tokenizer.clone();
-    extra.constraint = prepared.constraint;
     let reading = prepared.reading;
-    let n = extra.n.max(1) as usize;
-    let prompt = template_prompt(prepared.text);
+    let n = generation.n();
+    // The token limit is named as the client sent it.
     let names = if r.max_completion_tokens.is_none() && r.max_tokens.is_some() {
-        NAMES_MAX_TOKENS
+        ParamNames {
+            max_new_tokens: Some("max_tokens"),
+            ..NAMES
+        }
     } else {
         NAMES
     };
-    let submitted = generate::submit_all(&state, vec![prompt], parameters, extra, names).await?;
+    let prompts = vec![template_prompt(prepared.text)];
+    let submitted = generation.submit(&state, prompts, &names).await?;
     if stream {
         let envelope = Envelope::new("chatcmpl", &state, adapter.as_deref());
         let include_usage = stream::include_usage(r.stream_options);
@@ -306,15 +273,15 @@ pub async fn chat_completions(
         };
         return Ok(chat.respond(submitted));
     }
-    let answered = generate::collect_all(submitted, names).await?;
-    let usage = generate::usage(&answered);
-    let headers = generate::headers(&answered, &usage);
+    let answered = collect_all(submitted, &names).await?;
+    let usage = submit::usage(&answered);
+    let headers = submit::headers(&answered, &usage);
     let choices = answered
         .into_iter()
         .flat_map(|a| a.samples)
         .enumerate()
         .map(|(index, s)| {
-            let usual = finish_reason(s.end.finish_reason);
+            let usual = ChoiceFinish::from(s.end.finish_reason);
             let (message, finish_reason) = match &reading {
                 None => (AssistantMessage::text(s.end.generated_text), usual),
                 Some(reading) => {
@@ -350,7 +317,7 @@ pub async fn chat_completions(
 impl AssistantMessage {
     fn text(content: String) -> Self {
         Self {
-            role: "assistant",
+            role: Role::Assistant,
             content: Some(content),
             tool_calls: None,
         }
@@ -358,7 +325,7 @@ impl AssistantMessage {
 
     fn calling(content: Option<String>, calls: Vec<ToolCall>) -> Self {
         Self {
-            role: "assistant",
+            role: Role::Assistant,
             content,
             tool_calls: (!calls.is_empty()).then_some(calls),
         }
@@ -439,7 +406,7 @@ impl ChatStream {
         let opening = (0..n)
             .map(|index| {
                 let delta = Delta {
-                    role: Some("assistant"),
+                    role: Some(Role::Assistant),
                     ..Delta::content(String::new())
                 };
                 let choice = ChatChunkChoice {
@@ -468,7 +435,10 @@ impl ChatStream {
                         std::slice::from_ref(&event.top_tokens),
                     )
                 });
-                let usual = event.end.as_ref().map(|e| finish_reason(e.finish_reason));
+                let usual = event
+                    .end
+                    .as_ref()
+                    .map(|e| ChoiceFinish::from(e.finish_reason));
                 let (deltas, reason) = match answers.as_mut() {
                     None => (vec![Delta::content(event.token.text)], usual),
                     Some(answers) => {
@@ -497,7 +467,7 @@ fn token_chunks(
     index: usize,
     mut deltas: Vec<Delta>,
     mut logprobs: Option<ChatLogprobs>,
-    finish_reason: Option<&'static str>,
+    finish_reason: Option<ChoiceFinish>,
 ) -> Vec<ChatChunkChoice> {
     if deltas.is_empty() && (logprobs.is_some() || finish_reason.is_some()) {
         deltas.push(Delta::default());

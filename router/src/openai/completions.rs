@@ -1,24 +1,23 @@
 //! `POST /v1/completions`: one or more prompts (text or token ids), `n` choices each,
 //! `best_of` ranking, `echo`, and logprobs in the completions shape.
 
-use std::collections::HashMap;
-
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use super::error::{ApiError, OpenAiError, OpenAiJson, ParamNames};
-use super::generate::{self, Answered};
+use super::envelope::{Envelope, FINGERPRINT};
 use super::guided::GuidedFields;
 use super::logprobs::CompletionLogprobs;
-use super::sampling::{Sampling, StopInput};
 use super::stream::{self, ChunkUsage, Chunks, StreamOptions};
-use super::{finish_reason, Envelope, Usage, FINGERPRINT};
+use crate::api::submit::{self, Answered};
+use crate::api::{
+    collect_all, model_adapter, with_sampling_fields, ApiError, AppState, ChoiceFinish, Generation,
+    OpenAiError, OpenAiJson, ParamNames, Sampling, Usage,
+};
 use crate::detokenize::TokenizerInfo;
 use crate::infer::{best_first, Sample, Submitted, TokenEvent};
-use crate::server::AppState;
 use crate::validation::Prompt;
 
 #[derive(Debug, Clone, Deserialize, ToSchema)]
@@ -30,44 +29,29 @@ pub enum PromptInput {
     IdsList(Vec<Vec<u32>>),
 }
 
-#[derive(Debug, Clone, Deserialize, ToSchema)]
-pub struct CompletionRequest {
-    pub model: Option<String>,
-    /// A string, a list of strings, a list of token ids or a list of such lists.
-    pub prompt: PromptInput,
-    /// Most tokens to generate per choice [default: 16].
-    pub max_tokens: Option<u32>,
-    /// [0, 2]; 0 is greedy [default: 1].
-    pub temperature: Option<f32>,
-    pub top_p: Option<f32>,
-    /// Choices per prompt.
-    pub n: Option<u32>,
-    /// Samples generated per prompt, the best `n` returned (by cumulative logprob).
-    pub best_of: Option<u32>,
-    pub stream: Option<bool>,
-    pub stream_options: Option<StreamOptions>,
-    /// Return the logprobs of each token and of this many alternatives.
-    pub logprobs: Option<u32>,
-    /// Return the prompt before the completion (with its logprobs when asked).
-    pub echo: Option<bool>,
-    pub stop: Option<StopInput>,
-    pub presence_penalty: Option<f32>,
-    pub frequency_penalty: Option<f32>,
-    /// Token id (as a string) -> bias in [-100, 100] added to its logit.
-    pub logit_bias: Option<HashMap<String, f32>>,
-    pub seed: Option<u64>,
-    pub user: Option<String>,
-    /// Not supported (must be null or empty).
-    pub suffix: Option<String>,
-    pub top_k: Option<i64>,
-    pub min_p: Option<f32>,
-    pub typical_p: Option<f32>,
-    pub repetition_penalty: Option<f32>,
-    /// vLLM's extension: generate past the end-of-sequence token up to the token limit.
-    pub ignore_eos: Option<bool>,
-    /// Structured output: `response_format` and vLLM's `guided_*` / `structured_outputs`.
-    #[serde(flatten)]
-    pub guided: GuidedFields,
+with_sampling_fields! {
+    #[derive(Debug, Clone, Deserialize, ToSchema)]
+    pub struct CompletionRequest {
+        pub model: Option<String>,
+        /// A string, a list of strings, a list of token ids or a list of such lists.
+        pub prompt: PromptInput,
+        /// Most tokens to generate per choice [default: 16].
+        pub max_tokens: Option<u32>,
+        /// Samples generated per prompt, the best `n` returned (by cumulative logprob).
+        pub best_of: Option<u32>,
+        pub stream: Option<bool>,
+        pub stream_options: Option<StreamOptions>,
+        /// Return the logprobs of each token and of this many alternatives.
+        pub logprobs: Option<u32>,
+        /// Return the prompt before the completion (with its logprobs when asked).
+        pub echo: Option<bool>,
+        pub user: Option<String>,
+        /// Not supported (must be null or empty).
+        pub suffix: Option<String>,
+        /// Structured output: `response_format` and vLLM's `guided_*` / `structured_outputs`.
+        #[serde(flatten)]
+        pub guided: GuidedFields,
+    }
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -75,7 +59,7 @@ pub struct CompletionChoice {
     text: String,
     index: usize,
     logprobs: Option<CompletionLogprobs>,
-    finish_reason: Option<&'static str>,
+    finish_reason: Option<ChoiceFinish>,
 }
 
 // The whole answer, and each chunk of a stream (`usage` as `stream::ChunkUsage` says).
@@ -106,13 +90,14 @@ impl Completion {
     }
 }
 
-const NAMES: ParamNames = &[
-    ("max_new_tokens", "max_tokens"),
-    ("top_n_tokens", "logprobs"),
-    ("inputs", "prompt"),
-    ("decoder_input_details", "echo"),
-    ("adapter_id", "model"),
-];
+const NAMES: ParamNames = ParamNames {
+    inputs: Some("prompt"),
+    max_new_tokens: Some("max_tokens"),
+    top_n_tokens: Some("logprobs"),
+    decoder_input_details: Some("echo"),
+    adapter_id: Some("model"),
+    ..ParamNames::TGI
+};
 
 /// What the choices show besides their text.
 #[derive(Clone, Copy)]
@@ -131,12 +116,14 @@ struct Shown {
               (status = 429, body = OpenAiError)))]
 pub async fn completions(
     State(state): State<AppState>,
-    OpenAiJson(r): OpenAiJson<CompletionRequest>,
+    OpenAiJson(mut r): OpenAiJson<CompletionRequest>,
 ) -> Result<Response, ApiError> {
+    let n_asked = r.n;
+    let fields = r.take_sampling();
     if r.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::invalid("suffix", "is not supported"));
     }
-    let adapter = super::adapters::model_adapter(&state, r.model.as_deref())?;
+    let adapter = model_adapter(&state, r.model.as_deref())?;
     let prompts = prompts(r.prompt);
     if prompts.is_empty() {
         return Err(ApiError::invalid("prompt", "must not be empty"));
@@ -147,36 +134,22 @@ pub async fn completions(
         logprobs: r.logprobs.is_some(),
         alternatives: r.logprobs.unwrap_or(0) > 0,
     };
-    if stream && r.best_of.is_some_and(|b| b > r.n.unwrap_or(1)) {
+    if stream && r.best_of.is_some_and(|b| b > n_asked.unwrap_or(1)) {
         return Err(ApiError::invalid("best_of", "must equal n when streaming"));
     }
     let sampling = Sampling {
-        temperature: r.temperature,
-        top_p: r.top_p,
-        n: r.n,
+        fields,
         best_of: r.best_of,
-        stop: r.stop,
-        seed: r.seed,
-        frequency_penalty: r.frequency_penalty,
-        presence_penalty: r.presence_penalty,
-        logit_bias: r.logit_bias,
-        top_k: r.top_k,
-        min_p: r.min_p,
-        typical_p: r.typical_p,
-        repetition_penalty: r.repetition_penalty,
-        ignore_eos: r.ignore_eos,
         max_tokens: Some(r.max_tokens.unwrap_or(16)),
         top_n: r.logprobs,
         prompt_logprobs: shown.echo && shown.logprobs,
         // Streamed or not, the echo is the prompt validation kept (`ValidRequest::prefix`).
         echo: shown.echo,
     };
-    let (mut parameters, mut extra) = sampling.into_parameters()?;
-    parameters.adapter_id = adapter.clone();
-    extra.stream = stream;
-    extra.constraint = r.guided.constraint()?;
-    let n = extra.n.max(1) as usize;
-    let submitted = generate::submit_all(&state, prompts, parameters, extra, NAMES).await?;
+    let generation = Generation::new(sampling, adapter.clone(), stream)?;
+    let generation = generation.constrained(r.guided.constraint()?);
+    let n = generation.n();
+    let submitted = generation.submit(&state, prompts, &NAMES).await?;
     let tokenizer = state.infer.validation.tokenizer.clone();
     if stream {
         let envelope = Envelope::new("cmpl", &state, adapter.as_deref());
@@ -190,9 +163,9 @@ pub async fn completions(
             include_usage,
         ));
     }
-    let answered = generate::collect_all(submitted, NAMES).await?;
-    let usage = generate::usage(&answered);
-    let headers = generate::headers(&answered, &usage);
+    let answered = collect_all(submitted, &NAMES).await?;
+    let usage = submit::usage(&answered);
+    let headers = submit::headers(&answered, &usage);
     let mut choices = Vec::new();
     for (p, answer) in answered.into_iter().enumerate() {
         choices.extend(prompt_choices(&tokenizer, answer, p * n, n, shown));
@@ -263,7 +236,7 @@ fn prompt_choices(
                 text: sample.end.generated_text,
                 index: first_index + j,
                 logprobs,
-                finish_reason: Some(finish_reason(sample.end.finish_reason)),
+                finish_reason: Some(sample.end.finish_reason.into()),
             }
         })
 }
@@ -302,7 +275,10 @@ fn completion_stream(
     let chunks = Chunks {
         opening: Vec::new(),
         token: move |index: usize, event: TokenEvent| {
-            let reason = event.end.as_ref().map(|e| finish_reason(e.finish_reason));
+            let reason = event
+                .end
+                .as_ref()
+                .map(|e| ChoiceFinish::from(e.finish_reason));
             let prompt = &prompts[index / n];
             let (text, logprobs) = choices[index].next(&tokenizer, prompt, event, shown);
             let token = CompletionChoice {

@@ -7,7 +7,7 @@ use serde::Deserialize;
 use serde_json::Value;
 use utoipa::ToSchema;
 
-use super::error::ApiError;
+use crate::api::ApiError;
 use crate::constraints::{Constraint, Grammar};
 
 /// Flattened into the chat and completions requests.

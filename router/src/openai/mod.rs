@@ -12,29 +12,25 @@
 //! chat does (`conversation`: template, tools, output constraint). `adapters`: the
 //! `model` naming a LoRA adapter, and vLLM's runtime adapter loading routes.
 
-pub(crate) mod adapters;
+mod adapters;
 mod chat;
 mod completions;
-pub(crate) mod conversation;
-pub(crate) mod error;
-pub(crate) mod generate;
+mod envelope;
 mod guided;
 mod logprobs;
 mod models;
 mod responses;
-pub(crate) mod sampling;
 mod stream;
-pub(crate) mod tools;
-
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::routing::{get, post};
 use axum::Router;
-use serde::Serialize;
-use utoipa::ToSchema;
 
 // The route types make up the OpenAPI document (`crate::openapi`); the `__path_` items
 // are the operations utoipa generates for the handlers.
+pub use crate::api::tools::{
+    FunctionCall, FunctionDefinition, FunctionDelta, Tool, ToolCall, ToolCallDelta,
+};
+pub use crate::api::{ApiError, OpenAiError, OpenAiErrorDetail, OpenAiJson, StopInput, Usage};
 pub use adapters::{
     __path_load_lora_adapter, __path_unload_lora_adapter, load_lora_adapter, unload_lora_adapter,
     LoadLoraAdapterRequest, UnloadLoraAdapterRequest,
@@ -47,21 +43,16 @@ pub use chat::{
 pub use completions::{
     __path_completions, completions, Completion, CompletionChoice, CompletionRequest, PromptInput,
 };
-pub use error::{ApiError, OpenAiError, OpenAiErrorDetail, OpenAiJson};
 pub use guided::GuidedFields;
 pub use logprobs::{ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob};
 pub use models::{__path_models, models, Model, ModelList};
 pub use responses::{
     __path_create_response, __path_get_response, create_response, get_response, IncompleteDetails,
-    OutputItem, OutputText, ResponseObject, ResponseStore, ResponseUsage, ResponsesRequest,
-    Settings,
+    OutputItem, OutputText, ResponseObject, ResponseUsage, ResponsesRequest, Settings,
 };
-pub use sampling::StopInput;
 pub use stream::StreamOptions;
-pub use tools::{FunctionCall, FunctionDefinition, FunctionDelta, Tool, ToolCall, ToolCallDelta};
 
-use crate::infer::FinishReason;
-use crate::server::AppState;
+use crate::api::AppState;
 
 pub fn routes() -> Router<AppState> {
     Router::new()
@@ -77,53 +68,4 @@ pub fn lora_routes() -> Router<AppState> {
     Router::new()
         .route("/v1/load_lora_adapter", post(load_lora_adapter))
         .route("/v1/unload_lora_adapter", post(unload_lora_adapter))
-}
-
-#[derive(Debug, Serialize, ToSchema)]
-pub struct Usage {
-    pub prompt_tokens: usize,
-    pub completion_tokens: usize,
-    pub total_tokens: usize,
-}
-
-impl Usage {
-    fn new(prompt_tokens: usize, completion_tokens: usize) -> Self {
-        Self {
-            prompt_tokens,
-            completion_tokens,
-            total_tokens: prompt_tokens + completion_tokens,
-        }
-    }
-}
-
-const FINGERPRINT: &str = concat!("cadence-", env!("CARGO_PKG_VERSION"));
-
-/// What every body and chunk of one answer repeats.
-#[derive(Clone)]
-struct Envelope {
-    id: String,
-    /// Unix seconds.
-    created: u64,
-    model: String,
-}
-
-impl Envelope {
-    /// A new answer, created now, its id `<prefix>-<uuid>`, its `model` the adapter's
-    /// name when the request used one (as vLLM answers), else the served model name.
-    fn new(id_prefix: &str, state: &AppState, adapter: Option<&str>) -> Self {
-        Self {
-            id: format!("{id_prefix}-{}", uuid::Uuid::new_v4().simple()),
-            created: SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map_or(0, |d| d.as_secs()),
-            model: adapter.map_or_else(|| state.info.served_model_name.clone(), str::to_string),
-        }
-    }
-}
-
-fn finish_reason(reason: FinishReason) -> &'static str {
-    match reason {
-        FinishReason::Length => "length",
-        FinishReason::EosToken | FinishReason::StopSequence => "stop",
-    }
 }

@@ -6,7 +6,7 @@ use axum::Json;
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use crate::server::AppState;
+use crate::api::AppState;
 
 #[derive(Serialize, ToSchema)]
 pub struct Model {

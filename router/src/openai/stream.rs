@@ -14,8 +14,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use utoipa::ToSchema;
 
-use super::error::{ApiError, ParamNames};
-use super::Usage;
+use crate::api::{ApiError, ParamNames, Usage};
 use crate::infer::{EventResult, Submitted, TokenEvent};
 
 #[derive(Debug, Clone, Default, Deserialize, ToSchema)]
@@ -80,7 +79,7 @@ where
                 }
                 token_chunk(index, event).iter().map(sse_json).collect()
             }
-            Err(e) => vec![sse_json(&ApiError::from_infer(e, names).body)],
+            Err(e) => vec![sse_json(&ApiError::from_infer(e, &names).body)],
         };
         stream::iter(sent)
     });

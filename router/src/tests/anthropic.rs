@@ -144,6 +144,23 @@ async fn errors_take_anthropic_s_shape_and_name_the_field() {
     }
 }
 
+/// The token limit is named `max_tokens`, as the client sent it, never TGI's name.
+#[tokio::test]
+async fn errors_name_max_tokens_not_tgis_parameter() {
+    let h = setup(Script::Hash)
+        .chat_template_source(TOOL_TEMPLATE)
+        .build();
+    let body = messages_request(json!({"max_tokens": 100}));
+    let (status, v) = h.post("/v1/messages", body).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
+    let message = v["error"]["message"].as_str().unwrap();
+    assert!(
+        message.starts_with("messages tokens + max_tokens must be <= "),
+        "{message}"
+    );
+    assert!(!message.contains("parameters."), "{message}");
+}
+
 #[tokio::test]
 async fn x_api_key_opens_every_route_and_a_bad_key_is_anthropic_s_401() {
     let h = setup(Script::Hash)

@@ -16,8 +16,9 @@ use serde_json::Value;
 use super::object::{
     new_id, IncompleteDetails, OutputItem, OutputText, ResponseObject, ResponseUsage,
 };
-use crate::openai::error::OpenAiErrorDetail;
-use crate::openai::tools::{DeltaPart, Reading, StreamedAnswer};
+use crate::api::error::OpenAiErrorDetail;
+use crate::api::tools::{DeltaPart, Reading, StreamedAnswer};
+use crate::api::{ChoiceFinish, Role};
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(tag = "type")]
@@ -99,9 +100,9 @@ pub struct Event {
     pub sequence_number: usize,
 }
 
-/// How the output ended: its usual finish reason ("stop", "length") and the counts.
+/// How the output ended: its usual finish reason (`Stop`, `Length`) and the counts.
 pub struct Ending {
-    pub finish_reason: &'static str,
+    pub finish_reason: ChoiceFinish,
     pub usage: ResponseUsage,
 }
 
@@ -276,9 +277,9 @@ impl Writer {
 
     /// Closes what is open (an answer with no output is one empty message, as the
     /// non-streamed text is) and sends the whole response.
-    fn end(&mut self, finish_reason: &'static str, usage: ResponseUsage) {
-        // "length" means no call ended the output: the token limit cut it.
-        let incomplete = finish_reason == "length";
+    fn end(&mut self, finish_reason: ChoiceFinish, usage: ResponseUsage) {
+        // `Length` means no call ended the output: the token limit cut it.
+        let incomplete = finish_reason == ChoiceFinish::Length;
         if self.response.output.is_empty() {
             self.open_text();
         }
@@ -338,7 +339,7 @@ fn message(id: String, status: &'static str, content: Vec<OutputText>) -> Output
     OutputItem::Message {
         id,
         status,
-        role: "assistant",
+        role: Role::Assistant,
         content,
     }
 }
@@ -362,7 +363,7 @@ mod tests {
             .collect()
     }
 
-    fn ending(finish_reason: &'static str) -> Option<Ending> {
+    fn ending(finish_reason: ChoiceFinish) -> Option<Ending> {
         Some(Ending {
             finish_reason,
             usage: ResponseUsage::new(2, 3),
@@ -373,7 +374,7 @@ mod tests {
     fn write(
         reading: Option<&Reading>,
         pieces: &[&str],
-        finish_reason: &'static str,
+        finish_reason: ChoiceFinish,
     ) -> (Vec<Event>, ResponseObject) {
         let mut writer = Writer::new(response("resp_1"), reading);
         let mut events = writer.opening();
@@ -404,7 +405,7 @@ mod tests {
 
     #[test]
     fn text_events_come_in_openai_s_order_and_add_up_to_the_response() {
-        let (events, r) = write(None, &["Hel", "", "lo"], "stop");
+        let (events, r) = write(None, &["Hel", "", "lo"], ChoiceFinish::Stop);
         assert_eq!(
             kinds(&events),
             [
@@ -429,7 +430,7 @@ mod tests {
         };
         assert_eq!(response, &r);
         // The whole text at once gives the same response.
-        let (_, whole) = write(None, &["Hello"], "stop");
+        let (_, whole) = write(None, &["Hello"], ChoiceFinish::Stop);
         assert_eq!(texts(&whole), texts(&r));
         assert_eq!(
             serde_json::to_value(&events[4]).unwrap(),
@@ -441,7 +442,7 @@ mod tests {
 
     #[test]
     fn the_token_limit_makes_it_incomplete_and_no_text_is_one_empty_message() {
-        let (events, r) = write(None, &["cut"], "length");
+        let (events, r) = write(None, &["cut"], ChoiceFinish::Length);
         assert_eq!(kinds(&events).last().unwrap(), "response.incomplete");
         assert_eq!(r.status, "incomplete");
         assert_eq!(
@@ -451,7 +452,7 @@ mod tests {
             })
         );
         assert_eq!(texts(&r), [("incomplete".into(), "cut".into())]);
-        let (_, r) = write(None, &[""], "stop");
+        let (_, r) = write(None, &[""], ChoiceFinish::Stop);
         assert_eq!(texts(&r), [("completed".into(), String::new())]);
         assert_eq!(r.usage, Some(ResponseUsage::new(2, 3)));
     }
@@ -468,8 +469,8 @@ mod tests {
         let text = "Calling.\n<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1}}\n</tool_call>\n<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>";
         let chars: Vec<String> = text.chars().map(String::from).collect();
         let pieces: Vec<&str> = chars.iter().map(String::as_str).collect();
-        let (events, streamed) = write(reading.as_ref(), &pieces, "stop");
-        let (_, whole) = write(reading.as_ref(), &[text], "stop");
+        let (events, streamed) = write(reading.as_ref(), &pieces, ChoiceFinish::Stop);
+        let (_, whole) = write(reading.as_ref(), &[text], ChoiceFinish::Stop);
         let want = [
             ("completed".to_string(), "Calling.".to_string()),
             ("f".into(), "{\"a\":1}".into()),

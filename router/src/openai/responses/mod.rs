@@ -1,5 +1,5 @@
 //! OpenAI's Responses API: `POST /v1/responses` and `GET /v1/responses/{id}`, on chat's
-//! machinery (`crate::openai::conversation`): the input items become the template's
+//! machinery (`crate::api::conversation`): the input items become the template's
 //! messages, tools and `text.format` constrain the output as chat's `tools` and
 //! `response_format` do, and the output is read back into message and `function_call`
 //! items, whole or as streaming events.
@@ -9,16 +9,14 @@
 //! - `object`: the response object.
 //! - `events`: the streaming events, and the writer both answers are made by.
 //! - `stream`: the SSE answer.
-//! - `store`: finished responses, for `GET` and `previous_response_id`.
+//! - `keep`: what a finished response leaves in the store.
 
 mod events;
 mod items;
+mod keep;
 mod object;
 mod request;
-mod store;
 mod stream;
-
-use std::sync::Arc;
 
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
@@ -29,24 +27,17 @@ pub use object::{
     IncompleteDetails, OutputItem, OutputText, ResponseObject, ResponseUsage, Settings,
 };
 pub use request::ResponsesRequest;
-pub use store::ResponseStore;
 
 use events::{Ending, Writer};
-use items::Item;
+use keep::{Keep, Stored, NAMES};
 use object::new_id;
-use store::Stored;
 
-use super::conversation::{template_prompt, Conversation};
-use super::error::{ApiError, OpenAiError, OpenAiJson, ParamNames};
-use super::sampling::Sampling;
-use super::{finish_reason, generate, Envelope};
-use crate::server::AppState;
-
-const NAMES: ParamNames = &[
-    ("max_new_tokens", "max_output_tokens"),
-    ("inputs", "input"),
-    ("adapter_id", "model"),
-];
+use super::envelope::Envelope;
+use crate::api::submit;
+use crate::api::{
+    collect_all, model_adapter, template_prompt, ApiError, AppState, Conversation, Generation,
+    OpenAiError, OpenAiJson, Sampling, SamplingFields,
+};
 
 #[utoipa::path(post, path = "/v1/responses", request_body = ResponsesRequest, tag = "OpenAI",
     responses((status = 200, description = "A response, or with stream: true an SSE stream of typed events (response.created ... response.completed)", body = ResponseObject),
@@ -56,7 +47,7 @@ pub async fn create_response(
     State(state): State<AppState>,
     OpenAiJson(r): OpenAiJson<ResponsesRequest>,
 ) -> Result<Response, ApiError> {
-    let adapter = super::adapters::model_adapter(&state, r.model.as_deref())?;
+    let adapter = model_adapter(&state, r.model.as_deref())?;
     let tools = request::tools(
         r.tools.clone(),
         r.tool_choice.clone(),
@@ -67,7 +58,7 @@ pub async fn create_response(
         None => Vec::new(),
         Some(id) => state
             .responses
-            .get(id)
+            .get::<Stored>(id)
             .ok_or_else(|| {
                 ApiError::invalid(
                     "previous_response_id",
@@ -87,25 +78,20 @@ pub async fn create_response(
     .prepare(&state)
     .await?;
     let sampling = Sampling {
-        temperature: r.temperature,
-        top_p: r.top_p,
-        seed: r.seed,
+        fields: SamplingFields {
+            temperature: r.temperature,
+            top_p: r.top_p,
+            seed: r.seed,
+            ..SamplingFields::default()
+        },
         max_tokens: r.max_output_tokens,
         ..Sampling::default()
     };
-    let (mut parameters, mut extra) = sampling.into_parameters()?;
-    parameters.adapter_id = adapter.clone();
     let streamed = r.stream.unwrap_or(false);
-    extra.stream = streamed;
-    extra.constraint = prepared.constraint;
-    let submitted = generate::submit_all(
-        &state,
-        vec![template_prompt(prepared.text)],
-        parameters,
-        extra,
-        NAMES,
-    )
-    .await?;
+    let generation =
+        Generation::new(sampling, adapter.clone(), streamed)?.constrained(prepared.constraint);
+    let prompts = vec![template_prompt(prepared.text)];
+    let submitted = generation.submit(&state, prompts, &NAMES).await?;
     let envelope = Envelope::new("resp", &state, adapter.as_deref());
     let settings = object::Settings::of(&r);
     let keep = Keep {
@@ -132,14 +118,14 @@ pub async fn create_response(
             |s| stream::respond(s, writer, keep),
         ));
     }
-    let answered = generate::collect_all(submitted, NAMES).await?;
-    let usage = generate::usage(&answered);
-    let headers = generate::headers(&answered, &usage);
+    let answered = collect_all(submitted, &NAMES).await?;
+    let usage = submit::usage(&answered);
+    let headers = submit::headers(&answered, &usage);
     let Some(sample) = answered.into_iter().flat_map(|a| a.samples).next() else {
         return Ok(StatusCode::INTERNAL_SERVER_ERROR.into_response());
     };
     let ending = Ending {
-        finish_reason: finish_reason(sample.end.finish_reason),
+        finish_reason: sample.end.finish_reason.into(),
         usage: ResponseUsage::new(usage.prompt_tokens, usage.completion_tokens),
     };
     writer.next(&sample.end.generated_text, Some(ending));
@@ -155,7 +141,7 @@ pub async fn get_response(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Json<ResponseObject>, ApiError> {
-    let stored = state.responses.get(&id).ok_or_else(|| {
+    let stored = state.responses.get::<Stored>(&id).ok_or_else(|| {
         ApiError::new(
             StatusCode::NOT_FOUND,
             "invalid_request_error",
@@ -164,25 +150,4 @@ pub async fn get_response(
         )
     })?;
     Ok(Json(stored.response.clone()))
-}
-
-/// Where a finished response goes: the store (unless the request said `store: false`),
-/// with the conversation it answered.
-pub(super) struct Keep {
-    store: Option<Arc<ResponseStore>>,
-    conversation: Vec<Item>,
-}
-
-impl Keep {
-    fn keep(self, response: &ResponseObject) {
-        let Some(store) = self.store else {
-            return;
-        };
-        let mut conversation = self.conversation;
-        conversation.extend(response.output.iter().map(OutputItem::as_input));
-        store.put(Stored {
-            response: response.clone(),
-            conversation,
-        });
-    }
 }

@@ -8,6 +8,7 @@ use utoipa::ToSchema;
 
 use super::items::Item;
 use super::request::ResponsesRequest;
+use crate::api::Role;
 
 #[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
 pub struct ResponseObject {
@@ -95,7 +96,7 @@ pub enum OutputItem {
         /// `msg_` and a uuid.
         id: String,
         status: &'static str,
-        role: &'static str,
+        role: Role,
         content: Vec<OutputText>,
     },
     FunctionCall {

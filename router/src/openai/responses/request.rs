@@ -7,11 +7,11 @@ use serde_json::Value;
 use utoipa::ToSchema;
 
 use super::items::Item;
+use crate::api::error::ApiError;
+use crate::api::tools::{call_arguments, FunctionDefinition, Shape, Tool, Tools};
 use crate::constraints::Constraint;
 use crate::openai::chat::MessageContent;
-use crate::openai::error::ApiError;
 use crate::openai::guided::format_grammar;
-use crate::openai::tools::{call_arguments, FunctionDefinition, Shape, Tool, Tools};
 
 #[derive(Debug, Clone, Deserialize, ToSchema)]
 pub struct ResponsesRequest {
@@ -211,8 +211,8 @@ pub fn format(text: Option<&Value>) -> Result<Option<Constraint>, ApiError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::api::tools::ToolChoice;
     use crate::constraints::Grammar;
-    use crate::openai::tools::ToolChoice;
     use serde_json::json;
 
     fn param(e: ApiError) -> String {

@@ -11,11 +11,10 @@ use futures::stream::{self, StreamExt};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use super::events::{Ending, Event, Writer};
+use super::keep::{Keep, NAMES};
 use super::object::ResponseUsage;
-use super::{Keep, NAMES};
+use crate::api::ApiError;
 use crate::infer::Submitted;
-use crate::openai::error::ApiError;
-use crate::openai::finish_reason;
 
 /// Streams the one sample of `submitted` through `writer`.
 pub(super) fn respond(submitted: Submitted, mut writer: Writer, keep: Keep) -> Response {
@@ -30,7 +29,7 @@ pub(super) fn respond(submitted: Submitted, mut writer: Writer, keep: Keep) -> R
         let events = match result {
             Ok(event) => {
                 let ending = event.end.as_ref().map(|end| Ending {
-                    finish_reason: finish_reason(end.finish_reason),
+                    finish_reason: end.finish_reason.into(),
                     usage: ResponseUsage::new(prompt_tokens, end.generated_tokens),
                 });
                 let ended = ending.is_some();
@@ -40,7 +39,7 @@ pub(super) fn respond(submitted: Submitted, mut writer: Writer, keep: Keep) -> R
                 }
                 events
             }
-            Err(e) => writer.error(ApiError::from_infer(e, NAMES).body.error),
+            Err(e) => writer.error(ApiError::from_infer(e, &NAMES).body.error),
         };
         stream::iter(events.iter().map(sse).collect::<Vec<_>>())
     });

@@ -30,9 +30,9 @@ pub use history::{call_arguments, tool_fields};
 pub use output::Piece;
 pub use request::{unique_names, Function, FunctionDefinition, Shape, Tool, ToolChoice, Tools};
 
+use crate::api::error::ApiError;
 use crate::chat::TemplateMessage;
 use crate::constraints::Constraint;
-use crate::openai::error::ApiError;
 
 /// The request's constraint: the tool grammar when the model may call, else the
 /// `response_format` / `guided_*` one. Both at once are refused, naming the guided

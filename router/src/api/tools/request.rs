@@ -8,7 +8,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use utoipa::ToSchema;
 
-use crate::openai::error::ApiError;
+use crate::api::error::ApiError;
 
 /// One entry of `tools`, as OpenAI's clients send it.
 #[derive(Debug, Clone, Deserialize, ToSchema)]

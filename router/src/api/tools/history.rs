@@ -5,8 +5,8 @@ use serde_json::Value;
 
 use super::calls::ToolCall;
 use super::format::{call_block, response_block};
+use crate::api::error::ApiError;
 use crate::chat::{TemplateMessage, TemplateToolCall};
-use crate::openai::error::ApiError;
 
 /// The tool fields of `messages[i]`: an assistant's calls, their arguments parsed from
 /// OpenAI's JSON string into the value templates expect, and a `tool` message's

@@ -167,7 +167,7 @@ mod tests {
     use llguidance::{Matcher, ParserFactory};
 
     use super::*;
-    use crate::openai::tools::request::Function;
+    use crate::api::tools::request::Function;
 
     fn function(name: &str, parameters: Value) -> Function {
         Function {

@@ -7,6 +7,7 @@ use std::collections::HashSet;
 use super::calls::{ToolCall, ToolCallDelta};
 use super::output::{self, CallReader, Piece};
 use super::request::{ToolChoice, Tools};
+use crate::api::choice::ChoiceFinish;
 
 /// How a request's outputs are read.
 #[derive(Clone)]
@@ -23,7 +24,7 @@ pub struct Answer {
     /// `None` when the answer is only calls.
     pub content: Option<String>,
     pub calls: Vec<ToolCall>,
-    pub finish_reason: &'static str,
+    pub finish_reason: ChoiceFinish,
     /// The answer made calls and ended as calls end (`CallReader::called`).
     pub called: bool,
 }
@@ -45,8 +46,8 @@ impl Reading {
         })
     }
 
-    /// A whole output, generated to its end; `usual` is its finish reason as text.
-    pub fn answer(&self, text: &str, usual: &'static str) -> Answer {
+    /// A whole output, generated to its end; `usual` is how it would end without tools.
+    pub fn answer(&self, text: &str, usual: ChoiceFinish) -> Answer {
         let read = output::read(self.names.clone(), [text]);
         Answer {
             content: read.content,
@@ -65,13 +66,13 @@ impl Reading {
         }
     }
 
-    /// "tool_calls" once calls were made (OpenAI's "stop" for a named function), else
+    /// `ToolCalls` once calls were made (OpenAI's `Stop` for a named function), else
     /// the usual reason: an answer cut inside a call ended by its length or a stop.
-    fn finish_reason(&self, called: bool, usual: &'static str) -> &'static str {
+    fn finish_reason(&self, called: bool, usual: ChoiceFinish) -> ChoiceFinish {
         match (called, self.named) {
             (false, _) => usual,
-            (true, true) => "stop",
-            (true, false) => "tool_calls",
+            (true, true) => ChoiceFinish::Stop,
+            (true, false) => ChoiceFinish::ToolCalls,
         }
     }
 }
@@ -90,8 +91,8 @@ impl StreamedAnswer {
     pub fn next(
         &mut self,
         text: &str,
-        end: Option<&'static str>,
-    ) -> (Vec<DeltaPart>, Option<&'static str>) {
+        end: Option<ChoiceFinish>,
+    ) -> (Vec<DeltaPart>, Option<ChoiceFinish>) {
         let mut parts = Vec::new();
         for piece in self.pieces(text, end.is_some()) {
             match piece {
@@ -125,7 +126,8 @@ impl StreamedAnswer {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::openai::tools::request::Function;
+    use crate::api::tools::request::Function;
+    use ChoiceFinish::{Length, Stop, ToolCalls};
 
     fn tools(choice: ToolChoice) -> Tools {
         let function = |name: &str| Function {
@@ -151,23 +153,20 @@ mod tests {
     #[test]
     fn finish_reasons_follow_openai() {
         let auto = Reading::of(Some(&tools(ToolChoice::Auto))).unwrap();
-        assert_eq!(auto.answer(TWO, "stop").finish_reason, "tool_calls");
-        assert_eq!(auto.answer(TWO, "length").finish_reason, "tool_calls");
-        assert_eq!(auto.answer("text", "length").finish_reason, "length");
+        assert_eq!(auto.answer(TWO, Stop).finish_reason, ToolCalls);
+        assert_eq!(auto.answer(TWO, Length).finish_reason, ToolCalls);
+        assert_eq!(auto.answer("text", Length).finish_reason, Length);
         let cut = &TWO[..TWO.len() - 2];
-        let a = auto.answer(cut, "length");
-        assert_eq!((a.finish_reason, a.calls.len()), ("length", 1));
+        let a = auto.answer(cut, Length);
+        assert_eq!((a.finish_reason, a.calls.len()), (Length, 1));
         let named = Reading::of(Some(&tools(ToolChoice::Function("f".into())))).unwrap();
         let one = "<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>";
-        let a = named.answer(one, "stop");
-        assert_eq!(
-            (a.finish_reason, a.calls.len(), a.content),
-            ("stop", 1, None)
-        );
+        let a = named.answer(one, Stop);
+        assert_eq!((a.finish_reason, a.calls.len(), a.content), (Stop, 1, None));
         // A named choice calls only that function.
         let other = "<tool_call>{\"name\": \"g\", \"arguments\": {}}</tool_call>";
-        let a = named.answer(other, "length");
-        assert_eq!((a.finish_reason, a.calls.len()), ("length", 0));
+        let a = named.answer(other, Length);
+        assert_eq!((a.finish_reason, a.calls.len()), (Length, 0));
         assert_eq!(a.content.as_deref(), Some(other));
     }
 
@@ -176,14 +175,14 @@ mod tests {
     #[test]
     fn streamed_deltas_add_up_to_the_answer() {
         let reading = Reading::of(Some(&tools(ToolChoice::Auto))).unwrap();
-        let whole = reading.answer(TWO, "stop");
+        let whole = reading.answer(TWO, Stop);
         let mut stream = reading.stream();
         let chars: Vec<String> = TWO.chars().map(String::from).collect();
         let mut content = String::new();
         let mut calls: Vec<(usize, String, String, String)> = Vec::new();
         let mut reasons = Vec::new();
         for (i, text) in chars.iter().enumerate() {
-            let end = (i + 1 == chars.len()).then_some("stop");
+            let end = (i + 1 == chars.len()).then_some(Stop);
             let (parts, reason) = stream.next(text, end);
             reasons.push(reason);
             for part in parts {
@@ -213,7 +212,7 @@ mod tests {
         assert_eq!(got, want);
         assert!(calls.iter().all(|c| c.1.starts_with("call_")));
         let (last, before) = reasons.split_last().unwrap();
-        assert_eq!(*last, Some("tool_calls"));
+        assert_eq!(*last, Some(ToolCalls));
         assert!(before.iter().all(Option::is_none));
     }
 }

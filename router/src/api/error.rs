@@ -8,8 +8,9 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use utoipa::ToSchema;
 
+use super::body::read_body;
+use super::names::ParamNames;
 use crate::error::{error_response, InferError};
-use crate::server::read_body;
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct OpenAiErrorDetail {
@@ -25,16 +26,12 @@ pub struct OpenAiError {
     pub error: OpenAiErrorDetail,
 }
 
-/// A route's TGI parameter names paired with its OpenAI names, so a validation error
-/// names the field the client sent.
-pub(crate) type ParamNames = &'static [(&'static str, &'static str)];
-
 /// An error answered in OpenAI's shape.
 #[derive(Debug)]
 pub struct ApiError {
     status: StatusCode,
     /// Also sent alone as an SSE event when a stream fails after it started.
-    pub(super) body: OpenAiError,
+    pub(crate) body: OpenAiError,
 }
 
 /// What an `ApiError` says, for the routes that answer in another shape.
@@ -86,8 +83,8 @@ impl ApiError {
         }
     }
 
-    /// A router error, its TGI parameter names turned into the route's OpenAI names.
-    pub(crate) fn from_infer(e: InferError, names: ParamNames) -> Self {
+    /// A router error, its TGI parameter names turned into the route's names.
+    pub(crate) fn from_infer(e: InferError, names: &ParamNames) -> Self {
         let (status, kind) = match &e {
             InferError::Validation(_) => (StatusCode::BAD_REQUEST, "invalid_request_error"),
             InferError::Overloaded(_) => (StatusCode::TOO_MANY_REQUESTS, "rate_limit_exceeded"),
@@ -96,29 +93,10 @@ impl ApiError {
                 (StatusCode::SERVICE_UNAVAILABLE, "server_error")
             }
         };
-        let mut message = e.to_string();
-        let mut param = None;
-        if let InferError::Validation(_) = e {
-            let field = message
-                .split([' ', ':', '('])
-                .next()
-                .unwrap_or_default()
-                .trim_start_matches("parameters.")
-                .to_string();
-            let name = names
-                .iter()
-                .find(|(tgi, _)| *tgi == field)
-                .map_or(field.as_str(), |(_, openai)| openai)
-                .to_string();
-            if !name.is_empty() {
-                let rest = message
-                    .split_once(&field)
-                    .map_or("", |(_, r)| r)
-                    .to_string();
-                message = format!("{name}{rest}");
-                param = Some(name);
-            }
-        }
+        let (message, param) = match e {
+            InferError::Validation(message) => names.message(&message),
+            e => (e.to_string(), None),
+        };
         Self::new(status, kind, message, param)
     }
 }
@@ -149,7 +127,10 @@ pub(crate) async fn parse_json<T: DeserializeOwned, S: Send + Sync>(
     state: &S,
     shape: fn(ApiError) -> Response,
 ) -> Result<T, Response> {
-    let bytes = read_body(req, state, |e| shape(ApiError::from_infer(e, &[]))).await?;
+    let bytes = read_body(req, state, |e| {
+        shape(ApiError::from_infer(e, &ParamNames::TGI))
+    })
+    .await?;
     let mut de = serde_json::Deserializer::from_slice(&bytes);
     let value: T = serde_path_to_error::deserialize(&mut de).map_err(|e| {
         let path = e.path().to_string();

@@ -1,21 +1,17 @@
 //! Finished responses kept in the router's memory, for `GET /v1/responses/{id}` and for a
 //! follow-up's `previous_response_id`: at most `capacity`, the least recently used
 //! dropped first. Lost on restart, not shared between routers.
+//!
+//! The store keeps whatever a wire format stores under an id (the Responses API its
+//! response and conversation) and hands it back as that type: it holds no wire type
+//! itself, so the application state can own it without naming any API.
 
+use std::any::Any;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
-use super::items::Item;
-use super::object::ResponseObject;
-
-/// What a stored response holds.
-#[derive(Debug)]
-pub struct Stored {
-    pub response: ResponseObject,
-    /// The whole conversation up to and including its output, as the next turn's items
-    /// (its instructions left out, as OpenAI leaves them).
-    pub conversation: Vec<Item>,
-}
+/// A stored value, of the type its API put.
+type Entry = Arc<dyn Any + Send + Sync>;
 
 pub struct ResponseStore {
     capacity: usize,
@@ -25,14 +21,14 @@ pub struct ResponseStore {
 #[derive(Default)]
 struct Lru {
     /// Each id's entry and the tick it was last used at.
-    entries: HashMap<String, (u64, Arc<Stored>)>,
+    entries: HashMap<String, (u64, Entry)>,
     /// Ticks to ids, oldest first.
     order: BTreeMap<u64, String>,
     tick: u64,
 }
 
 impl Lru {
-    fn touch(&mut self, id: &str) -> Option<Arc<Stored>> {
+    fn touch(&mut self, id: &str) -> Option<Entry> {
         let (tick, stored) = self.entries.get_mut(id)?;
         self.order.remove(tick);
         self.tick += 1;
@@ -59,17 +55,20 @@ impl ResponseStore {
         }
     }
 
-    /// The response `id`, now the most recently used.
-    pub fn get(&self, id: &str) -> Option<Arc<Stored>> {
-        self.lock().touch(id)
+    /// The response `id`, now the most recently used (None as well when it was stored
+    /// as another type).
+    pub fn get<T: Any + Send + Sync>(&self, id: &str) -> Option<Arc<T>> {
+        self.lock().touch(id)?.downcast().ok()
     }
 
-    pub fn put(&self, stored: Stored) {
+    pub fn put<T: Any + Send + Sync>(&self, id: String, stored: T) {
         let mut lru = self.lock();
-        let id = stored.response.id.clone();
         lru.tick += 1;
         let tick = lru.tick;
-        if let Some((old, _)) = lru.entries.insert(id.clone(), (tick, Arc::new(stored))) {
+        if let Some((old, _)) = lru
+            .entries
+            .insert(id.clone(), (tick, Arc::new(stored) as Entry))
+        {
             lru.order.remove(&old);
         }
         lru.order.insert(tick, id);
@@ -90,13 +89,27 @@ impl ResponseStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::openai::responses::object::tests::response;
 
-    fn stored(id: &str) -> Stored {
-        Stored {
-            response: response(id),
-            conversation: Vec::new(),
-        }
+    /// Stands for an API's stored response.
+    struct Stored {
+        response: Response,
+    }
+
+    struct Response {
+        id: String,
+    }
+
+    fn stored(id: &str) -> (String, Stored) {
+        let response = Response { id: id.into() };
+        (id.into(), Stored { response })
+    }
+
+    fn put(store: &ResponseStore, (id, stored): (String, Stored)) {
+        store.put(id, stored);
+    }
+
+    fn get(store: &ResponseStore, id: &str) -> Option<Arc<Stored>> {
+        store.get(id)
     }
 
     fn ids(store: &ResponseStore) -> Vec<String> {
@@ -107,18 +120,18 @@ mod tests {
     #[test]
     fn the_least_recently_used_goes_first() {
         let store = ResponseStore::new(2);
-        store.put(stored("a"));
-        store.put(stored("b"));
+        put(&store, stored("a"));
+        put(&store, stored("b"));
         // Reading "a" makes "b" the oldest.
-        assert_eq!(store.get("a").unwrap().response.id, "a");
-        store.put(stored("c"));
-        assert!(store.get("b").is_none());
-        assert!(store.get("a").is_some() && store.get("c").is_some());
+        assert_eq!(get(&store, "a").unwrap().response.id, "a");
+        put(&store, stored("c"));
+        assert!(get(&store, "b").is_none());
+        assert!(get(&store, "a").is_some() && get(&store, "c").is_some());
         assert_eq!(ids(&store), ["a", "c"]);
         // Putting an id again replaces it, without a second entry.
-        store.put(stored("c"));
+        put(&store, stored("c"));
         assert_eq!(ids(&store), ["a", "c"]);
         assert_eq!(store.lock().entries.len(), 2);
-        assert!(store.get("unknown").is_none());
+        assert!(get(&store, "unknown").is_none());
     }
 }

@@ -1,13 +1,13 @@
-//! What chat completions and the Responses API both do before generating: the
+//! What chat completions, the Responses API and Anthropic's Messages do before generating: the
 //! conversation rendered by the model's chat template (the tools listed there, or as the
 //! tool prompt), and the output constrained to the tool grammar or to the requested
 //! format, with the `Reading` that reads calls back out of it.
 
 use super::error::ApiError;
+use super::state::AppState;
 use super::tools::{self, Reading, Tools};
 use crate::chat::TemplateMessage;
 use crate::constraints::Constraint;
-use crate::server::AppState;
 use crate::validation::Prompt;
 
 /// A conversation to answer.
