@@ -311,6 +311,9 @@ pub struct KvCache {
     pub num_blocks: usize,
     /// Tokens per block.
     pub block_size: usize,
+    /// The host pool for swap preemption the shards hold, in blocks (their warm-up's
+    /// answer to `--swap-blocks`).
+    pub host_blocks: usize,
 }
 
 /// The limits every request is checked against, resolved once at start from the flags,
@@ -358,7 +361,7 @@ impl Args {
             kv_cache_bytes: self.kv_cache_bytes.unwrap_or(0),
             memory_fraction: self.memory_fraction.unwrap_or(0.0), // 0: the device's default
             replicas: self.replicas,
-            swap_blocks: self.swap_blocks.unwrap_or(0), // 0: the default, 4 × the blocks
+            swap_blocks: self.swap_blocks.unwrap_or(0), // 0: the shards' default
         }
     }
 
@@ -403,15 +406,6 @@ impl Args {
         if cache.block_size == 0 || cache.num_blocks == 0 {
             return Err("block_size and num_blocks must be positive".into());
         }
-        if self
-            .swap_blocks
-            .is_some_and(|n| n as usize > 4 * cache.num_blocks)
-        {
-            return Err(format!(
-                "--swap-blocks may be at most 4 × the KV cache's blocks ({})",
-                4 * cache.num_blocks
-            ));
-        }
         Ok(Limits {
             max_input_tokens: max_input,
             max_total_tokens: max_total,
@@ -437,9 +431,7 @@ impl Args {
             PreemptionArg::Recompute => Preemption::Recompute,
             PreemptionArg::Swap => Preemption::Swap,
         };
-        c.swap_blocks = self
-            .swap_blocks
-            .map_or(4 * cache.num_blocks, |n| n as usize);
+        c.swap_blocks = cache.host_blocks;
         c.prefix_caching = !self.no_prefix_caching;
         c.batching = match self.batching {
             BatchingArg::Continuous => Batching::Continuous,
@@ -548,6 +540,7 @@ mod tests {
     const CACHE: KvCache = KvCache {
         num_blocks: 100,
         block_size: 16,
+        host_blocks: 400,
     };
 
     fn parse(extra: &[&str]) -> Result<Args, clap::Error> {
@@ -612,17 +605,16 @@ mod tests {
     }
 
     #[test]
-    fn swap_blocks_are_bounded_by_the_kv_cache() {
-        let args = parse(&["--shard-uds-path", "/s", "--swap-blocks", "401"]).unwrap();
-        assert!(args
-            .limits(2048, CACHE)
-            .unwrap_err()
-            .contains("at most 4 × the KV cache's blocks (400)"));
+    fn the_host_pool_is_asked_of_the_shards_and_taken_from_their_answer() {
         let args = parse(&["--shard-uds-path", "/s"]).unwrap();
-        assert_eq!(args.scheduler_config(CACHE).swap_blocks, 400);
-        assert_eq!(args.warmup_request().swap_blocks, 0); // the shard takes 4 × its blocks
+        assert_eq!(args.warmup_request().swap_blocks, 0); // the shards' default
         let args = parse(&["--shard-uds-path", "/s", "--swap-blocks", "7"]).unwrap();
-        assert_eq!(args.warmup_request().swap_blocks, 7); // the host pool the shard checks
+        assert_eq!(args.warmup_request().swap_blocks, 7);
+        let held = KvCache {
+            host_blocks: 7,
+            ..CACHE
+        };
+        assert_eq!(args.scheduler_config(held).swap_blocks, 7);
     }
 
     #[test]

@@ -69,12 +69,16 @@ async fn warm_up_group(
     Ok((cache, kv_bytes))
 }
 
-/// The cache every rank can hold: the fewest blocks (rank 0's block size; `Info` checked
-/// that the ranks agree on it).
+/// The cache every rank can hold: the fewest blocks and host blocks (rank 0's block size;
+/// `Info` checked that the ranks agree on it).
 fn smallest(warmups: &[pb::WarmupResponse]) -> KvCache {
+    let fewest = |blocks: fn(&pb::WarmupResponse) -> u32| {
+        warmups.iter().map(blocks).min().unwrap_or(0) as usize
+    };
     KvCache {
-        num_blocks: warmups.iter().map(|w| w.num_blocks).min().unwrap_or(0) as usize,
+        num_blocks: fewest(|w| w.num_blocks),
         block_size: warmups[0].block_size as usize,
+        host_blocks: fewest(|w| w.host_blocks),
     }
 }
 
@@ -87,6 +91,7 @@ mod tests {
         let warmup = |num_blocks| pb::WarmupResponse {
             num_blocks,
             block_size: 16,
+            host_blocks: 4 * num_blocks,
             ..Default::default()
         };
         let cache = smallest(&[warmup(120), warmup(96), warmup(130)]);
@@ -94,7 +99,8 @@ mod tests {
             cache,
             KvCache {
                 num_blocks: 96,
-                block_size: 16
+                block_size: 16,
+                host_blocks: 384,
             }
         );
     }

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 import torch
 from cadence.config import ShardConfig
 from cadence.shard.engine import Engine
@@ -122,3 +123,15 @@ def test_replicas_sharing_the_machine_split_the_fraction(model_dirs) -> None:
     used = warm.kv_cache_bytes + warm.activation_bytes
     low, high = sorted((before, after))
     assert fraction / 2 * low * 0.95 - warm.bytes_per_block <= used <= fraction / 2 * high * 1.05
+
+
+def test_the_shard_answers_the_host_pool_it_holds_for_swaps(model_dirs) -> None:
+    """WarmupResponse.host_blocks: 4 × the KV cache's blocks by default, `--swap-blocks` when
+    asked, and more than that a warm-up error naming the flag."""
+    path: Path = model_dirs("llama_gqa")
+    engine = Engine(ShardConfig(model_dir=str(path), uds_path="", dtype="float32"))
+    warm = engine.warmup(64, 8, kv_cache_bytes=1 << 20)
+    assert warm.host_blocks == 4 * warm.num_blocks
+    assert engine.warmup(64, 8, kv_cache_bytes=1 << 20, swap_blocks=7).host_blocks == 7
+    with pytest.raises(ValueError, match="--swap-blocks"):
+        engine.warmup(64, 8, kv_cache_bytes=1 << 20, swap_blocks=4 * warm.num_blocks + 1)

@@ -11,7 +11,7 @@ weight once more in oneDNN's blocked layout, and `linear` multiplies through it:
   oneDNN refuses to prepack bfloat16 on CPUs without AVX-512 BW/VL/DQ (or AVX-NE-CONVERT).
 - float32 at every batch size: SmolLM2's 30 layers and LM head with oneDNN and MKL held to
   AVX2 take 1.9x less time than `F.linear` at 1 row, 1.6x at 32, 1.2x at 1024
-  (`kernels/cpu_linear_bench.py --dtype float32`).
+  (`benchmarks/kernels/cpu_linear_bench.py --dtype float32`).
 
 Each dtype is tried once on a tiny weight before any model weight is packed.
 Off with the C++ kernels (`--no-cpu-kernels`).

@@ -11,7 +11,7 @@ than oneDNN's bfloat16 GEMM too, at every row count measured (1 to 512): its cro
 ALL_ROWS and no float copy is kept.
 
 `DEFAULTS` were measured on a 2-core AMD EPYC with AVX-512 BF16 over a whole
-SmolLM2-135M step's products (`kernels/quant_linear_bench.py`, docs/quantization.md), the
+SmolLM2-135M step's products (`benchmarks/kernels/quant_linear_bench.py`, docs/quantization.md), the
 float32 rows also with torch, oneDNN and MKL held to AVX2; the bench writes the table for
 the machine it runs on to `<cache dir>/quant_crossover.json`, which shards read instead
 when present. Torch's bfloat16 kernels change blocking above 4 rows (their time nearly

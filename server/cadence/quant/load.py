@@ -200,7 +200,7 @@ def _check_rows(owner: str, module: nn.Module, placed: list[tuple[int, Quantized
 
 # The LM head is quantized to int8 under either format: on SmolLM2-135M, int8 costs
 # +0.10% perplexity on the bench corpus where int4 costs +3.8% (the other linears in int4
-# g32: +0.00%; kernels/quant_accuracy.py), and a head in int8 is still a decode win.
+# g32: +0.00%; benchmarks/kernels/quant_accuracy.py), and a head in int8 is still a decode win.
 LM_HEAD_FORMAT = "int8"
 
 

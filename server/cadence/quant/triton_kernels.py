@@ -10,7 +10,7 @@ inside the matmul, so only the int8/int4 bytes cross memory.
 Each program computes a [BLOCK_M, BLOCK_N] tile of y, reducing over the input in
 BLOCK_K steps (int4: BLOCK_K divides the group, so a step reads one scale and zero per
 output row). Accumulation is float32. Tested under the Triton interpreter on CPU
-(`kernels/tests/test_quant_triton.py`), where bfloat16 tiles are upcast before `tl.dot`.
+(`server/tests/kernels/test_quant_triton.py`), where bfloat16 tiles are upcast before `tl.dot`.
 """
 
 from __future__ import annotations

@@ -245,8 +245,9 @@ class Engine:
         """Profiles the largest step, sizes the KV cache (`kv_cache_bytes`, else from
         `memory_fraction`, whose meaning and default depend on the device: see
         `cadence.shard.kv_budget`; 0 means the default) and allocates it. `swap_blocks`:
-        the router's host pool for swap preemption (WarmupRequest.swap_blocks; 0 for its
-        default), the bound of the steps' host block ids."""
+        the host pool for swap preemption asked for (WarmupRequest.swap_blocks; 0: the
+        default), answered as WarmupResponse.host_blocks, the bound of the steps' host
+        block ids."""
         max_batch_size = max(1, min(max_batch_size, max_batch_tokens))
         if self.kv_format.scales == "layer" and self.kv_layer_scales is None:
             self.kv_layer_scales = self._estimate_kv_scales(max_batch_tokens)
@@ -280,10 +281,10 @@ class Engine:
                 f"activations {activation / MiB:.0f} MiB): raise --memory-fraction or set "
                 f"--kv-cache-memory"
             )
+        host_blocks = host_pool_blocks(swap_blocks, num_blocks)
         self._allocate(num_blocks, max_batch_size)
         assert self.kv is not None
-        # the router's default pool when its flag is unset (WarmupRequest.swap_blocks)
-        self.steps.host_blocks = swap_blocks or 4 * num_blocks
+        self.steps.host_blocks = host_blocks
         tokens = num_blocks * self.block_size
         logger.info(
             f"KV cache: {num_blocks} blocks of {self.block_size} tokens "
@@ -299,6 +300,7 @@ class Engine:
             bytes_per_block=self.bytes_per_block,
             weight_bytes=self.weight_bytes,
             activation_bytes=activation,
+            host_blocks=host_blocks,
             kv_cache_bytes=self.kv.nbytes,
         )
 
@@ -469,3 +471,20 @@ class Engine:
             # the sampler's float copies of the logits, and the masks' unpacked bits
             peak += heads * long * long * 4 + 9 * max_batch_size * vocab * 4
         return max(0, peak - scratch), torch_peak
+
+
+# The host pool for swap preemption is at most this many times the KV cache's blocks:
+# host memory is not measured, so the pool is bounded by what the cache's size implies.
+HOST_POOL_PER_BLOCK = 4
+
+
+def host_pool_blocks(asked: int, num_blocks: int) -> int:
+    """The host pool for swap preemption, in blocks: `asked` (`--swap-blocks`), or the most
+    allowed when it is 0."""
+    most = HOST_POOL_PER_BLOCK * num_blocks
+    if asked > most:
+        raise ValueError(
+            f"--swap-blocks ({asked}) may be at most {HOST_POOL_PER_BLOCK} × the KV cache's "
+            f"blocks ({most})"
+        )
+    return asked or most

@@ -149,7 +149,7 @@ async def serve_async(cfg: ShardConfig, stop: asyncio.Event | None = None) -> No
     # Every torch computation happens on the forward thread, loading included: a second
     # thread that ran torch work would own a second OpenMP team, and with more OpenMP
     # threads than cores libgomp stops spin-waiting, which made each decode step ~40%
-    # slower (kernels/engine_step_profile.py with and without a main-thread team).
+    # slower (benchmarks/kernels/engine_step_profile.py with and without a main-thread team).
     engine = await asyncio.get_running_loop().run_in_executor(executor, Engine, cfg)
     faults.install(engine, os.environ)  # the readiness tests' wedged forward, when asked
     # parses LoRA adapters (file reads, small tensor work) off the forward thread
