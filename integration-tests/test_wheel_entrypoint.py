@@ -108,29 +108,27 @@ def test_the_wheels_cadence_bench_runs(installed: Path, tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: cadence bench"), done.stdout
+    assert imported_from(installed, tmp_path, "cadence_bench").is_relative_to(installed)
+
+
+def imported_from(installed: Path, cwd: Path, imports: str) -> Path:
+    """The file of the first module in `imports` as the wheel's environment imports it."""
+    first = imports.split(",")[0].strip()
     done = subprocess.run(
-        [sys.executable, "-c", "import cadence_bench; print(cadence_bench.__file__)"],
+        [sys.executable, "-c", f"import {imports}; print({first}.__file__)"],
         env=wheel_env(installed),
-        cwd=tmp_path,
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=120,
         check=True,
     )
-    assert Path(done.stdout.strip()).is_relative_to(installed)
+    return Path(done.stdout.strip())
 
 
 def test_the_installed_wheel_is_what_python_imports(installed: Path, tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", "import cadence, cadence._router; print(cadence.__file__)"],
-        env=wheel_env(installed),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    assert Path(done.stdout.strip()).is_relative_to(installed)
+    imported = imported_from(installed, tmp_path, "cadence, cadence._router")
+    assert imported.is_relative_to(installed)
 
 
 @pytest.fixture(scope="module")
