@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -266,14 +267,11 @@ def float_reference(smollm_float_dir: str) -> tuple[object, object]:
     return tokenizer, model
 
 
-@pytest.fixture(scope="session")
-def transformers_reference(
-    float_reference: tuple[object, object],
-) -> tuple[list[str], list[list[int]], int]:
-    """Chat prompts rendered with the model's template, and transformers' greedy continuations."""
+def greedy_reference(tokenizer: Any, model: Any) -> tuple[list[str], list[list[int]], int]:
+    """CHAT_PROMPTS rendered with the model's chat template, and transformers' greedy
+    continuations of NEW_TOKENS from `model`."""
     import torch
 
-    tokenizer, model = float_reference
     texts, outputs = [], []
     for prompt in CHAT_PROMPTS:
         text = tokenizer.apply_chat_template(
@@ -287,3 +285,28 @@ def transformers_reference(
         texts.append(text)
         outputs.append(generated[0, input_ids.shape[1] :].tolist())
     return texts, outputs, tokenizer.eos_token_id
+
+
+@pytest.fixture(scope="session")
+def transformers_reference(
+    float_reference: tuple[object, object],
+) -> tuple[list[str], list[list[int]], int]:
+    """Chat prompts rendered with the model's template, and transformers' greedy continuations."""
+    return greedy_reference(*float_reference)
+
+
+@pytest.fixture(scope="session")
+def tiny_reference(tiny_llama_dir: str) -> tuple[list[str], list[list[int]], int]:
+    """The same for the tiny random Llama (its special tokens' rows are zero, so no
+    continuation ends early)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    return greedy_reference(tokenizer, model)
+
+
+def reference_up_to_eos(reference: list[int], eos_id: int) -> list[int]:
+    """A reference continuation cut after its EOS, as the server stops there."""
+    return reference[: reference.index(eos_id) + 1] if eos_id in reference else reference

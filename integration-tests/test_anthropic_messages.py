@@ -15,7 +15,7 @@ import openai
 import pytest
 from test_tool_calling import TIME, WEATHER
 
-from conftest import SMOLLM_FLOAT32, LaunchedServer, launch, stop
+from conftest import LaunchedServer, launch, stop, tiny_model
 
 MODEL = "smollm"
 # This SDK's create() has no `temperature` argument: sent as an extra field, as the API takes it.
@@ -297,9 +297,14 @@ KEY = "anthropic-test-key"
 
 
 @pytest.fixture(scope="module")
-def keyed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedServer]:
+def keyed_server(
+    tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: str
+) -> Iterator[LaunchedServer]:
+    """The tiny random Llama: the key is the point, not the model."""
     tmp: Path = tmp_path_factory.mktemp("anthropic-keys")
-    server = launch(tmp, *SMOLLM_FLOAT32, "--kv-cache-memory", "256MiB", "--api-key", KEY)
+    server = launch(
+        tmp, *tiny_model(tiny_llama_dir, 64), "--api-key", KEY, "--served-model-name", MODEL
+    )
     yield server
     assert stop(server) == 0, server.log()
 

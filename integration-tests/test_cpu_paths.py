@@ -1,7 +1,11 @@
 """`cadence launch` on every CPU kernel path this machine runs: the default picks the
 best instruction set and the dtype for it and says so in /info, and serves the embedded
-GGUF as it is; a forced path serves the same greedy tokens as transformers (on the GGUF's
-float copy), and a path that cannot run is refused at start."""
+GGUF as it is; a forced path serves the same greedy tokens as transformers, and a path
+that cannot run is refused at start.
+
+The forced paths serve the tiny random Llama (SmolLM2's tokenizer, head size and grouped
+attention; wide logits, so no greedy choice sits within float32 rounding of another): the
+kernels of each path are the point, and its steps cost a fraction of SmolLM2's."""
 
 from __future__ import annotations
 
@@ -13,19 +17,21 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cadence.kernels.cpu import isa
+from cadence import cpu_isa as isa
 from margin import QUANTIZED_BOUND, judge, served_greedy
 
 from conftest import (
     CHAT_PROMPTS,
-    SMOLLM_FLOAT32,
     LaunchedServer,
     greedy_ids,
     launch,
+    reference_up_to_eos,
     stop,
+    tiny_model,
 )
 
-PROMPTS = 2  # of test_fidelity's chat prompts, 64 greedy tokens each, per kernel path
+PROMPTS = 4  # of the chat prompts, 64 greedy tokens each, per kernel path
+TINY_BLOCKS = 64
 JUDGED = 4  # chat prompts the default's answers are judged on, 24 tokens each
 
 
@@ -85,23 +91,22 @@ def test_the_default_launch_serves_the_embedded_gguf_as_it_is(
 def test_each_kernel_path_serves_transformers_greedy_tokens(
     cpu_isa: str,
     tmp_path_factory: pytest.TempPathFactory,
-    transformers_reference: tuple[list[str], list[list[int]], int],
+    tiny_llama_dir: str,
+    tiny_reference: tuple[list[str], list[list[int]], int],
 ) -> None:
     lacking = isa.missing(cpu_isa)
     if lacking:
         pytest.skip(f"this CPU lacks {', '.join(lacking)}")
     server = launch(
         tmp_path_factory.mktemp(cpu_isa),
-        *("--cpu-isa", cpu_isa, *SMOLLM_FLOAT32),
-        *("--kv-cache-memory", "128MiB"),
+        *("--cpu-isa", cpu_isa, *tiny_model(tiny_llama_dir, TINY_BLOCKS)),
     )
     try:
         assert httpx.get(f"{server.url}/info").json()["kernels"]["isa"] == cpu_isa
-        texts, expected, eos_id = transformers_reference
+        texts, expected, eos_id = tiny_reference
         with httpx.Client(base_url=server.url, timeout=120) as client:
             for text, reference in list(zip(texts, expected, strict=True))[:PROMPTS]:
-                if eos_id in reference:
-                    reference = reference[: reference.index(eos_id) + 1]
+                reference = reference_up_to_eos(reference, eos_id)
                 assert greedy_ids(client, text, len(reference)) == reference, (cpu_isa, text)
     finally:
         assert stop(server) == 0, server.log()
@@ -109,18 +114,14 @@ def test_each_kernel_path_serves_transformers_greedy_tokens(
 
 def test_without_a_compiler_it_serves_through_torch(
     tmp_path_factory: pytest.TempPathFactory,
-    transformers_reference: tuple[list[str], list[list[int]], int],
+    tiny_llama_dir: str,
+    tiny_reference: tuple[list[str], list[list[int]], int],
 ) -> None:
     """A machine with no C++ compiler (and no kernels built before): the shard serves
     through torch's attention and layers, and says so."""
     tmp = tmp_path_factory.mktemp("no-compiler")
     env = os.environ | {"CXX": "no-such-compiler", "CADENCE_KERNEL_CACHE": str(tmp / "none")}
-    server = launch(
-        tmp,
-        *SMOLLM_FLOAT32,
-        *("--kv-cache-memory", "64MiB"),
-        env=env,
-    )
+    server = launch(tmp, *tiny_model(tiny_llama_dir, TINY_BLOCKS), env=env)
     try:
         kernels = httpx.get(f"{server.url}/info").json()["kernels"]
         assert kernels["isa"].startswith("none (no C++ compiler")
@@ -129,12 +130,11 @@ def test_without_a_compiler_it_serves_through_torch(
             "torch",
             "torch",
         )
-        texts, expected, eos_id = transformers_reference
-        reference = (
-            expected[0][: expected[0].index(eos_id) + 1] if eos_id in expected[0] else expected[0]
-        )
+        texts, expected, eos_id = tiny_reference
         with httpx.Client(base_url=server.url, timeout=120) as client:
-            assert greedy_ids(client, texts[0], len(reference)) == reference
+            for text, reference in list(zip(texts, expected, strict=True))[:PROMPTS]:
+                reference = reference_up_to_eos(reference, eos_id)
+                assert greedy_ids(client, text, len(reference)) == reference, text
     finally:
         assert stop(server) == 0, server.log()
 

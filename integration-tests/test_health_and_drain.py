@@ -219,11 +219,17 @@ def _stream(url: str, path: str, body: dict, out: list) -> None:
 
 
 def test_sigterm_drains_the_requests_in_flight_refuses_new_ones_and_exits_0(
-    tmp_path: Path,
+    tmp_path: Path, tiny_llama_dir: str
 ) -> None:
     # A shutdown timeout no slow machine reaches: this test is about requests finishing.
-    launched = launch(tmp_path, "--kv-cache-memory", "64MiB", "--shutdown-timeout", "120")
-    new_tokens = 24
+    launched = launch(
+        tmp_path,
+        *tiny_model(tiny_llama_dir, TINY_BLOCKS),
+        *("--served-model-name", "drained", "--shutdown-timeout", "120"),
+    )
+    # enough that all three are still decoding when the shard is frozen (the tiny model's
+    # steps take milliseconds)
+    new_tokens = 400
     tgi = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": new_tokens}}
     tgi["parameters"] |= {"ignore_eos": True}
     chat = {"messages": [{"role": "user", "content": "Tell me a long story."}]}
@@ -246,7 +252,7 @@ def test_sigterm_drains_the_requests_in_flight_refuses_new_ones_and_exits_0(
         for thread in threads:
             thread.start()
         # Every request is running (tokens are flowing on both streams) before the signal.
-        running = 'cadence_running_requests{model="HuggingFaceTB/SmolLM2-135M-Instruct"}'
+        running = 'cadence_running_requests{model="drained"}'
         wait_for(
             lambda: (
                 metrics(launched.url)[running] == 3 and len(tgi_events) > 3 and len(chat_events) > 3

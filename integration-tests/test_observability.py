@@ -24,7 +24,9 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.common.v1.common_pb2 import KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-from conftest import LaunchedServer, launch, stop
+from conftest import LaunchedServer, launch, stop, tiny_model
+
+TINY_BLOCKS = 64  # the tiny random Llama's cache: the logs and traces are the point
 
 SERVICE_NAME = "cadence-observability-test"
 REQUEST_ID = "obs-test-42"
@@ -117,15 +119,15 @@ def receiver() -> Iterator[OtlpReceiver]:
 
 @pytest.fixture(scope="module")
 def server(
-    tmp_path_factory: pytest.TempPathFactory, receiver: OtlpReceiver
+    tmp_path_factory: pytest.TempPathFactory, receiver: OtlpReceiver, tiny_llama_dir: str
 ) -> Iterator[LaunchedServer]:
-    """SmolLM2 with JSON logs (shards at DEBUG, where their per-request lines are) and
+    """The tiny Llama with JSON logs (shards at DEBUG, where their per-request lines are) and
     traces exported every 100 ms."""
     env = os.environ | {"OTEL_BSP_SCHEDULE_DELAY": "100", "LOGURU_LEVEL": "DEBUG"}
     env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
     launched = launch(
         tmp_path_factory.mktemp("observability"),
-        *("--log-format", "json", "--kv-cache-memory", "64MiB"),
+        *("--log-format", "json", *tiny_model(tiny_llama_dir, TINY_BLOCKS)),
         *("--otlp-endpoint", receiver.url, "--otlp-service-name", SERVICE_NAME),
         env=env,
     )
@@ -305,12 +307,12 @@ def test_a_request_without_a_traceparent_starts_its_own_trace(
     assert "stream" not in names()  # answered in one body
 
 
-def test_buffered_spans_are_exported_at_shutdown(tmp_path: Path) -> None:
+def test_buffered_spans_are_exported_at_shutdown(tmp_path: Path, tiny_llama_dir: str) -> None:
     """With a batch delay far beyond the test, only the flush on SIGTERM exports them."""
     otlp = OtlpReceiver()
     env = os.environ | {"OTEL_BSP_SCHEDULE_DELAY": "600000"}
     launched = launch(
-        tmp_path, *("--kv-cache-memory", "64MiB", "--otlp-endpoint", otlp.url), env=env
+        tmp_path, *tiny_model(tiny_llama_dir, TINY_BLOCKS), "--otlp-endpoint", otlp.url, env=env
     )
     try:
         response = httpx.post(

@@ -23,7 +23,7 @@ import openai
 import pytest
 from text_generation import Client
 
-from conftest import LaunchedServer, launch, metrics, stop, the_shard, wait_for
+from conftest import LaunchedServer, launch, metrics, stop, the_shard, tiny_model, wait_for
 
 ALPHA, BETA, BARE = "sk-alpha-0123456789", "sk-beta-9876543210", "sk-bare-5555"
 KEY_FILE = f"""# tenants of this test
@@ -33,18 +33,24 @@ KEY_FILE = f"""# tenants of this test
 """
 
 
+LONG = 200
+
+
 def bare_tenant(key: str) -> str:
     return "key-" + hashlib.sha256(key.encode()).hexdigest()[:8]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedServer]:
+def server(
+    tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: str
+) -> Iterator[LaunchedServer]:
+    """The tiny random Llama: the accounting is the point, not the model."""
     tmp: Path = tmp_path_factory.mktemp("tenants")
     keys = tmp / "keys.txt"
     keys.write_text(KEY_FILE)
     launched = launch(
         tmp,
-        *("--kv-cache-memory", "128MiB", "--served-model-name", "smollm"),
+        *(*tiny_model(tiny_llama_dir, 256), "--served-model-name", "smollm"),
         *("--api-key-file", str(keys), "--max-concurrent-requests-per-key", "1"),
     )
     yield launched
@@ -111,7 +117,9 @@ def test_a_tenant_at_its_limit_gets_429_while_another_is_admitted(
     shard = the_shard(server)
     alpha = {"Authorization": f"Bearer {ALPHA}"}
     beta = {"Authorization": f"Bearer {BETA}"}
-    body = {"inputs": "Tell me a story.", "parameters": {"max_new_tokens": 40}}
+    # long enough that the first request is still decoding when its first token arrives
+    # here and the shard is frozen (a tiny model's step takes milliseconds)
+    body = {"inputs": "Tell me a story.", "parameters": {"max_new_tokens": LONG}}
     body["parameters"] |= {"ignore_eos": True, "details": True}
     before = usage_of(server.url)
     answers: dict[str, httpx.Response] = {}
@@ -148,7 +156,7 @@ def test_a_tenant_at_its_limit_gets_429_while_another_is_admitted(
     assert during["team-alpha"]["running"] == 1.0
     assert during["team-alpha"]["rejected"] == before["team-alpha"]["rejected"] + 1
     assert answers["beta"].status_code == 200, answers["beta"].text
-    assert len(events) == 40 and events[-1]["details"]["finish_reason"] == "length"
+    assert len(events) == LONG and events[-1]["details"]["finish_reason"] == "length"
     # Its request ended: the tenant is admitted again.
     again = httpx.post(f"{server.url}/generate", json=body, headers=alpha, timeout=120)
     assert again.status_code == 200, again.text

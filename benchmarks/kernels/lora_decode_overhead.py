@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 
 import torch
+from cadence import cpu_isa as cpu_isa
 from cadence.config import ShardConfig
 from cadence.kernels import cpu as cpu_kernels
-from cadence.kernels.cpu import isa as cpu_isa
 from cadence.layers.linear import QKVLinear
 from cadence.lora.pool import blocks_needed
 from cadence.lora.weights import AdapterWeights, ExpandPiece, LayerLora

@@ -19,8 +19,8 @@ import argparse
 import os
 
 import torch
+from cadence import cpu_isa as isa
 from cadence.kernels import cpu
-from cadence.kernels.cpu import isa
 from cadence.quant import cpu_gemm, measure
 from cadence.quant.cpu_kernels import Int4CpuKernel, Int8CpuKernel
 from cadence.quant.formats import Int8Weight, QuantizedWeight

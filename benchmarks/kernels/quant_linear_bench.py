@@ -21,8 +21,8 @@ from __future__ import annotations
 import argparse
 
 import torch
+from cadence import cpu_isa as isa
 from cadence.kernels import cpu
-from cadence.kernels.cpu import isa
 from cadence.quant import crossover, measure
 
 PRODUCT_ROWS = (1, 4, 16, 32, 64, 320)

@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from cadence import cpu_isa as isa
 from cadence.config import ShardConfig
-from cadence.kernels.cpu import isa
 from cadence.launcher import resolve_cpu_choices
 from cadence.model_source import resolve_model
 from cadence.pb import shard_pb2 as pb

@@ -30,7 +30,7 @@ from cadence.config import (
     default_of,
 )
 from cadence.flags import add_flag, add_switch, add_toggle, parse_size
-from cadence.kv_format import KV_CACHE_DTYPES
+from cadence.kv_dtypes import KV_CACHE_DTYPES
 from cadence.launcher import LaunchError
 from cadence.logs import LOG_FORMATS, setup_logging
 from cadence.model_source import ModelSourceError

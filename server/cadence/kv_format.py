@@ -16,9 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-FLOAT_DTYPES = ("float32", "bfloat16", "float16")
-QUANTIZED = ("int8", "fp8_e4m3", "fp8_e5m2")
-KV_CACHE_DTYPES = (*FLOAT_DTYPES, *QUANTIZED)
+from cadence.kv_dtypes import KV_CACHE_DTYPES, SCALES
+
 INT8_MAX = 127.0
 
 
@@ -45,12 +44,15 @@ class KVFormat:
 
 
 _FORMATS = {
-    "float32": KVFormat("float32", torch.float32, "none"),
-    "bfloat16": KVFormat("bfloat16", torch.bfloat16, "none"),
-    "float16": KVFormat("float16", torch.float16, "none"),
-    "int8": KVFormat("int8", torch.int8, "token"),
-    "fp8_e4m3": KVFormat("fp8_e4m3", torch.float8_e4m3fn, "layer"),
-    "fp8_e5m2": KVFormat("fp8_e5m2", torch.float8_e5m2, "layer"),
+    name: KVFormat(name, storage, SCALES[name])
+    for name, storage in (
+        ("float32", torch.float32),
+        ("bfloat16", torch.bfloat16),
+        ("float16", torch.float16),
+        ("int8", torch.int8),
+        ("fp8_e4m3", torch.float8_e4m3fn),
+        ("fp8_e5m2", torch.float8_e5m2),
+    )
 }
 
 

@@ -16,30 +16,10 @@ from pathlib import Path
 
 import torch
 
-from cadence.kv_format import KV_CACHE_DTYPES, kv_format
-
 HEADROOM = 4.0
 # Tokens of the warm-up prompt whose keys and values the estimate reads: enough for the
 # attention sinks and the outlier channels to show, short enough to cost nothing.
 CALIBRATION_TOKENS = 256
-
-
-def check_kv_cache_choice(kv_cache_dtype: str, scales_path: str) -> None:
-    """Raises ValueError, saying what to change, for a KV cache dtype cadence lacks, a
-    scales file beside a cache that takes none, or a file that does not parse."""
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(
-            f"--kv-cache-dtype {kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}"
-        )
-    if not scales_path:
-        return
-    if kv_format(kv_cache_dtype).scales != "layer":
-        raise ValueError(
-            f"--kv-cache-scales is for an fp8 KV cache (fp8_e4m3, fp8_e5m2), not "
-            f"--kv-cache-dtype {kv_cache_dtype}: int8 computes a scale per token as it "
-            f"writes it, a float cache takes none"
-        )
-    read_scales_file(scales_path, num_layers=None)
 
 
 def read_scales_file(path: str | Path, num_layers: int | None) -> torch.Tensor:

@@ -173,8 +173,8 @@ def resolve_cpu_choices(cfg: C) -> C:
     so a CPU lacking it is a clear error at start rather than a crash in a shard), the
     dtype that serves fastest with it, and the KV cache's dtype (with its scales file, when
     one is given, checked here too)."""
-    from cadence.kernels.cpu import isa
-    from cadence.kv_scales import check_kv_cache_choice
+    from cadence import cpu_isa as isa
+    from cadence.kv_dtypes import check_kv_cache_choice
 
     try:
         chosen = isa.resolve(cfg.cpu_isa)
@@ -191,7 +191,7 @@ def resolve_cpu_choices(cfg: C) -> C:
 
 def launch(cfg: LaunchConfig) -> int:
     """Runs the whole stack; returns the process exit code."""
-    from cadence.kernels.cpu import isa
+    from cadence import cpu_isa as isa
     from cadence.model_source import resolve_model
 
     check_speculative(cfg)

@@ -118,7 +118,7 @@ def _header(name: str, title: str, scale: str, server_args: list[str]) -> str:
 
 def _cpu_class() -> str:
     """The CPU's model name and the instruction sets cadence's kernels can use on it."""
-    from cadence.kernels.cpu import isa
+    from cadence import cpu_isa as isa
 
     return f"{isa.cpu_model()}: {', '.join(isa.supported())}"
 

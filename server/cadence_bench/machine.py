@@ -8,7 +8,7 @@ import os
 from typing import Any
 
 import httpx
-from cadence.kernels.cpu import isa
+from cadence import cpu_isa as isa
 
 
 def machine() -> dict[str, Any]:

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from cadence.kernels.cpu import isa
+from cadence import cpu_isa as isa
 from cadence.quant import crossover
 from cadence.quant.formats import Int4Weight, QuantizedWeight
 from cadence.quant.quantize import group_size_for, quantize_int4, quantize_int8

@@ -4,8 +4,8 @@ goes with it: what `cadence launch` decides at start (`--cpu-isa`, `--dtype auto
 from __future__ import annotations
 
 import pytest
+from cadence import cpu_isa as isa
 from cadence.config import ShardConfig
-from cadence.kernels.cpu import isa
 from cadence.launcher import LaunchConfig, LaunchError, resolve_cpu_choices
 
 SAPPHIRE_RAPIDS = frozenset(

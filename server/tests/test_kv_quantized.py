@@ -14,13 +14,9 @@ from cadence.attention_backends.base import StepLayout
 from cadence.attention_backends.cpu_paged import CpuAttention
 from cadence.attention_backends.torch_sdpa import TorchAttention
 from cadence.kv_cache import KVCache, bytes_per_block
+from cadence.kv_dtypes import check_kv_cache_choice
 from cadence.kv_format import dequantize, kv_format, quantize, quantize_fp8, quantize_int8
-from cadence.kv_scales import (
-    HEADROOM,
-    check_kv_cache_choice,
-    read_scales_file,
-    write_scales_file,
-)
+from cadence.kv_scales import HEADROOM, read_scales_file, write_scales_file
 from cadence.layers.attention import Attention
 from shard_helpers import MiniRouter, prefill_then_decode_logits
 

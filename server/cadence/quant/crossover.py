@@ -78,7 +78,7 @@ def format_of(description: str) -> str:
 
 def crossover_rows(fmt: str, dtype: str, isa: str, path: Path | None = None) -> Crossover:
     """The crossover for `fmt` ("int8"/"int4") under `dtype` activations on `isa` (a
-    name of `cadence.kernels.cpu.isa.ISAS`, "cuda" on a GPU): the measured table's entry
+    name of `cadence.cpu_isa.ISAS`, "cuda" on a GPU): the measured table's entry
     when the file has one, else the built-in default."""
     path = table_path() if path is None else path
     if path.exists():

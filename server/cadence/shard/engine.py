@@ -14,17 +14,13 @@ import torch
 import torch.distributed as dist
 from loguru import logger
 
+from cadence import cpu_isa as cpu_isa
 from cadence.config import ShardConfig
 from cadence.kernels import cpu as cpu_kernels
-from cadence.kernels.cpu import isa as cpu_isa
 from cadence.kv_cache import KVCache, bytes_per_block
+from cadence.kv_dtypes import check_kv_cache_choice
 from cadence.kv_format import KVFormat, kv_format
-from cadence.kv_scales import (
-    CALIBRATION_TOKENS,
-    check_kv_cache_choice,
-    estimate_scales,
-    read_scales_file,
-)
+from cadence.kv_scales import CALIBRATION_TOKENS, estimate_scales, read_scales_file
 from cadence.layers import kernel_ops
 from cadence.layers.packed import pack_linear_weights
 from cadence.lora.pool import PoolShape

@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import torch
 
-from cadence.kernels.cpu import isa, ops
+from cadence import cpu_isa as isa
+from cadence.kernels.cpu import ops
 from cadence.kernels.cpu.builds import KernelBuildError, build
 from cadence.kernels.cpu.reference import (
     greedy_logprobs_ref,

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from cadence.kernels.cpu import isa
+from cadence import cpu_isa as isa
 from cadence.kernels.cpu.builds import KernelBuildError, build, build_operators
 
 

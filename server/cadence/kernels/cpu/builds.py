@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from cadence.kernels.cpu import isa as isas
+from cadence import cpu_isa as isas
 
 _HERE = Path(__file__).parent
 # The kernel library's translation units, one per op family, compiled together per ISA.

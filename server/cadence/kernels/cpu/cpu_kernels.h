@@ -5,7 +5,7 @@
 // set, each dlopen'ed by the shim.
 //
 // The library is one translation unit per op family, compiled together with g++ -O3
-// -fopenmp once per instruction set (cadence/kernels/cpu/builds.py, isa.py):
+// -fopenmp once per instruction set (cadence/kernels/cpu/builds.py, cadence/cpu_isa.py):
 // attention_kernels.cpp (paged decode attention), rotary_kernels.cpp (the rotary, and with
 // it the KV-cache write), elementwise_kernels.cpp (RMSNorm, SwiGLU), sampling_kernels.cpp
 // (greedy with log-probabilities), lora_kernels.cpp and quant_kernels.cpp. Their vector

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from cadence.kernels.cpu import isa as isas
+from cadence import cpu_isa as isas
 from cadence.kernels.cpu import ops
 from cadence.kernels.cpu.builds import KernelBuildError, build
 

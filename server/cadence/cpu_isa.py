@@ -15,6 +15,9 @@ decided by the CPU the shard starts on, not by the one that compiled it:
 
 Below `avx512_bf16` the kernels are the same C++ auto-vectorized for the wider or
 narrower registers.
+
+Free of torch, so that the launcher (which resolves the choice before any shard starts)
+and the command line start without importing it.
 """
 
 from __future__ import annotations
