@@ -23,13 +23,13 @@ from lb import Haproxy, HaproxyMissing, haproxy_binary, start_haproxy, stop_hapr
 from load import COMPLETE, ERROR, Answer, Load, generate
 
 from conftest import (
-    SMOLLM_FLOAT32,
     LaunchedServer,
     launch,
     metrics,
     shard_pids,
     stop,
     the_shard,
+    tiny_model,
     wait_for,
 )
 
@@ -38,17 +38,14 @@ SUCCEEDED = f"cadence_requests_succeeded_total{{{MODEL}}}"
 RUNNING = f"cadence_running_requests{{{MODEL}}}"
 WAITING = f"cadence_queue_waiting_requests{{{MODEL}}}"
 PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):", "Dear diary,"]
-NEW_TOKENS = 32
+# The tiny random Llama (balancing, failure and drain are the point, not the model), with
+# answers long enough that requests are still in flight while the tests act on them.
+NEW_TOKENS = 200
 CONCURRENCY = 16
+TINY_BLOCKS = 512
 # Two replicas share the 2 cores of a small test machine: one compute thread each.
 ONE_THREAD = os.environ | {"OMP_NUM_THREADS": "1"}
-
-
-REPLICA_FLAGS = (
-    *SMOLLM_FLOAT32,
-    *("--served-model-name", "HuggingFaceTB/SmolLM2-135M-Instruct"),
-    *("--kv-cache-memory", "64MiB", "--shutdown-timeout", "120"),
-)
+SERVING = ("--served-model-name", "HuggingFaceTB/SmolLM2-135M-Instruct")
 
 
 @dataclass
@@ -57,14 +54,16 @@ class Balanced:
     replicas: dict[str, LaunchedServer]  # by haproxy server name
     expected: dict[str, str]  # prompt → its complete answer
     tmp: Path
+    model_dir: str
 
 
-def _launch_replica(tmp: Path, port: int | None = None) -> LaunchedServer:
-    return launch(tmp, *REPLICA_FLAGS, env=ONE_THREAD, port=port)
+def _launch_replica(tmp: Path, model_dir: str, port: int | None = None) -> LaunchedServer:
+    flags = (*tiny_model(model_dir, TINY_BLOCKS), *SERVING, "--shutdown-timeout", "120")
+    return launch(tmp, *flags, env=ONE_THREAD, port=port)
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Balanced]:
+def pair(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: str) -> Iterator[Balanced]:
     """Replicas `a` and `b` (float32: a batched answer equals the answer alone) behind
     haproxy, and the answer to each prompt alone."""
     try:
@@ -76,7 +75,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Balanced]:
     haproxy = None
     try:
         with ThreadPoolExecutor(2) as pool:
-            started = {name: pool.submit(_launch_replica, tmp) for name in "ab"}
+            started = {name: pool.submit(_launch_replica, tmp, tiny_llama_dir) for name in "ab"}
         # Each is kept before any failure is raised, so that the finally stops it.
         replicas |= {name: f.result() for name, f in started.items() if not f.exception()}
         for future in started.values():
@@ -88,7 +87,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Balanced]:
             alone = generate(replicas["a"].url, prompt, NEW_TOKENS, streamed=False)
             assert alone.outcome == COMPLETE, alone
             expected[prompt] = alone.text
-        yield Balanced(haproxy, replicas, expected, tmp)
+        yield Balanced(haproxy, replicas, expected, tmp, tiny_llama_dir)
     finally:
         if haproxy is not None:
             stop_haproxy(haproxy)
@@ -103,7 +102,7 @@ def balanced(pair: Balanced) -> Iterator[Balanced]:
     for name, replica in pair.replicas.items():
         if replica.process.poll() is not None:
             port = int(replica.url.rsplit(":", 1)[1])
-            pair.replicas[name] = _launch_replica(pair.tmp, port)
+            pair.replicas[name] = _launch_replica(pair.tmp, pair.model_dir, port)
     servers = pair.haproxy.servers
     wait_for(lambda: all(s["status"] == "UP" for s in servers().values()), 60, "both UP")
     yield pair

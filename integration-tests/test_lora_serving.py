@@ -56,17 +56,28 @@ LATE = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}  # loa
 SIXTEEN_POOL_BLOCKS = 40
 
 
-def make_adapter(base_dir: str, out: Path, fields: dict[str, Any], seed: int) -> Path:
-    """A PEFT adapter with random, non-trivial A and B (PEFT's init_lora_weights=False)."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+class AdapterMaker:
+    """Makes PEFT adapters for the model in `base_dir`, loaded once (each adapter wraps a
+    copy of it: PEFT injects its layers into the model it is given)."""
 
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    peft_model = get_peft_model(model, LoraConfig(init_lora_weights=False, **fields))
-    peft_model.save_pretrained(out)
-    return out
+    def __init__(self, base_dir: str) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+
+    def make(self, out: Path, fields: dict[str, Any], seed: int) -> Path:
+        """A PEFT adapter with random, non-trivial A and B (PEFT's init_lora_weights=False)."""
+        import copy
+
+        import torch
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(seed)
+        model = copy.deepcopy(self.base)
+        peft_model = get_peft_model(model, LoraConfig(init_lora_weights=False, **fields))
+        peft_model.save_pretrained(out)
+        return out
 
 
 @pytest.fixture(scope="module")
@@ -74,13 +85,14 @@ def adapter_dirs(
     smollm_float_dir: str, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("adapters")
+    maker = AdapterMaker(smollm_float_dir)
     made = {
-        name: make_adapter(smollm_float_dir, root / name, fields, seed)
+        name: maker.make(root / name, fields, seed)
         for seed, (name, fields) in enumerate(ADAPTERS.items())
     }
     lora_dir = tmp_path_factory.mktemp("lora-dir")
-    made["late"] = make_adapter(smollm_float_dir, root / "late", LATE, 100)
-    made["found"] = make_adapter(smollm_float_dir, lora_dir / "found", LATE, 101)
+    made["late"] = maker.make(root / "late", LATE, 100)
+    made["found"] = maker.make(lora_dir / "found", LATE, 101)
     return made
 
 
@@ -274,8 +286,9 @@ def test_64_requests_over_16_adapters_in_a_small_pool_each_equal_their_output_al
     """Paging adapters in and out is the point, not the model: the tiny random Llama."""
     root = tmp_path_factory.mktemp("sixteen")
     names = [f"a{i}" for i in range(16)]
+    maker = AdapterMaker(tiny_llama_dir)
     for i, name in enumerate(names):
-        make_adapter(tiny_llama_dir, root / name, LATE, 200 + i)
+        maker.make(root / name, LATE, 200 + i)
     # A pool of SIXTEEN_POOL_BLOCKS blocks: 16 resident rank-8 q/v adapters and the KV of
     # the requests in flight do not fit together, so adapters are evicted.
     launched = launch(

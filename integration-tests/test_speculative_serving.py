@@ -23,10 +23,12 @@ from conftest import (
     launch,
     metrics,
     stop,
+    tiny_model,
 )
 
 # The load switch must not interfere: one request at a time, up to 4 proposals.
 SPECULATIVE = ("--num-speculative-tokens", "4", "--speculative-max-step-tokens", "64")
+TINY_BLOCKS = 256
 # A passage the model is asked to copy: where prompt lookup finds its proposals.
 PASSAGE = (
     "The old lighthouse stood at the edge of the harbour for two hundred years. Every night "
@@ -176,21 +178,23 @@ def random_draft(folder: Path, like: str) -> Path:
 def test_a_draft_model_changes_the_steps_not_the_greedy_output(
     draft: str,
     tmp_path_factory: pytest.TempPathFactory,
-    transformers_reference: tuple[list[str], list[list[int]], int],
-    smollm_float_dir: str,
+    tiny_reference: tuple[list[str], list[list[int]], int],
+    tiny_llama_dir: str,
 ) -> None:
+    """The tiny random Llama as the target (the draft path is the point, not the model):
+    drafted by itself, or by a random model of its vocabulary."""
     tmp = tmp_path_factory.mktemp(f"spec-draft-{draft}")
     folder = (
-        smollm_float_dir
-        if draft == "same-weights"
-        else str(random_draft(tmp / "m", smollm_float_dir))
+        tiny_llama_dir if draft == "same-weights" else str(random_draft(tmp / "m", tiny_llama_dir))
     )
     server = launch(
-        tmp, *SMOLLM_FLOAT32, "--speculative", "draft", "--draft-model-id", folder, *SPECULATIVE
+        tmp,
+        *tiny_model(tiny_llama_dir, TINY_BLOCKS),
+        *("--speculative", "draft", "--draft-model-id", folder, *SPECULATIVE),
     )
     try:
         assert httpx.get(f"{server.url}/info").json()["speculative"]["draft_model"]
-        assert_greedy_equals_transformers(server, transformers_reference)
+        assert_greedy_equals_transformers(server, tiny_reference)
         drafts, proposed, accepted = spec_counts(server.url)
         assert drafts > 0
         if draft == "same-weights":
