@@ -229,6 +229,11 @@ def add_launch_flags(p: argparse.ArgumentParser, shown: dict[str, str]) -> None:
         "SmolLM2-135M).",
     )
     add_model_flags(add)
+    add(
+        "--chat-template",
+        help="A chat template used instead of the model's (its tokenizer_config.json's): a "
+        "Jinja file, or the template itself.",
+    )
     _, add = group("memory and batching", "The KV cache's size and layout, and a step's size.")
     _add_memory_flags(add)
     g, add = group("scheduling", "When requests run, wait, are preempted or refused.")

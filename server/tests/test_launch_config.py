@@ -169,3 +169,10 @@ def test_a_taken_port_stops_the_launch_before_any_shard_starts(tmp_path: Path) -
     assert f"--port {port}" in log and "already in use" in log.lower()
     assert "starting shard-0" not in log  # no shard was started, no model loaded
     assert not any(tmp_path.iterdir())  # nor the embedded model converted
+
+
+def test_the_chat_template_flag_reaches_the_router() -> None:
+    args = build_parser().parse_args(["launch", "--chat-template", "/t/chat.jinja"])
+    argv = _router_argv(config_from(args, LaunchConfig))
+    assert argv[argv.index("--chat-template") + 1] == "/t/chat.jinja"
+    assert "--chat-template" not in _router_argv(LaunchConfig())
