@@ -116,7 +116,7 @@ def add_model_flags(add: Add) -> None:
         "--dtype",
         type=dtype_name,
         choices=MODEL_DTYPE_CHOICES,
-        help="The dtype of weights and activations (vLLM's half and float are accepted); "
+        help="Weights and activations use this dtype (vLLM's half and float are accepted); "
         "auto is bfloat16 on a GPU and on CPUs with AVX-512 BF16, and float32 on other CPUs, "
         "where it is the faster.",
     )
@@ -134,9 +134,10 @@ def add_model_flags(add: Add) -> None:
         "--quantize-group-size",
         type=int,
         choices=GROUP_SIZES,
-        help="The int4 group size; a layer whose input it does not divide takes the largest "
-        "smaller power of two that does, down to 32. 32 costs 1 bit per weight more than 128 "
-        "for no measurable speed and is the most accurate (docs/quantization.md).",
+        help="The int4 quantization groups this many input columns; a layer whose input it does "
+        "not divide takes the largest smaller power of two that does, down to 32. 32 costs 1 bit "
+        "per weight more than 128 for no measurable speed and is the most accurate "
+        "(docs/quantization.md).",
     )
     add(
         "--quantize-keep-float",
@@ -153,9 +154,9 @@ def add_kv_flags(add: Add) -> None:
         "--kv-cache-dtype",
         type=kv_dtype_name,
         choices=KV_CACHE_DTYPES,
-        help="The KV cache's dtype, by default bfloat16 under float32 weights on CPU and "
-        "--dtype otherwise. int8 keeps a scale per token and KV head; fp8_e4m3 (vLLM's fp8) "
-        "and fp8_e5m2 keep a scale per layer for keys and for values, from --kv-cache-scales "
+        help="The KV cache is stored in this dtype, by default bfloat16 under float32 weights on "
+        "CPU and --dtype otherwise. int8 keeps a scale per token and KV head; fp8_e4m3 (vLLM's "
+        "fp8) and fp8_e5m2 keep a scale per layer for keys and for values, from --kv-cache-scales "
         "or estimated at warm-up (docs/quantization.md).",
     )
     add(
@@ -169,19 +170,19 @@ def add_kv_flags(add: Add) -> None:
 
 def add_device_flags(add: Add, container: Container, config: type) -> None:
     """Where and with which kernels the shards compute."""
-    add("--device", help="The device the shards compute on: cpu, cuda or cuda:N.")
+    add("--device", help="The shards compute on this device: cpu, cuda or cuda:N.")
     add(
         "--cpu-isa",
         choices=CPU_ISA_CHOICES,
-        help="The instruction set of the C++ CPU kernels (auto: the best this CPU has); "
+        help="The C++ CPU kernels use this instruction set (auto: the best this CPU has); "
         "naming one the CPU lacks is an error at start.",
     )
     add(
         "--attention-backend",
         type=str.lower,
         choices=ATTENTION_BACKENDS,
-        help="The attention kernels; auto is triton on a GPU, the C++ kernels on CPU when "
-        "they build, and torch otherwise.",
+        help="Attention runs on these kernels; auto is triton on a GPU, the C++ kernels on CPU "
+        "when they build, and torch otherwise.",
     )
     add_toggle(
         container,
@@ -195,7 +196,7 @@ def add_draft_flags(add: Add) -> None:
     """The shards' side of speculative decoding."""
     add(
         "--draft-model-id",
-        help="The draft model of --speculative draft: a local folder or .gguf file of a "
+        help="--speculative draft drafts with this model: a local folder or .gguf file of a "
         "smaller model with the target's tokenizer, run on the same device. It proposes the "
         "next tokens and the target verifies them in one forward; its KV cache shares the "
         "target's blocks (each block holds both), so the KV memory holds fewer tokens.",
@@ -225,13 +226,13 @@ def add_launch_flags(p: argparse.ArgumentParser, shown: dict[str, str]) -> None:
     add(
         "--model-id",
         "--model",
-        help="The model: a local folder, a .gguf file or a Hub id (default: the embedded "
-        "SmolLM2-135M).",
+        help="Serve this model: a local folder, a .gguf file or a Hub id (default: the "
+        "embedded SmolLM2-135M).",
     )
     add_model_flags(add)
     add(
         "--chat-template",
-        help="A chat template used instead of the model's (its tokenizer_config.json's): a "
+        help="Use this chat template instead of the model's (its tokenizer_config.json's): a "
         "Jinja file, or the template itself.",
     )
     _, add = group("memory and batching", "The KV cache's size and layout, and a step's size.")
@@ -255,13 +256,13 @@ def _add_memory_flags(add: Add) -> None:
         "--kv-cache-memory",
         "--kv-cache-memory-bytes",
         type=parse_size,
-        help="The KV cache's size, in bytes or with a unit such as 512MiB or 2GiB.",
+        help="The KV cache takes this much memory, in bytes or with a unit such as 512MiB.",
     )
     add(
         "--memory-fraction",
         "--gpu-memory-utilization",
         type=fraction,
-        help="The share of memory each shard may use when --kv-cache-memory is unset; the KV "
+        help="Each shard may use this share of memory when --kv-cache-memory is unset; the KV "
         "cache gets what the profiled step leaves. On a GPU it is of the device's TOTAL "
         "memory, for everything the shard holds there: weights, activations, CUDA's own "
         f"allocations and KV cache (default {DEFAULT_FRACTION['cuda']}). On CPU it is of "
@@ -301,7 +302,8 @@ def _add_memory_flags(add: Add) -> None:
     add(
         "--swap-blocks",
         type=non_negative_int,
-        help="The host-memory blocks of --preemption swap (default: 4 x the KV cache blocks).",
+        help="--preemption swap keeps this many blocks in host memory (default: 4 x the KV "
+        "cache blocks).",
     )
 
 
@@ -319,7 +321,8 @@ def _add_scheduling_flags(g: Container, add: Add) -> None:
         action=TrackedToggle,
         inverted=True,
         default=argparse.SUPPRESS,
-        help="vLLM's names for prefix caching on (the default) and off (--no-prefix-caching). "
+        help="vLLM's names turn prefix caching on (the default) and off (as --no-prefix-caching "
+        "does). "
         f"[env: {env_name('--no-prefix-caching')}]",
     )
     add(
@@ -332,7 +335,7 @@ def _add_scheduling_flags(g: Container, add: Add) -> None:
     add(
         "--batching",
         choices=("continuous", "dynamic", "static", "none"),
-        help="When waiting requests join the running batch.",
+        help="The batching mode decides when waiting requests join the running batch.",
     )
     add(
         "--batch-timeout-ms",
@@ -363,12 +366,16 @@ def _add_scheduling_flags(g: Container, add: Add) -> None:
 
 
 def _add_api_flags(g: Container, add: Add) -> None:
-    add("--hostname", "--host", help="The address the HTTP server binds.")
-    add("--port", type=int, help="The port the HTTP server binds, checked before the model loads.")
+    add("--hostname", "--host", help="The HTTP server binds this address.")
+    add(
+        "--port",
+        type=int,
+        help="The HTTP server binds this port, which is checked before the model loads.",
+    )
     add(
         "--served-model-name",
-        help="The model's name in /v1/models, in OpenAI answers and in the metrics' labels "
-        "(default: the model id).",
+        help="The model goes by this name in /v1/models, in OpenAI answers and in the metrics' "
+        "labels (default: the model id).",
     )
     add(
         "--api-key",
@@ -376,7 +383,8 @@ def _add_api_flags(g: Container, add: Add) -> None:
     )
     add(
         "--api-key-file",
-        help="A file of accepted API keys, one per line: KEY, or KEY TENANT to account it by name.",
+        help="Accept the API keys of this file, one per line: KEY, or KEY TENANT to account it by "
+        "name.",
     )
     add(
         "--max-concurrent-requests-per-key",
@@ -386,9 +394,9 @@ def _add_api_flags(g: Container, add: Add) -> None:
     )
     add(
         "--cors-allow-origin",
-        help="The CORS origins allowed, comma-separated, or * for any.",
+        help="Allow these CORS origins, comma-separated, or * for any.",
     )
-    add("--payload-limit", type=parse_size, help="The largest request body accepted.")
+    add("--payload-limit", type=parse_size, help="A request body may be at most this large.")
     add("--max-stop-sequences", type=int, help="A request may give at most this many stops.")
     add(
         "--max-top-n-tokens",
@@ -407,11 +415,11 @@ def _add_observability_flags(g: Container, add: Add) -> None:
     add_log_format(add)
     add(
         "--otlp-endpoint",
-        help="The OpenTelemetry collector's OTLP/HTTP base URL (e.g. http://localhost:4318), "
-        "where the router exports each request's trace (default: "
+        help="The router exports each request's trace to this OpenTelemetry collector's "
+        "OTLP/HTTP base URL, e.g. http://localhost:4318 (default: "
         "$OTEL_EXPORTER_OTLP_ENDPOINT; with neither there are no traces).",
     )
-    add("--otlp-service-name", help="The service.name of the exported traces.")
+    add("--otlp-service-name", help="The exported traces carry this service.name.")
     add_switch(
         g,
         "--check-rank-agreement",
@@ -422,7 +430,7 @@ def _add_observability_flags(g: Container, add: Add) -> None:
 def _add_lora_flags(g: Container, add: Add) -> None:
     add(
         "--lora-adapters",
-        help="LoRA adapters loaded at start, comma-separated name=path (PEFT folders); "
+        help="Load these LoRA adapters at start, comma-separated name=path (PEFT folders); "
         "requests name them in OpenAI's model or TGI's parameters.adapter_id. One the shards "
         "refuse stops the start, with their reason.",
     )
@@ -445,8 +453,8 @@ def _add_lora_flags(g: Container, add: Add) -> None:
     )
     add(
         "--lora-dir",
-        help="A folder of LoRA adapters: a request naming an unknown adapter N gets the one "
-        "in DIR/N (with its adapter_config.json), loaded on first use.",
+        help="Find LoRA adapters in this folder: a request naming an unknown adapter N gets the "
+        "one in DIR/N (with its adapter_config.json), loaded on first use.",
     )
     add(
         "--max-cpu-adapters",
@@ -474,10 +482,10 @@ def _add_speculative_flags(g: Container, add: Add) -> None:
     add(
         "--speculative",
         choices=SPECULATIVE_METHODS,
-        help="Speculative decoding: tokens proposed for a request are verified in the "
-        "target's forward, exactly (the output is the one without it). ngram looks "
-        "proposals up in the request's own tokens; draft drafts them by --draft-model-id on "
-        "each shard; synthetic, for benchmarking only, accepts arbitrary proposals at "
+        help="Decode speculatively with this method: tokens proposed for a request are verified "
+        "in the target's forward, exactly (the output is the one without it). ngram looks "
+        "proposals up in the request's own tokens; draft drafts them by --draft-model-id on each "
+        "shard; synthetic, for benchmarking only, accepts arbitrary proposals at "
         "--speculative-acceptance. It is off for requests with n > 1, a grammar or prompt "
         "logprobs, for steps past --speculative-max-step-tokens, and by default.",
     )
@@ -525,27 +533,27 @@ def _add_deployment_flags(g: Container, add: Add) -> None:
         "--tensor-parallel-size",
         "-tp",
         type=positive_int,
-        help="The tensor-parallel shards: processes that each hold 1/N of every layer "
-        "(torch.distributed: gloo on CPU, NCCL on GPU).",
+        help="Split the model over this many tensor-parallel shards, processes that each hold 1/N "
+        "of every layer (torch.distributed: gloo on CPU, NCCL on GPU).",
     )
     add(
         "--replicas",
         "--data-parallel-size",
         "-dp",
         type=positive_int,
-        help="Independent copies of the model (each --num-shard processes with its own KV "
-        "cache) behind one router, which sends each request to the least loaded one or to the "
-        "one that caches its prompt prefix; on CPU each gets its own share of the cores and "
-        "the KV memory is split between them.",
+        help="Serve this many independent copies of the model (each --num-shard processes with "
+        "its own KV cache) behind one router, which sends each request to the least loaded one or "
+        "to the one that caches its prompt prefix; on CPU each gets its own share of the cores "
+        "and the KV memory is split between them.",
     )
     add(
         "--master-port",
         type=int,
-        help="The torch.distributed rendezvous port (default: a free one).",
+        help="The shards meet for torch.distributed on this port (default: a free one).",
     )
     add(
         "--uds-dir",
-        help="The folder for the shards' unix sockets (default: a fresh temporary folder).",
+        help="The shards' unix sockets go in this folder (default: a fresh temporary one).",
     )
     add(
         "--startup-timeout",
@@ -567,6 +575,6 @@ def _add_deployment_flags(g: Container, add: Add) -> None:
     )
     add(
         "--config",
-        help="A YAML file of flags: each key a flag's name (either spelling, with or without "
-        "dashes), each value its value. Flags on the command line override it.",
+        help="Read flags from this YAML file, each key a flag's name (either spelling, with or "
+        "without dashes), each value its value. Flags on the command line override it.",
     )
