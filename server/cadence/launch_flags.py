@@ -161,9 +161,9 @@ def add_kv_flags(add: Add) -> None:
     )
     add(
         "--kv-cache-scales",
-        help='For an fp8 KV cache, a JSON file {"k_scale": [one per layer], "v_scale": '
-        "[...]} of the scales that stored = value / scale uses; without it they are "
-        "estimated at warm-up from a float-cache forward.",
+        help="An fp8 KV cache reads its scales (stored = value / scale) from this JSON file, "
+        '{"k_scale": [one per layer], "v_scale": [...]}; without it they are estimated at '
+        "warm-up from a float-cache forward.",
     )
     add("--block-size", type=positive_int, help="Each KV cache block holds this many tokens.")
 
