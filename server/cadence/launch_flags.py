@@ -30,6 +30,7 @@ from cadence.flags import (
     add_toggle,
     env_name,
     parse_size,
+    record,
 )
 from cadence.kv_format import KV_CACHE_DTYPES
 from cadence.logs import LOG_FORMATS
@@ -90,6 +91,19 @@ def quantize_method(text: str) -> str:
             f"--quantize quantizes a float checkpoint at load: {list(QUANTIZE_METHODS)}"
         )
     return text
+
+
+class PositionalModel(argparse.Action):
+    """`cadence launch MODEL`, vLLM's spelling of --model-id MODEL."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        record(parser, namespace, "model_id", "MODEL", values)
 
 
 def adder(container: Container, config: type, shown: dict[str, str] | None = None) -> Add:
@@ -222,7 +236,14 @@ def add_launch_flags(p: argparse.ArgumentParser, shown: dict[str, str]) -> None:
         container = p.add_argument_group(title, description)
         return container, adder(container, LaunchConfig, shown)
 
-    _, add = group("model", "What is served and how its weights are loaded.")
+    g, add = group("model", "What is served and how its weights are loaded.")
+    g.add_argument(
+        "model",
+        nargs="?",
+        action=PositionalModel,
+        default=argparse.SUPPRESS,
+        help="The model, as `vllm serve MODEL` takes it: the same as --model-id.",
+    )
     add(
         "--model-id",
         "--model",

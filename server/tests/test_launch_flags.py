@@ -43,6 +43,7 @@ ALIASES = [
     (["--quantization", "int8"], ["--quantize", "int8"]),
     (["--host", "0.0.0.0"], ["--hostname", "0.0.0.0"]),
     (["--model", "/models/m"], ["--model-id", "/models/m"]),
+    (["/models/m", "--port", "9000"], ["--model-id", "/models/m", "--port", "9000"]),
     (["--max-logprobs", "5"], ["--max-top-n-tokens", "5"]),
     (["--max-loras", "2"], ["--max-adapters-per-batch", "2"]),
     (["--max-cpu-loras", "9"], ["--max-cpu-adapters", "9"]),
@@ -88,6 +89,8 @@ def test_both_names_with_different_values_is_an_error_naming_both(
     assert "--no-prefix-caching" in err and "--enable-prefix-caching" in err
     err = _error(capsys, "--speculative", "draft", '--speculative-config={"method": "ngram"}')
     assert "--speculative " in err and "--speculative-config" in err
+    err = _error(capsys, "/models/a", "--model-id", "/models/b")
+    assert "MODEL" in err and "--model-id" in err
     # the same value under both names is one setting
     assert _launch("--max-model-len", "4096", "--max-total-tokens", "4096").max_total_tokens == 4096
 
