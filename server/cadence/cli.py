@@ -184,7 +184,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if argv[:1] == ["launch"] and (refused := refused_flag(argv)):
         parser.error(refused)
     args = parser.parse_args(argv)
-    if getattr(args, "config", None):
+    if args.command == "launch" and args.config:
         try:
             args = with_config_file(parser, args, Path(args.config))
         except ConfigFileError as err:

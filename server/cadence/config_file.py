@@ -63,7 +63,9 @@ def _flag_argv(parser: argparse.ArgumentParser, path: Path, key: str, value: Any
     flag = next((f for f in (f"--{name}", f"-{name}") if f in options), None)
     if f"--{name}" in REFUSED:
         raise ConfigFileError(f"{key!r} in {path}: {REFUSED[f'--{name}']}")
-    if flag is None or flag == "--config" or flag in ("-h", "--help"):
+    if flag == "--config":
+        raise ConfigFileError(f"{key!r} in {path}: a config file cannot name another")
+    if flag is None or flag in ("-h", "--help"):
         raise ConfigFileError(f"unknown key {key!r} in {path}: it names no `cadence launch` flag")
     action = options[flag]
     if value is None:
