@@ -14,6 +14,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from cadence.config import QUANTIZE_METHODS
 from cadence.flags import record
 
 # vLLM flags cadence has no equivalent for, with what to do instead.
@@ -99,6 +100,11 @@ def speculative_settings(text: str) -> dict[str, Any]:
     for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
         if key in config and not (isinstance(config[key], int) and config[key] > 0):
             raise argparse.ArgumentTypeError(f"{key} {config[key]!r} is not a positive integer")
+    if config.get("quantization", "int8") not in QUANTIZE_METHODS:
+        raise argparse.ArgumentTypeError(
+            f"quantization {config['quantization']!r}: the draft is quantized at load to "
+            f"{list(QUANTIZE_METHODS)}"
+        )
     settings = {"speculative": _SPECULATIVE_METHODS[method]}
     return settings | {_SPECULATIVE_KEYS[key]: value for key, value in config.items()}
 

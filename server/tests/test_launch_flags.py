@@ -103,6 +103,7 @@ def test_both_names_with_different_values_is_an_error_naming_both(
         (["--seed", "0"], "per request"),
         (["--quantization", "awq"], "detected"),
         (["--speculative-config", '{"method": "eagle"}'], "eagle"),
+        (["--speculative-config", '{"model": "/d", "quantization": "fp8"}'], "fp8"),
         (["--lora-modules", "sql"], "name=path"),
     ],
 )
