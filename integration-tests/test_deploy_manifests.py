@@ -175,6 +175,14 @@ def test_haproxy_checks_ready_and_balances_the_compose_replicas() -> None:
     )
 
 
+def test_haproxy_retries_only_requests_no_replica_received() -> None:
+    # conn-failure is the only retry-on condition under which nothing reached a replica;
+    # any other (empty-response, response-timeout, a status) can run a request twice.
+    retry_on = [d[1:] for d in haproxy_directives() if d[0] == "retry-on"]
+    assert retry_on == [["conn-failure"]]
+    assert ["option", "redispatch"] in haproxy_directives()
+
+
 @pytest.mark.skipif(shutil.which("haproxy") is None, reason="haproxy is not installed")
 def test_haproxy_accepts_the_config() -> None:
     done = subprocess.run(

@@ -76,6 +76,11 @@ pub struct Args {
     #[arg(long, env = "CADENCE_TOKENIZER")]
     pub tokenizer: PathBuf,
 
+    /// A chat template used instead of the model's (tokenizer_config.json's): a Jinja
+    /// file, or the template itself (vLLM's --chat-template).
+    #[arg(long, env = "CADENCE_CHAT_TEMPLATE")]
+    pub chat_template: Option<String>,
+
     /// Model name reported by /info.
     #[arg(long, env = "CADENCE_MODEL_ID")]
     pub model_id: String,

@@ -162,29 +162,50 @@ fn token_text(value: Option<&Value>) -> String {
     }
 }
 
+/// --chat-template's value: the file it names, else the template itself when it reads as
+/// one (it has a Jinja tag), else an error naming the flag.
+fn replacement_template(value: &str) -> Result<String, String> {
+    match std::fs::read_to_string(value) {
+        Ok(text) => Ok(text),
+        Err(_) if value.contains("{{") || value.contains("{%") => Ok(value.to_string()),
+        Err(e) => Err(format!(
+            "--chat-template {value}: {e}, and it is no Jinja template"
+        )),
+    }
+}
+
 impl ChatTemplate {
     /// The template of `<dir>/tokenizer_config.json`; `None` when the model has none.
     pub fn from_dir(dir: &Path) -> Result<Option<Self>, String> {
+        Self::load(dir, None)
+    }
+
+    /// The template of `<dir>/tokenizer_config.json`, or `replacement` in its place (the
+    /// --chat-template flag: a template file, or the template itself, as vLLM takes it),
+    /// with the model's BOS and EOS tokens either way; `None` when there is neither.
+    pub fn load(dir: &Path, replacement: Option<&str>) -> Result<Option<Self>, String> {
         let path = if dir.is_dir() {
             dir.join("tokenizer_config.json")
         } else {
             dir.with_file_name("tokenizer_config.json")
         };
-        let Ok(text) = std::fs::read_to_string(&path) else {
-            return Ok(None);
+        let config: Value = match std::fs::read_to_string(&path) {
+            Ok(text) => {
+                serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?
+            }
+            Err(_) => Value::Null,
         };
-        let config: Value =
-            serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
-        let template = match config.get("chat_template") {
-            Some(Value::String(s)) => s.clone(),
+        let template = match (replacement, config.get("chat_template")) {
+            (Some(replacement), _) => replacement_template(replacement)?,
+            (None, Some(Value::String(s))) => s.clone(),
             // A list of named templates: the one called "default".
-            Some(Value::Array(list)) => list
+            (None, Some(Value::Array(list))) => list
                 .iter()
                 .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
                 .and_then(|t| t.get("template").and_then(Value::as_str))
                 .unwrap_or_default()
                 .to_string(),
-            _ => String::new(),
+            (None, _) => String::new(),
         };
         if template.is_empty() {
             return Ok(None);
@@ -290,6 +311,26 @@ mod tests {
         std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
         let t = ChatTemplate::from_dir(&dir).unwrap().unwrap();
         assert_eq!(t.render(&[message("user", "yo")], None).unwrap(), "<s>yo");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_chat_template_flag_replaces_the_models_and_keeps_its_tokens() {
+        let dir = std::env::temp_dir().join(format!("cadence-chat-flag-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let config = serde_json::json!({"bos_token": "<s>", "chat_template": "model's"});
+        std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+        let inline = "{{ bos_token }}[{{ messages[0]['content'] }}]";
+        let t = ChatTemplate::load(&dir, Some(inline)).unwrap().unwrap();
+        assert_eq!(t.render(&[message("user", "yo")], None).unwrap(), "<s>[yo]");
+        let file = dir.join("template.jinja");
+        std::fs::write(&file, "{{ messages[0]['content'] }}!").unwrap();
+        let t = ChatTemplate::load(&dir, file.to_str()).unwrap().unwrap();
+        assert_eq!(t.render(&[message("user", "yo")], None).unwrap(), "yo!");
+        let err = ChatTemplate::load(&dir, Some("/no/such.jinja"))
+            .err()
+            .unwrap();
+        assert!(err.contains("--chat-template /no/such.jinja"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -113,9 +113,11 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
             message,
         })?;
     let chat =
-        ChatTemplate::from_dir(&args.tokenizer).map_err(|message| RouterError::Tokenizer {
-            path: args.tokenizer.display().to_string(),
-            message,
+        ChatTemplate::load(&args.tokenizer, args.chat_template.as_deref()).map_err(|message| {
+            RouterError::Tokenizer {
+                path: args.tokenizer.display().to_string(),
+                message,
+            }
         })?;
     let api_keys = args.api_keys().map_err(RouterError::Args)?;
     let docs = docs::Docs::from_flag(args.docs_assets.as_deref()).map_err(RouterError::Args)?;

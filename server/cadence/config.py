@@ -129,6 +129,7 @@ class LaunchConfig:
     max_waiting_requests: int | None = _router()
     grammar_compile_timeout_ms: int | None = _router()
     served_model_name: str | None = _router()  # None: the model id
+    chat_template: str | None = _router()  # a Jinja file or text; None: the model's
     ready_stall_timeout_ms: int | None = _router()
     otlp_endpoint: str | None = _router()  # None: OTEL_EXPORTER_OTLP_ENDPOINT, else no traces
     otlp_service_name: str | None = _router()

@@ -194,6 +194,7 @@ def launch(cfg: LaunchConfig) -> int:
     from cadence import cpu_isa as isa
     from cadence.model_source import resolve_model
 
+    check_port_free(cfg.hostname, cfg.port)  # now, not after the model has loaded
     check_speculative(cfg)
     cfg = resolve_cpu_choices(cfg)
     logger.info(
@@ -288,6 +289,25 @@ def _watch(cfg: LaunchConfig, supervisor: Supervisor, shards: dict[str, ShardSlo
             logger.error("{}; replica {} is down, {} left", err.report(), slot.replica, len(live))
             group = [n for n, s in shards.items() if s.replica == slot.replica]
             supervisor.retire(group, timeout=10.0)
+
+
+def check_port_free(hostname: str, port: int) -> None:
+    """Binds `hostname:port` as the router will (SO_REUSEADDR, as tokio does) and lets it
+    go: a port taken by another server is an error before any model loads, not after."""
+    try:
+        infos = socket.getaddrinfo(hostname, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as err:
+        raise LaunchError(f"--hostname {hostname}: {err.strerror}") from None
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as err:
+            raise LaunchError(
+                f"--port {port}: cannot listen on {hostname}:{port} ({err.strerror}); stop "
+                "what listens there or choose another --port"
+            ) from None
 
 
 def _free_port() -> int:

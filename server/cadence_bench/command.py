@@ -16,7 +16,7 @@ import json
 import shlex
 from typing import TYPE_CHECKING, Any
 
-from cadence.flags import add_flag, add_switch
+from cadence.flags import GIVEN, add_flag, add_switch
 
 # The client's modules (numpy, tokenizers, aiohttp) load when a benchmark runs, so the rest
 # of the `cadence` command line starts fast.
@@ -375,7 +375,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
             result = measure(cfg, requests)
     if adapters is not None:
         result["adapters"] = adapters
-    result["config"] = {k: _plain(v) for k, v in vars(args).items() if k != "run"}
+    result["config"] = {k: _plain(v) for k, v in vars(args).items() if k != "run" and k != GIVEN}
     print(table(result))
     if args.result_file:
         save_json(result, args.result_file)

@@ -144,3 +144,35 @@ def test_the_lora_flags_reach_the_router() -> None:
     assert "--allow-runtime-lora" in argv
     plain = _router_argv(LaunchConfig())
     assert not any("lora" in a or "adapters" in a for a in plain)
+
+
+def test_a_taken_port_stops_the_launch_before_any_shard_starts(tmp_path: Path) -> None:
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CADENCE_")}
+        done = subprocess.run(
+            [sys.executable, "-m", "cadence", "launch", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            env=env | {"CADENCE_CACHE_DIR": str(tmp_path)},
+            timeout=120,
+        )
+    log = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert f"--port {port}" in log and "already in use" in log.lower()
+    assert "starting shard-0" not in log  # no shard was started, no model loaded
+    assert not any(tmp_path.iterdir())  # nor the embedded model converted
+
+
+def test_the_chat_template_flag_reaches_the_router() -> None:
+    args = build_parser().parse_args(["launch", "--chat-template", "/t/chat.jinja"])
+    argv = _router_argv(config_from(args, LaunchConfig))
+    assert argv[argv.index("--chat-template") + 1] == "/t/chat.jinja"
+    assert "--chat-template" not in _router_argv(LaunchConfig())
