@@ -22,10 +22,11 @@ def test_launch_with_a_broken_model_exits_nonzero_with_the_shard_log(tmp_path: P
     assert "no-such-architecture" in result.stdout + result.stderr
 
 
-def test_a_failed_warmup_exits_nonzero_with_the_shards_message() -> None:
+def test_a_failed_warmup_exits_nonzero_with_the_shards_message(tiny_llama_dir: str) -> None:
     """The router warms the shards up; 1 byte of KV cache holds no block."""
+    launch = [sys.executable, "-m", "cadence", "launch", "--model-id", tiny_llama_dir]
     result = subprocess.run(
-        [sys.executable, "-m", "cadence", "launch", "--kv-cache-memory", "1", "--port", "0"],
+        [*launch, "--kv-cache-memory", "1", "--port", "0"],
         capture_output=True,
         text=True,
         timeout=300,
