@@ -18,7 +18,9 @@ pub struct OpenAiErrorDetail {
     #[serde(rename = "type")]
     pub kind: String,
     pub param: Option<String>,
-    pub code: Option<String>,
+    /// A string (`invalid_api_key`) or, as vLLM answers its 404s, the status number.
+    #[schema(value_type = Option<String>)]
+    pub code: Option<serde_json::Value>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -73,6 +75,18 @@ impl ApiError {
             None,
         );
         e.body.error.code = Some("invalid_api_key".into());
+        e
+    }
+
+    /// A `model` that names no served model nor adapter: 404 in vLLM's words.
+    pub fn model_not_found(model: &str) -> Self {
+        let mut e = Self::new(
+            StatusCode::NOT_FOUND,
+            "NotFoundError",
+            format!("The model `{model}` does not exist."),
+            Some("model".into()),
+        );
+        e.body.error.code = Some(StatusCode::NOT_FOUND.as_u16().into());
         e
     }
 

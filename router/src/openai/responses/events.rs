@@ -306,7 +306,11 @@ impl Writer {
     /// The `error` event of a failure mid-stream.
     pub fn error(&mut self, e: OpenAiErrorDetail) -> Vec<Event> {
         self.emit(EventBody::Error {
-            code: e.code.or(Some(e.kind)),
+            code: Some(match e.code {
+                Some(serde_json::Value::String(code)) => code,
+                Some(code) => code.to_string(),
+                None => e.kind,
+            }),
             message: e.message,
             param: e.param,
         });
