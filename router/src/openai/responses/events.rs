@@ -306,11 +306,7 @@ impl Writer {
     /// The `error` event of a failure mid-stream.
     pub fn error(&mut self, e: OpenAiErrorDetail) -> Vec<Event> {
         self.emit(EventBody::Error {
-            code: Some(match e.code {
-                Some(serde_json::Value::String(code)) => code,
-                Some(code) => code.to_string(),
-                None => e.kind,
-            }),
+            code: Some(e.code.map_or(e.kind, |code| code.to_string())),
             message: e.message,
             param: e.param,
         });
