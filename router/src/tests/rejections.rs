@@ -226,3 +226,74 @@ async fn every_rejected_request_is_counted_by_route_status_and_reason() {
     // Answers that are no rejection are not counted.
     assert!(!metrics.contains("status=\"200\""), "{metrics}");
 }
+
+#[tokio::test]
+async fn openai_and_anthropic_errors_name_only_their_own_fields() {
+    let (_h, app) = served(None, Default::default());
+    let long = "hello ".repeat(60);
+    let chat = |extra: Value| {
+        let mut body = json!({"messages": [{"role": "user", "content": "hi"}]});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        body
+    };
+    let cases = [
+        (
+            "/v1/completions",
+            json!({"prompt": "hi", "best_of": 2, "n": 1, "temperature": 0}),
+            "best_of",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "hi", "max_tokens": 0}),
+            "max_tokens",
+        ),
+        ("/v1/completions", json!({"prompt": long}), "prompt"),
+        (
+            "/v1/completions",
+            json!({"prompt": "hi", "max_tokens": 1000}),
+            "prompt",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"max_tokens": 1000})),
+            "messages",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"logprobs": true, "top_logprobs": 99})),
+            "top_logprobs",
+        ),
+        (
+            "/v1/responses",
+            json!({"input": "hi", "max_output_tokens": 1000}),
+            "input",
+        ),
+        (
+            "/v1/messages",
+            chat(json!({"max_tokens": 1000})),
+            "messages",
+        ),
+        (
+            "/v1/messages",
+            chat(json!({"max_tokens": 2, "stop_sequences": ["a", "b", "c"]})),
+            "stop_sequences",
+        ),
+    ];
+    for (path, body, field) in cases {
+        let (status, _, v) = json_of(&app, post_json(path, &body, None)).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{path} {body}: {v}");
+        let message = v["error"]["message"].as_str().unwrap();
+        assert!(message.starts_with(field), "{path}: {message}");
+        for tgi in [
+            "parameters",
+            "max_new_tokens",
+            "inputs",
+            "truncate",
+            "do_sample",
+        ] {
+            assert!(!message.contains(tgi), "{path}: {tgi} in {message}");
+        }
+    }
+}
