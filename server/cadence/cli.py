@@ -267,7 +267,8 @@ def _add_deploy_flags(add: Add) -> None:
     """What orchestrators and gateways see (see docs/deploy.md)."""
     add(
         "--served-model-name",
-        help="the model's name in /v1/models, OpenAI answers and the metrics' labels "
+        help="the model's names, comma-separated: each is listed by /v1/models and accepted as a "
+        "request's model; the first is the one answers and the metrics' labels report "
         "(default: the model id)",
     )
     add(

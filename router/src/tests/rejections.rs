@@ -74,7 +74,8 @@ async fn openai_and_anthropic_routes_serve_only_the_served_names_and_tgi_any() {
         "messages": [{"role": "user", "content": "hi"}]})
     };
     // Every served name and the model id; the answer names the first served name.
-    for model in ["chat-model", "alias", "test-model"] {
+    // And the placeholders TGI's clients send without a model name.
+    for model in ["chat-model", "alias", "test-model", "tgi", "dummy"] {
         let (status, _, v) =
             json_of(&app, post_json("/v1/chat/completions", &chat(model), None)).await;
         assert_eq!(status, StatusCode::OK, "{model}: {v}");
