@@ -299,7 +299,11 @@ KEY = "anthropic-test-key"
 @pytest.fixture(scope="module")
 def keyed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedServer]:
     tmp: Path = tmp_path_factory.mktemp("anthropic-keys")
-    server = launch(tmp, *SMOLLM_FLOAT32, "--kv-cache-memory", "256MiB", "--api-key", KEY)
+    server = launch(
+        tmp,
+        *SMOLLM_FLOAT32,
+        *("--kv-cache-memory", "256MiB", "--api-key", KEY, "--served-model-name", MODEL),
+    )
     yield server
     assert stop(server) == 0, server.log()
 
