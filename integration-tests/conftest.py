@@ -145,7 +145,10 @@ def wait_for(happened: Callable[[], bool], timeout: float, what: str) -> float:
 def smollm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedServer]:
     """The embedded SmolLM2-135M-Instruct in float32 (its GGUF's float copy)."""
     tmp = tmp_path_factory.mktemp("smollm")
-    server = launch(tmp, *SMOLLM_FLOAT32, "--kv-cache-memory", "512MiB")
+    # The name its clients send: OpenAI's and Anthropic's routes answer 404 to any other.
+    server = launch(
+        tmp, *SMOLLM_FLOAT32, "--kv-cache-memory", "512MiB", "--served-model-name", "smollm"
+    )
     yield server
     code = stop(server)
     assert code == 0, f"launcher exited with {code} on SIGTERM:\n{server.log()}"

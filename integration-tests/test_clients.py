@@ -17,6 +17,7 @@ from text_generation import Client
 from conftest import SMOLLM_FLOAT32, LaunchedServer, launch, stop
 
 KEY = "test-key-4"
+MODEL = "smollm"  # its --served-model-name: the OpenAI routes answer 404 to any other
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +38,8 @@ def server(
         KEY,
         "--cors-allow-origin",
         "*",
+        "--served-model-name",
+        MODEL,
     )
     yield s
     assert stop(s) == 0, s.log()
@@ -113,12 +116,12 @@ def test_inference_client_text_generation_and_chat_stream(server: LaunchedServer
 
 def test_openai_completions_with_n_logprobs_echo_and_usage(oai: openai.OpenAI, schema):
     r = oai.completions.create(
-        model="m", prompt="Once upon a time", max_tokens=6, n=3, seed=11, logprobs=2
+        model=MODEL, prompt="Once upon a time", max_tokens=6, n=3, seed=11, logprobs=2
     )
     assert [c.index for c in r.choices] == [0, 1, 2]
     assert len({c.text for c in r.choices}) > 1, "n samples with distinct derived seeds"
     again = oai.completions.create(
-        model="m", prompt="Once upon a time", max_tokens=6, n=3, seed=11, logprobs=2
+        model=MODEL, prompt="Once upon a time", max_tokens=6, n=3, seed=11, logprobs=2
     )
     assert [c.text for c in again.choices] == [c.text for c in r.choices], "seeded: reproducible"
     lp = r.choices[0].logprobs
@@ -126,17 +129,17 @@ def test_openai_completions_with_n_logprobs_echo_and_usage(oai: openai.OpenAI, s
     assert r.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in r.choices)
     check(schema, "Completion", r.model_dump(exclude_unset=True))
     echo = oai.completions.create(
-        model="m", prompt="Hello there", max_tokens=2, echo=True, logprobs=1, temperature=0
+        model=MODEL, prompt="Hello there", max_tokens=2, echo=True, logprobs=1, temperature=0
     )
     assert echo.choices[0].text.startswith("Hello there")
     assert echo.choices[0].logprobs.token_logprobs[0] is None  # the first prompt token
-    many = oai.completions.create(model="m", prompt=["A", "B"], max_tokens=2, temperature=0)
+    many = oai.completions.create(model=MODEL, prompt=["A", "B"], max_tokens=2, temperature=0)
     assert [c.index for c in many.choices] == [0, 1]
 
 
 def test_openai_stream_ends_with_done_and_usage(oai: openai.OpenAI, server: LaunchedServer):
     stream = oai.chat.completions.create(
-        model="m",
+        model=MODEL,
         messages=[{"role": "user", "content": "Count to three."}],
         max_tokens=8,
         temperature=0,
@@ -160,13 +163,13 @@ def test_openai_stream_ends_with_done_and_usage(oai: openai.OpenAI, server: Laun
 def test_openai_chat_parameters_change_the_output_as_defined(oai: openai.OpenAI, schema):
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     greedy = oai.chat.completions.create(
-        model="m", messages=msgs, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2
+        model=MODEL, messages=msgs, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2
     )
     check(schema, "ChatCompletion", greedy.model_dump(exclude_unset=True))
     first = greedy.choices[0].logprobs.content[0]
     assert first.top_logprobs[0].token == first.token  # greedy takes the most likely
     top1 = oai.chat.completions.create(
-        model="m", messages=msgs, max_tokens=8, extra_body={"top_k": 1}, seed=5, top_p=1.0
+        model=MODEL, messages=msgs, max_tokens=8, extra_body={"top_k": 1}, seed=5, top_p=1.0
     )
     assert top1.choices[0].message.content == greedy.choices[0].message.content
     # logit_bias -100 on the greedy first token removes it
@@ -177,7 +180,7 @@ def test_openai_chat_parameters_change_the_output_as_defined(oai: openai.OpenAI,
     ).json()
     banned = tokenized[-1]["id"]
     biased = oai.chat.completions.create(
-        model="m",
+        model=MODEL,
         messages=msgs,
         max_tokens=8,
         temperature=0,
@@ -190,12 +193,12 @@ def test_openai_chat_parameters_change_the_output_as_defined(oai: openai.OpenAI,
     cut = text[len(text) // 2 :].strip()[:3]
     if cut:
         stopped = oai.chat.completions.create(
-            model="m", messages=msgs, max_tokens=8, temperature=0, stop=[cut]
+            model=MODEL, messages=msgs, max_tokens=8, temperature=0, stop=[cut]
         )
         assert stopped.choices[0].message.content == text[: text.index(cut)]
         assert stopped.choices[0].finish_reason == "stop"
     length = oai.chat.completions.create(
-        model="m", messages=msgs, max_completion_tokens=2, temperature=0
+        model=MODEL, messages=msgs, max_completion_tokens=2, temperature=0
     )
     assert length.choices[0].finish_reason == "length" and length.usage.completion_tokens == 2
 
@@ -216,9 +219,44 @@ def test_openai_errors_are_400_naming_the_parameter_and_the_server_keeps_serving
     ]
     for extra in bad:
         with pytest.raises(openai.BadRequestError) as e:
-            oai.chat.completions.create(model="m", messages=msgs, **extra)
+            oai.chat.completions.create(model=MODEL, messages=msgs, **extra)
         assert e.value.body["param"].startswith(next(iter(extra))), e.value.body
-    ok = oai.chat.completions.create(model="m", messages=msgs, max_tokens=2)
+    ok = oai.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2)
     assert ok.choices[0].message.content is not None
     models = oai.models.list()
     assert len(models.data) == 1
+
+
+def test_sdks_see_a_wrong_model_and_an_unknown_route_as_404s_that_are_logged_and_counted(
+    oai: openai.OpenAI, server: LaunchedServer
+) -> None:
+    msgs = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.NotFoundError) as e:
+        oai.chat.completions.create(model="gpt-4o", messages=msgs, max_tokens=2)
+    assert e.value.body["message"] == "The model `gpt-4o` does not exist."
+    with pytest.raises(openai.NotFoundError) as e:
+        oai.post("/no-such-route", body={}, cast_to=httpx.Response)
+    assert e.value.body["message"] == "Invalid URL (POST /v1/no-such-route)"
+    # The browser SDK's preflight, its own headers asked for.
+    asked = "authorization,content-type,x-stainless-lang,x-stainless-os,x-stainless-retry-count"
+    preflight = httpx.options(
+        f"{server.url}/v1/chat/completions",
+        headers={
+            "origin": "https://app.example",
+            "access-control-request-method": "POST",
+            "access-control-request-headers": asked,
+        },
+        timeout=10,
+    )
+    assert preflight.status_code == 200
+    assert set(asked.split(",")) <= set(
+        preflight.headers["access-control-allow-headers"].split(",")
+    )
+    metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+    assert (
+        'cadence_http_requests_rejected_total{model="smollm",route="/v1/chat/completions",'
+        'status="404",reason="NotFoundError"} 1\n'
+    ) in metrics
+    rejected = [line for line in server.log().splitlines() if "request rejected" in line]
+    assert any("/v1/no-such-route" in line and "404" in line for line in rejected), rejected
+    assert not any(KEY in line or "wrong" in line for line in rejected), rejected

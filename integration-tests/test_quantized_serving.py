@@ -167,7 +167,7 @@ def test_an_openai_client_gets_an_answer(quantized) -> None:
     _, server, _ = quantized
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
     reply = client.chat.completions.create(
-        model="tgi",
+        model=client.models.list().data[0].id,
         messages=[{"role": "user", "content": "What is the capital of France?"}],
         max_tokens=12,
         temperature=0,

@@ -82,7 +82,15 @@ def assert_greedy_equals_transformers(
 @pytest.fixture(scope="module")
 def ngram_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedServer]:
     tmp = tmp_path_factory.mktemp("spec-ngram")
-    server = launch(tmp, *SMOLLM_FLOAT32, "--speculative", "ngram", *SPECULATIVE)
+    server = launch(
+        tmp,
+        *SMOLLM_FLOAT32,
+        "--speculative",
+        "ngram",
+        *SPECULATIVE,
+        "--served-model-name",
+        "smollm",
+    )
     yield server
     assert stop(server) == 0, server.log()
 

@@ -64,6 +64,7 @@ def server_no_ff(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedS
         "--kv-cache-memory",
         "256MiB",
         "--no-grammar-fast-forward",
+        *("--served-model-name", "smollm"),
     )
     yield server
     assert stop(server) == 0, server.log()
@@ -125,7 +126,7 @@ def test_a_choice_is_the_reference_s_greedy_choice(
         prompt_ids = reference.tokenizer(text, add_special_tokens=False).input_ids
         want = reference.greedy(prompt_ids, choice_grammar(COLORS), 16)
         answer = oai.completions.create(
-            model="x",
+            model="smollm",
             prompt=text,
             max_tokens=16,
             temperature=0,

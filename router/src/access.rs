@@ -1,6 +1,11 @@
 //! Access control and browser access: API keys on every route but the open ones (sent
 //! as `Authorization: Bearer <key>` or, as Anthropic's clients send it, `x-api-key`),
 //! CORS, and the request body limit.
+//!
+//! CORS lets the official browser SDKs through by default: their preflight asks for
+//! headers of their own (OpenAI's `x-stainless-*`, Anthropic's `anthropic-version`,
+//! `anthropic-dangerous-direct-browser-access`, `x-api-key`), which a fixed list would
+//! miss, so without `--cors-allow-headers` the headers a preflight asks for are allowed.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -11,7 +16,7 @@ use axum::http::{header, HeaderName, HeaderValue, Method};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::{Json, Router};
-use tower_http::cors::{AllowOrigin, Any, CorsLayer};
+use tower_http::cors::{AllowHeaders, AllowMethods, AllowOrigin, Any, CorsLayer};
 
 use crate::api::ApiError;
 use crate::error::ErrorBody;
@@ -37,6 +42,10 @@ pub struct Access {
     pub api_keys: Vec<ApiKey>,
     /// CORS origins; empty: no CORS headers, `*`: any origin.
     pub cors_allow_origin: Vec<String>,
+    /// Request headers CORS allows; empty: those the preflight asks for, `*`: any.
+    pub cors_allow_headers: Vec<String>,
+    /// Methods CORS allows; empty: GET and POST (every route's), `*`: any.
+    pub cors_allow_methods: Vec<String>,
     pub payload_limit: usize,
 }
 
@@ -51,31 +60,51 @@ pub fn layers(app: Router, access: Access) -> Router {
                 .map(|k| (k.key, k.tenant))
                 .collect(),
         );
-        app = app.layer(middleware::from_fn(move |req: Request, next: Next| {
+        // On the routes only: a path no route serves is a 404 with or without a key.
+        app = app.route_layer(middleware::from_fn(move |req: Request, next: Next| {
             let keys = keys.clone();
             async move { check_key(&keys, req, next).await }
         }));
     }
     if !access.cors_allow_origin.is_empty() {
-        let origins = &access.cors_allow_origin;
-        let allow = if origins.iter().any(|o| o == "*") {
-            AllowOrigin::from(Any)
-        } else {
-            AllowOrigin::list(origins.iter().filter_map(|o| HeaderValue::from_str(o).ok()))
-        };
-        app = app.layer(
-            CorsLayer::new()
-                .allow_origin(allow)
-                .allow_methods([Method::GET, Method::POST])
-                .allow_headers([
-                    header::AUTHORIZATION,
-                    header::CONTENT_TYPE,
-                    HeaderName::from_static(API_KEY_HEADER),
-                    HeaderName::from_static("anthropic-version"),
-                ]),
-        );
+        app = app.layer(cors(
+            &access.cors_allow_origin,
+            &access.cors_allow_headers,
+            &access.cors_allow_methods,
+        ));
     }
     app
+}
+
+/// The CORS layer of `--cors-allow-origin`, `--cors-allow-headers` and
+/// `--cors-allow-methods` (see the module's comment for the defaults).
+fn cors(origins: &[String], headers: &[String], methods: &[String]) -> CorsLayer {
+    let any = |list: &[String]| list.iter().any(|o| o == "*");
+    let origin = if any(origins) {
+        AllowOrigin::from(Any)
+    } else {
+        AllowOrigin::list(origins.iter().filter_map(|o| HeaderValue::from_str(o).ok()))
+    };
+    let headers = if headers.is_empty() {
+        AllowHeaders::mirror_request()
+    } else if any(headers) {
+        AllowHeaders::from(Any)
+    } else {
+        AllowHeaders::list(headers.iter().filter_map(|h| h.parse::<HeaderName>().ok()))
+    };
+    let methods = if methods.is_empty() {
+        AllowMethods::list([Method::GET, Method::POST])
+    } else if any(methods) {
+        AllowMethods::from(Any)
+    } else {
+        AllowMethods::list(methods.iter().filter_map(|m| m.parse::<Method>().ok()))
+    };
+    CorsLayer::new()
+        .allow_origin(origin)
+        .allow_headers(headers)
+        .allow_methods(methods)
+        // The request id, for a browser client's bug reports.
+        .expose_headers([HeaderName::from_static("x-request-id")])
 }
 
 /// Lets a request with an accepted key through, its tenant set on it for accounting.

@@ -85,10 +85,12 @@ pub struct Args {
     #[arg(long, env = "CADENCE_MODEL_ID")]
     pub model_id: String,
 
-    /// The name clients know the model by: listed by /v1/models, the `model` of OpenAI
-    /// answers, the `model` and `model_name` labels of /metrics [default: --model-id].
-    #[arg(long, env = "CADENCE_SERVED_MODEL_NAME")]
-    pub served_model_name: Option<String>,
+    /// The names clients know the model by, comma-separated (or the flag repeated): each
+    /// is listed by /v1/models and accepted as a request's `model`; the first is the
+    /// `model` of OpenAI answers and the `model` and `model_name` labels of /metrics
+    /// [default: --model-id].
+    #[arg(long, env = "CADENCE_SERVED_MODEL_NAME", value_delimiter = ',')]
+    pub served_model_name: Vec<String>,
 
     /// Most tokens computed in one step (prefill chunks and decodes together); the shards
     /// profile their memory with a step this large at warm-up.
@@ -274,6 +276,16 @@ pub struct Args {
     #[arg(long, env = "CADENCE_CORS_ALLOW_ORIGIN", value_delimiter = ',')]
     pub cors_allow_origin: Vec<String>,
 
+    /// Request headers CORS allows, comma-separated, or `*` for any. Unset: the headers
+    /// each preflight asks for, so the official browser SDKs (OpenAI's `x-stainless-*`,
+    /// Anthropic's `anthropic-*` and `x-api-key`) get through.
+    #[arg(long, env = "CADENCE_CORS_ALLOW_HEADERS", value_delimiter = ',')]
+    pub cors_allow_headers: Vec<String>,
+
+    /// Methods CORS allows, comma-separated, or `*` for any [default: GET,POST].
+    #[arg(long, env = "CADENCE_CORS_ALLOW_METHODS", value_delimiter = ',')]
+    pub cors_allow_methods: Vec<String>,
+
     /// Folder holding Swagger UI's swagger-ui-bundle.js and swagger-ui.css: /docs is then
     /// Swagger UI, its files served by the router. Unset: /docs is a small built-in page.
     /// Either way /docs loads nothing from another host.
@@ -335,11 +347,19 @@ pub struct Limits {
 }
 
 impl Args {
-    /// `--served-model-name`, or the model id.
-    pub fn served_model_name(&self) -> String {
-        self.served_model_name
-            .clone()
-            .unwrap_or_else(|| self.model_id.clone())
+    /// `--served-model-name`'s names (blanks dropped), or the model id.
+    pub fn served_model_names(&self) -> Vec<String> {
+        let names: Vec<String> = self
+            .served_model_name
+            .iter()
+            .map(|n| n.trim().to_string())
+            .filter(|n| !n.is_empty())
+            .collect();
+        if names.is_empty() {
+            vec![self.model_id.clone()]
+        } else {
+            names
+        }
     }
 
     /// The shards' sockets split into one group per replica, in replica order.
@@ -674,8 +694,16 @@ mod tests {
     #[test]
     fn the_served_model_name_defaults_to_the_model_id() {
         let args = parse(&["--shard-uds-path", "/s"]).unwrap();
-        assert_eq!(args.served_model_name(), "m");
+        assert_eq!(args.served_model_names(), ["m"]);
         let args = parse(&["--shard-uds-path", "/s", "--served-model-name", "chat"]).unwrap();
-        assert_eq!(args.served_model_name(), "chat");
+        assert_eq!(args.served_model_names(), ["chat"]);
+        let args = parse(&[
+            "--shard-uds-path",
+            "/s",
+            "--served-model-name",
+            "chat, gpt-x",
+        ])
+        .unwrap();
+        assert_eq!(args.served_model_names(), ["chat", "gpt-x"]);
     }
 }

@@ -31,6 +31,7 @@ pub mod openapi;
 #[cfg(feature = "python")]
 mod python;
 pub mod readiness;
+pub mod rejections;
 pub mod request_id;
 pub mod request_scope;
 pub mod scheduler;
@@ -43,6 +44,7 @@ pub mod tenants;
 #[cfg(test)]
 mod tests;
 pub mod tgi;
+pub mod unrouted;
 pub mod validation;
 pub mod warmup;
 
@@ -186,10 +188,12 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
         .load_at_start()
         .await
         .map_err(RouterError::Adapter)?;
-    let served_model_name = args.served_model_name();
+    let served_model_names = args.served_model_names();
+    let served_model_name = served_model_names[0].clone();
     let app_info = Info {
         model_id: args.model_id.clone(),
         served_model_name: served_model_name.clone(),
+        served_model_names,
         model_dtype: info.dtype.clone(),
         model_device_type: info.device.split(':').next().unwrap_or("").to_string(),
         model_pipeline_tag: "text-generation",
@@ -263,21 +267,26 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
     let readiness =
         Readiness::for_replicas(probes, Duration::from_millis(args.ready_stall_timeout_ms));
     readiness.clone().monitor(infer.clone());
-    let app = server::router(AppState {
-        infer: infer.clone(),
-        info: app_info,
-        shards: groups,
-        chat: chat.map(Arc::new),
-        readiness,
-        responses: Default::default(),
-    })
-    .merge(docs::routes(docs));
+    let app = server::router(
+        AppState {
+            infer: infer.clone(),
+            info: app_info,
+            shards: groups,
+            chat: chat.map(Arc::new),
+            readiness,
+            responses: Default::default(),
+        },
+        docs::routes(docs),
+    );
     let access = Access {
         api_keys,
         cors_allow_origin: args.cors_allow_origin.clone(),
+        cors_allow_headers: args.cors_allow_headers.clone(),
+        cors_allow_methods: args.cors_allow_methods.clone(),
         payload_limit: args.payload_limit,
     };
     let app = access::layers(app, access);
+    let app = rejections::layers(app, infer.metrics().clone());
     let listener = TcpListener::bind((args.hostname.as_str(), args.port)).await?;
     tracing::info!(address = %listener.local_addr()?, "listening");
     let shutdown_timeout = Duration::from_secs(args.shutdown_timeout);

@@ -8,12 +8,14 @@
 mod gateway;
 mod load;
 mod lora;
+pub(crate) mod rejections;
 pub(crate) mod series;
 mod tenants;
 pub(crate) mod text;
 
 pub use load::LoadGauges;
 pub use lora::{LoraMetrics, ReplicaAdapters};
+pub use rejections::{Rejection, Rejections};
 pub use series::{Counter, Gauge, Histogram};
 
 use std::sync::Arc;
@@ -52,6 +54,8 @@ pub struct Metrics {
     pub generation_tokens: Counter,
     pub step_tokens: Counter,
     pub requests_rejected: Counter,
+    /// Every 4xx answer, counted by the HTTP layer (`crate::rejections`).
+    pub http_rejections: Rejections,
     pub requests_succeeded: Counter,
     pub requests_failed: Counter,
     pub constrained_requests: Counter,
@@ -97,6 +101,7 @@ impl Metrics {
             generation_tokens: Counter::default(),
             step_tokens: Counter::default(),
             requests_rejected: Counter::default(),
+            http_rejections: Rejections::default(),
             requests_succeeded: Counter::default(),
             requests_failed: Counter::default(),
             constrained_requests: Counter::default(),
@@ -236,7 +241,7 @@ impl Metrics {
             ),
             (
                 "cadence_requests_rejected_total",
-                "Requests answered 429: --max-concurrent-requests in flight or --max-waiting-requests waiting.",
+                "Requests answered 429: --max-concurrent-requests in flight or --max-waiting-requests waiting (every 4xx: cadence_http_requests_rejected_total).",
                 &self.requests_rejected,
             ),
             (
@@ -359,6 +364,7 @@ impl Metrics {
         if let Some(tenants) = self.tenants.get() {
             tenants::write(w, &l, tenants);
         }
+        self.http_rejections.write(w, &l);
         if let Some(labels) = self.quantization.get() {
             w.gauge(
                 "cadence_quantization_info",

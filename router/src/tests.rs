@@ -52,6 +52,8 @@ mod lora;
 mod openai;
 /// 429s and 503s on every route, and the slots cancelled streams free.
 mod overload;
+/// Unknown routes, methods and models; CORS preflights; counted rejections.
+mod rejections;
 /// Several shard groups behind one router.
 mod replicas;
 /// The request id from HTTP to the shard.

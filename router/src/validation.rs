@@ -18,6 +18,8 @@ pub const DEFAULT_MAX_NEW_TOKENS: usize = 100;
 /// Ends the message of a prompt over `max_input_tokens` (the APIs without `truncate`
 /// leave it out).
 pub const TRUNCATE_HINT: &str = " (use parameters.truncate to keep the last tokens)";
+/// TGI's own way to turn sampling on, named after the fields every API has.
+pub const DO_SAMPLE_HINT: &str = " (or parameters.do_sample)";
 
 /// How a request's prompt arrives: text to tokenize, or token ids (OpenAI's completions).
 #[derive(Debug, Clone)]
@@ -331,8 +333,8 @@ impl Validation {
         // Choosing among samples needs them to differ; n greedy copies are allowed.
         if best_of > n && !sampling.do_sample {
             return Err(invalid(format!(
-                "parameters.best_of ({best_of}) > 1 needs sampling: set do_sample or a \
-                 temperature, top_k, top_p, typical_p or min_p"
+                "parameters.best_of ({best_of}) > 1 needs sampling: set a temperature, top_k, \
+                 top_p, typical_p or min_p{DO_SAMPLE_HINT}"
             )));
         }
 

@@ -121,6 +121,8 @@ class LaunchConfig:
     api_key_file: str | None = _router()
     max_concurrent_requests_per_key: int | None = _router()
     cors_allow_origin: str | None = _router()  # comma-separated
+    cors_allow_headers: str | None = _router()  # comma-separated
+    cors_allow_methods: str | None = _router()  # comma-separated
     max_prefill_chunk: int | None = _router()
     preemption: str | None = _router()
     swap_blocks: int | None = _router()

@@ -395,8 +395,9 @@ def _add_api_flags(g: Container, add: Add) -> None:
     )
     add(
         "--served-model-name",
-        help="The model goes by this name in /v1/models, in OpenAI answers and in the metrics' "
-        "labels (default: the model id).",
+        help="The model's names, comma-separated: each is listed by /v1/models and accepted as "
+        "a request's model (another name is a 404 on the OpenAI and Anthropic routes); the first "
+        "is the one answers and the metrics' labels report (default: the model id).",
     )
     add(
         "--api-key",
@@ -416,6 +417,16 @@ def _add_api_flags(g: Container, add: Add) -> None:
     add(
         "--cors-allow-origin",
         help="Allow these CORS origins, comma-separated, or * for any.",
+    )
+    add(
+        "--cors-allow-headers",
+        help="Allow these request headers in CORS preflights, comma-separated (default: the "
+        "headers a preflight asks for, so the OpenAI and Anthropic browser SDKs get through).",
+    )
+    add(
+        "--cors-allow-methods",
+        help="Allow these methods in CORS preflights, comma-separated, or * for any "
+        "(default: GET and POST).",
     )
     add("--payload-limit", type=parse_size, help="A request body may be at most this large.")
     add("--max-stop-sequences", type=int, help="A request may give at most this many stops.")

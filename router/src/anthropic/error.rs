@@ -45,6 +45,7 @@ fn kind(status: StatusCode) -> &'static str {
         StatusCode::UNAUTHORIZED => "authentication_error",
         StatusCode::FORBIDDEN => "permission_error",
         StatusCode::NOT_FOUND => "not_found_error",
+        StatusCode::METHOD_NOT_ALLOWED => "invalid_request_error",
         StatusCode::PAYLOAD_TOO_LARGE => "request_too_large",
         StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
         StatusCode::SERVICE_UNAVAILABLE => "overloaded_error",
@@ -78,6 +79,11 @@ impl IntoResponse for MessagesError {
     fn into_response(self) -> Response {
         error_response(self.status, self.body)
     }
+}
+
+/// An error in Anthropic's shape, its type the status's (unknown routes' 404 and 405).
+pub fn error(status: StatusCode, message: String) -> Response {
+    MessagesError::new(status, message).into_response()
 }
 
 /// The 401 of `/v1/messages*` when the router has API keys.

@@ -25,7 +25,7 @@ use axum::routing::post;
 use axum::Router;
 
 pub use answer::{Message, MessageUsage, OutputBlock, StopReason};
-pub use error::{unauthorized, AnthropicError, AnthropicErrorDetail};
+pub use error::{error, unauthorized, AnthropicError, AnthropicErrorDetail};
 pub use messages::{__path_count_tokens, __path_messages, count_tokens, messages, TokenCount};
 pub use request::{
     ContentBlock, CountTokensRequest, InputContent, InputMessage, MessagesRequest, ToolChoiceInput,

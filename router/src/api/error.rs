@@ -18,7 +18,25 @@ pub struct OpenAiErrorDetail {
     #[serde(rename = "type")]
     pub kind: String,
     pub param: Option<String>,
-    pub code: Option<String>,
+    pub code: Option<ErrorCode>,
+}
+
+/// An error's `code`: a name (`invalid_api_key`) or, as vLLM answers a model it does not
+/// serve, the status number.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+#[serde(untagged)]
+pub enum ErrorCode {
+    Name(String),
+    Status(u16),
+}
+
+impl std::fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ErrorCode::Name(name) => f.write_str(name),
+            ErrorCode::Status(status) => write!(f, "{status}"),
+        }
+    }
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -72,7 +90,19 @@ impl ApiError {
             "missing or invalid API key: send Authorization: Bearer <key>".into(),
             None,
         );
-        e.body.error.code = Some("invalid_api_key".into());
+        e.body.error.code = Some(ErrorCode::Name("invalid_api_key".into()));
+        e
+    }
+
+    /// A `model` that names no served model nor adapter: 404 in vLLM's words.
+    pub fn model_not_found(model: &str) -> Self {
+        let mut e = Self::new(
+            StatusCode::NOT_FOUND,
+            "NotFoundError",
+            format!("The model `{model}` does not exist."),
+            Some("model".into()),
+        );
+        e.body.error.code = Some(ErrorCode::Status(StatusCode::NOT_FOUND.as_u16()));
         e
     }
 

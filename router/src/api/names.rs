@@ -2,7 +2,7 @@
 //! an API's client sent other names for the same fields. `ParamNames` says how one API
 //! names them, and rewrites a validation message so it names only what that client sent.
 
-use crate::validation::TRUNCATE_HINT;
+use crate::validation::{DO_SAMPLE_HINT, TRUNCATE_HINT};
 
 /// How one API names the TGI parameters its requests set; `None` keeps TGI's name
 /// (without `parameters.`).
@@ -42,8 +42,8 @@ impl ParamNames {
     }
 
     /// A validation message in the API's names, and the field it is about (its first
-    /// word): the TGI parameters it names renamed, the hint about `parameters.truncate`
-    /// (which no other API has) dropped.
+    /// word): the TGI parameters it names renamed, the hints about `parameters.truncate`
+    /// and `parameters.do_sample` (which no other API has) dropped.
     pub fn message(&self, message: &str) -> (String, Option<String>) {
         let field = message
             .split([' ', ':', '('])
@@ -57,7 +57,7 @@ impl ParamNames {
             let rest = message.split_once(field).map_or("", |(_, r)| r);
             (name.to_string(), rest.to_string())
         };
-        let mut rest = rest.replace(TRUNCATE_HINT, "");
+        let mut rest = rest.replace(TRUNCATE_HINT, "").replace(DO_SAMPLE_HINT, "");
         while let Some(at) = rest.find("parameters.") {
             let after = &rest[at + "parameters.".len()..];
             let end = after

@@ -15,8 +15,12 @@ use crate::readiness::Readiness;
 #[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct Info {
     pub model_id: String,
-    /// The name clients use: `/v1/models`, OpenAI answers' `model`, the metrics' labels.
+    /// The name clients use: `/v1/models`, OpenAI answers' `model`, the metrics' labels
+    /// (the first of `served_model_names`).
     pub served_model_name: String,
+    /// Every name requests may give the base model (`--served-model-name a,b`), each
+    /// listed by `/v1/models`.
+    pub served_model_names: Vec<String>,
     pub model_dtype: String,
     pub model_device_type: String,
     pub model_pipeline_tag: &'static str,
@@ -51,6 +55,13 @@ pub struct Info {
     pub lora: Option<LoraInfo>,
     pub version: &'static str,
     pub router: &'static str,
+}
+
+impl Info {
+    /// Whether a request's `model` names the base model: a served name or the model id.
+    pub fn names_base_model(&self, model: &str) -> bool {
+        model == self.model_id || self.served_model_names.iter().any(|n| n == model)
+    }
 }
 
 /// `/info`'s `lora`.

@@ -60,7 +60,7 @@ pub async fn load_lora_adapter(
             "Both 'lora_name' and 'lora_path' must be provided.".into(),
         ));
     };
-    if name == state.info.served_model_name || name == state.info.model_id {
+    if state.info.names_base_model(&name) {
         return Err(invalid_input(format!("'{name}' is the base model's name")));
     }
     let adapters = state.infer.adapters();

@@ -1,4 +1,4 @@
-//! `GET /v1/models`: the base model, then the LoRA adapters requests may name, in vLLM's
+//! `GET /v1/models`: the base model under each served name, then the LoRA adapters requests may name, in vLLM's
 //! shape (an adapter's `parent` is the base model, its `root` its folder).
 
 use axum::extract::State;
@@ -29,14 +29,19 @@ pub struct ModelList {
 #[utoipa::path(get, path = "/v1/models", tag = "OpenAI", responses((status = 200, body = ModelList)))]
 pub async fn models(State(state): State<AppState>) -> Json<ModelList> {
     let base = state.info.served_model_name.clone();
-    let mut data = vec![Model {
-        id: base.clone(),
-        object: "model",
-        created: 0,
-        owned_by: "cadence",
-        root: state.info.model_id.clone(),
-        parent: None,
-    }];
+    let mut data: Vec<Model> = state
+        .info
+        .served_model_names
+        .iter()
+        .map(|name| Model {
+            id: name.clone(),
+            object: "model",
+            created: 0,
+            owned_by: "cadence",
+            root: state.info.model_id.clone(),
+            parent: None,
+        })
+        .collect();
     data.extend(state.infer.adapters().listed().into_iter().map(|a| Model {
         id: a.name,
         object: "model",

@@ -105,7 +105,7 @@ impl Setup {
         self
     }
 
-    /// The name clients know the model by (`--served-model-name`).
+    /// The names clients know the model by (`--served-model-name`, comma-separated).
     pub(super) fn served_model_name(mut self, name: &str) -> Self {
         self.served_model_name = name.into();
         self
@@ -183,9 +183,14 @@ impl Setup {
             block_size: BLOCK_SIZE,
             num_blocks: shard.num_blocks,
         };
+        // As `--served-model-name a,b` gives them: the first is the one answers report.
+        let served_model_names: Vec<String> =
+            served_model_name.split(',').map(String::from).collect();
+        let served_model_name = served_model_names[0].clone();
         let info = Info {
             model_id: "test-model".into(),
-            served_model_name: served_model_name.clone(),
+            served_model_name: served_model_names[0].clone(),
+            served_model_names: served_model_names.clone(),
             model_dtype: "float32".into(),
             model_device_type: "cpu".into(),
             model_pipeline_tag: "text-generation",
@@ -261,14 +266,17 @@ impl Setup {
         let mut readiness = Readiness::for_replicas(probes, stall_timeout);
         // A silent fake never answers: no need to wait the production second for it.
         readiness.probe_timeout = Duration::from_millis(20);
-        let app = router(AppState {
-            infer: infer.clone(),
-            info,
-            shards: Vec::new(),
-            chat,
-            readiness,
-            responses: Default::default(),
-        });
+        let app = router(
+            AppState {
+                infer: infer.clone(),
+                info,
+                shards: Vec::new(),
+                chat,
+                readiness,
+                responses: Default::default(),
+            },
+            Router::new(),
+        );
         Harness {
             app,
             shard,

@@ -153,7 +153,7 @@ async fn unknown_adapters_are_a_404_on_openai_and_a_422_on_tgi_when_lora_is_on()
     assert_eq!(
         v["error"],
         json!({"message": "The model `nope` does not exist.", "type": "NotFoundError",
-               "param": "model", "code": null})
+               "param": "model", "code": 404})
     );
     let (status, v) = h
         .post(
@@ -181,9 +181,16 @@ async fn unknown_adapters_are_a_404_on_openai_and_a_422_on_tgi_when_lora_is_on()
 }
 
 #[tokio::test]
-async fn without_lora_options_any_model_name_is_the_base_model_and_adapter_ids_are_refused() {
+async fn without_lora_options_only_the_base_models_names_are_served_and_adapter_ids_are_refused() {
     let h = harness(Script::Hash);
     let body = json!({"model": "whatever-a-client-sends", "prompt": "hi", "max_tokens": 2});
+    let (status, v) = h.post("/v1/completions", body).await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{v}");
+    assert_eq!(
+        v["error"]["message"],
+        "The model `whatever-a-client-sends` does not exist."
+    );
+    let body = json!({"model": "test-model", "prompt": "hi", "max_tokens": 2});
     let (status, v) = h.post("/v1/completions", body).await;
     assert_eq!(status, StatusCode::OK, "{v}");
     assert_eq!(v["model"], "test-model");

@@ -28,6 +28,7 @@ async fn api_keys_guard_every_route_but_the_open_ones_and_payload_limit_is_a_422
         api_keys: vec![crate::tenants::ApiKey::bare("sekret")],
         cors_allow_origin: vec!["https://example.com".into()],
         payload_limit: 200,
+        ..Default::default()
     };
     let app = crate::access::layers(h.app.clone(), access);
     let body = json!({"inputs": "hello", "parameters": {"max_new_tokens": 2}});

@@ -22,8 +22,8 @@ fn app_with_keys(setup: Setup, per_key: Option<usize>) -> (Harness, Router) {
     let h = setup.build();
     let access = Access {
         api_keys: keys(),
-        cors_allow_origin: Vec::new(),
         payload_limit: 1 << 20,
+        ..Default::default()
     };
     let app = access::layers(h.app.clone(), access);
     (h, app)

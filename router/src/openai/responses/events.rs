@@ -306,7 +306,7 @@ impl Writer {
     /// The `error` event of a failure mid-stream.
     pub fn error(&mut self, e: OpenAiErrorDetail) -> Vec<Event> {
         self.emit(EventBody::Error {
-            code: e.code.or(Some(e.kind)),
+            code: Some(e.code.map_or(e.kind, |code| code.to_string())),
             message: e.message,
             param: e.param,
         });
