@@ -28,6 +28,7 @@ pub mod lora;
 pub mod metrics;
 pub mod openai;
 pub mod openapi;
+pub mod playground;
 #[cfg(feature = "python")]
 mod python;
 pub mod readiness;
@@ -269,7 +270,8 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
         readiness,
         responses: Default::default(),
     })
-    .merge(docs::routes(docs));
+    .merge(docs::routes(docs))
+    .merge(playground::routes());
     let access = Access {
         api_keys,
         cors_allow_origin: args.cors_allow_origin.clone(),
