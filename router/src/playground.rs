@@ -68,7 +68,11 @@ mod tests {
         let bytes = axum::body::to_bytes(response.into_body(), usize::MAX)
             .await
             .unwrap();
-        (status, content_type, String::from_utf8(bytes.to_vec()).unwrap())
+        (
+            status,
+            content_type,
+            String::from_utf8(bytes.to_vec()).unwrap(),
+        )
     }
 
     #[tokio::test]
@@ -96,7 +100,10 @@ mod tests {
                 .unwrap(),
         )
         .await;
-        assert!(js.contains("/v1/chat/completions"), "the page calls the chat route");
+        assert!(
+            js.contains("/v1/chat/completions"),
+            "the page calls the chat route"
+        );
     }
 
     /// TGI's `POST /` and the page's `GET /` share the path: merged, each method keeps
