@@ -119,4 +119,34 @@ mod tests {
         assert_eq!(status, StatusCode::OK);
         assert_eq!(body, "generated");
     }
+
+    /// With API keys, the page and its files are open; TGI's `POST /` still needs a key.
+    #[tokio::test]
+    async fn with_api_keys_the_page_is_open_and_post_on_the_root_is_not() {
+        let app = Router::new()
+            .route("/", post(|| async { "generated" }))
+            .merge(routes());
+        let access = crate::access::Access {
+            api_keys: vec![crate::tenants::ApiKey::bare("sekret")],
+            cors_allow_origin: vec![],
+            payload_limit: 1000,
+        };
+        let app = crate::access::layers(app, access);
+        for path in [
+            "/",
+            "/playground/playground.css",
+            "/playground/playground.js",
+        ] {
+            let (status, _, _) = call(&app, Request::get(path).body(Body::empty()).unwrap()).await;
+            assert_eq!(status, StatusCode::OK, "{path} is open");
+        }
+        let (status, _, _) = call(&app, Request::post("/").body(Body::empty()).unwrap()).await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED);
+        let keyed = Request::post("/")
+            .header(header::AUTHORIZATION, "Bearer sekret")
+            .body(Body::empty())
+            .unwrap();
+        let (status, _, _) = call(&app, keyed).await;
+        assert_eq!(status, StatusCode::OK);
+    }
 }
