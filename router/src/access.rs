@@ -115,6 +115,10 @@ async fn check_key(
 ) -> Response {
     let path = req.uri().path();
     let open = OPEN_PATHS.contains(&path) || path.starts_with(crate::docs::ASSETS_PREFIX);
+    // The playground's page (its `POST /` twin is TGI's generate, which needs a key).
+    let open = open
+        || (req.method() == Method::GET && path == "/")
+        || path.starts_with(crate::playground::ASSETS_PREFIX);
     if open || req.method() == Method::OPTIONS {
         return next.run(req).await;
     }

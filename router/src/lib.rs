@@ -28,6 +28,7 @@ pub mod lora;
 pub mod metrics;
 pub mod openai;
 pub mod openapi;
+pub mod playground;
 #[cfg(feature = "python")]
 mod python;
 pub mod readiness;
@@ -276,7 +277,7 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
             readiness,
             responses: Default::default(),
         },
-        docs::routes(docs),
+        docs::routes(docs).merge(playground::routes()),
     );
     let access = Access {
         api_keys,
