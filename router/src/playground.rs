@@ -128,8 +128,8 @@ mod tests {
             .merge(routes());
         let access = crate::access::Access {
             api_keys: vec![crate::tenants::ApiKey::bare("sekret")],
-            cors_allow_origin: vec![],
             payload_limit: 1000,
+            ..Default::default()
         };
         let app = crate::access::layers(app, access);
         for path in [
