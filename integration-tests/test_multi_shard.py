@@ -12,7 +12,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import CHAT_PROMPTS, FLOAT32, SMOLLM_FLOAT32, LaunchedServer, greedy_ids, launch, stop
+from conftest import (
+    CHAT_PROMPTS,
+    FLOAT32,
+    SMOLLM_FLOAT32,
+    LaunchedServer,
+    greedy_ids,
+    launch,
+    reference_up_to_eos,
+    stop,
+)
 
 NEW_TOKENS = 32
 
@@ -115,7 +124,7 @@ def test_an_opt_checkpoint_is_served_over_two_shards_as_transformers_generates(
     with torch.inference_mode():
         out = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
     reference = out[0, len(ids) :].tolist()
-    reference = reference[: reference.index(eos) + 1] if eos in reference else reference
+    reference = reference_up_to_eos(reference, eos)
 
     server = launch(
         tmp_path,

@@ -22,6 +22,7 @@ from conftest import (
     greedy_ids,
     launch,
     metrics,
+    reference_up_to_eos,
     stop,
     tiny_model,
 )
@@ -65,8 +66,7 @@ def transformers_greedy(model_dir: str, text: str, new_tokens: int) -> list[int]
     with torch.inference_mode():
         out = model.generate(input_ids, max_new_tokens=new_tokens, do_sample=False, num_beams=1)
     ids = out[0, input_ids.shape[1] :].tolist()
-    eos = tokenizer.eos_token_id
-    return ids[: ids.index(eos) + 1] if eos in ids else ids
+    return reference_up_to_eos(ids, tokenizer.eos_token_id)
 
 
 def assert_greedy_equals_transformers(
@@ -75,8 +75,7 @@ def assert_greedy_equals_transformers(
     texts, expected, eos_id = reference
     with httpx.Client(base_url=server.url, timeout=300) as client:
         for text, want in zip(texts[:4], expected[:4], strict=True):
-            want = want[: want.index(eos_id) + 1] if eos_id in want else want
-            assert greedy_ids(client, text, NEW_TOKENS) == want, text
+            assert greedy_ids(client, text, NEW_TOKENS) == reference_up_to_eos(want, eos_id), text
 
 
 @pytest.fixture(scope="module")
