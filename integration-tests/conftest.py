@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -59,10 +60,13 @@ def launch(
     timeout: float = 300.0,
     env: dict[str, str] | None = None,
     port: int | None = None,
+    trust: ssl.SSLContext | None = None,
 ) -> LaunchedServer:
     """Starts `cadence launch` (in `env`, default this process's environment; on `port`,
-    default a free one) and waits until its router answers /ready."""
+    default a free one) and waits until its router answers /ready: over HTTPS at
+    https://localhost when `trust` (which verifies its certificate) is given."""
     port = port or free_port()
+    url = f"https://localhost:{port}" if trust else f"http://127.0.0.1:{port}"
     log_path = tmp_dir / f"launch-{port}.log"
     log_file = log_path.open("w")
     process = subprocess.Popen(
@@ -72,13 +76,14 @@ def launch(
         start_new_session=True,
         env=env,
     )
-    server = LaunchedServer(f"http://127.0.0.1:{port}", process, log_path)
+    server = LaunchedServer(url, process, log_path)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"cadence launch exited with {process.returncode}:\n{server.log()}")
         try:
-            if httpx.get(f"{server.url}/ready", timeout=2).status_code == 200:
+            ready = httpx.get(f"{server.url}/ready", timeout=2, verify=trust or True)
+            if ready.status_code == 200:
                 return server
         except httpx.HTTPError:
             pass

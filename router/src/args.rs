@@ -286,6 +286,15 @@ pub struct Args {
     #[arg(long, env = "CADENCE_CORS_ALLOW_METHODS", value_delimiter = ',')]
     pub cors_allow_methods: Vec<String>,
 
+    /// PEM certificate chain (the server's certificate first) to serve HTTPS with; needs
+    /// --ssl-keyfile. Unset: plain HTTP.
+    #[arg(long, env = "CADENCE_SSL_CERTFILE", requires = "ssl_keyfile")]
+    pub ssl_certfile: Option<PathBuf>,
+
+    /// PEM private key (PKCS#8, PKCS#1 or SEC1) of --ssl-certfile's certificate.
+    #[arg(long, env = "CADENCE_SSL_KEYFILE", requires = "ssl_certfile")]
+    pub ssl_keyfile: Option<PathBuf>,
+
     /// Folder holding Swagger UI's swagger-ui-bundle.js and swagger-ui.css: /docs is then
     /// Swagger UI, its files served by the router. Unset: /docs is a small built-in page.
     /// Either way /docs loads nothing from another host.

@@ -45,6 +45,7 @@ pub mod tenants;
 #[cfg(test)]
 mod tests;
 pub mod tgi;
+pub mod tls;
 pub mod unrouted;
 pub mod validation;
 pub mod warmup;
@@ -123,6 +124,10 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
             }
         })?;
     let api_keys = args.api_keys().map_err(RouterError::Args)?;
+    // Read before the shards are reached, so a bad certificate fails the start at once.
+    let tls = tls_files(&args)
+        .map(|f| tls::server_config(&f))
+        .transpose()?;
     let docs = docs::Docs::from_flag(args.docs_assets.as_deref()).map_err(RouterError::Args)?;
     let groups = args.shard_groups().map_err(RouterError::Args)?;
     let mut replicas = Vec::with_capacity(groups.len());
@@ -288,12 +293,30 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
     };
     let app = access::layers(app, access);
     let app = rejections::layers(app, infer.metrics().clone());
-    let listener = TcpListener::bind((args.hostname.as_str(), args.port)).await?;
-    tracing::info!(address = %listener.local_addr()?, "listening");
     let shutdown_timeout = Duration::from_secs(args.shutdown_timeout);
-    serve_until_drained(listener, app, &infer, shutdown_timeout).await?;
+    let listener = TcpListener::bind((args.hostname.as_str(), args.port)).await?;
+    let address = listener.local_addr()?;
+    match tls {
+        Some(config) => {
+            let listener = tls::TlsListener::new(listener, config)?;
+            tracing::info!(%address, "listening (HTTPS)");
+            serve_until_drained(listener, app, &infer, shutdown_timeout).await?;
+        }
+        None => {
+            tracing::info!(%address, "listening");
+            serve_until_drained(listener, app, &infer, shutdown_timeout).await?;
+        }
+    }
     tracing::info!("shut down");
     Ok(())
+}
+
+/// The TLS files when HTTPS is asked for (clap makes the certificate and key go together).
+fn tls_files(args: &Args) -> Option<tls::TlsFiles<'_>> {
+    Some(tls::TlsFiles {
+        certfile: args.ssl_certfile.as_deref()?,
+        keyfile: args.ssl_keyfile.as_deref()?,
+    })
 }
 
 /// Speculative decoding's settings from the flags and the shards' threshold (None: off).
@@ -375,12 +398,16 @@ fn check_group(shards: &ShardClient, infos: &[pb::InfoResponse]) -> Result<(), R
 /// accepting, so late requests get their 503, until the requests in flight have ended or
 /// `shutdown_timeout` is up; then the connections close once their responses are written
 /// (bounded by the same timeout, or `FLUSH_GRACE` after a cut).
-async fn serve_until_drained(
-    listener: TcpListener,
+async fn serve_until_drained<L>(
+    listener: L,
     app: Router,
     infer: &Infer,
     shutdown_timeout: Duration,
-) -> Result<(), RouterError> {
+) -> Result<(), RouterError>
+where
+    L: axum::serve::Listener,
+    L::Addr: std::fmt::Debug,
+{
     let (close, closing) = tokio::sync::oneshot::channel::<()>();
     let mut http = tokio::spawn(async move {
         axum::serve(listener, app)

@@ -123,6 +123,8 @@ class LaunchConfig:
     cors_allow_origin: str | None = _router()  # comma-separated
     cors_allow_headers: str | None = _router()  # comma-separated
     cors_allow_methods: str | None = _router()  # comma-separated
+    ssl_certfile: str | None = _router()  # PEM; with ssl_keyfile: HTTPS
+    ssl_keyfile: str | None = _router()
     max_prefill_chunk: int | None = _router()
     preemption: str | None = _router()
     swap_blocks: int | None = _router()

@@ -394,6 +394,12 @@ def _add_api_flags(g: Container, add: Add) -> None:
         help="The HTTP server binds this port, which is checked before the model loads.",
     )
     add(
+        "--ssl-certfile",
+        help="Serve HTTPS with this PEM certificate chain (the server's certificate first); "
+        "needs --ssl-keyfile.",
+    )
+    add("--ssl-keyfile", help="The PEM private key of --ssl-certfile's certificate.")
+    add(
         "--served-model-name",
         help="The model's names, comma-separated: each is listed by /v1/models and accepted as "
         "a request's model (another name is a 404 on the OpenAI and Anthropic routes); the first "

@@ -21,6 +21,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import sys
 import tempfile
 import urllib.error
@@ -195,6 +196,7 @@ def launch(cfg: LaunchConfig) -> int:
     from cadence.model_source import resolve_model
 
     check_port_free(cfg.hostname, cfg.port)  # now, not after the model has loaded
+    check_tls_files(cfg)
     check_speculative(cfg)
     cfg = resolve_cpu_choices(cfg)
     logger.info(
@@ -261,13 +263,14 @@ def _run(cfg: LaunchConfig, supervisor: Supervisor, model_dir: str, slots: list[
         )
     uds_paths = [slot.uds_path for slot in slots]
     supervisor.start("router", router_argv(cfg, model_dir, uds_paths), router_env(cfg, env))
-    url = f"http://{_connect_host(cfg.hostname)}:{cfg.port}"
+    scheme = "https" if cfg.ssl_certfile else "http"
+    url = f"{scheme}://{_connect_host(cfg.hostname)}:{cfg.port}"
     supervisor.wait_until(
         lambda: _http_ok(f"{url}/ready"),
         cfg.startup_timeout,
         "the router warming the shards up and answering /ready",
     )
-    logger.info("cadence ready on http://{}:{}", cfg.hostname, cfg.port)
+    logger.info("cadence ready on {}://{}:{}", scheme, cfg.hostname, cfg.port)
     _watch(cfg, supervisor, names)
     raise Stopped()
 
@@ -310,6 +313,24 @@ def check_port_free(hostname: str, port: int) -> None:
             ) from None
 
 
+def check_tls_files(cfg: LaunchConfig) -> None:
+    """Loads --ssl-certfile and --ssl-keyfile as a pair, as the router will, so that a wrong
+    file is an error before any model loads."""
+    if not cfg.ssl_certfile and not cfg.ssl_keyfile:
+        return
+    if not (cfg.ssl_certfile and cfg.ssl_keyfile):
+        raise LaunchError("--ssl-certfile and --ssl-keyfile go together: give both or neither")
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+            cfg.ssl_certfile, cfg.ssl_keyfile
+        )
+    except (OSError, ssl.SSLError) as err:
+        raise LaunchError(
+            f"--ssl-certfile {cfg.ssl_certfile} / --ssl-keyfile {cfg.ssl_keyfile}: cannot be "
+            f"loaded as a PEM certificate chain and its private key ({err})"
+        ) from None
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -321,9 +342,17 @@ def _connect_host(hostname: str) -> str:
     return {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(hostname, hostname)
 
 
+# The readiness probe reaches its own child on this machine: the certificate may name the
+# public host, not 127.0.0.1, and may be self-signed, so it is not verified here.
+_PROBE_TLS = ssl.create_default_context()
+_PROBE_TLS.check_hostname = False
+_PROBE_TLS.verify_mode = ssl.CERT_NONE
+
+
 def _http_ok(url: str) -> bool:
+    context = _PROBE_TLS if url.startswith("https:") else None
     try:
-        with urllib.request.urlopen(url, timeout=2.0) as response:
+        with urllib.request.urlopen(url, timeout=2.0, context=context) as response:
             return response.status == 200
     except (urllib.error.URLError, OSError):
         return False

@@ -24,6 +24,10 @@ REFUSED = {
     "--swap-space": "cadence sizes the host swap pool in KV blocks: use --preemption swap "
     "with --swap-blocks",
     "--seed": "cadence seeds sampling per request: send `seed` in the request",
+    "--ssl-ca-certs": "cadence serves TLS without client certificates; verify clients in "
+    "the proxy in front of it",
+    "--ssl-cert-reqs": "cadence serves TLS without client certificates; verify clients in "
+    "the proxy in front of it",
 }
 
 
