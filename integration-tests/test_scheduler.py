@@ -147,6 +147,33 @@ def run_load(url: str, schema: dict | None = None) -> list[str]:
         return list(pool.map(lambda p: generate(url, p, schema=schema), load_prompts()))
 
 
+def routed_requests(url: str) -> float:
+    """Requests the router has handed to its batching loop: counted on the HTTP side, so
+    it moves while the shard is frozen."""
+    counts = metrics(url)
+    return sum(v for k, v in counts.items() if k.startswith("cadence_replica_requests_total"))
+
+
+def run_load_at_once(server: LaunchedServer) -> list[str]:
+    """`run_load`, with every request queued before the first step: the shard is frozen
+    until the router holds all 64, so they contend for the blocks on any machine (a fast
+    one finishes early requests before the last arrive otherwise)."""
+    shard, before = the_shard(server), routed_requests(server.url)
+    os.kill(shard, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(64) as pool:
+            outputs = pool.map(lambda p: generate(server.url, p), load_prompts())
+            wait_for(
+                lambda: routed_requests(server.url) - before == len(load_prompts()),
+                60,
+                "every load request queued",
+            )
+            os.kill(shard, signal.SIGCONT)
+            return list(outputs)
+    finally:
+        os.kill(shard, signal.SIGCONT)  # a test that failed while it was frozen
+
+
 def assert_load_survives(
     server: LaunchedServer, unloaded: list[str], kind: str, smollm_dir: str
 ) -> None:
@@ -157,7 +184,7 @@ def assert_load_survives(
     demand = sum(-(-(len(tok.encode(p).ids) + MAX_NEW) // BLOCK) for p in load_prompts())
     assert demand >= 3 * info["num_blocks"], (demand, info["num_blocks"])
     before = metrics(server.url)
-    outputs = run_load(server.url)
+    outputs = run_load_at_once(server)
     after = metrics(server.url)
     assert outputs == unloaded
     preempted = after[f'cadence_preemptions_total{{kind="{kind}"}}'] - before.get(
