@@ -3,7 +3,11 @@ tenant's prompt and generated tokens in `/metrics` equal what its requests' answ
 report (OpenAI's usage, TGI's details), a key without a name is accounted under its
 SHA-256 fingerprint, no key ever shows in `/metrics`, and
 `--max-concurrent-requests-per-key` refuses a tenant's extra request with 429 and
-`Retry-After` while another tenant is admitted.
+`Retry-After` while another tenant is admitted; the key file is reloaded when it changes
+(a removed key refused at once, a new one admitted, its `tokens_per_minute` enforced with
+the wait in `Retry-After`) and on SIGHUP to the launcher; `GET /v1/usage` shows a key its
+tenant's account and an admin key every one, as `/metrics` counts them, a stopped stream
+counted up to where it stopped.
 
 The limit test freezes the shard (SIGSTOP) once the first request has its first token,
 so that request is certainly in flight when the others arrive."""
@@ -41,13 +45,19 @@ def bare_tenant(key: str) -> str:
 
 
 @pytest.fixture(scope="module")
+def key_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    keys = tmp_path_factory.mktemp("keys") / "keys.txt"
+    keys.write_text(KEY_FILE)
+    return keys
+
+
+@pytest.fixture(scope="module")
 def server(
-    tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: str
+    tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: str, key_file: Path
 ) -> Iterator[LaunchedServer]:
     """The tiny random Llama: the accounting is the point, not the model."""
     tmp: Path = tmp_path_factory.mktemp("tenants")
-    keys = tmp / "keys.txt"
-    keys.write_text(KEY_FILE)
+    keys = key_file
     launched = launch(
         tmp,
         *(*tiny_model(tiny_llama_dir, 256), "--served-model-name", "smollm"),
@@ -161,3 +171,89 @@ def test_a_tenant_at_its_limit_gets_429_while_another_is_admitted(
     again = httpx.post(f"{server.url}/generate", json=body, headers=alpha, timeout=120)
     assert again.status_code == 200, again.text
     assert usage_of(server.url)["team-alpha"]["running"] == 0.0
+
+
+GAMMA, ADMIN = "sk-gamma-2468", "sk-admin-1357"
+GAMMA_TPM = 100  # tokens a minute: the two requests below take about 135
+RELOADED_KEY_FILE = f"""{ALPHA} team-alpha
+{BARE}
+{GAMMA} team-gamma tokens_per_minute={GAMMA_TPM}
+{ADMIN} ops role=admin
+"""
+
+
+def status_with(url: str, key: str, max_new_tokens: int = 4) -> httpx.Response:
+    body = {"inputs": "Count with me:", "parameters": {"max_new_tokens": max_new_tokens}}
+    body["parameters"] |= {"ignore_eos": True, "details": True}
+    headers = {"Authorization": f"Bearer {key}"}
+    return httpx.post(f"{url}/generate", json=body, headers=headers, timeout=120)
+
+
+def usage_api(url: str, key: str) -> list[dict]:
+    answer = httpx.get(f"{url}/v1/usage", headers={"Authorization": f"Bearer {key}"})
+    assert answer.status_code == 200, answer.text
+    return answer.json()["data"]
+
+
+def test_a_changed_key_file_takes_effect_with_its_token_rate_and_usage_agrees_with_metrics(
+    server: LaunchedServer, key_file: Path
+) -> None:
+    try:
+        key_file.write_text(RELOADED_KEY_FILE)
+        wait_for(lambda: status_with(server.url, GAMMA).status_code == 200, 30, "new key in")
+        # BETA's line is gone: refused at once, whatever its tenant's past.
+        assert status_with(server.url, BETA).status_code == 401
+        # team-gamma's bucket: ~125 tokens more now, so it owes; the next is refused
+        # with the seconds the bucket needs, and another tenant is not.
+        assert status_with(server.url, GAMMA, 120).status_code == 200
+        refused = status_with(server.url, GAMMA)
+        assert refused.status_code == 429, refused.text
+        assert int(refused.headers["retry-after"]) > 1
+        assert f"{GAMMA_TPM} tokens per minute" in refused.json()["error"]
+        assert status_with(server.url, ALPHA).status_code == 200
+        (gamma,) = usage_api(server.url, GAMMA)
+        counted = usage_of(server.url)["team-gamma"]
+        assert gamma["tenant"] == "team-gamma" and gamma["tokens_per_minute"] == GAMMA_TPM
+        assert (gamma["requests"], gamma["rejected_requests"]) == (2, 1)
+        assert gamma["prompt_tokens"] == counted["prompt"]
+        assert gamma["generation_tokens"] == counted["generated"] == 4 + 120
+        assert gamma["tokens_available"] <= 0
+        everyone = {t["tenant"]: t for t in usage_api(server.url, ADMIN)}
+        assert set(everyone) >= {"team-alpha", "team-beta", "team-gamma", "ops"}
+        for tenant, series in usage_of(server.url).items():
+            assert everyone[tenant]["requests"] == series["requests"]
+            assert everyone[tenant]["generation_tokens"] == series["generated"]
+    finally:
+        key_file.write_text(KEY_FILE)
+        wait_for(lambda: status_with(server.url, BETA).status_code == 200, 30, "keys restored")
+
+
+def test_sighup_to_the_launcher_reloads_the_keys_and_stops_nothing(
+    server: LaunchedServer,
+) -> None:
+    reloads = server.log().count('why="SIGHUP"')
+    server.process.send_signal(signal.SIGHUP)
+    wait_for(lambda: server.log().count('why="SIGHUP"') > reloads, 30, "a reload on SIGHUP")
+    assert server.process.poll() is None
+    assert status_with(server.url, ALPHA).status_code == 200
+
+
+def test_a_stopped_stream_is_counted_up_to_where_it_stopped(server: LaunchedServer) -> None:
+    tenant = bare_tenant(BARE)
+    (before,) = usage_api(server.url, BARE)
+    body = {"inputs": "Tell me a story.", "parameters": {"max_new_tokens": LONG}}
+    body["parameters"]["ignore_eos"] = True
+    headers = {"Authorization": f"Bearer {BARE}"}
+    received = 0
+    with httpx.stream(
+        "POST", f"{server.url}/generate_stream", json=body, headers=headers, timeout=120
+    ) as stream:
+        for line in stream.iter_lines():
+            received += line.startswith("data:")
+            if received == 3:
+                break  # the client goes away
+    wait_for(lambda: usage_of(server.url)[tenant]["running"] == 0.0, 30, "the stream ended")
+    (after,) = usage_api(server.url, BARE)
+    generated = after["generation_tokens"] - before["generation_tokens"]
+    assert 3 <= generated < LONG, generated
+    assert after["generation_tokens"] == usage_of(server.url)[tenant]["generated"]

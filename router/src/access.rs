@@ -7,9 +7,6 @@
 //! `anthropic-dangerous-direct-browser-access`, `x-api-key`), which a fixed list would
 //! miss, so without `--cors-allow-headers` the headers a preflight asks for are allowed.
 
-use std::collections::HashMap;
-use std::sync::Arc;
-
 use axum::body::Body;
 use axum::extract::{DefaultBodyLimit, Request};
 use axum::http::{header, HeaderName, HeaderValue, Method};
@@ -20,7 +17,7 @@ use tower_http::cors::{AllowHeaders, AllowMethods, AllowOrigin, Any, CorsLayer};
 
 use crate::api::ApiError;
 use crate::error::ErrorBody;
-use crate::tenants::{ApiKey, Tenant};
+use crate::tenants::{AdminKey, ApiKey, KeyRing, Tenant};
 
 /// Routes anyone may call: probes, metrics and the API's description (and the files of
 /// `/docs`, under `docs::ASSETS_PREFIX`).
@@ -40,6 +37,9 @@ const API_KEY_HEADER: &str = "x-api-key";
 pub struct Access {
     /// Accepted bearer keys and their tenants; empty: no authentication.
     pub api_keys: Vec<ApiKey>,
+    /// The keys in force when they can change while serving (a reloaded key file);
+    /// None: `api_keys`, fixed.
+    pub key_ring: Option<KeyRing>,
     /// CORS origins; empty: no CORS headers, `*`: any origin.
     pub cors_allow_origin: Vec<String>,
     /// Request headers CORS allows; empty: those the preflight asks for, `*`: any.
@@ -52,18 +52,16 @@ pub struct Access {
 /// Wraps `app` with the body limit, API key check and CORS.
 pub fn layers(app: Router, access: Access) -> Router {
     let mut app = app.layer(DefaultBodyLimit::max(access.payload_limit));
-    if !access.api_keys.is_empty() {
-        let keys: Arc<HashMap<String, Arc<str>>> = Arc::new(
-            access
-                .api_keys
-                .into_iter()
-                .map(|k| (k.key, k.tenant))
-                .collect(),
-        );
+    let ring = match access.key_ring {
+        Some(ring) => Some(ring),
+        None if access.api_keys.is_empty() => None,
+        None => Some(KeyRing::new(&access.api_keys)),
+    };
+    if let Some(ring) = ring {
         // On the routes only: a path no route serves is a 404 with or without a key.
         app = app.route_layer(middleware::from_fn(move |req: Request, next: Next| {
-            let keys = keys.clone();
-            async move { check_key(&keys, req, next).await }
+            let ring = ring.clone();
+            async move { check_key(&ring, req, next).await }
         }));
     }
     if !access.cors_allow_origin.is_empty() {
@@ -108,11 +106,7 @@ fn cors(origins: &[String], headers: &[String], methods: &[String]) -> CorsLayer
 }
 
 /// Lets a request with an accepted key through, its tenant set on it for accounting.
-async fn check_key(
-    keys: &HashMap<String, Arc<str>>,
-    mut req: Request<Body>,
-    next: Next,
-) -> Response {
+async fn check_key(ring: &KeyRing, mut req: Request<Body>, next: Next) -> Response {
     let path = req.uri().path();
     let open = OPEN_PATHS.contains(&path) || path.starts_with(crate::docs::ASSETS_PREFIX);
     // The playground's page (its `POST /` twin is TGI's generate, which needs a key).
@@ -128,13 +122,17 @@ async fn check_key(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "));
     let api_key = headers.get(API_KEY_HEADER).and_then(|v| v.to_str().ok());
-    let tenant = [bearer, api_key]
+    let keys = ring.current();
+    let owner = [bearer, api_key]
         .into_iter()
         .flatten()
-        .find_map(|k| keys.get(k.trim()))
+        .find_map(|k| keys.owner(k.trim()))
         .cloned();
-    if let Some(tenant) = tenant {
-        req.extensions_mut().insert(Tenant(tenant));
+    if let Some(owner) = owner {
+        req.extensions_mut().insert(Tenant(owner.tenant));
+        if owner.admin {
+            req.extensions_mut().insert(AdminKey);
+        }
         return next.run(req).await;
     }
     let path = req.uri().path();

@@ -261,11 +261,18 @@ pub struct Args {
     pub api_key: Vec<String>,
 
     /// File of API keys, one per line (blank lines and lines starting with # skipped):
-    /// `KEY`, or `KEY TENANT` to account the key's requests under that name (several keys
-    /// may share one); a key without a name is accounted under `key-` and the first 8 hex
-    /// digits of its SHA-256.
+    /// `KEY [TENANT] [OPTION=VALUE ...]`: TENANT accounts the key's requests under that
+    /// name (several keys may share one; without it, `key-` and the first 8 hex digits of
+    /// the key's SHA-256); options `tokens_per_minute=N`, `weight=W`, `role=admin`. Read
+    /// again on SIGHUP and when its content changes.
     #[arg(long, env = "CADENCE_API_KEY_FILE")]
     pub api_key_file: Option<PathBuf>,
+
+    /// Tokens (prompt and generated) per minute per tenant beyond which its new requests
+    /// get 429 with the seconds to wait; a key file's `tokens_per_minute=N` overrides it
+    /// for that key's tenant. Unset: no token rate limit.
+    #[arg(long, env = "CADENCE_MAX_TOKENS_PER_MINUTE_PER_KEY", value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_tokens_per_minute_per_key: Option<u64>,
 
     /// Requests in flight per tenant (an API key's account) beyond which its new ones get
     /// 429, whatever the other tenants do. Unset: only --max-concurrent-requests.
@@ -531,37 +538,44 @@ pub fn flag_defaults() -> Vec<(String, String)> {
 }
 
 impl Args {
-    /// Every accepted API key and its tenant: --api-key values and the lines of
-    /// --api-key-file.
-    pub fn api_keys(&self) -> Result<Vec<ApiKey>, String> {
-        let mut keys: Vec<ApiKey> = self
-            .api_key
+    /// The keys of --api-key (fixed for the life of the process).
+    pub fn fixed_api_keys(&self) -> Vec<ApiKey> {
+        self.api_key
             .iter()
             .filter(|k| !k.is_empty())
             .map(|k| ApiKey::bare(k))
-            .collect();
+            .collect()
+    }
+
+    /// Every accepted API key and its tenant: --api-key values and the lines of
+    /// --api-key-file.
+    pub fn api_keys(&self) -> Result<Vec<ApiKey>, String> {
+        let mut keys = self.fixed_api_keys();
         if let Some(path) = &self.api_key_file {
             let text = std::fs::read_to_string(path)
                 .map_err(|e| format!("cannot read --api-key-file {}: {e}", path.display()))?;
-            for (i, line) in text.lines().enumerate() {
-                let line = line.trim();
-                if line.is_empty() || line.starts_with('#') {
-                    continue;
-                }
-                let key = ApiKey::from_line(line).map_err(|e| {
-                    format!("--api-key-file {} line {}: {e}", path.display(), i + 1)
-                })?;
-                keys.push(key);
-            }
-            if keys.is_empty() {
+            let file = crate::tenants::keys::parse_key_file(&text)
+                .map_err(|e| format!("--api-key-file {} {e}", path.display()))?;
+            if file.is_empty() {
                 return Err(format!("--api-key-file {} holds no key", path.display()));
             }
+            keys.extend(file);
         }
-        if self.max_concurrent_requests_per_key.is_some() && keys.is_empty() {
-            return Err(
-                "--max-concurrent-requests-per-key needs API keys (--api-key or --api-key-file)"
-                    .into(),
-            );
+        for (flag, set) in [
+            (
+                "--max-tokens-per-minute-per-key",
+                self.max_tokens_per_minute_per_key.is_some(),
+            ),
+            (
+                "--max-concurrent-requests-per-key",
+                self.max_concurrent_requests_per_key.is_some(),
+            ),
+        ] {
+            if set && keys.is_empty() {
+                return Err(format!(
+                    "{flag} needs API keys (--api-key or --api-key-file)"
+                ));
+            }
         }
         Ok(keys)
     }

@@ -15,6 +15,9 @@ pub enum InferError {
     /// Too many requests in flight or waiting: 429.
     #[error("{0}")]
     Overloaded(String),
+    /// A tenant's own limit: 429, `Retry-After` the seconds until it lets a request in.
+    #[error("{message}")]
+    RateLimited { message: String, retry_after: u64 },
     /// A shard failed while generating: 424.
     #[error("{0}")]
     Generation(String),
@@ -37,7 +40,7 @@ impl InferError {
     pub fn error_type(&self) -> &'static str {
         match self {
             InferError::Validation(_) => "validation",
-            InferError::Overloaded(_) => "overloaded",
+            InferError::Overloaded(_) | InferError::RateLimited { .. } => "overloaded",
             InferError::Generation(_) => "generation",
             InferError::Unhealthy(_) => "unhealthy",
             InferError::ShuttingDown(_) => "shutting_down",
@@ -47,11 +50,21 @@ impl InferError {
     pub fn status(&self) -> StatusCode {
         match self {
             InferError::Validation(_) => StatusCode::UNPROCESSABLE_ENTITY,
-            InferError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
+            InferError::Overloaded(_) | InferError::RateLimited { .. } => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
             InferError::Generation(_) => StatusCode::FAILED_DEPENDENCY,
             InferError::Unhealthy(_) | InferError::ShuttingDown(_) => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
+        }
+    }
+
+    /// The seconds a 429 or 503 tells the client to wait.
+    pub fn retry_after(&self) -> u64 {
+        match self {
+            InferError::RateLimited { retry_after, .. } => *retry_after,
+            _ => RETRY_AFTER_SECONDS.into(),
         }
     }
 
@@ -65,7 +78,7 @@ impl InferError {
 
 impl IntoResponse for InferError {
     fn into_response(self) -> Response {
-        error_response(self.status(), self.body())
+        error_response_after(self.status(), self.body(), self.retry_after())
     }
 }
 
@@ -75,11 +88,20 @@ pub const RETRY_AFTER_SECONDS: u32 = 1;
 /// An error answer in any route's shape; a 429 or a 503 says when to try again
 /// (`Retry-After`, which OpenAI's clients honour).
 pub fn error_response(status: StatusCode, body: impl Serialize) -> Response {
+    error_response_after(status, body, RETRY_AFTER_SECONDS.into())
+}
+
+/// `error_response` whose 429 or 503 says to wait `retry_after` seconds.
+pub fn error_response_after(
+    status: StatusCode,
+    body: impl Serialize,
+    retry_after: u64,
+) -> Response {
     let mut response = (status, Json(body)).into_response();
     if status == StatusCode::TOO_MANY_REQUESTS || status == StatusCode::SERVICE_UNAVAILABLE {
         response
             .headers_mut()
-            .insert(header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER_SECONDS));
+            .insert(header::RETRY_AFTER, HeaderValue::from(retry_after));
     }
     response
 }

@@ -47,6 +47,7 @@ mod tests;
 pub mod tgi;
 pub mod tls;
 pub mod unrouted;
+pub mod usage;
 pub mod validation;
 pub mod warmup;
 
@@ -74,7 +75,8 @@ use crate::error::RouterError;
 use crate::infer::{Infer, LoopConfig, SpeculativeConfig, SpeculativeMethod};
 use crate::readiness::{HealthProbe, Readiness};
 use crate::telemetry::Telemetry;
-use crate::tenants::Tenants;
+use crate::tenants::reload::KeyFile;
+use crate::tenants::{KeyRing, Tenants};
 use crate::validation::{Constraints, Validation};
 
 /// How long to wait for the shards' sockets at start.
@@ -254,10 +256,21 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
             (shards.clone(), config)
         })
         .collect();
-    let tenants = Tenants::new(
+    let tenants = Arc::new(Tenants::new(
         &api_keys,
         args.max_concurrent_requests_per_key.map(|n| n as usize),
-    );
+        args.max_tokens_per_minute_per_key.unwrap_or(0),
+    ));
+    let key_ring = KeyRing::new(&api_keys);
+    if let Some(path) = &args.api_key_file {
+        KeyFile {
+            path: path.clone(),
+            fixed: args.fixed_api_keys(),
+            ring: key_ring.clone(),
+            tenants: tenants.clone(),
+        }
+        .watch();
+    }
     let infer = Infer::spawn_replicas(loops, validation, args.max_concurrent_requests)
         .with_tenants(tenants);
     infer.metrics().set_quantization(&app_info.quantization);
@@ -286,6 +299,7 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
     );
     let access = Access {
         api_keys,
+        key_ring: Some(key_ring).filter(|ring| !ring.current().is_empty()),
         cors_allow_origin: args.cors_allow_origin.clone(),
         cors_allow_headers: args.cors_allow_headers.clone(),
         cors_allow_methods: args.cors_allow_methods.clone(),

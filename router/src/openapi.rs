@@ -18,6 +18,7 @@ use crate::openai::{self, *};
 use crate::readiness::NotReadyBody;
 use crate::status;
 use crate::tgi::{self, *};
+use crate::usage::{self, TenantUsageReport, UsageList};
 use crate::validation::{GenerateParameters, GenerateRequest};
 
 #[derive(OpenApi)]
@@ -40,6 +41,7 @@ use crate::validation::{GenerateParameters, GenerateRequest};
         openai::unload_lora_adapter,
         anthropic::messages,
         anthropic::count_tokens,
+        usage::usage,
     ),
     components(schemas(
         GenerateRequest, GenerateParameters, GenerateResponse, Details, BestOfSequence,
@@ -56,7 +58,7 @@ use crate::validation::{GenerateParameters, GenerateRequest};
         CountTokensRequest, InputMessage, InputContent, ContentBlock, ToolDefinition,
         ToolChoiceInput, Message, MessageUsage, OutputBlock, TokenCount, StreamEvent, BlockDelta,
         MessageDeltaBody, OutputUsage, AnthropicError, AnthropicErrorDetail, ChoiceFinish,
-        Role, StopReason,
+        Role, StopReason, UsageList, TenantUsageReport,
     )),
     modifiers(&BearerAuth),
 )]

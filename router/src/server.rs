@@ -31,6 +31,7 @@ pub fn router(state: AppState, more: Router) -> Router {
         .route("/health", get(health))
         .route("/ready", get(ready))
         .route("/info", get(info))
+        .route("/v1/usage", get(crate::usage::usage))
         .merge(crate::openapi::routes())
         .route("/metrics", get(metrics))
         .with_state(state)

@@ -62,6 +62,8 @@ mod request_ids;
 mod routes;
 /// Proposals verified in one forward (speculative decoding).
 mod speculative;
+/// Tokens per minute per tenant, `/v1/usage`, the key file reloaded.
+mod tenant_limits;
 /// API keys' tenants: accounting and per-key limits.
 mod tenants;
 /// Tool calling on chat completions.

@@ -120,6 +120,7 @@ class LaunchConfig:
     api_key: str | None = None  # comma-separated; reaches the router by environment
     api_key_file: str | None = _router()
     max_concurrent_requests_per_key: int | None = _router()
+    max_tokens_per_minute_per_key: int | None = _router()
     cors_allow_origin: str | None = _router()  # comma-separated
     cors_allow_headers: str | None = _router()  # comma-separated
     cors_allow_methods: str | None = _router()  # comma-separated

@@ -411,14 +411,22 @@ def _add_api_flags(g: Container, add: Add) -> None:
     )
     add(
         "--api-key-file",
-        help="Accept the API keys of this file, one per line: KEY, or KEY TENANT to account it by "
-        "name.",
+        help="Accept the API keys of this file, one per line: KEY [TENANT] [OPTION=VALUE ...] "
+        "(options tokens_per_minute, weight, role=admin); it is read again on SIGHUP and when "
+        "it changes.",
     )
     add(
         "--max-concurrent-requests-per-key",
         type=positive_int,
         help="A tenant (API key account) has at most this many requests in flight; beyond it "
         "they get 429.",
+    )
+    add(
+        "--max-tokens-per-minute-per-key",
+        type=positive_int,
+        help="A tenant may use this many tokens (prompt and generated) a minute; beyond it "
+        "its requests get 429 with the seconds to wait (a key file's tokens_per_minute=N "
+        "overrides it).",
     )
     add(
         "--cors-allow-origin",

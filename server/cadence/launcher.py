@@ -221,6 +221,10 @@ def launch(cfg: LaunchConfig) -> int:
         prefix_lines=cfg.log_format == "text", json_lines=cfg.log_format == "json"
     )
     previous = {sig: signal.signal(sig, supervisor.request_stop) for sig in _STOP_SIGNALS}
+    # SIGHUP to the launcher (PID 1 in a container) is for the router: it reloads the keys.
+    previous[signal.SIGHUP] = signal.signal(
+        signal.SIGHUP, lambda *_: supervisor.forward("router", signal.SIGHUP)
+    )
     try:
         _run(cfg, supervisor, model_dir, slots)
         return 0

@@ -4,6 +4,7 @@ what they allocated (`--help` lists the flags)."""
 
 from __future__ import annotations
 
+import signal
 import sys
 
 
@@ -20,6 +21,9 @@ def flag_defaults() -> dict[str, str]:
 def main() -> int:
     from cadence._router import serve
 
+    # SIGHUP reloads --api-key-file (the router listens for it once serving); until then,
+    # and without a key file, it must not end the process as it would by default.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
         serve(["cadence-router", *sys.argv[1:]])
     except RuntimeError as err:  # why it could not start or stopped: no traceback

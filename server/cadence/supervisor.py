@@ -169,6 +169,12 @@ class Supervisor:
         """Signal-handler friendly: only sets a flag."""
         self.stopping.set()
 
+    def forward(self, name: str, sig: signal.Signals) -> None:
+        """Sends `sig` to the running child `name` (not its process group)."""
+        for child in self.children:
+            if child.name == name and child.proc.poll() is None:
+                child.proc.send_signal(sig)
+
     def stop_child(self, name: str, timeout: float) -> None:
         """Stops the running child `name` alone (SIGTERM, then SIGKILL after `timeout`),
         before the others: a router drains its requests while the shards still serve them.

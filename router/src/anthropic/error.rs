@@ -11,7 +11,7 @@ use serde::Serialize;
 use utoipa::ToSchema;
 
 use crate::api::{parse_json, ApiError};
-use crate::error::error_response;
+use crate::error::{error_response_after, RETRY_AFTER_SECONDS};
 
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct AnthropicErrorDetail {
@@ -34,6 +34,8 @@ pub struct AnthropicError {
 #[derive(Debug)]
 pub struct MessagesError {
     status: StatusCode,
+    /// The seconds a 429 or 503 tells the client to wait.
+    retry_after: u64,
     /// Also sent alone as an `error` event when a stream fails after it started.
     pub(super) body: AnthropicError,
 }
@@ -57,6 +59,7 @@ impl MessagesError {
     fn new(status: StatusCode, message: String) -> Self {
         Self {
             status,
+            retry_after: RETRY_AFTER_SECONDS.into(),
             body: AnthropicError {
                 kind: "error",
                 error: AnthropicErrorDetail {
@@ -71,13 +74,15 @@ impl MessagesError {
 impl From<ApiError> for MessagesError {
     fn from(e: ApiError) -> Self {
         let parts = e.into_parts();
-        Self::new(parts.status, parts.message)
+        let mut error = Self::new(parts.status, parts.message);
+        error.retry_after = parts.retry_after;
+        error
     }
 }
 
 impl IntoResponse for MessagesError {
     fn into_response(self) -> Response {
-        error_response(self.status, self.body)
+        error_response_after(self.status, self.body, self.retry_after)
     }
 }
 

@@ -10,7 +10,7 @@ use utoipa::ToSchema;
 
 use super::body::read_body;
 use super::names::ParamNames;
-use crate::error::{error_response, InferError};
+use crate::error::{error_response_after, InferError, RETRY_AFTER_SECONDS};
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct OpenAiErrorDetail {
@@ -48,6 +48,8 @@ pub struct OpenAiError {
 #[derive(Debug)]
 pub struct ApiError {
     status: StatusCode,
+    /// The seconds a 429 or 503 tells the client to wait.
+    retry_after: u64,
     /// Also sent alone as an SSE event when a stream fails after it started.
     pub(crate) body: OpenAiError,
 }
@@ -56,12 +58,14 @@ pub struct ApiError {
 pub(crate) struct ErrorParts {
     pub status: StatusCode,
     pub message: String,
+    pub retry_after: u64,
 }
 
 impl ApiError {
     pub fn new(status: StatusCode, kind: &str, message: String, param: Option<String>) -> Self {
         Self {
             status,
+            retry_after: RETRY_AFTER_SECONDS.into(),
             body: OpenAiError {
                 error: OpenAiErrorDetail {
                     message,
@@ -110,6 +114,7 @@ impl ApiError {
         ErrorParts {
             status: self.status,
             message: self.body.error.message,
+            retry_after: self.retry_after,
         }
     }
 
@@ -117,23 +122,28 @@ impl ApiError {
     pub(crate) fn from_infer(e: InferError, names: &ParamNames) -> Self {
         let (status, kind) = match &e {
             InferError::Validation(_) => (StatusCode::BAD_REQUEST, "invalid_request_error"),
-            InferError::Overloaded(_) => (StatusCode::TOO_MANY_REQUESTS, "rate_limit_exceeded"),
+            InferError::Overloaded(_) | InferError::RateLimited { .. } => {
+                (StatusCode::TOO_MANY_REQUESTS, "rate_limit_exceeded")
+            }
             InferError::Generation(_) => (StatusCode::INTERNAL_SERVER_ERROR, "server_error"),
             InferError::Unhealthy(_) | InferError::ShuttingDown(_) => {
                 (StatusCode::SERVICE_UNAVAILABLE, "server_error")
             }
         };
+        let retry_after = e.retry_after();
         let (message, param) = match e {
             InferError::Validation(message) => names.message(&message),
             e => (e.to_string(), None),
         };
-        Self::new(status, kind, message, param)
+        let mut error = Self::new(status, kind, message, param);
+        error.retry_after = retry_after;
+        error
     }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        error_response(self.status, self.body)
+        error_response_after(self.status, self.body, self.retry_after)
     }
 }
 

@@ -167,7 +167,7 @@ impl RequestBook {
             // Billed once per request, as the answers' usage reports it: siblings share
             // the prompt's blocks.
             if let (0, Some(tenant)) = (index, common.permit.tenant()) {
-                tenant.prompt_tokens.add(seq.prompt_len as u64);
+                tenant.add_prompt_tokens(seq.prompt_len as u64);
             }
             tracing::debug!(
                 request_id = &*common.context.id,

@@ -56,7 +56,7 @@ impl Output {
         };
         m.generation_tokens.add(1);
         if let Some(tenant) = entry.held.tenant() {
-            tenant.generation_tokens.add(1);
+            tenant.add_generated_token();
         }
         if forced {
             m.fast_forward_tokens.add(1);

@@ -129,11 +129,15 @@ impl Infer {
 
     /// Accounts requests to the tenants of the API keys, and holds each to its own
     /// limit of requests in flight (`tenants`); exported by `/metrics`.
-    pub fn with_tenants(mut self, tenants: Tenants) -> Self {
-        let tenants = Arc::new(tenants);
+    pub fn with_tenants(mut self, tenants: Arc<Tenants>) -> Self {
         self.metrics.enable_tenants(tenants.clone());
         self.tenants = tenants;
         self
+    }
+
+    /// The API keys' tenants and their accounts (empty without keys).
+    pub fn tenants(&self) -> &Arc<Tenants> {
+        &self.tenants
     }
 
     /// The LoRA adapters requests may name.
@@ -200,7 +204,13 @@ impl Infer {
         let tenant = self
             .tenants
             .admit(context.tenant.as_deref())
-            .map_err(|message| self.reject(message))?;
+            .map_err(|refusal| {
+                self.metrics.requests_rejected.add(1);
+                InferError::RateLimited {
+                    message: refusal.message,
+                    retry_after: refusal.retry_after,
+                }
+            })?;
         let permit = self.try_permit()?;
         // Again, holding the permit: a drain that began since waits for it, or this
         // request sees the drain.

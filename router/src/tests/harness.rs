@@ -41,7 +41,7 @@ pub(super) struct Setup {
     /// The LoRA flags.
     pub(super) lora: LoraConfig,
     /// The API keys' tenants (`--api-key-file`, `--max-concurrent-requests-per-key`).
-    pub(super) tenants: Option<crate::tenants::Tenants>,
+    pub(super) tenants: Option<Arc<crate::tenants::Tenants>>,
 }
 
 pub(super) fn setup(script: Script) -> Setup {

@@ -18,7 +18,7 @@ fn keys() -> Vec<ApiKey> {
 /// The app behind the key check, its harness's shard paused or delayed as set up.
 fn app_with_keys(setup: Setup, per_key: Option<usize>) -> (Harness, Router) {
     let mut setup = setup;
-    setup.tenants = Some(Tenants::new(&keys(), per_key));
+    setup.tenants = Some(Arc::new(Tenants::new(&keys(), per_key, 0)));
     let h = setup.build();
     let access = Access {
         api_keys: keys(),
