@@ -359,7 +359,10 @@ fn process_and_build_series_describe_the_router_process() {
     let keys: Vec<&str> = labels.iter().map(|(k, _)| k.as_str()).collect();
     assert_eq!(keys, ["model", "version", "git_sha", "rustc", "profile"]);
     assert_eq!(labels[1].1, env!("CARGO_PKG_VERSION"));
-    assert!(labels[3].1.starts_with("rustc "), "{build}");
+    assert!(
+        !labels[2].1.is_empty() && !labels[3].1.is_empty(),
+        "{build}"
+    );
     assert!(build.ends_with("} 1"));
     if cfg!(target_os = "linux") {
         for name in [

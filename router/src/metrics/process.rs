@@ -111,8 +111,15 @@ pub(super) fn write(plain: &mut Families) {
 pub(super) fn write_build_info(cadence: &mut Families) {
     let labels = vec![
         label("version", env!("CARGO_PKG_VERSION")),
-        label("git_sha", env!("CADENCE_GIT_SHA")),
-        label("rustc", env!("CADENCE_RUSTC_VERSION")),
+        // Set by build.rs; "unknown" where it could not tell.
+        label(
+            "git_sha",
+            option_env!("CADENCE_GIT_SHA").unwrap_or("unknown"),
+        ),
+        label(
+            "rustc",
+            option_env!("CADENCE_RUSTC_VERSION").unwrap_or("unknown"),
+        ),
         label(
             "profile",
             if cfg!(debug_assertions) {
