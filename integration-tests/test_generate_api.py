@@ -32,7 +32,7 @@ def test_health_and_info_describe_the_served_model(client: httpx.Client) -> None
     quant = info["quantization"]
     assert quant["weights"] == "float32" and quant["kv_cache_dtype"]
     metrics = client.get("/metrics").text
-    assert 'cadence_quantization_info{model_name="' in metrics
+    assert 'cadence_quantization_info{model="' in metrics
     assert 'weights="float32"' in metrics
 
 

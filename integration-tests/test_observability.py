@@ -1,6 +1,7 @@
 """One JSON log schema across the launcher, the router and the shards; a request id that
-follows a request from its HTTP header to the shard's log lines; and the router's
-OpenTelemetry traces, received by a real OTLP/HTTP endpoint run here."""
+follows a request from its HTTP header to the shard's log lines; the router's
+OpenTelemetry traces, received by a real OTLP/HTTP endpoint run here; and the `/metrics`
+series vLLM's dashboards read, counting real requests."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.common.v1.common_pb2 import KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-from conftest import LaunchedServer, launch, stop, tiny_model
+from conftest import LaunchedServer, launch, metrics, stop, tiny_model
 
 TINY_BLOCKS = 64  # the tiny random Llama's cache: the logs and traces are the point
 
@@ -305,6 +306,72 @@ def test_a_request_without_a_traceparent_starts_its_own_trace(
 
     wait_for("its children exported", lambda: {"queue", "prefill", "decode"} <= names())
     assert "stream" not in names()  # answered in one body
+
+
+def test_vllm_request_series_count_the_requests_sent_and_their_usage(
+    server: LaunchedServer,
+) -> None:
+    """vLLM's request-level series (the names its Grafana dashboard queries, with its
+    `model_name` label) move with real requests: one finished request per request sent,
+    by finish reason, token totals equal to the answers' usage, and the same counts as
+    cadence's own series."""
+    model = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
+    before = metrics(server.url)
+    sent = [("The three primary colors are", 3), ("Once upon a time", 5), ("Hi", 4)]
+    usage = {"prompt_tokens": 0, "completion_tokens": 0}
+    reasons: dict[str, int] = {"stop": 0, "length": 0}
+    for prompt, max_tokens in sent:
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens}
+        answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+        assert answer.status_code == 200, answer.text
+        answer_json = answer.json()
+        for key in usage:
+            usage[key] += answer_json["usage"][key]
+        reasons[answer_json["choices"][0]["finish_reason"]] += 1
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    after = metrics(server.url)
+
+    def moved(series: str, labels: str = "") -> float:
+        key = f'{series}{{model_name="{model}"{labels}}}'
+        assert key in after, f"{key} not in /metrics"
+        return after[key] - before.get(key, 0.0)
+
+    def cadence_moved(series: str) -> float:
+        key = f'{series}{{model="{model}"}}'
+        return after[key] - before.get(key, 0.0)
+
+    requests = len(sent)
+    for reason, count in reasons.items():
+        assert moved("vllm:request_success_total", f',finished_reason="{reason}"') == count
+    assert cadence_moved("cadence_requests_succeeded_total") == requests
+    assert moved("vllm:prompt_tokens_total") == usage["prompt_tokens"]
+    assert moved("vllm:generation_tokens_total") == usage["completion_tokens"]
+    assert cadence_moved("cadence_prompt_tokens_total") == usage["prompt_tokens"]
+    for histogram in (
+        "vllm:e2e_request_latency_seconds",
+        "vllm:time_to_first_token_seconds",
+        "vllm:request_queue_time_seconds",
+        "vllm:request_prefill_time_seconds",
+        "vllm:request_decode_time_seconds",
+        "vllm:request_prompt_tokens",
+        "vllm:request_generation_tokens",
+        "vllm:request_params_max_tokens",
+    ):
+        assert moved(f"{histogram}_count") == requests, histogram
+        assert moved(f"{histogram}_bucket", ',le="+Inf"') == requests, histogram
+    assert moved("vllm:request_prompt_tokens_sum") == usage["prompt_tokens"]
+    assert moved("vllm:request_generation_tokens_sum") == usage["completion_tokens"]
+    assert moved("vllm:request_params_max_tokens_sum") == sum(m for _, m in sent)
+    # Every token after a request's first is one inter-token gap (all were sampled).
+    gaps = usage["completion_tokens"] - requests
+    assert moved("vllm:inter_token_latency_seconds_count") == gaps
+    assert moved("vllm:time_per_output_token_seconds_count") == gaps
+    # One HELP and TYPE per family; the router process and its build are described.
+    types = re.findall(r"^# TYPE (\S+) ", text, re.MULTILINE)
+    assert len(types) == len(set(types))
+    assert re.search(r"^process_resident_memory_bytes \d+$", text, re.MULTILINE)
+    assert re.search(r"^process_cpu_seconds_total \S+$", text, re.MULTILINE)
+    assert re.search(r'^cadence_build_info\{model="[^"]*",version="[^"]+",git_sha=', text, re.M)
 
 
 def test_buffered_spans_are_exported_at_shutdown(tmp_path: Path, tiny_llama_dir: str) -> None:

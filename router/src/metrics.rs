@@ -1,26 +1,36 @@
-//! Prometheus metrics, rendered as text for `GET /metrics`. Hand-written (counters,
-//! gauges and fixed-bucket histograms over atomics and one small lock per histogram): the
-//! batching loop updates them once per step and once per token event, the HTTP side
-//! reads them at scrape time. Every series carries the `model` label. `gateway` adds the
-//! gauges gateways' endpoint pickers read, under vLLM's names. `series` holds the kinds
-//! of series, `text` writes every family's lines.
+//! Prometheus metrics for `GET /metrics`, kept in `prometheus-client`'s series (atomics;
+//! one small lock per histogram) and written by its text encoder. The batching loop
+//! updates them once per step and once per token event; the HTTP side reads them at
+//! scrape time. Labels follow one rule: every `cadence_*` series carries `model`, every
+//! `vllm:*` series `model_name` (the name vLLM's dashboards and gateways filter on; both
+//! hold the served model name), `process_*` none. `gateway` adds the gauges gateways'
+//! endpoint pickers read, `requests` vLLM's request-level series for its dashboards,
+//! both under vLLM's names; `process` the router process's series and the build's.
+//! `series` holds the kinds of series, `families` how a scrape registers and writes them.
 
+#[cfg(test)]
+mod exposition_tests;
+pub(crate) mod families;
 mod gateway;
 mod load;
 mod lora;
+mod process;
 pub(crate) mod rejections;
+mod requests;
 pub(crate) mod series;
 mod tenants;
-pub(crate) mod text;
 
+pub use families::CONTENT_TYPE;
+pub(crate) use families::{label, Families};
 pub use load::LoadGauges;
 pub use lora::{LoraMetrics, ReplicaAdapters};
 pub use rejections::{Rejection, Rejections};
+pub use requests::{Finished, FinishedReason, RequestSeries};
 pub use series::{Counter, Gauge, Histogram};
 
 use std::sync::Arc;
 
-use text::{Kind, Labels, Text};
+use requests::{ITERATION_TOKENS, ITL_SECONDS, REQUEST_SECONDS, TTFT_SECONDS};
 
 use crate::speculative::SpecDecodeMetrics;
 use crate::tenants::Tenants;
@@ -38,6 +48,8 @@ const BATCH_SIZES: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0
 const BATCH_TOKENS: &[f64] = &[
     1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0,
 ];
+/// The longest sequence the token-count buckets reach until `with_max_model_len` says.
+const DEFAULT_MAX_MODEL_LEN: usize = 131_072;
 
 /// Every metric the router exports.
 #[derive(Debug)]
@@ -56,23 +68,30 @@ pub struct Metrics {
     pub requests_rejected: Counter,
     /// Every 4xx answer, counted by the HTTP layer (`crate::rejections`).
     pub http_rejections: Rejections,
-    pub requests_succeeded: Counter,
     pub requests_failed: Counter,
     pub constrained_requests: Counter,
     pub grammar_cache_hits: Counter,
     pub fast_forward_tokens: Counter,
     pub batch_size: Histogram,
+    /// Twinned with `vllm:iteration_tokens_total`.
     pub batch_tokens: Histogram,
+    /// Twinned with `vllm:request_queue_time_seconds`.
     pub queue_time: Histogram,
+    /// Twinned with `vllm:time_to_first_token_seconds`.
     pub ttft: Histogram,
+    /// Twinned with `vllm:inter_token_latency_seconds`.
     pub itl: Histogram,
+    /// Twinned with `vllm:e2e_request_latency_seconds`.
     pub e2e: Histogram,
     pub grammar_compile: Histogram,
     pub grammar_mask: Histogram,
     pub step_time: Histogram,
     pub forward_time: Histogram,
+    /// Finished requests by reason and vLLM's per-request histograms; their count is
+    /// `cadence_requests_succeeded_total`.
+    pub requests: RequestSeries,
     /// The labels of `cadence_quantization_info` (set once the shards have answered).
-    quantization: std::sync::OnceLock<Labels>,
+    quantization: std::sync::OnceLock<families::Labels>,
     /// Speculative decoding's series, once it is on.
     speculative: std::sync::OnceLock<SpecDecodeMetrics>,
     /// LoRA adapters' series, when any LoRA option is on.
@@ -102,26 +121,39 @@ impl Metrics {
             step_tokens: Counter::default(),
             requests_rejected: Counter::default(),
             http_rejections: Rejections::default(),
-            requests_succeeded: Counter::default(),
             requests_failed: Counter::default(),
             constrained_requests: Counter::default(),
             grammar_cache_hits: Counter::default(),
             fast_forward_tokens: Counter::default(),
             batch_size: Histogram::new(BATCH_SIZES),
-            batch_tokens: Histogram::new(BATCH_TOKENS),
-            queue_time: Histogram::new(SECONDS),
-            ttft: Histogram::new(SECONDS),
-            itl: Histogram::new(SECONDS),
-            e2e: Histogram::new(SECONDS),
+            batch_tokens: Histogram::with_twin(BATCH_TOKENS, ITERATION_TOKENS),
+            queue_time: Histogram::with_twin(SECONDS, REQUEST_SECONDS),
+            ttft: Histogram::with_twin(SECONDS, TTFT_SECONDS),
+            itl: Histogram::with_twin(SECONDS, ITL_SECONDS),
+            e2e: Histogram::with_twin(SECONDS, REQUEST_SECONDS),
             grammar_compile: Histogram::new(GRAMMAR_SECONDS),
             grammar_mask: Histogram::new(GRAMMAR_SECONDS),
             step_time: Histogram::new(SECONDS),
             forward_time: Histogram::new(SECONDS),
+            requests: RequestSeries::new(DEFAULT_MAX_MODEL_LEN),
             quantization: std::sync::OnceLock::new(),
             speculative: std::sync::OnceLock::new(),
             lora: std::sync::OnceLock::new(),
             tenants: std::sync::OnceLock::new(),
         }
+    }
+
+    /// The token-count histograms' buckets reach `max_model_len` (prompt and generated
+    /// tokens, max_tokens), as vLLM's do; call before any request.
+    pub fn with_max_model_len(mut self, max_model_len: usize) -> Self {
+        self.requests = RequestSeries::new(max_model_len);
+        self
+    }
+
+    /// One request (one sample of it) finished generating.
+    pub fn finish(&self, finished: &Finished) {
+        self.e2e.observe(finished.e2e.as_secs_f64());
+        self.requests.record(finished);
     }
 
     /// Turns the LoRA series on (the registry keeps its counters); only the first call
@@ -141,9 +173,9 @@ impl Metrics {
         let labels = fields
             .iter()
             .filter(|(k, _)| k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'))
-            .fold(Labels::one("model_name", &self.model), |l, (k, v)| {
-                l.with(k, v)
-            });
+            .filter(|(k, _)| k.as_str() != "model")
+            .map(|(k, v)| label(k, v))
+            .collect();
         let _ = self.quantization.set(labels);
     }
 
@@ -167,10 +199,31 @@ impl Metrics {
     /// The Prometheus text exposition; `shard_computed` are the shard-side cumulative
     /// (all tokens, prompt tokens) computed, when the shards answered.
     pub fn render(&self, shard_computed: Option<(u64, u64)>) -> String {
-        let l = Labels::one("model", &self.model);
-        let mut out = String::with_capacity(8192);
-        let w = &mut Text::new(&mut out);
-        // Read once: the gateways' gauges show the same values (`gateway`).
+        let mut cadence = Families::labelled("model", &self.model);
+        let mut vllm = Families::labelled("model_name", &self.model);
+        let mut plain = Families::default();
+        self.write_cadence(&mut cadence, shard_computed);
+        // Read once: the gateways' gauges show the same values as cadence's.
+        gateway::write(&mut vllm, load::totals(&self.replicas).load);
+        requests::write(&mut vllm, self);
+        if let Some(speculative) = self.speculative.get() {
+            speculative.write(&mut cadence, &mut vllm);
+        }
+        if let Some(lora) = self.lora.get() {
+            let adapters: Vec<&ReplicaAdapters> =
+                self.replicas.iter().map(|r| &r.adapters).collect();
+            lora::write(&mut cadence, &mut plain, lora, &adapters);
+        }
+        process::write(&mut plain);
+        let mut out = String::with_capacity(32 * 1024);
+        for families in [&cadence, &vllm, &plain] {
+            families.encode(&mut out);
+        }
+        out
+    }
+
+    /// Registers cadence's own series.
+    fn write_cadence(&self, cadence: &mut Families, shard_computed: Option<(u64, u64)>) {
         let totals = load::totals(&self.replicas);
         let load = totals.load;
         let gauges: [(&str, &str, f64); 7] = [
@@ -211,9 +264,9 @@ impl Metrics {
             ),
         ];
         for (name, help, value) in gauges {
-            w.gauge(name, help, &l, value);
+            cadence.value(name, help, value);
         }
-        let counters: [(&str, &str, &Counter); 11] = [
+        let counters: [(&str, &str, &Counter); 10] = [
             (
                 "cadence_prefix_cache_queries_total",
                 "Prompt tokens looked up in the prefix cache.",
@@ -245,11 +298,6 @@ impl Metrics {
                 &self.requests_rejected,
             ),
             (
-                "cadence_requests_succeeded_total",
-                "Requests that finished generating.",
-                &self.requests_succeeded,
-            ),
-            (
                 "cadence_requests_failed_total",
                 "Requests that ended with an error.",
                 &self.requests_failed,
@@ -271,31 +319,33 @@ impl Metrics {
             ),
         ];
         for (name, help, c) in counters {
-            w.counter(name, help, &l, c.get());
+            cadence.counter(name, help, c);
         }
-        let name = "cadence_preemptions_total";
-        w.family(
-            name,
-            Kind::Counter,
-            "Requests preempted when KV blocks ran out, by kind.",
+        cadence.count(
+            "cadence_requests_succeeded_total",
+            "Requests that finished generating (vllm:request_success_total, all reasons).",
+            self.requests.finished(),
         );
-        for (kind, c) in [
+        let preemptions = [
             ("recompute", &self.preemptions_recompute),
             ("swap", &self.preemptions_swap),
-        ] {
-            w.sample(name, &l.with("kind", kind), c.get());
-        }
+        ]
+        .map(|(kind, c)| (vec![label("kind", kind)], c.get() as f64));
+        cadence.samples(
+            "cadence_preemptions_total",
+            "Requests preempted when KV blocks ran out, by kind.",
+            prometheus_client::metrics::MetricType::Counter,
+            preemptions.to_vec(),
+        );
         if let Some((all, prompt)) = shard_computed {
-            w.counter(
+            cadence.count(
                 "cadence_shard_computed_tokens_total",
                 "Tokens the shard's forward passes computed, counted by the shard.",
-                &l,
                 all,
             );
-            w.counter(
+            cadence.count(
                 "cadence_shard_prompt_tokens_computed_total",
                 "Prompt tokens the shard's forward passes computed (prefill), counted by the shard.",
-                &l,
                 prompt,
             );
         }
@@ -348,32 +398,21 @@ impl Metrics {
             ),
         ];
         for (name, help, h) in histograms {
-            h.write(w, name, help, &l);
+            cadence.histogram(name, help, h.series());
         }
-        load::write_replicas(w, &l, &self.replicas);
-        let model_name = Labels::one("model_name", &self.model);
-        gateway::write(w, &model_name, load);
-        if let Some(speculative) = self.speculative.get() {
-            speculative.write(w, &l, &model_name);
-        }
-        if let Some(lora) = self.lora.get() {
-            let adapters: Vec<&ReplicaAdapters> =
-                self.replicas.iter().map(|r| &r.adapters).collect();
-            lora::write(w, &l, lora, &adapters);
-        }
+        load::write_replicas(cadence, &self.replicas);
         if let Some(tenants) = self.tenants.get() {
-            tenants::write(w, &l, tenants);
+            tenants::write(cadence, tenants);
         }
-        self.http_rejections.write(w, &l);
+        self.http_rejections.write(cadence);
         if let Some(labels) = self.quantization.get() {
-            w.gauge(
+            cadence.info(
                 "cadence_quantization_info",
                 "How weights and KV cache are stored (labels); always 1.",
-                labels,
-                1.0,
+                labels.clone(),
             );
         }
-        out
+        process::write_build_info(cadence);
     }
 }
 
@@ -393,7 +432,7 @@ mod tests {
         m.set_quantization(&fields.into());
         let text = m.render(None);
         assert!(text.contains(
-            "cadence_quantization_info{model_name=\"m\",source=\"gguf \\\"Q4_1\\\"\",weights=\"int4\"} 1\n"
+            "cadence_quantization_info{model=\"m\",source=\"gguf \\\"Q4_1\\\"\",weights=\"int4\"} 1\n"
         ));
     }
 

@@ -72,7 +72,7 @@ pub async fn metrics(State(state): State<AppState>) -> Response {
     (
         [(
             axum::http::header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
+            crate::metrics::CONTENT_TYPE,
         )],
         state.infer.metrics().render(shard),
     )

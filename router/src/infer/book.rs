@@ -136,6 +136,9 @@ impl RequestBook {
                 None => metrics.grammar_cache_hits.add(1),
             }
         }
+        metrics
+            .requests
+            .admitted(samples.len(), request.max_new_tokens);
         let first = self.next_id;
         tracing::info!(
             request_id = &*common.context.id,

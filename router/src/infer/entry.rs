@@ -15,7 +15,7 @@ use super::spans::RequestSpans;
 use crate::blocks::RequestId;
 use crate::constraints::GrammarState;
 use crate::detokenize::{Detokenizer, TokenizerInfo};
-use crate::metrics::Metrics;
+use crate::metrics::{Finished, FinishedReason, Metrics};
 use crate::request_scope::RequestContext;
 use crate::scheduler::Sequence;
 use crate::stop::StopMatcher;
@@ -100,9 +100,22 @@ impl Entry {
 
     /// Counts, logs and traces the request's end (a sampled or a forced token ended it).
     pub(super) fn record_end(&mut self, metrics: &Metrics, id: RequestId, end: &End) {
-        let elapsed = self.queued_at.elapsed();
-        metrics.e2e.observe(elapsed.as_secs_f64());
-        metrics.requests_succeeded.add(1);
+        let now = Instant::now();
+        let elapsed = now.saturating_duration_since(self.queued_at);
+        let started = self.started_at.unwrap_or(self.queued_at);
+        let first_token = self.first_token_at.unwrap_or(now);
+        metrics.finish(&Finished {
+            reason: match end.finish_reason {
+                FinishReason::Length => FinishedReason::Length,
+                FinishReason::EosToken | FinishReason::StopSequence => FinishedReason::Stop,
+            },
+            prompt_tokens: self.input_length,
+            generation_tokens: end.generated_tokens,
+            e2e: elapsed,
+            prefill: first_token.saturating_duration_since(started),
+            decode: now.saturating_duration_since(first_token),
+            inference: end.inference_time,
+        });
         let ttft = self
             .first_token_at
             .map(|t| t.duration_since(self.queued_at));

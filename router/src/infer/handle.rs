@@ -78,10 +78,10 @@ impl Infer {
         max_concurrent_requests: usize,
     ) -> Self {
         let first = &replicas.first().expect("at least one replica").1;
-        let metrics = Arc::new(Metrics::with_replicas(
-            &first.served_model_name,
-            replicas.len(),
-        ));
+        let metrics = Arc::new(
+            Metrics::with_replicas(&first.served_model_name, replicas.len())
+                .with_max_model_len(validation.limits.max_total_tokens),
+        );
         let max_waiting_requests = first.max_waiting_requests;
         let adapters = first.adapters.clone();
         if adapters.enabled() {

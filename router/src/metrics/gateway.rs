@@ -3,7 +3,7 @@
 //! `model_name` label. Each is computed from the very value its `cadence_*` twin shows
 //! in the same scrape (`Load`, read once), so the two never disagree.
 
-use super::text::{Labels, Text};
+use super::families::{label, Families};
 
 /// The gauges both namings show, read once per scrape.
 #[derive(Debug, Clone, Copy, Default)]
@@ -15,8 +15,8 @@ pub(super) struct Load {
     pub kv_block_size: f64,
 }
 
-/// Writes the `vllm:` series; `l` holds the `model_name` label.
-pub(super) fn write(w: &mut Text, l: &Labels, load: Load) {
+/// Registers the `vllm:` gauges; `vllm` carries the `model_name` label.
+pub(super) fn write(vllm: &mut Families, load: Load) {
     let total = load.kv_blocks_total;
     let usage = if total > 0.0 {
         load.kv_blocks_used / total
@@ -39,18 +39,22 @@ pub(super) fn write(w: &mut Text, l: &Labels, load: Load) {
             "Fraction (0 to 1) of KV blocks referenced by a request or holding a paged-in LoRA adapter (cadence_kv_blocks_used / cadence_kv_blocks_total).",
             usage,
         ),
+        (
+            "vllm:gpu_cache_usage_perc",
+            "vllm:kv_cache_usage_perc under its former name, which older dashboards query.",
+            usage,
+        ),
     ];
     for (name, help, value) in gauges {
-        w.gauge(name, help, l, value);
+        vllm.value(name, help, value);
     }
-    let config = l
-        .with("block_size", load.kv_block_size as u64)
-        .with("num_gpu_blocks", total as u64);
-    w.gauge(
+    vllm.info(
         "vllm:cache_config_info",
-        "The KV cache's configuration, in its labels.",
-        &config,
-        1.0,
+        "The KV cache's configuration, in its labels; always 1.",
+        vec![
+            label("block_size", load.kv_block_size as u64),
+            label("num_gpu_blocks", total as u64),
+        ],
     );
 }
 

@@ -5,8 +5,10 @@
 
 use super::gateway;
 use super::lora::ReplicaAdapters;
+use prometheus_client::metrics::MetricType;
+
+use super::families::{label, Families};
 use super::series::{Counter, Gauge};
-use super::text::{Kind, Labels, Text};
 
 /// One replica's queue and KV cache, as of its last step.
 #[derive(Debug, Default)]
@@ -79,41 +81,47 @@ pub(super) fn totals(replicas: &[std::sync::Arc<LoadGauges>]) -> Totals {
     t
 }
 
-/// Writes the per-replica series; `l` holds the model label.
-pub(super) fn write_replicas(w: &mut Text, l: &Labels, replicas: &[std::sync::Arc<LoadGauges>]) {
+/// Registers the per-replica series; `cadence` carries the model label.
+pub(super) fn write_replicas(cadence: &mut Families, replicas: &[std::sync::Arc<LoadGauges>]) {
     type Read = fn(&LoadGauges) -> f64;
-    let series: [(&str, &str, Read); 4] = [
+    let series: [(&str, &str, MetricType, Read); 5] = [
         (
             "cadence_replica_waiting_requests",
             "Requests waiting for a step on this replica.",
+            MetricType::Gauge,
             |r| r.waiting.get(),
         ),
         (
             "cadence_replica_running_requests",
             "Requests in this replica's running batch.",
+            MetricType::Gauge,
             |r| r.running.get(),
         ),
         (
             "cadence_replica_kv_cache_usage_perc",
             "Fraction (0 to 1) of this replica's KV blocks referenced by a request or holding a paged-in LoRA adapter.",
+            MetricType::Gauge,
             LoadGauges::kv_usage,
         ),
         (
             "cadence_replica_ready",
             "1 while the replica gets new requests, 0 once its readiness check failed.",
+            MetricType::Gauge,
             |r| r.ready.get(),
         ),
+        (
+            "cadence_replica_requests_total",
+            "Requests sent to this replica.",
+            MetricType::Counter,
+            |r| r.routed.get() as f64,
+        ),
     ];
-    let replica = |i: usize| l.with("replica", i);
-    for (name, help, read) in series {
-        w.family(name, Kind::Gauge, help);
-        for (i, r) in replicas.iter().enumerate() {
-            w.sample(name, &replica(i), read(r));
-        }
-    }
-    let name = "cadence_replica_requests_total";
-    w.family(name, Kind::Counter, "Requests sent to this replica.");
-    for (i, r) in replicas.iter().enumerate() {
-        w.sample(name, &replica(i), r.routed.get());
+    for (name, help, kind, read) in series {
+        let samples = replicas
+            .iter()
+            .enumerate()
+            .map(|(i, r)| (vec![label("replica", i)], read(r)))
+            .collect();
+        cadence.samples(name, help, kind, samples);
     }
 }

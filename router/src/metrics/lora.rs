@@ -7,8 +7,8 @@
 use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use super::families::{label, Families};
 use super::series::{Counter, Gauge};
-use super::text::{Labels, Text};
 
 /// The registry's side of the LoRA series (the replicas' side is in `LoadGauges`).
 #[derive(Debug, Default)]
@@ -49,8 +49,14 @@ impl ReplicaAdapters {
     }
 }
 
-/// Writes the LoRA series; `l` holds the model label, `replicas` each replica's adapters.
-pub(super) fn write(w: &mut Text, l: &Labels, lora: &LoraMetrics, replicas: &[&ReplicaAdapters]) {
+/// Registers the LoRA series: `cadence`'s carry the model label, `plain`'s none (as
+/// vLLM's `vllm:lora_requests_info`); `replicas` are each replica's adapters.
+pub(super) fn write(
+    cadence: &mut Families,
+    plain: &mut Families,
+    lora: &LoraMetrics,
+    replicas: &[&ReplicaAdapters],
+) {
     let (mut running, mut waiting, mut at) = (Vec::new(), Vec::new(), 0.0f64);
     let (mut resident, mut blocks, mut in_use) = (0.0, 0.0, 0.0);
     for a in replicas {
@@ -67,14 +73,16 @@ pub(super) fn write(w: &mut Text, l: &Labels, lora: &LoraMetrics, replicas: &[&R
         v.dedup();
         v.join(",")
     };
-    let info = Labels::one("max_lora", lora.max_lora)
-        .with("running_lora_adapters", joined(running))
-        .with("waiting_lora_adapters", joined(waiting));
-    w.gauge(
+    let info = vec![
+        label("max_lora", lora.max_lora),
+        label("running_lora_adapters", joined(running)),
+        label("waiting_lora_adapters", joined(waiting)),
+    ];
+    plain.samples(
         "vllm:lora_requests_info",
         "Running stats on lora requests.",
-        &info,
-        at,
+        prometheus_client::metrics::MetricType::Gauge,
+        vec![(info, at)],
     );
     let counters: [(&str, &str, &Counter); 3] = [
         (
@@ -94,7 +102,7 @@ pub(super) fn write(w: &mut Text, l: &Labels, lora: &LoraMetrics, replicas: &[&R
         ),
     ];
     for (name, help, c) in counters {
-        w.counter(name, help, l, c.get());
+        cadence.counter(name, help, c);
     }
     let gauges: [(&str, &str, f64); 4] = [
         (
@@ -120,6 +128,6 @@ pub(super) fn write(w: &mut Text, l: &Labels, lora: &LoraMetrics, replicas: &[&R
         ),
     ];
     for (name, help, value) in gauges {
-        w.gauge(name, help, l, value);
+        cadence.value(name, help, value);
     }
 }

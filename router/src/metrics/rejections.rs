@@ -6,7 +6,9 @@
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
-use super::text::{Kind, Labels, Text};
+use prometheus_client::metrics::MetricType;
+
+use super::families::{label, Families};
 
 /// One rejection's labels.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
@@ -26,22 +28,26 @@ impl Rejections {
         *counts.entry(rejection).or_default() += 1;
     }
 
-    /// Writes the family (its samples once something was rejected); `l` holds the model
-    /// label.
-    pub(super) fn write(&self, w: &mut Text, l: &Labels) {
-        let name = "cadence_http_requests_rejected_total";
-        w.family(
-            name,
-            Kind::Counter,
-            "Requests answered a 4xx (401, 404, 405, 413, 422, 429, other 4xx), by route, status and reason (the error's type).",
-        );
+    /// Registers the family (its samples once something was rejected); `cadence`
+    /// carries the model label.
+    pub(super) fn write(&self, cadence: &mut Families) {
         let counts = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        for (r, n) in counts.iter() {
-            let labels = l
-                .with("route", &r.route)
-                .with("status", r.status)
-                .with("reason", &r.reason);
-            w.sample(name, &labels, n);
-        }
+        let samples = counts
+            .iter()
+            .map(|(r, n)| {
+                let labels = vec![
+                    label("route", &r.route),
+                    label("status", r.status),
+                    label("reason", &r.reason),
+                ];
+                (labels, *n as f64)
+            })
+            .collect();
+        cadence.samples(
+            "cadence_http_requests_rejected_total",
+            "Requests answered a 4xx (401, 404, 405, 413, 422, 429, other 4xx), by route, status and reason (the error's type).",
+            MetricType::Counter,
+            samples,
+        );
     }
 }

@@ -3,8 +3,10 @@
 //! unchanged), and cadence's own accepted-length histogram and switch-off counter under
 //! the `model` label. Shown only once speculation is on (`Metrics::enable_speculative`).
 
+use prometheus_client::metrics::MetricType;
+
+use crate::metrics::families::{label, Families};
 use crate::metrics::series::{Counter, Histogram};
-use crate::metrics::text::{Kind, Labels, Text};
 
 /// Tokens one verification yields (1 + accepted).
 const ACCEPTED_LENGTHS: &[f64] = &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 10.0, 12.0, 16.0];
@@ -61,8 +63,9 @@ impl SpecDecodeMetrics {
         self.steps_off.add(1);
     }
 
-    /// Writes the series: vLLM's labelled `model_name`, cadence's `model`.
-    pub(crate) fn write(&self, w: &mut Text, model: &Labels, model_name: &Labels) {
+    /// Registers the series: vLLM's in `vllm` (the `model_name` label), cadence's in
+    /// `cadence` (the `model` label).
+    pub(crate) fn write(&self, cadence: &mut Families, vllm: &mut Families) {
         let counters = [
             (
                 "vllm:spec_decode_num_drafts_total",
@@ -81,28 +84,29 @@ impl SpecDecodeMetrics {
             ),
         ];
         for (name, help, c) in counters {
-            w.counter(name, help, model_name, c.get());
+            vllm.counter(name, help, c);
         }
-        let name = "vllm:spec_decode_num_accepted_tokens_per_pos_total";
-        w.family(
-            name,
-            Kind::Counter,
+        let per_position = self
+            .accepted_per_position
+            .iter()
+            .enumerate()
+            .map(|(position, c)| (vec![label("position", position)], c.get() as f64))
+            .collect();
+        vllm.samples(
+            "vllm:spec_decode_num_accepted_tokens_per_pos_total",
             "Accepted proposed tokens at each proposal position (0 is the first).",
+            MetricType::Counter,
+            per_position,
         );
-        for (position, c) in self.accepted_per_position.iter().enumerate() {
-            w.sample(name, &model_name.with("position", position), c.get());
-        }
-        self.accepted_length.write(
-            w,
+        cadence.histogram(
             "cadence_spec_decode_accepted_length",
             "Tokens one verification yielded: 1 + the accepted proposals.",
-            model,
+            self.accepted_length.series(),
         );
-        w.counter(
+        cadence.counter(
             "cadence_spec_decode_steps_off_total",
             "Steps that left proposals out because the step was past the speculative threshold (the load switch).",
-            model,
-            self.steps_off.get(),
+            &self.steps_off,
         );
     }
 }

@@ -139,5 +139,19 @@ async fn metrics_count_tokens_requests_and_blocks() {
     assert!(text.contains(
         "vllm:cache_config_info{model_name=\"test-model\",block_size=\"4\",num_gpu_blocks=\"64\"} 1\n"
     ));
+    // vLLM's request-level series count the same request: 5 tokens, 4 gaps between them,
+    // finished by its length.
+    for line in [
+        "vllm:generation_tokens_total{model_name=\"test-model\"} 5\n",
+        "vllm:request_success_total{model_name=\"test-model\",finished_reason=\"length\"} 1\n",
+        "vllm:request_success_total{model_name=\"test-model\",finished_reason=\"stop\"} 0\n",
+        "vllm:e2e_request_latency_seconds_count{model_name=\"test-model\"} 1\n",
+        "vllm:time_to_first_token_seconds_count{model_name=\"test-model\"} 1\n",
+        "vllm:inter_token_latency_seconds_count{model_name=\"test-model\"} 4\n",
+        "vllm:request_generation_tokens_sum{model_name=\"test-model\"} 5.0\n",
+        "vllm:request_params_max_tokens_sum{model_name=\"test-model\"} 5.0\n",
+    ] {
+        assert!(text.contains(line), "{line} in:\n{text}");
+    }
     h.assert_protocol_ok();
 }
