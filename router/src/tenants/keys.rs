@@ -48,7 +48,11 @@ impl ApiKey {
 
     /// A line of a key file (see the module's documentation).
     pub fn from_line(line: &str) -> Result<Self, String> {
-        let mut words = line.split_whitespace().peekable();
+        // A word starting with `#` begins a comment to the end of the line.
+        let mut words = line
+            .split_whitespace()
+            .take_while(|w| !w.starts_with('#'))
+            .peekable();
         let key = words.next().ok_or("an empty line holds no key")?;
         let mut parsed = match words.next_if(|w| !w.contains('=')) {
             None => Self::bare(key),
@@ -243,6 +247,9 @@ mod tests {
         let error = parse_key_file("# keys\nk1 a\n\nk2 b c\n").unwrap_err();
         assert!(error.starts_with("line 4:"), "{error}");
         assert_eq!(parse_key_file("k1 a\n# x\nk2\n").unwrap().len(), 2);
+        let commented = parse_key_file("k1 a   # the same account\nk2 # bare\n").unwrap();
+        assert_eq!(&*commented[0].tenant, "a");
+        assert_eq!(&*commented[1].tenant, fingerprint("k2"));
     }
 
     #[test]
