@@ -18,6 +18,8 @@ import hashlib
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -257,3 +259,43 @@ def test_a_stopped_stream_is_counted_up_to_where_it_stopped(server: LaunchedServ
     generated = after["generation_tokens"] - before["generation_tokens"]
     assert 3 <= generated < LONG, generated
     assert after["generation_tokens"] == usage_of(server.url)[tenant]["generated"]
+
+
+def test_bench_drives_two_tenants_and_each_is_billed_what_it_was_served(
+    server: LaunchedServer, tmp_path: Path
+) -> None:
+    """`cadence bench --tenants`: each tenant's generated tokens as the benchmark counted
+    them equal what `/v1/usage` billed it."""
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(
+        f"- {{name: alpha, api_key: {ALPHA}, num_prompts: 3, max_concurrency: 1}}\n"
+        f"- {{name: bare, api_key_env: BARE_KEY, num_prompts: 2, request_rate: 4}}\n"
+    )
+    before = {t: usage_api(server.url, key)[0] for t, key in (("alpha", ALPHA), ("bare", BARE))}
+    result_file = tmp_path / "result.json"
+    bench = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cadence",
+            "bench",
+            *("--base-url", server.url, "--tenants", str(tenants)),
+            *("--input-len", "24", "--output-len", "6:10", "--ignore-eos", "--no-progress"),
+            *("--result-file", str(result_file)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=os.environ | {"BARE_KEY": BARE},
+    )
+    assert bench.returncode == 0, bench.stdout + bench.stderr
+    assert "Per tenant" in bench.stdout
+    result = json.loads(result_file.read_text())
+    assert result["completed"] == 5
+    for tenant, key in (("alpha", ALPHA), ("bare", BARE)):
+        (after,) = usage_api(server.url, key)
+        served = result["tenants"][tenant]
+        billed = after["generation_tokens"] - before[tenant]["generation_tokens"]
+        assert served["failed"] == 0, served
+        # the benchmark's warm-up request (2 tokens) goes out under the first tenant's key
+        assert billed == served["total_output_tokens"] + (2 if tenant == "alpha" else 0)

@@ -23,10 +23,13 @@ from cadence_bench.metrics import RequestOutput
 MAX_LINE_BYTES = 1 << 22
 
 
-def session(url: str, connections: int) -> aiohttp.ClientSession:
-    """A client for `url` (scheme, host, port) with this many connections."""
+def session(url: str, connections: int, api_key: str | None = None) -> aiohttp.ClientSession:
+    """A client for `url` (scheme, host, port) with this many connections, sending
+    `api_key` as a bearer token when given."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     return aiohttp.ClientSession(
         base_url=url,
+        headers=headers,
         timeout=aiohttp.ClientTimeout(total=3600),
         connector=aiohttp.TCPConnector(limit=connections),
         read_bufsize=MAX_LINE_BYTES,

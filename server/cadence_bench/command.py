@@ -13,7 +13,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shlex
+from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from cadence.flags import GIVEN, add_flag, add_switch
@@ -203,6 +206,12 @@ def add_workload_flags(p: argparse.ArgumentParser) -> None:
         help="tgi: /generate_stream; openai: /v1/completions (vLLM, llama.cpp)",
     )
     _flag(g, "--model", help="model name for OpenAI servers (default: /v1/models)")
+    _flag(
+        g,
+        "--api-key",
+        help="sent as Authorization: Bearer (default: $CADENCE_BENCH_API_KEY; with --tenants, "
+        "the tenants' own keys)",
+    )
     d = p.add_argument_group("dataset")
     _flag(d, "--dataset-name", choices=DATASETS, default="random", help="where prompts come from")
     _flag(d, "--dataset-path", help="JSONL file for --dataset-name jsonl")
@@ -262,6 +271,13 @@ def add_workload_flags(p: argparse.ArgumentParser) -> None:
         help="gamma shape: 1 Poisson, < 1 burstier, > 1 more regular",
     )
     _flag(t, "--max-concurrency", type=int, help="most requests in flight")
+    _flag(
+        t,
+        "--tenants",
+        help="YAML or JSON list of tenants driven at once, each with its api_key (or "
+        "api_key_env), num_prompts, lengths, request_rate and max_concurrency; the result "
+        "has each tenant's numbers (random prompts; replaces --num-prompts)",
+    )
     _switch(t, "--ignore-eos", "always generate output-len")
     _flag(
         t,
@@ -328,6 +344,27 @@ def with_adapters(
     return requests, workload_record(folder, names, dist, requests)
 
 
+def measure_tenant_loads(cfg: RunConfig, args: argparse.Namespace) -> dict[str, Any]:
+    from cadence_bench.datasets import BenchRequest, load_tokenizer
+    from cadence_bench.machine import machine, server_kernels
+    from cadence_bench.runner import warm_up
+    from cadence_bench.tenants import measure_tenants, read_tenants, tenant_requests
+
+    try:
+        tenants = read_tenants(args.tenants, args.input_len, args.output_len)
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"--tenants {err}") from None
+    requests = tenant_requests(load_tokenizer(args.tokenizer), tenants, args.seed)
+    first = requests[0][0]
+    warm_up(
+        replace(cfg, api_key=tenants[0].api_key), BenchRequest(first.prompt, first.prompt_len, 2)
+    )
+    result = measure_tenants(cfg, tenants, requests)
+    result["machine"] = machine()
+    result["server"] = server_kernels(cfg.url)
+    return result
+
+
 def measure(cfg: RunConfig, requests: list[BenchRequest]) -> dict[str, Any]:
     from cadence_bench.datasets import BenchRequest
     from cadence_bench.machine import machine, server_kernels
@@ -349,7 +386,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     from cadence_bench.runner import RunConfig
     from cadence_bench.server_process import LaunchedServer
 
-    requests, adapters = with_adapters(args, build_dataset(args))
+    requests, adapters = ([], None) if args.tenants else with_adapters(args, build_dataset(args))
     cfg = RunConfig(
         url=args.base_url or "",
         backend=args.backend,
@@ -361,6 +398,12 @@ def run_bench_command(args: argparse.Namespace) -> int:
         seed=args.seed,
         progress=not args.no_progress,
         json_schema=_read_json(args.json_schema) if args.json_schema else None,
+        api_key=args.api_key or os.environ.get("CADENCE_BENCH_API_KEY"),
+    )
+    run = (
+        partial(measure_tenant_loads, args=args)
+        if args.tenants
+        else partial(measure, requests=requests)
     )
     server_args = shlex.split(args.server_args)
     if adapters is not None:
@@ -368,15 +411,19 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
         server_args = with_lora_dir(server_args, args.lora_adapters_dir)
     if args.base_url:
-        result = measure(cfg, requests)
+        result = run(cfg)
     else:
         with LaunchedServer(server_args) as url:
             cfg.url = url
-            result = measure(cfg, requests)
+            result = run(cfg)
     if adapters is not None:
         result["adapters"] = adapters
     result["config"] = {k: _plain(v) for k, v in vars(args).items() if k != "run" and k != GIVEN}
     print(table(result))
+    if "tenants" in result:
+        from cadence_bench.tenants import tenants_table
+
+        print(tenants_table(result))
     if args.result_file:
         save_json(result, args.result_file)
     return 0 if result["failed"] == 0 else 1

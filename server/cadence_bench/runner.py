@@ -29,6 +29,8 @@ class RunConfig:
     progress: bool = True
     # every request's output constrained to this JSON schema (structured outputs)
     json_schema: dict[str, Any] | None = None
+    # sent as `Authorization: Bearer` (a server started with keys)
+    api_key: str | None = None
 
 
 async def run_benchmark(
@@ -39,7 +41,7 @@ async def run_benchmark(
     limit = cfg.max_concurrency or len(requests)
     cap = asyncio.Semaphore(limit)
     bar = tqdm(total=len(requests), disable=not cfg.progress, unit="req")
-    async with session(cfg.url, limit + 4) as client:
+    async with session(cfg.url, limit + 4, cfg.api_key) as client:
         model = cfg.model or ""
         if cfg.backend == "openai" and not model:
             model = await served_model(client)
@@ -65,6 +67,11 @@ async def run_benchmark(
 def warm_up(cfg: RunConfig, request: BenchRequest) -> None:
     """One short request first, so the first measured one doesn't pay for lazy setup."""
     quiet = RunConfig(
-        cfg.url, cfg.backend, model=cfg.model, progress=False, json_schema=cfg.json_schema
+        cfg.url,
+        cfg.backend,
+        model=cfg.model,
+        progress=False,
+        json_schema=cfg.json_schema,
+        api_key=cfg.api_key,
     )
     asyncio.run(run_benchmark(quiet, [request]))
