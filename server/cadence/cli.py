@@ -67,19 +67,27 @@ def _serve_parser(sub: Any) -> None:
         "--model-id",
         default=None,
         required=True,
-        help="local model folder (config.json, and *.safetensors or weights.gguf)",
+        help="Serve the model of this local folder (config.json, and *.safetensors or "
+        "weights.gguf).",
     )
-    add("--uds-path", required=True, help="unix socket the shard listens on")
+    add("--uds-path", required=True, help="The shard's gRPC server listens on this unix socket.")
     add_model_flags(add)
     add_kv_flags(add)
     add_device_flags(add, p, ShardConfig)
     add_draft_flags(add)
-    add("--rank", type=int, help="this shard's tensor-parallel rank")
-    add("--world-size", type=positive_int, help="number of shards")
-    add("--master-addr", help="torch.distributed rendezvous address")
-    add("--master-port", type=int, help="torch.distributed rendezvous port")
-    add("--cpu-threads", type=non_negative_int, help="compute threads on CPU (0: every core)")
-    add("--cpu-cores", help="pin the shard to these cores, comma-separated (e.g. 0,1)")
+    add("--rank", type=int, help="This shard holds this tensor-parallel rank's slice.")
+    add("--world-size", type=positive_int, help="The model is split over this many shards.")
+    add("--master-addr", help="The shards meet (torch.distributed) at this address.")
+    add("--master-port", type=int, help="The shards meet (torch.distributed) at this port.")
+    add(
+        "--cpu-threads",
+        type=non_negative_int,
+        help="The shard computes with this many threads on CPU (0: one per core).",
+    )
+    add(
+        "--cpu-cores",
+        help="The shard runs on these cores only, comma-separated (e.g. 0,1).",
+    )
     add_log_format(add)
     p.set_defaults(run=_run_serve)
 

@@ -127,8 +127,9 @@ def test_help_shows_both_names_in_groups_by_concern() -> None:
     assert "--num-shard NUM_SHARD, --tensor-parallel-size NUM_SHARD, -tp NUM_SHARD" in text
 
 
-def test_every_launch_help_text_is_a_sentence() -> None:
-    for action in _launch_parser()._actions:  # noqa: SLF001
+@pytest.mark.parametrize("command", ["launch", "serve"])
+def test_every_launch_and_serve_help_text_is_a_sentence(command: str) -> None:
+    for action in _launch_parser(command)._actions:  # noqa: SLF001
         if action.dest == "help":
             continue
         text = action.help.removesuffix(" (default: %(default)s)").rsplit(" [", 1)[0]
@@ -194,6 +195,6 @@ def test_config_file_errors_name_the_key_and_the_file(
         assert str(config) in err
 
 
-def _launch_parser() -> argparse.ArgumentParser:
+def _launch_parser(command: str = "launch") -> argparse.ArgumentParser:
     parser = build_parser()
-    return parser._subparsers._group_actions[0].choices["launch"]  # noqa: SLF001
+    return parser._subparsers._group_actions[0].choices[command]  # noqa: SLF001
