@@ -1,7 +1,7 @@
 """The playground at `/`, driven in a real headless browser (the distribution's Chromium,
 through Playwright): a prompt typed and sent streams the same answer, with the same token
 counts, as the same greedy request through the API, with no console error and no request
-to another host.
+to another host; Stop ends the request on the server.
 
 `CADENCE_PLAYGROUND_SCREENSHOT=docs/playground.png` serves the embedded SmolLM2 (in float32) instead
 of the tiny random Llama (a readable answer) and saves the page, answered, there."""
@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import SMOLLM_FLOAT32, LaunchedServer, launch, stop, tiny_model
+from conftest import SMOLLM_FLOAT32, LaunchedServer, launch, metrics, stop, tiny_model, wait_for
 
 KEY = "playground-key"
 PROMPT = "Name three colours of the rainbow."
@@ -165,3 +165,45 @@ def test_a_wrong_key_shows_the_servers_error(server: LaunchedServer, browser: An
     assert page.text_content("#transcript li.error .content")
     assert page.get_attribute("#send", "disabled") is None
     page.close()
+
+
+def test_stop_ends_the_request_on_the_server_and_frees_its_place(
+    server: LaunchedServer, browser: Any
+) -> None:
+    """Stop aborts the stream; the router sees the client go, ends the request at once
+    (not after its max_tokens) and frees its slot and blocks."""
+    long_answer = 900  # the tiny model never ends early, so the request would run to it
+    before = metrics(server.url)
+    page = browser.new_page()
+    page.goto(f"{server.url}/")
+    page.fill("#api_key", KEY)
+    page.fill("#max_tokens", str(long_answer))
+    page.fill("#prompt", "Tell me a long story.")
+    page.press("#prompt", "Enter")
+    page.wait_for_function(
+        "document.querySelector('#transcript li.assistant .content')?.textContent.length > 20",
+        timeout=120_000,
+    )
+    page.click("#stop")
+    assert page.get_attribute("#send", "disabled") is None, "the page takes a new prompt"
+    wait_for(
+        lambda: metrics(server.url)[running_series(before)] == 0,
+        30,
+        "the stopped request ended on the server",
+    )
+    after = metrics(server.url)
+    generated = sum(v for k, v in after.items() if k.startswith("cadence_generation_tokens_total"))
+    generated -= sum(
+        v for k, v in before.items() if k.startswith("cadence_generation_tokens_total")
+    )
+    assert 0 < generated < long_answer, generated
+    assert after[blocks_series(after)] == 0, "its KV blocks are free"
+    page.close()
+
+
+def running_series(samples: dict[str, float]) -> str:
+    return next(k for k in samples if k.startswith("cadence_running_requests{"))
+
+
+def blocks_series(samples: dict[str, float]) -> str:
+    return next(k for k in samples if k.startswith("cadence_kv_blocks_used{"))
