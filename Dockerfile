@@ -8,7 +8,8 @@
 # The builder stage runs the same commands integration-tests/test_wheel_entrypoint.py runs
 # (`make proto`'s protoc, then `maturin build --release`); that test also starts the wheel
 # with this file's ENTRYPOINT. The image itself was not built where this file was written
-# (no Docker engine there): build it once before relying on it.
+# (no Docker Hub, rustup or PyTorch index reachable there; docs/deploy.md): build it once
+# before relying on it.
 
 ARG PYTHON_VERSION=3.11
 
