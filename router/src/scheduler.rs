@@ -59,11 +59,14 @@
 mod admission;
 mod host_pool;
 mod invariants;
+mod policy;
+mod priority;
 mod proposals;
 mod queue;
 mod release;
 mod sequence;
 mod step;
+mod vtc;
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
@@ -72,8 +75,11 @@ use crate::blocks::{chain_seed, BlockManager, RequestId};
 use crate::pb;
 
 use host_pool::HostPool;
+pub use policy::SchedulingPolicy;
 pub use queue::Queue;
 pub use sequence::{Proposal, Sequence};
+pub use vtc::VirtualCounters;
+use vtc::VirtualCounters as Counters;
 
 /// What happens to a request's KV when the cache runs out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -118,6 +124,8 @@ pub struct SchedulerConfig {
     pub speculative_max_step_tokens: usize,
     /// Most distinct LoRA adapters among the running requests.
     pub max_adapters_per_batch: usize,
+    /// Who joins first and who is preempted (`policy`).
+    pub policy: SchedulingPolicy,
 }
 
 impl SchedulerConfig {
@@ -141,6 +149,7 @@ impl SchedulerConfig {
             batch_timeout: Duration::from_millis(50),
             speculative_max_step_tokens: 0,
             max_adapters_per_batch: 32,
+            policy: SchedulingPolicy::Fcfs,
         }
     }
 }
@@ -196,6 +205,8 @@ pub struct Scheduler {
     adapters_out: Vec<String>,
     /// Adapters being unloaded: evicted as soon as no running request uses them.
     doomed: HashSet<String>,
+    /// The tenants' virtual counters (`fair`).
+    counters: Counters,
 }
 
 impl Scheduler {
@@ -214,6 +225,7 @@ impl Scheduler {
             step_id: 0,
             adapters_out: Vec::new(),
             doomed: HashSet::new(),
+            counters: Counters::default(),
         }
     }
 
@@ -387,18 +399,22 @@ impl Scheduler {
 
     /// Decides the next step as of `now` (dynamic batching compares arrival times to it).
     pub fn schedule_at(&mut self, now: Instant) -> Schedule {
+        self.observe_backlog();
         let mut plan = self.begin_step();
-        // 1. Running decodes; the latest arrival is preempted when blocks run out, and
-        //    the decode that was short of them retries.
+        // 0. The policy's displacements: running requests preempted for the first in line.
+        self.displace(now, &mut plan);
+        plan.displaced = plan.out.preempted.len() + plan.out.swapped_out.len();
+        // 1. Running decodes; the policy's victim (fcfs: the latest arrival) is preempted
+        //    when blocks run out, and the decode that was short of them retries.
         let mut from = 0;
         while let Some(i) = self.plan_decodes(&mut plan, from) {
-            self.preempt_latest(i, &mut plan);
+            self.preempt_latest(i, &mut plan, now);
             from = i;
         }
         // 2. Running prefills; a chunk without a block preempts or waits.
         let mut from = 0;
         while let Some(i) = self.plan_prefills(&mut plan, from) {
-            from = self.make_room_for_prefill(i, &mut plan);
+            from = self.make_room_for_prefill(i, &mut plan, now);
         }
         // 3. Waiting requests, unless this step had to preempt (they would thrash).
         if !plan.preempted() {
@@ -413,10 +429,11 @@ impl Scheduler {
     /// Nothing (an empty schedule) when the running requests are short of blocks: the
     /// ordinary schedule, once the step in flight is applied, preempts as it should.
     pub fn schedule_ahead(&mut self) -> Schedule {
-        if self.short_of_blocks() {
+        let now = Instant::now();
+        self.observe_backlog();
+        if self.short_of_blocks() || self.displacement_due(now) {
             return Schedule::default();
         }
-        let now = Instant::now();
         let mut plan = self.begin_step();
         // Proposals follow the last token, which is pending here: none ahead.
         for seq in &mut self.running {

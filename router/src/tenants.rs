@@ -22,10 +22,12 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use crate::metrics::series::Counter;
 
 /// An accepted API key and its tenant's name.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ApiKey {
     pub key: String,
     pub tenant: Arc<str>,
+    /// The tenant's share under `--scheduling-policy fair` (1 unless the line gives one).
+    pub weight: f64,
 }
 
 impl ApiKey {
@@ -34,19 +36,28 @@ impl ApiKey {
         Self {
             key: key.to_string(),
             tenant: fingerprint(key).into(),
+            weight: 1.0,
         }
     }
 
-    /// A line of a key file: `KEY` or `KEY NAME` (the name: letters, digits, `-`, `_`,
-    /// `.`, at most 64, so it is a safe Prometheus label value).
+    /// A line of a key file: `KEY`, `KEY NAME` or `KEY NAME WEIGHT` (the name: letters,
+    /// digits, `-`, `_`, `.`, at most 64, so it is a safe Prometheus label value; the
+    /// weight: the tenant's share under fair scheduling, a positive number).
     pub fn from_line(line: &str) -> Result<Self, String> {
         let mut words = line.split_whitespace();
         let key = words.next().ok_or("an empty line holds no key")?;
         let Some(name) = words.next() else {
             return Ok(Self::bare(key));
         };
+        let weight = match words.next() {
+            None => 1.0,
+            Some(w) => match w.parse::<f64>() {
+                Ok(w) if w.is_finite() && w > 0.0 => w,
+                _ => return Err(format!("tenant weight {w:?}: use a positive number")),
+            },
+        };
         if words.next().is_some() {
-            return Err("a line holds a key and at most one tenant name".into());
+            return Err("a line holds a key, at most one tenant name and its weight".into());
         }
         let allowed = |c: char| c.is_ascii_alphanumeric() || "-_.".contains(c);
         if name.len() > 64 || !name.chars().all(allowed) {
@@ -57,6 +68,7 @@ impl ApiKey {
         Ok(Self {
             key: key.to_string(),
             tenant: name.into(),
+            weight,
         })
     }
 }
@@ -88,6 +100,9 @@ pub struct TenantUsage {
     pub generation_tokens: Counter,
     /// Its requests admitted and not ended (counted atomically: admissions race).
     pub in_flight: AtomicUsize,
+    /// Its share under fair scheduling (the key file's weight; the last line's when its
+    /// keys' lines differ).
+    pub weight: f64,
     limiter: Option<Arc<Semaphore>>,
 }
 
@@ -123,6 +138,7 @@ impl Tenants {
                     prompt_tokens: Counter::default(),
                     generation_tokens: Counter::default(),
                     in_flight: AtomicUsize::new(0),
+                    weight: k.weight,
                     limiter: max_concurrent_per_key.map(|n| Arc::new(Semaphore::new(n))),
                 };
                 (k.tenant.clone(), Arc::new(usage))
@@ -182,7 +198,12 @@ mod tests {
         assert_eq!((named.key.as_str(), &*named.tenant), ("sk-alpha", "team-a"));
         let bare = ApiKey::from_line("sk-beta").unwrap();
         assert_eq!(&*bare.tenant, fingerprint("sk-beta"));
-        assert!(ApiKey::from_line("k a b")
+        let weighted = ApiKey::from_line("k a 2.5").unwrap();
+        assert_eq!((&*weighted.tenant, weighted.weight), ("a", 2.5));
+        assert_eq!(named.weight, 1.0);
+        assert!(ApiKey::from_line("k a b").unwrap_err().contains("weight"));
+        assert!(ApiKey::from_line("k a 0").unwrap_err().contains("weight"));
+        assert!(ApiKey::from_line("k a 1 x")
             .unwrap_err()
             .contains("at most one"));
         assert!(ApiKey::from_line("k a\"b")
