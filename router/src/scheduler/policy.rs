@@ -18,6 +18,7 @@
 //! Requests without a tenant share one anonymous tenant, so `fair` without API keys
 //! orders as `fcfs` does.
 
+use std::collections::HashMap;
 use std::time::Instant;
 
 use crate::blocks::RequestId;
@@ -104,10 +105,13 @@ impl Scheduler {
         // Rank, then (`fair`: between tenants whose counters tie, as a lifted newcomer's
         // does, the one with fewer running requests) place in line: a tenant's requests in
         // queue order (preempted first).
-        let running_of = |s: &Sequence| match self.config.policy {
-            SchedulingPolicy::Fair => self.running.iter().filter(|r| r.tenant == s.tenant).count(),
-            _ => 0,
+        let fair = self.config.policy == SchedulingPolicy::Fair;
+        let running = if fair {
+            self.running_per_tenant()
+        } else {
+            HashMap::new()
         };
+        let running_of = |s: &Sequence| running.get(&*s.tenant).copied().unwrap_or(0);
         candidates
             .map(|(i, s)| (self.rank(s, now).0, running_of(s), i))
             .min_by(|a, b| a.partial_cmp(b).expect("ranks are finite"))
@@ -164,7 +168,8 @@ impl Scheduler {
         }
         match self.config.policy {
             SchedulingPolicy::Fair => {
-                let running_of = |t: &str| self.running.iter().filter(|s| &*s.tenant == t).count();
+                let running = self.running_per_tenant();
+                let running_of = |t: &str| running.get(t).copied().unwrap_or(0);
                 let mine = running_of(&first.tenant);
                 let counter = self.counters.counter(&first.tenant);
                 self.victim(now, |v| {
@@ -181,6 +186,15 @@ impl Scheduler {
             }
             SchedulingPolicy::Fcfs => None,
         }
+    }
+
+    /// Each tenant's running requests.
+    fn running_per_tenant(&self) -> HashMap<&str, usize> {
+        let mut counts = HashMap::new();
+        for seq in &self.running {
+            *counts.entry(&*seq.tenant).or_insert(0) += 1;
+        }
+        counts
     }
 
     /// Whether `seq` could join now with its first chunk: a place in the batch and the
