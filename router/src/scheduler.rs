@@ -171,6 +171,9 @@ pub struct Schedule {
     pub preempted: Vec<RequestId>,
     /// Requests preempted by swapping this step (already back in the queue).
     pub swapped_out: Vec<RequestId>,
+    /// How many of those preemptions the scheduling policy made so that a waiting
+    /// request could join (`policy`), rather than for lack of blocks.
+    pub displaced: usize,
     /// Requests that left the queue for the first time.
     pub admitted: Vec<RequestId>,
     /// Tokens computed by this step.
@@ -403,7 +406,7 @@ impl Scheduler {
         let mut plan = self.begin_step();
         // 0. The policy's displacements: running requests preempted for the first in line.
         self.displace(now, &mut plan);
-        plan.displaced = plan.out.preempted.len() + plan.out.swapped_out.len();
+        plan.out.displaced = plan.out.preempted.len() + plan.out.swapped_out.len();
         // 1. Running decodes; the policy's victim (fcfs: the latest arrival) is preempted
         //    when blocks run out, and the decode that was short of them retries.
         let mut from = 0;

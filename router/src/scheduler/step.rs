@@ -26,8 +26,6 @@ pub(super) struct StepPlan {
     /// Adapters paged in for the requests this step admits.
     pub(super) adapters_in: Vec<pb::AdapterPages>,
     pub(super) out: Schedule,
-    /// Preemptions the policy made for a waiting request before planning (`policy`).
-    pub(super) displaced: usize,
 }
 
 impl StepPlan {
@@ -40,14 +38,13 @@ impl StepPlan {
             swap_in: Vec::new(),
             adapters_in: Vec::new(),
             out: Schedule::default(),
-            displaced: 0,
         }
     }
 
     /// Whether this step preempted a running request for lack of blocks (not counting
     /// the policy's displacements, made so that a waiting request joins).
     pub(super) fn preempted(&self) -> bool {
-        self.out.preempted.len() + self.out.swapped_out.len() > self.displaced
+        self.out.preempted.len() + self.out.swapped_out.len() > self.out.displaced
     }
 }
 
