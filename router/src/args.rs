@@ -676,6 +676,22 @@ mod tests {
     }
 
     #[test]
+    fn a_scheduling_policy_reaches_the_scheduler_and_needs_continuous_batching() {
+        use crate::scheduler::SchedulingPolicy;
+        let args = parse(&["--shard-uds-path", "/s"]).unwrap();
+        assert_eq!(args.scheduler_config(CACHE).policy, SchedulingPolicy::Fcfs);
+        let fair = parse(&["--shard-uds-path", "/s", "--scheduling-policy", "fair"]).unwrap();
+        assert_eq!(fair.scheduler_config(CACHE).policy, SchedulingPolicy::Fair);
+        assert!(fair.check_warmup().is_ok());
+        let static_ = ["--scheduling-policy", "priority", "--batching", "static"];
+        let bad = parse(&[&["--shard-uds-path", "/s"][..], &static_].concat()).unwrap();
+        assert!(bad
+            .check_warmup()
+            .unwrap_err()
+            .contains("--batching continuous"));
+    }
+
+    #[test]
     fn the_host_pool_is_asked_of_the_shards_and_taken_from_their_answer() {
         let args = parse(&["--shard-uds-path", "/s"]).unwrap();
         assert_eq!(args.warmup_request().swap_blocks, 0); // the shards' default

@@ -8,12 +8,15 @@
 //! taken as tokens are computed; nothing is reserved for the output up front.
 //!
 //! Order of business each step (see docs/scheduler.md):
+//! 0. under `--scheduling-policy fair` or `priority`, running requests the policy lets the
+//!    first waiting request in line displace when it does not fit (`policy`);
 //! 1. running decodes, oldest first, one token each, taking a block when the last one is
 //!    full; when none is free the latest-arrived running request is preempted, by
 //!    recomputation (blocks dropped, back to the front of the queue with the tokens it
 //!    generated) or by swapping (its blocks copied to the host pool, copied back later);
 //! 2. running prefills, oldest first: the next chunk, at most `max_prefill_chunk` tokens;
-//! 3. waiting requests in arrival order (preempted ones first), as the batching mode,
+//! 3. waiting requests in the policy's order (fcfs: arrival, preempted ones first; the
+//!    victims of 1. and 2. are the policy's too), as the batching mode,
 //!    the token budget, the batch size and the free blocks allow; a prompt whose leading
 //!    full blocks are in the prefix cache joins with those blocks shared and skips them;
 //! 4. the diff: the requests to drop, the block copies and swaps, the requests that join
@@ -54,7 +57,8 @@
 //! each phase has its own file: `sequence` and `queue` (the requests, running and
 //! waiting), `admission` (with the adapter gate), `step` (decodes, prefill chunks, the
 //! diff), `release` (finish, failure, preemption), `host_pool` (swap space), `proposals`
-//! (speculation) and `invariants`.
+//! (speculation), `policy` (the scheduling policy's order and victims, with `vtc`, the
+//! tenants' virtual token counters, and `priority`, aging) and `invariants`.
 
 mod admission;
 mod host_pool;
