@@ -23,6 +23,17 @@ pub enum BatchingArg {
     None,
 }
 
+/// `--scheduling-policy`: who joins the batch first, and who is preempted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum SchedulingPolicyArg {
+    /// First come, first served; the latest arrival is preempted.
+    Fcfs,
+    /// Fair between tenants (API keys' tenants): the Virtual Token Counter.
+    Fair,
+    /// The requests' `priority` (lower first), aged so that none starves.
+    Priority,
+}
+
 /// `--speculative`: who proposes the tokens a step verifies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum SpeculativeArg {
@@ -210,6 +221,12 @@ pub struct Args {
     /// from what waits and runs until its longest member ends), none (one at a time).
     #[arg(long, env = "CADENCE_BATCHING", value_enum, default_value_t = BatchingArg::Continuous)]
     pub batching: BatchingArg,
+
+    /// Who joins the batch first and who is preempted: fcfs (arrival order), fair (between
+    /// the API keys' tenants, by the Virtual Token Counter; weights from the key file),
+    /// priority (the requests' `priority`, lower first, aged by one level a second).
+    #[arg(long, env = "CADENCE_SCHEDULING_POLICY", value_enum, default_value_t = SchedulingPolicyArg::Fcfs)]
+    pub scheduling_policy: SchedulingPolicyArg,
 
     /// Dynamic batching: longest a request waits for its batch to fill.
     #[arg(long, env = "CADENCE_BATCH_TIMEOUT_MS", default_value_t = 50)]
@@ -406,10 +423,19 @@ impl Args {
         }
     }
 
-    /// Checks the flags that warm-up uses, before it runs.
+    /// Checks the flags that warm-up uses, before it runs, and the batching flags.
     pub fn check_warmup(&self) -> Result<(), String> {
         if self.max_batch_tokens == 0 || self.max_batch_size == 0 {
             return Err("max_batch_tokens and max_batch_size must be positive".into());
+        }
+        if self.scheduling_policy != SchedulingPolicyArg::Fcfs
+            && self.batching != BatchingArg::Continuous
+        {
+            return Err(
+                "--scheduling-policy fair and priority order continuous batching's \
+                        admissions: use --batching continuous"
+                    .into(),
+            );
         }
         if let Some(fraction) = self.memory_fraction {
             if self.kv_cache_bytes.is_none() && !(fraction > 0.0 && fraction <= 1.0) {
@@ -481,8 +507,19 @@ impl Args {
             BatchingArg::None => Batching::None,
         };
         c.batch_timeout = std::time::Duration::from_millis(self.batch_timeout_ms);
+        c.policy = self.scheduling_policy();
         c.max_adapters_per_batch = self.max_adapters_per_batch as usize;
         c
+    }
+
+    /// `--scheduling-policy`.
+    pub fn scheduling_policy(&self) -> crate::scheduler::SchedulingPolicy {
+        use crate::scheduler::SchedulingPolicy;
+        match self.scheduling_policy {
+            SchedulingPolicyArg::Fcfs => SchedulingPolicy::Fcfs,
+            SchedulingPolicyArg::Fair => SchedulingPolicy::Fair,
+            SchedulingPolicyArg::Priority => SchedulingPolicy::Priority,
+        }
     }
 
     /// The LoRA settings.
@@ -650,6 +687,22 @@ mod tests {
         assert!(sized.check_warmup().is_ok());
         let bad = parse(&["--shard-uds-path", "/s", "--memory-fraction", "1.5"]).unwrap();
         assert!(bad.check_warmup().unwrap_err().contains("(0, 1]"));
+    }
+
+    #[test]
+    fn a_scheduling_policy_reaches_the_scheduler_and_needs_continuous_batching() {
+        use crate::scheduler::SchedulingPolicy;
+        let args = parse(&["--shard-uds-path", "/s"]).unwrap();
+        assert_eq!(args.scheduler_config(CACHE).policy, SchedulingPolicy::Fcfs);
+        let fair = parse(&["--shard-uds-path", "/s", "--scheduling-policy", "fair"]).unwrap();
+        assert_eq!(fair.scheduler_config(CACHE).policy, SchedulingPolicy::Fair);
+        assert!(fair.check_warmup().is_ok());
+        let static_ = ["--scheduling-policy", "priority", "--batching", "static"];
+        let bad = parse(&[&["--shard-uds-path", "/s"][..], &static_].concat()).unwrap();
+        assert!(bad
+            .check_warmup()
+            .unwrap_err()
+            .contains("--batching continuous"));
     }
 
     #[test]

@@ -210,6 +210,7 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
         max_batch_tokens: args.max_batch_tokens as usize,
         max_batch_size: args.max_batch_size as usize,
         max_concurrent_requests: args.max_concurrent_requests,
+        scheduling_policy: args.scheduling_policy().as_str(),
         max_best_of: args.max_best_of,
         max_stop_sequences: args.max_stop_sequences,
         max_top_n_tokens: args.max_top_n_tokens,

@@ -8,12 +8,15 @@
 //! taken as tokens are computed; nothing is reserved for the output up front.
 //!
 //! Order of business each step (see docs/scheduler.md):
+//! 0. under `--scheduling-policy fair` or `priority`, running requests the policy lets the
+//!    first waiting request in line displace when it does not fit (`policy`);
 //! 1. running decodes, oldest first, one token each, taking a block when the last one is
 //!    full; when none is free the latest-arrived running request is preempted, by
 //!    recomputation (blocks dropped, back to the front of the queue with the tokens it
 //!    generated) or by swapping (its blocks copied to the host pool, copied back later);
 //! 2. running prefills, oldest first: the next chunk, at most `max_prefill_chunk` tokens;
-//! 3. waiting requests in arrival order (preempted ones first), as the batching mode,
+//! 3. waiting requests in the policy's order (fcfs: arrival, preempted ones first; the
+//!    victims of 1. and 2. are the policy's too), as the batching mode,
 //!    the token budget, the batch size and the free blocks allow; a prompt whose leading
 //!    full blocks are in the prefix cache joins with those blocks shared and skips them;
 //! 4. the diff: the requests to drop, the block copies and swaps, the requests that join
@@ -54,16 +57,20 @@
 //! each phase has its own file: `sequence` and `queue` (the requests, running and
 //! waiting), `admission` (with the adapter gate), `step` (decodes, prefill chunks, the
 //! diff), `release` (finish, failure, preemption), `host_pool` (swap space), `proposals`
-//! (speculation) and `invariants`.
+//! (speculation), `policy` (the scheduling policy's order and victims, with `vtc`, the
+//! tenants' virtual token counters, and `priority`, aging) and `invariants`.
 
 mod admission;
 mod host_pool;
 mod invariants;
+mod policy;
+mod priority;
 mod proposals;
 mod queue;
 mod release;
 mod sequence;
 mod step;
+mod vtc;
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
@@ -72,8 +79,11 @@ use crate::blocks::{chain_seed, BlockManager, RequestId};
 use crate::pb;
 
 use host_pool::HostPool;
+pub use policy::SchedulingPolicy;
 pub use queue::Queue;
 pub use sequence::{Proposal, Sequence};
+pub use vtc::VirtualCounters;
+use vtc::VirtualCounters as Counters;
 
 /// What happens to a request's KV when the cache runs out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -118,6 +128,8 @@ pub struct SchedulerConfig {
     pub speculative_max_step_tokens: usize,
     /// Most distinct LoRA adapters among the running requests.
     pub max_adapters_per_batch: usize,
+    /// Who joins first and who is preempted (`policy`).
+    pub policy: SchedulingPolicy,
 }
 
 impl SchedulerConfig {
@@ -141,6 +153,7 @@ impl SchedulerConfig {
             batch_timeout: Duration::from_millis(50),
             speculative_max_step_tokens: 0,
             max_adapters_per_batch: 32,
+            policy: SchedulingPolicy::Fcfs,
         }
     }
 }
@@ -162,6 +175,9 @@ pub struct Schedule {
     pub preempted: Vec<RequestId>,
     /// Requests preempted by swapping this step (already back in the queue).
     pub swapped_out: Vec<RequestId>,
+    /// How many of those preemptions the scheduling policy made so that a waiting
+    /// request could join (`policy`), rather than for lack of blocks.
+    pub displaced: usize,
     /// Requests that left the queue for the first time.
     pub admitted: Vec<RequestId>,
     /// Tokens computed by this step.
@@ -196,6 +212,8 @@ pub struct Scheduler {
     adapters_out: Vec<String>,
     /// Adapters being unloaded: evicted as soon as no running request uses them.
     doomed: HashSet<String>,
+    /// The tenants' virtual counters (`fair`).
+    counters: Counters,
 }
 
 impl Scheduler {
@@ -214,6 +232,7 @@ impl Scheduler {
             step_id: 0,
             adapters_out: Vec::new(),
             doomed: HashSet::new(),
+            counters: Counters::default(),
         }
     }
 
@@ -387,18 +406,22 @@ impl Scheduler {
 
     /// Decides the next step as of `now` (dynamic batching compares arrival times to it).
     pub fn schedule_at(&mut self, now: Instant) -> Schedule {
+        self.observe_backlog();
         let mut plan = self.begin_step();
-        // 1. Running decodes; the latest arrival is preempted when blocks run out, and
-        //    the decode that was short of them retries.
+        // 0. The policy's displacements: running requests preempted for the first in line.
+        self.displace(now, &mut plan);
+        plan.out.displaced = plan.out.preempted.len() + plan.out.swapped_out.len();
+        // 1. Running decodes; the policy's victim (fcfs: the latest arrival) is preempted
+        //    when blocks run out, and the decode that was short of them retries.
         let mut from = 0;
         while let Some(i) = self.plan_decodes(&mut plan, from) {
-            self.preempt_latest(i, &mut plan);
+            self.preempt_latest(i, &mut plan, now);
             from = i;
         }
         // 2. Running prefills; a chunk without a block preempts or waits.
         let mut from = 0;
         while let Some(i) = self.plan_prefills(&mut plan, from) {
-            from = self.make_room_for_prefill(i, &mut plan);
+            from = self.make_room_for_prefill(i, &mut plan, now);
         }
         // 3. Waiting requests, unless this step had to preempt (they would thrash).
         if !plan.preempted() {
@@ -413,10 +436,11 @@ impl Scheduler {
     /// Nothing (an empty schedule) when the running requests are short of blocks: the
     /// ordinary schedule, once the step in flight is applied, preempts as it should.
     pub fn schedule_ahead(&mut self) -> Schedule {
-        if self.short_of_blocks() {
+        let now = Instant::now();
+        self.observe_backlog();
+        if self.short_of_blocks() || self.displacement_due(now) {
             return Schedule::default();
         }
-        let now = Instant::now();
         let mut plan = self.begin_step();
         // Proposals follow the last token, which is pending here: none ahead.
         for seq in &mut self.running {

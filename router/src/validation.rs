@@ -117,6 +117,9 @@ pub struct GenerateParameters {
     /// A LoRA adapter's name (`--lora-adapters`, `--lora-dir`, `/v1/load_lora_adapter`);
     /// the base model's id or null for the base model.
     pub adapter_id: Option<String>,
+    /// Under `--scheduling-policy priority`, lower runs first [default: 0]; ignored by
+    /// the other policies.
+    pub priority: Option<i64>,
 }
 
 /// A request that passed validation, tokenized.
@@ -144,6 +147,8 @@ pub struct ValidRequest {
     pub grammar: Option<Compiled>,
     /// How long compiling it took (`None`: unconstrained, or found in the cache).
     pub grammar_compile_time: Option<std::time::Duration>,
+    /// `--scheduling-policy priority`: lower runs first.
+    pub priority: i64,
 }
 
 /// Structured outputs' compiler, or why there is none (the tokenizer's vocabulary could
@@ -442,6 +447,7 @@ impl Validation {
             adapter_id,
             grammar,
             grammar_compile_time,
+            priority: p.priority.unwrap_or(0),
         })
     }
 }

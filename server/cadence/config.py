@@ -131,6 +131,7 @@ class LaunchConfig:
     swap_blocks: int | None = _router()
     batching: str | None = _router()
     batch_timeout_ms: int | None = _router()
+    scheduling_policy: str | None = _router()  # fcfs, fair or priority
     max_waiting_requests: int | None = _router()
     grammar_compile_timeout_ms: int | None = _router()
     served_model_name: str | None = _router()  # None: the model id

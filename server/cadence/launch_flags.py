@@ -364,6 +364,14 @@ def _add_scheduling_flags(g: Container, add: Add) -> None:
         help="Dynamic batching waits at most this long for a batch to fill.",
     )
     add(
+        "--scheduling-policy",
+        choices=("fcfs", "fair", "priority"),
+        help="Who joins the batch first and who is preempted: fcfs (arrival order), fair "
+        "(between the API keys' tenants, by the Virtual Token Counter) or priority (the "
+        "requests' `priority` field, lower first, aged by one level a second). See "
+        "docs/tenancy.md.",
+    )
+    add(
         "--max-waiting-requests",
         type=positive_int,
         help="At most this many requests wait for their first step; beyond it they get 429.",

@@ -75,6 +75,7 @@ def test_every_router_flag_the_launcher_can_pass_is_one_the_router_parses(
     values |= {"api_key_file": "/k", "cors_allow_origin": "*"}
     values |= {"lora_adapters": "sql=/a/sql,chat=/a/chat", "lora_dir": "/loras"}
     values |= {"allow_runtime_lora": True}
+    values |= {"scheduling_policy": "fair"}
     cfg = LaunchConfig(
         kv_cache_memory=1 << 20,
         **{

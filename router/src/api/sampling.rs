@@ -56,6 +56,9 @@ macro_rules! with_sampling_fields {
             /// vLLM's extension: generate past the end-of-sequence token up to the token
             /// limit.
             pub ignore_eos: Option<bool>,
+            /// vLLM's extension: under `--scheduling-policy priority`, lower runs first
+            /// [default: 0]; ignored by the other policies.
+            pub priority: Option<i64>,
         }
     };
     ($(#[$meta:meta])* pub struct $name:ident { $($body:tt)* }) => {
@@ -80,6 +83,7 @@ macro_rules! with_sampling_fields {
                     typical_p: self.typical_p.take(),
                     repetition_penalty: self.repetition_penalty.take(),
                     ignore_eos: self.ignore_eos.take(),
+                    priority: self.priority.take(),
                 }
             }
         }
@@ -160,6 +164,7 @@ impl Sampling {
             seed: f.seed,
             top_n_tokens: self.top_n,
             ignore_eos: f.ignore_eos,
+            priority: f.priority,
             ..Default::default()
         };
         let extra = Extra {

@@ -29,6 +29,8 @@ pub struct Info {
     pub max_batch_tokens: usize,
     pub max_batch_size: usize,
     pub max_concurrent_requests: usize,
+    /// `--scheduling-policy`: fcfs, fair or priority.
+    pub scheduling_policy: &'static str,
     pub max_best_of: usize,
     pub max_stop_sequences: usize,
     pub max_top_n_tokens: usize,

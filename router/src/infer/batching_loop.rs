@@ -323,8 +323,14 @@ impl<B: Backend> Loop<B> {
             tracing::info!(
                 recomputed = ?schedule.preempted,
                 swapped = ?schedule.swapped_out,
+                for_waiting = schedule.displaced,
                 free_blocks = self.scheduler.blocks().num_free(),
-                "KV cache full: preempted"
+                "{}",
+                if schedule.displaced > 0 {
+                    "preempted for a waiting request (--scheduling-policy)"
+                } else {
+                    "KV cache full: preempted"
+                }
             );
         }
         let Some(mut step) = schedule.step else {

@@ -163,6 +163,11 @@ impl RequestBook {
             seq.top_n_tokens = request.top_n_tokens;
             seq.adapter_id = request.adapter_id.clone();
             seq.request_id = common.context.id.clone();
+            if let Some(tenant) = &common.context.tenant {
+                seq.tenant = tenant.clone();
+            }
+            seq.weight = common.permit.tenant().map_or(1.0, |t| t.weight());
+            seq.priority = request.priority;
             // Siblings share the prompt: its logprobs come with the first only.
             seq.prompt_logprobs = request.prompt_logprobs && index == 0;
             let entry = Entry::new(events, &request, &seq, seed, &common);

@@ -25,7 +25,8 @@ enum Admitted {
 }
 
 impl Scheduler {
-    /// Plans the waiting requests (3rd in the module documentation): in arrival order, as
+    /// Plans the waiting requests (3rd in the module documentation): in the policy's order
+    /// (`fcfs`: arrival), as
     /// the batching mode, the budget, the batch size and the free blocks allow; a prompt's
     /// cached prefix is shared, not computed. Requests whose adapter cannot join yet are
     /// passed over and keep their place.
@@ -34,11 +35,17 @@ impl Scheduler {
             Batching::None => 1,
             _ => self.config.max_batch_size,
         };
-        let mut i = 0;
-        while plan.budget > 0 && self.running.len() < cap && self.may_admit(i, now, &mut plan.out) {
+        let mut passed = Vec::new();
+        while plan.budget > 0 && self.running.len() < cap {
+            let Some(i) = self.next_waiting(&passed, now) else {
+                break;
+            };
+            if !self.may_admit(i, now, &mut plan.out) {
+                break;
+            }
             match self.admit_at(i, plan) {
                 Admitted::Joined | Admitted::Refused => {}
-                Admitted::Passed => i += 1,
+                Admitted::Passed => passed.push(self.waiting.get(i).expect("passed over").id),
                 Admitted::Wait => break,
             }
         }

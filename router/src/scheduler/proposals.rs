@@ -36,6 +36,8 @@ impl Scheduler {
         let keep = self.blocks.blocks_for(seq.num_computed);
         self.blocks.truncate(id, keep);
         seq.blocks_sent = seq.blocks_sent.min(keep);
+        // Accepted proposals are generated tokens, charged as such (`fair`).
+        self.charge(i, 0, accepted);
         Ok(())
     }
 

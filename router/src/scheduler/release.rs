@@ -1,6 +1,8 @@
 //! Requests leaving the batch: finished, failed, or preempted to make room. Each gives
 //! back what it holds through one release.
 
+use std::time::Instant;
+
 use crate::blocks::RequestId;
 
 use super::sequence::{Proposal, Sequence};
@@ -46,7 +48,7 @@ impl Scheduler {
 
     /// Preempts `seq` (already out of `running`): by swapping when asked and the host
     /// pool has room, else by recomputation.
-    fn preempt(&mut self, mut seq: Sequence, plan: &mut StepPlan) {
+    pub(super) fn preempt(&mut self, mut seq: Sequence, plan: &mut StepPlan) {
         let table = self.blocks.table(seq.id);
         let swapped = match self.config.preemption {
             Preemption::Swap if seq.on_shard && !table.is_empty() => {
@@ -72,11 +74,15 @@ impl Scheduler {
         self.waiting.push_front(seq);
     }
 
-    /// Frees blocks for running request `i`'s decode by preempting the latest arrival
-    /// (possibly `i` itself); fails `i` when it is alone and still short.
-    pub(super) fn preempt_latest(&mut self, i: usize, plan: &mut StepPlan) {
+    /// Frees blocks for running request `i`'s decode by preempting the request the policy
+    /// ranks last among `i` and those after it (not yet planned; `fcfs`: the latest
+    /// arrival, possibly `i` itself); fails `i` when it is alone and still short.
+    pub(super) fn preempt_latest(&mut self, i: usize, plan: &mut StepPlan, now: Instant) {
         let id = self.running[i].id;
-        let victim = self.running.pop().expect("running is not empty");
+        let v = self
+            .victim(now, |v| v >= i)
+            .expect("running[i] is eligible");
+        let victim = self.running.remove(v);
         if victim.id == id && self.running.is_empty() {
             self.fail(victim, plan);
         } else {
@@ -84,20 +90,30 @@ impl Scheduler {
         }
     }
 
-    /// Running request `i`'s prefill has no block: preempts a later arrival that has
-    /// nothing planned, or fails `i` when it is alone, or leaves it to wait for decodes
-    /// to finish (they preempt when they need to). Returns where the prefills go on.
-    pub(super) fn make_room_for_prefill(&mut self, i: usize, plan: &mut StepPlan) -> usize {
-        let id = self.running[i].id;
-        let victim = self
-            .running
-            .iter()
-            .rposition(|s| s.id > id && !plan.requests.iter().any(|p| p.id == s.id));
+    /// Running request `i`'s prefill has no block: preempts a request that ranks after it
+    /// and has nothing planned (`fcfs`: a later arrival), or fails `i` when it is alone,
+    /// or leaves it to wait for decodes to finish (they preempt when they need to).
+    /// Returns where the prefills go on.
+    pub(super) fn make_room_for_prefill(
+        &mut self,
+        i: usize,
+        plan: &mut StepPlan,
+        now: Instant,
+    ) -> usize {
+        let victim = self.victim(now, |v| {
+            v != i
+                && self.ranks_after(v, i, now)
+                && !plan.requests.iter().any(|p| p.id == self.running[v].id)
+        });
         match victim {
             Some(v) => {
                 let victim = self.running.remove(v);
                 self.preempt(victim, plan);
-                i
+                if v < i {
+                    i - 1
+                } else {
+                    i
+                }
             }
             None if self.running.len() == 1 => {
                 let seq = self.running.remove(i);

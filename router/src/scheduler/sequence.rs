@@ -87,6 +87,15 @@ pub struct Sequence {
     pub adapter_blocks: Option<usize>,
     /// Member of the batch being formed or run (dynamic and static batching).
     pub(super) in_batch: bool,
+    /// Its tenant (the API key's; empty: the anonymous tenant of requests without a key)
+    /// and the tenant's weight: `fair` scheduling divides service by it.
+    pub tenant: Arc<str>,
+    pub weight: f64,
+    /// `priority` scheduling: lower runs first.
+    pub priority: i64,
+    /// Prompt tokens charged to its tenant's virtual counter so far: recomputation after
+    /// a preemption is not charged twice.
+    pub(super) charged_prompt: usize,
 }
 
 impl Sequence {
@@ -114,6 +123,10 @@ impl Sequence {
             verifying: 0,
             adapter_blocks: None,
             in_batch: false,
+            tenant: "".into(),
+            weight: 1.0,
+            priority: 0,
+            charged_prompt: 0,
         }
     }
 

@@ -41,9 +41,10 @@ impl StepPlan {
         }
     }
 
-    /// Whether this step preempted a running request.
+    /// Whether this step preempted a running request for lack of blocks (not counting
+    /// the policy's displacements, made so that a waiting request joins).
     pub(super) fn preempted(&self) -> bool {
-        !self.out.preempted.is_empty() || !self.out.swapped_out.is_empty()
+        self.out.preempted.len() + self.out.swapped_out.len() > self.out.displaced
     }
 }
 
@@ -225,6 +226,11 @@ impl Scheduler {
             let i = self
                 .running_index(id)
                 .expect("planned requests are running");
+            let sampled = {
+                let s = &self.running[i];
+                s.num_computed + n - proposed == s.token_ids.len() + s.pending
+            };
+            self.charge(i, n - proposed, usize::from(sampled));
             let table = self.blocks.table(id);
             let seq = &mut self.running[i];
             if seq.on_shard {

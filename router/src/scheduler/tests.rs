@@ -945,5 +945,7 @@ fn random_workloads_with_proposals_match_the_kv_model_and_never_pass_limits() {
 
 /// LoRA adapters in the pool.
 mod adapters;
+/// The scheduling policies: fair (Virtual Token Counter) and priority.
+mod policies;
 /// The batching loop's whole protocol at random.
 mod random_loop;

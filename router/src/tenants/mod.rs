@@ -14,7 +14,7 @@
 //! exports the counters per tenant, `usage` answers `GET /v1/usage` from them.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Instant;
 
@@ -52,10 +52,18 @@ pub struct TenantUsage {
     pub in_flight: AtomicUsize,
     /// Its tokens per minute (unlimited at rate 0).
     pub bucket: TokenBucket,
+    /// Its share under `--scheduling-policy fair` (f64 bits; a reload may change it).
+    weight: AtomicU64,
     limiter: Option<Arc<Semaphore>>,
 }
 
 impl TenantUsage {
+    /// Its share under fair scheduling: its key's `weight=W`, else 1 (the last line's
+    /// when lines of its keys differ).
+    pub fn weight(&self) -> f64 {
+        f64::from_bits(self.weight.load(Ordering::Acquire))
+    }
+
     /// Counts prompt tokens booked for one of its requests.
     pub fn add_prompt_tokens(&self, tokens: u64) {
         self.prompt_tokens.add(tokens);
@@ -118,7 +126,7 @@ impl Tenants {
     }
 
     /// Adds the tenants `keys` name that have no account yet and sets every named
-    /// tenant's token rate (its key's option, else the flag's).
+    /// tenant's token rate (its key's option, else the flag's) and weight.
     pub fn update(&self, keys: &[ApiKey]) {
         let mut by_name = self.by_name.write().expect("tenants lock");
         for key in keys {
@@ -126,8 +134,12 @@ impl Tenants {
                 .options
                 .tokens_per_minute
                 .unwrap_or(self.tokens_per_minute);
+            let weight = key.options.weight.unwrap_or(1.0).to_bits();
             match by_name.get(&key.tenant) {
-                Some(usage) => usage.bucket.set_per_minute(rate),
+                Some(usage) => {
+                    usage.bucket.set_per_minute(rate);
+                    usage.weight.store(weight, Ordering::Release);
+                }
                 None => {
                     let usage = TenantUsage {
                         requests: Counter::default(),
@@ -136,6 +148,7 @@ impl Tenants {
                         generation_tokens: Counter::default(),
                         in_flight: AtomicUsize::new(0),
                         bucket: TokenBucket::new(rate),
+                        weight: AtomicU64::new(weight),
                         limiter: self
                             .max_concurrent_per_key
                             .map(|n| Arc::new(Semaphore::new(n))),
@@ -267,11 +280,12 @@ mod tests {
         let tenants = Tenants::new(&[ApiKey::from_line("k1 a").unwrap()], None, 0);
         tenants.get("a").unwrap().requests.add(3);
         tenants.update(&[
-            ApiKey::from_line("k1 a tokens_per_minute=60").unwrap(),
+            ApiKey::from_line("k1 a tokens_per_minute=60 weight=2").unwrap(),
             ApiKey::from_line("k3 c").unwrap(),
         ]);
         let a = tenants.get("a").unwrap();
         assert_eq!((a.requests.get(), a.bucket.per_minute()), (3, 60));
+        assert_eq!(a.weight(), 2.0, "a reload sets the weight the fair policy reads");
         let names: Vec<_> = tenants.iter().map(|(n, _)| n.to_string()).collect();
         assert_eq!(names, ["a", "c"]);
     }

@@ -199,6 +199,7 @@ impl Setup {
             max_batch_tokens: MAX_BATCH_TOKENS,
             max_batch_size: MAX_BATCH_SIZE,
             max_concurrent_requests: max_concurrent,
+            scheduling_policy: "fcfs",
             max_best_of: limits.max_best_of,
             max_stop_sequences: limits.max_stop_sequences,
             max_top_n_tokens: limits.max_top_n_tokens,

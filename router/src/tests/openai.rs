@@ -30,6 +30,7 @@ async fn openai_errors_are_400_in_openai_shape_naming_the_parameter() {
         (json!({"prompt": ""}), "prompt"),
         (json!({"prompt": [1, 999999]}), "prompt"),
         (json!({"prompt": "hi", "seed": -1}), "seed"),
+        (json!({"prompt": "hi", "priority": "high"}), "priority"),
     ];
     for (body, param) in cases {
         let (status, _, text) = h.send(post_json("/v1/completions", &body, None)).await;
@@ -257,4 +258,16 @@ async fn streaming_best_of_must_equal_n_either_way() {
         let v: Value = serde_json::from_str(&text).unwrap();
         assert_eq!(v["error"]["param"], "best_of", "{text}");
     }
+}
+
+#[tokio::test]
+async fn a_request_priority_is_accepted_on_openai_and_tgi_routes() {
+    let h = harness(Script::Hash);
+    let body = json!({"prompt": "hi", "max_tokens": 2, "priority": -3});
+    let (status, v) = h.post("/v1/completions", body).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let body = json!({"inputs": "hi", "parameters": {"max_new_tokens": 2, "priority": 7}});
+    let (status, v) = h.post("/generate", body).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    h.assert_protocol_ok();
 }

@@ -56,6 +56,7 @@ async fn each_invalid_parameter_is_a_422_naming_the_field_on_both_routes() {
         (p(json!({"adapter_id": "lora-x"})), "adapter_id"),
         (p(json!({"top_n_tokens": 50})), "top_n_tokens"),
         (p(json!({"truncate": 0})), "truncate"),
+        (p(json!({"priority": 1.5})), "parameters.priority"),
         // 60 input tokens > max_input_tokens (48).
         (json!({"inputs": "x".repeat(60)}), "inputs"),
         // 41 input tokens + 30 new > max_total_tokens (64).
