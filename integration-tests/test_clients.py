@@ -95,6 +95,7 @@ def test_text_generation_client_generate_details_and_stream(server: LaunchedServ
         f"{server.url}/generate",
         headers={"Authorization": f"Bearer {KEY}"},
         json={"inputs": "Hi", "parameters": {"max_new_tokens": 3, "details": True}},
+        timeout=120,
     )
     check(schema, "GenerateResponse", raw.json())
     for name in ("x-queue-time", "x-inference-time", "x-time-per-token", "x-prompt-tokens"):
