@@ -176,3 +176,10 @@ def test_the_chat_template_flag_reaches_the_router() -> None:
     argv = _router_argv(config_from(args, LaunchConfig))
     assert argv[argv.index("--chat-template") + 1] == "/t/chat.jinja"
     assert "--chat-template" not in _router_argv(LaunchConfig())
+
+
+def test_the_reasoning_parser_flag_reaches_the_router() -> None:
+    args = build_parser().parse_args(["launch", "--reasoning-parser", "qwen3"])
+    argv = _router_argv(config_from(args, LaunchConfig))
+    assert argv[argv.index("--reasoning-parser") + 1] == "qwen3"
+    assert "--reasoning-parser" not in _router_argv(LaunchConfig())
