@@ -183,7 +183,8 @@ impl ChatTemplate {
         Self::load(dir, None)
     }
 
-    /// The template of `<dir>/tokenizer_config.json`, or `replacement` in its place (the
+    /// The template of `<dir>/tokenizer_config.json` (else `<dir>/chat_template.jinja`),
+    /// or `replacement` in its place (the
     /// --chat-template flag: a template file, or the template itself, as vLLM takes it),
     /// with the model's BOS and EOS tokens either way; `None` when there is neither.
     pub fn load(dir: &Path, replacement: Option<&str>) -> Result<Option<Self>, String> {
@@ -208,7 +209,9 @@ impl ChatTemplate {
                 .and_then(|t| t.get("template").and_then(Value::as_str))
                 .unwrap_or_default()
                 .to_string(),
-            (None, _) => String::new(),
+            // transformers 4.43+ saves the template beside the config instead.
+            (None, _) => std::fs::read_to_string(path.with_file_name("chat_template.jinja"))
+                .unwrap_or_default(),
         };
         if template.is_empty() {
             return Ok(None);
@@ -327,6 +330,12 @@ mod tests {
         std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
         let t = ChatTemplate::from_dir(&dir).unwrap().unwrap();
         assert_eq!(t.render(&[message("user", "yo")], None).unwrap(), "<s>yo");
+        // Without one in the config, chat_template.jinja's.
+        let config = serde_json::json!({"bos_token": "<s>"});
+        std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+        std::fs::write(dir.join("chat_template.jinja"), "{{ bos_token }}!").unwrap();
+        let t = ChatTemplate::from_dir(&dir).unwrap().unwrap();
+        assert_eq!(t.render(&[message("user", "yo")], None).unwrap(), "<s>!");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

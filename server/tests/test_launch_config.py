@@ -71,7 +71,7 @@ def test_every_router_flag_the_launcher_can_pass_is_one_the_router_parses(
     command line, every forwarded flag set, goes through the router's parser."""
     router = pytest.importorskip("cadence._router")
     values = {"preemption": "swap", "batching": "dynamic", "memory_fraction": 0.5}
-    values |= {"speculative": "ngram"}
+    values |= {"speculative": "ngram", "reasoning_parser": "qwen3"}
     values |= {"api_key_file": "/k", "cors_allow_origin": "*"}
     values |= {"lora_adapters": "sql=/a/sql,chat=/a/chat", "lora_dir": "/loras"}
     values |= {"allow_runtime_lora": True}

@@ -6,7 +6,7 @@
 
 use super::error::ApiError;
 use super::state::AppState;
-use super::tools::{self, Reading, Tools};
+use super::tools::{self, Reading, ToolChoice, Tools};
 use crate::chat::{TemplateKwargs, TemplateMessage};
 use crate::constraints::Constraint;
 use crate::reasoning::Thinking;
@@ -54,10 +54,16 @@ impl Conversation {
         .await
         .map_err(|e| ApiError::invalid(field, e.to_string()))?
         .map_err(|e| ApiError::invalid(field, e))?;
+        // A grammar that shapes the output from its first token (a format, calls that
+        // must come at once) leaves no room for reasoning: the whole output is the answer.
+        let shaped_from_start = self.format.is_some()
+            || tools.as_ref().is_some_and(|t| {
+                matches!(t.choice, ToolChoice::Required | ToolChoice::Function(_))
+            });
         let special_tags = tools::tags_are_special(&state.infer.validation.tokenizer);
         let constraint = tools::constraint(tools.as_ref(), self.format, special_tags)?;
         Ok(Prepared {
-            thinking: Thinking::of(state.reasoning, &text),
+            thinking: Thinking::of(state.reasoning, &text).filter(|_| !shaped_from_start),
             text,
             constraint,
             reading: Reading::of(tools.as_ref()),

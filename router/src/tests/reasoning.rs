@@ -120,6 +120,24 @@ async fn chat_template_kwargs_reach_the_template_and_thinking_off_is_all_content
 }
 
 #[tokio::test]
+async fn a_structured_output_is_all_answer_even_after_an_opened_think() {
+    let json_text = "{\"a\": 1}";
+    let mut script = ids(json_text);
+    script.push(testing::eos_id());
+    let h = setup(Script::Fixed(script))
+        .chat_template_source(THINKING_TEMPLATE)
+        .reasoning_parser(ReasoningParser::DeepseekR1)
+        .build();
+    let format = json!({"response_format": {"type": "json_object"}});
+    let (status, v) = h.post("/v1/chat/completions", chat(format)).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let message = &v["choices"][0]["message"];
+    assert_eq!(message["content"], json_text, "{v}");
+    assert!(message.get("reasoning").is_none(), "{v}");
+    h.assert_protocol_ok();
+}
+
+#[tokio::test]
 async fn without_a_parser_the_answer_is_the_text_as_generated() {
     let h = thinking_harness(None);
     let (_, v) = h.post("/v1/chat/completions", chat(json!({}))).await;
