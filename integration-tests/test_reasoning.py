@@ -28,6 +28,7 @@ from conftest import (
 
 MESSAGES = [{"role": "user", "content": THINKING_QUESTION}]
 GREEDY = {"temperature": 0}
+MODEL = "tiny-qwen3"
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,14 @@ def server(
 ) -> Iterator[LaunchedServer]:
     memory = str(64 * TINY_BLOCK_BYTES_FLOAT32)
     flags = ("--model-id", tiny_qwen3_dir, *FLOAT32, "--kv-cache-memory", memory)
-    launched = launch(tmp_path_factory.mktemp("reasoning"), *flags, "--reasoning-parser", "qwen3")
+    launched = launch(
+        tmp_path_factory.mktemp("reasoning"),
+        *flags,
+        "--served-model-name",
+        MODEL,
+        "--reasoning-parser",
+        "qwen3",
+    )
     yield launched
     stop(launched)
 
@@ -75,7 +83,7 @@ def test_chat_message_reasoning_is_the_text_before_think_end_and_content_the_res
 ) -> None:
     reasoning, content = split_at_close(raw_text[True])
     response = oai.chat.completions.create(
-        model="m", messages=MESSAGES, max_tokens=THINKING_TOKENS, **GREEDY
+        model=MODEL, messages=MESSAGES, max_tokens=THINKING_TOKENS, **GREEDY
     )
     message = response.choices[0].message.model_dump()
     assert message["reasoning"] == reasoning
@@ -89,7 +97,7 @@ def test_streamed_chat_deltas_add_up_to_the_same_split(
 ) -> None:
     reasoning, content = split_at_close(raw_text[True])
     stream = oai.chat.completions.create(
-        model="m", messages=MESSAGES, max_tokens=THINKING_TOKENS, stream=True, **GREEDY
+        model=MODEL, messages=MESSAGES, max_tokens=THINKING_TOKENS, stream=True, **GREEDY
     )
     got = {"reasoning": "", "reasoning_content": "", "content": ""}
     for chunk in stream:
@@ -105,7 +113,7 @@ def test_enable_thinking_false_in_chat_template_kwargs_answers_without_reasoning
     oai: openai.OpenAI, raw_text: dict[bool, str]
 ) -> None:
     response = oai.chat.completions.create(
-        model="m",
+        model=MODEL,
         messages=MESSAGES,
         max_tokens=THINKING_TOKENS,
         extra_body={"chat_template_kwargs": {"enable_thinking": False}},
@@ -123,7 +131,7 @@ def test_anthropic_thinking_blocks_whole_and_streamed(
     reasoning, content = split_at_close(raw_text[True])
     client = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=120)
     ask: dict[str, Any] = {
-        "model": "m",
+        "model": MODEL,
         "max_tokens": THINKING_TOKENS,
         "messages": MESSAGES,
         "thinking": {"type": "enabled", "budget_tokens": 1024},
@@ -146,15 +154,28 @@ def test_responses_reasoning_item_comes_before_the_message(
 ) -> None:
     reasoning, content = split_at_close(raw_text[True])
     response = oai.responses.create(
-        model="m", input=THINKING_QUESTION, max_output_tokens=THINKING_TOKENS, **GREEDY
+        model=MODEL, input=THINKING_QUESTION, max_output_tokens=THINKING_TOKENS, **GREEDY
     )
     assert [item.type for item in response.output] == ["reasoning", "message"]
     assert response.output[0].content[0].text == reasoning
     assert response.output_text == content
-    with oai.responses.stream(
-        model="m", input=THINKING_QUESTION, max_output_tokens=THINKING_TOKENS, **GREEDY
-    ) as stream:
-        deltas = "".join(e.delta for e in stream if e.type == "response.reasoning_text.delta")
-        final = stream.get_final_response()
-    assert deltas == reasoning
-    assert final.output_text == content
+    # The token limit ends it as `response.incomplete`, which the SDK's final-response
+    # helper does not take: the events are read one by one.
+    stream = oai.responses.create(
+        model=MODEL,
+        input=THINKING_QUESTION,
+        max_output_tokens=THINKING_TOKENS,
+        stream=True,
+        **GREEDY,
+    )
+    events = list(stream)
+    deltas = {"response.reasoning_text.delta": "", "response.output_text.delta": ""}
+    for event in events:
+        if event.type in deltas:
+            deltas[event.type] += event.delta
+    assert deltas == {
+        "response.reasoning_text.delta": reasoning,
+        "response.output_text.delta": content,
+    }
+    assert events[-1].type == "response.incomplete"
+    assert events[-1].response.output_text == content
