@@ -24,7 +24,8 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 
 pub use object::{
-    IncompleteDetails, OutputItem, OutputText, ResponseObject, ResponseUsage, Settings,
+    IncompleteDetails, OutputItem, OutputText, ReasoningText, ResponseObject, ResponseUsage,
+    Settings,
 };
 pub use request::ResponsesRequest;
 
