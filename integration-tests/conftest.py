@@ -318,3 +318,87 @@ def tiny_reference(tiny_llama_dir: str) -> tuple[list[str], list[list[int]], int
 def reference_up_to_eos(reference: list[int], eos_id: int) -> list[int]:
     """A reference continuation cut after its EOS, as the server stops there."""
     return reference[: reference.index(eos_id) + 1] if eos_id in reference else reference
+
+
+# A Qwen3-Thinking-style template: the assistant's turn opens `<think>` unless
+# `enable_thinking` is false, when it writes the empty block (Qwen3's switch).
+THINKING_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+    "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and not enable_thinking %}{{ '<think>\\n\\n</think>\\n\\n' }}"
+    "{% else %}{{ '<think>\\n' }}{% endif %}{% endif %}"
+)
+THINKING_QUESTION = "What is 12 times 7?"
+THINKING_TOKENS = 12  # the tokens the reasoning tests generate
+
+
+def thinking_prompt(tokenizer: Any, enable_thinking: bool) -> str:
+    """THINKING_QUESTION rendered by the tiny Qwen3's template."""
+    messages = [{"role": "user", "content": THINKING_QUESTION}]
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory, smollm_dir: str) -> str:
+    """A tiny random Qwen3 (the tiny Llama's sizes, per-head q/k norms, a separate LM head)
+    with SmolLM2's tokenizer plus `<think>` and `</think>` as added tokens (as Qwen3's
+    are) and THINKING_TEMPLATE.
+
+    Random text never closes its reasoning by itself, so the LM head's `</think>` row is
+    the row of the token the model picks a few steps into its answer to the thinking
+    prompt, scaled up: there `</think>` wins instead, and the output is reasoning, the
+    tag, then more text (checked here with transformers' greedy output)."""
+    import torch
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-qwen3")
+    tokenizer = AutoTokenizer.from_pretrained(smollm_dir)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.chat_template = THINKING_TEMPLATE
+    open_id, close_id = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    source = json.loads((Path(smollm_dir) / "config.json").read_text())
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=TINY_KV_HEADS * 4 * TINY_HEAD_DIM,
+        intermediate_size=512,
+        num_hidden_layers=TINY_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=TINY_KV_HEADS,
+        head_dim=TINY_HEAD_DIM,
+        max_position_embeddings=8192,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=source["bos_token_id"],
+        eos_token_id=source["eos_token_id"],
+        pad_token_id=source["pad_token_id"],
+    )
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config).eval()
+    lm_head = model.lm_head.weight
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.5 if "embed" in name else 0.08)
+        lm_head[:3] = 0  # <|endoftext|>, <|im_start|>, <|im_end|>: never top
+        lm_head[open_id] = 0
+    ids = tokenizer(thinking_prompt(tokenizer, True), return_tensors="pt").input_ids
+
+    def greedy() -> list[int]:
+        with torch.inference_mode():
+            out = model.generate(ids, max_new_tokens=THINKING_TOKENS, do_sample=False)
+        return out[0, ids.shape[1] :].tolist()
+
+    plain = greedy()
+    for step in range(4, THINKING_TOKENS - 3):
+        with torch.no_grad():
+            lm_head[close_id] = lm_head[plain[step]] * 1.05
+        out = greedy()
+        if close_id in out and 2 <= out.index(close_id) <= THINKING_TOKENS - 3:
+            break
+    else:
+        raise AssertionError(f"no step of {plain} closes the reasoning")
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return str(path)

@@ -92,6 +92,12 @@ pub struct Args {
     #[arg(long, env = "CADENCE_CHAT_TEMPLATE")]
     pub chat_template: Option<String>,
 
+    /// Splits a thinking model's `<think>…</think>` reasoning from its answer into
+    /// chat's `reasoning` field, Anthropic's `thinking` blocks and Responses' reasoning
+    /// items (vLLM's --reasoning-parser) [default: none, the text as generated].
+    #[arg(long, env = "CADENCE_REASONING_PARSER", value_enum)]
+    pub reasoning_parser: Option<crate::reasoning::ReasoningParser>,
+
     /// Model name reported by /info.
     #[arg(long, env = "CADENCE_MODEL_ID")]
     pub model_id: String,

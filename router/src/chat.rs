@@ -69,6 +69,9 @@ pub struct TemplateFunctionCall {
     pub arguments: Value,
 }
 
+/// Variables a request adds to the template's (`chat_template_kwargs`).
+pub type TemplateKwargs = serde_json::Map<String, Value>;
+
 pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: String,
@@ -180,7 +183,8 @@ impl ChatTemplate {
         Self::load(dir, None)
     }
 
-    /// The template of `<dir>/tokenizer_config.json`, or `replacement` in its place (the
+    /// The template of `<dir>/tokenizer_config.json` (else `<dir>/chat_template.jinja`),
+    /// or `replacement` in its place (the
     /// --chat-template flag: a template file, or the template itself, as vLLM takes it),
     /// with the model's BOS and EOS tokens either way; `None` when there is neither.
     pub fn load(dir: &Path, replacement: Option<&str>) -> Result<Option<Self>, String> {
@@ -205,7 +209,9 @@ impl ChatTemplate {
                 .and_then(|t| t.get("template").and_then(Value::as_str))
                 .unwrap_or_default()
                 .to_string(),
-            (None, _) => String::new(),
+            // transformers 4.43+ saves the template beside the config instead.
+            (None, _) => std::fs::read_to_string(path.with_file_name("chat_template.jinja"))
+                .unwrap_or_default(),
         };
         if template.is_empty() {
             return Ok(None);
@@ -252,6 +258,18 @@ impl ChatTemplate {
         messages: &[TemplateMessage],
         tools: Option<&[Value]>,
     ) -> Result<String, String> {
+        self.render_with(messages, tools, &TemplateKwargs::new())
+    }
+
+    /// As `render`, with more variables for the template (`chat_template_kwargs`, as
+    /// transformers passes `apply_chat_template`'s extra keyword arguments: e.g.
+    /// `enable_thinking`); they cannot replace the messages, tools or special tokens.
+    pub fn render_with(
+        &self,
+        messages: &[TemplateMessage],
+        tools: Option<&[Value]>,
+        kwargs: &TemplateKwargs,
+    ) -> Result<String, String> {
         let template = self.env.get_template(TEMPLATE).map_err(|e| e.to_string())?;
         template
             .render(minijinja::context! {
@@ -260,6 +278,7 @@ impl ChatTemplate {
                 add_generation_prompt => true,
                 bos_token => &self.bos_token,
                 eos_token => &self.eos_token,
+                ..minijinja::Value::from(minijinja::value::Serde(kwargs))
             })
             .map_err(|e| match e.kind() {
                 ErrorKind::InvalidOperation => e.detail().unwrap_or("invalid messages").to_string(),
@@ -311,6 +330,12 @@ mod tests {
         std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
         let t = ChatTemplate::from_dir(&dir).unwrap().unwrap();
         assert_eq!(t.render(&[message("user", "yo")], None).unwrap(), "<s>yo");
+        // Without one in the config, chat_template.jinja's.
+        let config = serde_json::json!({"bos_token": "<s>"});
+        std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+        std::fs::write(dir.join("chat_template.jinja"), "{{ bos_token }}!").unwrap();
+        let t = ChatTemplate::from_dir(&dir).unwrap().unwrap();
+        assert_eq!(t.render(&[message("user", "yo")], None).unwrap(), "<s>!");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
@@ -394,6 +419,26 @@ mod tests {
         assert_eq!(
             out,
             "<system>Be brief.\n<user>Weather in Paris?\n<assistant>"
+        );
+    }
+
+    #[test]
+    fn kwargs_reach_the_template_but_do_not_replace_its_variables() {
+        let template = "{{ messages[0].content }}{% if enable_thinking is defined and not enable_thinking %}<think></think>{% else %}<think>{% endif %}";
+        let t = ChatTemplate::new(template.into(), String::new(), String::new()).unwrap();
+        let render = |kwargs: Value| {
+            let kwargs = kwargs.as_object().unwrap().clone();
+            t.render_with(&[message("user", "q")], None, &kwargs)
+                .unwrap()
+        };
+        assert_eq!(render(serde_json::json!({})), "q<think>");
+        assert_eq!(
+            render(serde_json::json!({"enable_thinking": false})),
+            "q<think></think>"
+        );
+        assert_eq!(
+            render(serde_json::json!({"messages": [{"content": "x"}]})),
+            "q<think>"
         );
     }
 

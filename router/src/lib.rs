@@ -32,6 +32,7 @@ pub mod playground;
 #[cfg(feature = "python")]
 mod python;
 pub mod readiness;
+pub mod reasoning;
 pub mod rejections;
 pub mod request_id;
 pub mod request_scope;
@@ -293,6 +294,7 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
             info: app_info,
             shards: groups,
             chat: chat.map(Arc::new),
+            reasoning: args.reasoning_parser,
             readiness,
             responses: Default::default(),
         },

@@ -9,7 +9,8 @@ use utoipa::OpenApi;
 use crate::anthropic::{
     self, AnthropicError, AnthropicErrorDetail, BlockDelta, ContentBlock, CountTokensRequest,
     InputContent, InputMessage, Message, MessageDeltaBody, MessageUsage, MessagesRequest,
-    OutputBlock, OutputUsage, StopReason, StreamEvent, TokenCount, ToolChoiceInput, ToolDefinition,
+    OutputBlock, OutputUsage, StopReason, StreamEvent, ThinkingConfig, TokenCount, ToolChoiceInput,
+    ToolDefinition,
 };
 use crate::api::{ChoiceFinish, Info, LoraInfo, Role};
 use crate::error::ErrorBody;
@@ -58,7 +59,8 @@ use crate::validation::{GenerateParameters, GenerateRequest};
         CountTokensRequest, InputMessage, InputContent, ContentBlock, ToolDefinition,
         ToolChoiceInput, Message, MessageUsage, OutputBlock, TokenCount, StreamEvent, BlockDelta,
         MessageDeltaBody, OutputUsage, AnthropicError, AnthropicErrorDetail, ChoiceFinish,
-        Role, StopReason, UsageList, TenantUsageReport,
+        Role, StopReason, UsageList, TenantUsageReport, Reasoning, ReasoningText,
+        ThinkingConfig,
     )),
     modifiers(&BearerAuth),
 )]

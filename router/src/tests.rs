@@ -52,6 +52,8 @@ mod lora;
 mod openai;
 /// 429s and 503s on every route, and the slots cancelled streams free.
 mod overload;
+/// `--reasoning-parser` on every chat route, and `chat_template_kwargs`.
+mod reasoning;
 /// Unknown routes, methods and models; CORS preflights; counted rejections.
 mod rejections;
 /// Several shard groups behind one router.

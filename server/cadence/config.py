@@ -14,6 +14,7 @@ from typing import Any
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 QUANTIZE_METHODS = ("int8", "int4")
 SPECULATIVE_METHODS = ("ngram", "draft", "synthetic")
+REASONING_PARSERS = ("deepseek_r1", "qwen3")  # the router's --reasoning-parser names
 GROUP_SIZES = (32, 64, 128)
 KEEP_FLOAT_CHOICES = ("auto", "on", "off")
 
@@ -136,6 +137,7 @@ class LaunchConfig:
     grammar_compile_timeout_ms: int | None = _router()
     served_model_name: str | None = _router()  # None: the model id
     chat_template: str | None = _router()  # a Jinja file or text; None: the model's
+    reasoning_parser: str | None = _router()  # one of REASONING_PARSERS; None: no split
     ready_stall_timeout_ms: int | None = _router()
     otlp_endpoint: str | None = _router()  # None: OTEL_EXPORTER_OTLP_ENDPOINT, else no traces
     otlp_service_name: str | None = _router()

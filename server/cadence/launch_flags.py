@@ -18,6 +18,7 @@ from cadence.config import (
     GROUP_SIZES,
     KEEP_FLOAT_CHOICES,
     QUANTIZE_METHODS,
+    REASONING_PARSERS,
     SPECULATIVE_METHODS,
     LaunchConfig,
     default_of,
@@ -255,6 +256,13 @@ def add_launch_flags(p: argparse.ArgumentParser, shown: dict[str, str]) -> None:
         "--chat-template",
         help="Use this chat template instead of the model's (its tokenizer_config.json's): a "
         "Jinja file, or the template itself.",
+    )
+    add(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        help="Split a thinking model's <think>…</think> reasoning from its answer into the "
+        "APIs' reasoning fields (chat's `reasoning`, Anthropic's thinking blocks, Responses' "
+        "reasoning items).",
     )
     _, add = group("memory and batching", "The KV cache's size and layout, and a step's size.")
     _add_memory_flags(add)

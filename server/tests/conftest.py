@@ -24,6 +24,7 @@ from transformers import (  # noqa: E402
     OPTConfig,
     PreTrainedModel,
     Qwen2Config,
+    Qwen3Config,
 )
 
 TINY = dict(
@@ -75,6 +76,8 @@ VARIANTS: dict[str, tuple[type, dict, dict]] = {
         },
     ),
     "qwen2": (Qwen2Config, TINY, {"tie_word_embeddings": True}),
+    # per-head q/k RMSNorm, and a head_dim (32) that is not hidden_size / heads (16)
+    "qwen3": (Qwen3Config, TINY, {"head_dim": 32}),
     # one KV head: fewer KV heads than 2 shards (replicated); a vocabulary of 257 rows
     "llama_kv1_odd_vocab": (LlamaConfig, TINY, {"num_key_value_heads": 1, "vocab_size": 257}),
     # SmolLM2-135M's head layout: 9 query heads in 3 KV groups, uneven over 2 ranks

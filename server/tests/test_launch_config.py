@@ -71,7 +71,7 @@ def test_every_router_flag_the_launcher_can_pass_is_one_the_router_parses(
     command line, every forwarded flag set, goes through the router's parser."""
     router = pytest.importorskip("cadence._router")
     values = {"preemption": "swap", "batching": "dynamic", "memory_fraction": 0.5}
-    values |= {"speculative": "ngram"}
+    values |= {"speculative": "ngram", "reasoning_parser": "qwen3"}
     values |= {"api_key_file": "/k", "cors_allow_origin": "*"}
     values |= {"lora_adapters": "sql=/a/sql,chat=/a/chat", "lora_dir": "/loras"}
     values |= {"allow_runtime_lora": True}
@@ -177,3 +177,10 @@ def test_the_chat_template_flag_reaches_the_router() -> None:
     argv = _router_argv(config_from(args, LaunchConfig))
     assert argv[argv.index("--chat-template") + 1] == "/t/chat.jinja"
     assert "--chat-template" not in _router_argv(LaunchConfig())
+
+
+def test_the_reasoning_parser_flag_reaches_the_router() -> None:
+    args = build_parser().parse_args(["launch", "--reasoning-parser", "qwen3"])
+    argv = _router_argv(config_from(args, LaunchConfig))
+    assert argv[argv.index("--reasoning-parser") + 1] == "qwen3"
+    assert "--reasoning-parser" not in _router_argv(LaunchConfig())

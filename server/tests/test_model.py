@@ -21,6 +21,7 @@ TOL = 1e-4
         "llama_bias",
         "llama3_rope",
         "qwen2",
+        "qwen3",
         "llama_kv1_odd_vocab",
         "llama_9_heads_3_kv",
         "mistral_window",

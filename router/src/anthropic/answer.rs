@@ -1,4 +1,5 @@
-//! The answer: a message of text and `tool_use` blocks, its stop reason and usage.
+//! The answer: a message of `thinking` (with --reasoning-parser), text and `tool_use`
+//! blocks, its stop reason and usage.
 
 use serde::Serialize;
 use serde_json::{json, Value};
@@ -7,6 +8,7 @@ use utoipa::ToSchema;
 use crate::api::tools::{random_id, Reading, ToolCall};
 use crate::api::Role;
 use crate::infer::{End, FinishReason};
+use crate::reasoning::Thinking;
 
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct Message {
@@ -35,6 +37,12 @@ pub struct MessageUsage {
 #[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum OutputBlock {
+    /// The model's reasoning (--reasoning-parser), first.
+    Thinking {
+        thinking: String,
+        /// Empty: the reasoning is the model's own, not signed.
+        signature: String,
+    },
     Text {
         text: String,
     },
@@ -49,6 +57,13 @@ pub enum OutputBlock {
 }
 
 impl OutputBlock {
+    pub(super) fn thinking(thinking: String) -> Self {
+        Self::Thinking {
+            thinking,
+            signature: String::new(),
+        }
+    }
+
     /// A call read from the output, with an id in Anthropic's shape.
     pub(super) fn tool_use(call: ToolCall) -> Self {
         // The reader took the arguments from parsed JSON: they parse.
@@ -64,6 +79,7 @@ impl OutputBlock {
     /// carry (the text, the input as JSON text).
     pub(super) fn streamed(self) -> (Self, String) {
         match self {
+            Self::Thinking { thinking, .. } => (Self::thinking(String::new()), thinking),
             Self::Text { text } => (
                 Self::Text {
                     text: String::new(),
@@ -101,21 +117,37 @@ impl Message {
         }
     }
 
-    /// The whole answer from the generated text; `reading` when the model may call.
-    pub(super) fn answered(mut self, end: End, reading: Option<&Reading>) -> Self {
+    /// The whole answer from the generated text; `reading` when the model may call,
+    /// `thinking` when its reasoning is split from its answer.
+    pub(super) fn answered(
+        mut self,
+        end: End,
+        reading: Option<&Reading>,
+        thinking: Option<&Thinking>,
+    ) -> Self {
+        let (reasoning, generated) = match thinking {
+            None => (None, end.generated_text.clone()),
+            Some(thinking) => {
+                let split = thinking.split(&end.generated_text);
+                (split.reasoning, split.content)
+            }
+        };
         let (text, calls, called) = match reading {
-            None => (Some(end.generated_text.clone()), Vec::new(), false),
+            None => (Some(generated), Vec::new(), false),
             // `Reading` gives OpenAI's finish reason, unused here.
             Some(reading) => {
-                let answer = reading.answer(&end.generated_text, end.finish_reason.into());
+                let answer = reading.answer(&generated, end.finish_reason.into());
                 (answer.content, answer.calls, answer.called)
             }
         };
         // An empty text is no block, as a stream opens none for it.
-        self.content = text
+        let text = text
             .filter(|t| !t.is_empty())
-            .map(|text| OutputBlock::Text { text })
+            .map(|text| OutputBlock::Text { text });
+        self.content = reasoning
+            .map(OutputBlock::thinking)
             .into_iter()
+            .chain(text)
             .chain(calls.into_iter().map(OutputBlock::tool_use))
             .collect();
         self.stop_reason = Some(stop_reason(&end, called));

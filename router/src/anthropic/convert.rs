@@ -5,10 +5,12 @@
 
 use serde_json::{json, Value};
 
-use super::request::{ContentBlock, InputContent, InputMessage, ToolChoiceInput, ToolDefinition};
+use super::request::{
+    ContentBlock, InputContent, InputMessage, ThinkingConfig, ToolChoiceInput, ToolDefinition,
+};
 use crate::api::tools::{unique_names, Function, ToolChoice, Tools};
 use crate::api::ApiError;
-use crate::chat::{TemplateFunctionCall, TemplateMessage, TemplateToolCall};
+use crate::chat::{TemplateFunctionCall, TemplateKwargs, TemplateMessage, TemplateToolCall};
 
 /// The template's messages: `system` first, then each turn's.
 pub(super) fn template_messages(
@@ -164,11 +166,12 @@ fn assistant_turn(i: usize, blocks: Vec<ContentBlock>) -> Result<TemplateMessage
                     },
                 });
             }
+            "thinking" | "redacted_thinking" => {}
             kind => {
                 return Err(refused(
                     &field,
                     kind,
-                    "assistant turns take text and tool_use",
+                    "assistant turns take text, tool_use and thinking",
                 ))
             }
         }
@@ -180,6 +183,29 @@ fn assistant_turn(i: usize, blocks: Vec<ContentBlock>) -> Result<TemplateMessage
         tool_calls: (!calls.is_empty()).then_some(calls),
         ..TemplateMessage::text("assistant", "")
     })
+}
+
+/// The template's variables for the request's `thinking`: `enable_thinking`, which
+/// thinking models' templates (Qwen3's) read.
+pub(super) fn template_kwargs(
+    thinking: Option<ThinkingConfig>,
+) -> Result<TemplateKwargs, ApiError> {
+    let mut kwargs = TemplateKwargs::new();
+    let Some(thinking) = thinking else {
+        return Ok(kwargs);
+    };
+    let enabled = match thinking.kind.as_str() {
+        "enabled" | "adaptive" => true,
+        "disabled" => false,
+        other => {
+            return Err(ApiError::invalid(
+                "thinking.type",
+                format!("must be \"enabled\" or \"disabled\", got {other:?}"),
+            ))
+        }
+    };
+    kwargs.insert("enable_thinking".into(), Value::Bool(enabled));
+    Ok(kwargs)
 }
 
 /// The request's tools; `None` without tools (where `tool_choice` may only be "auto"

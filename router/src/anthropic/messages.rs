@@ -12,7 +12,7 @@ use super::answer::Message;
 use super::convert;
 use super::error::{AnthropicError, AnthropicJson, MessagesError};
 use super::request::{CountTokensRequest, InputContent, MessagesRequest};
-use super::request::{InputMessage, ToolChoiceInput, ToolDefinition};
+use super::request::{InputMessage, ThinkingConfig, ToolChoiceInput, ToolDefinition};
 use super::stream::{self, Events};
 use crate::api::submit;
 use crate::api::{
@@ -42,12 +42,14 @@ async fn prepare(
     messages: Vec<InputMessage>,
     tools: Option<Vec<ToolDefinition>>,
     tool_choice: Option<ToolChoiceInput>,
+    thinking: Option<ThinkingConfig>,
 ) -> Result<Prepared, ApiError> {
     let conversation = Conversation {
         tools: convert::tools(tools, tool_choice)?,
         messages: convert::template_messages(system, messages)?,
         format: None,
         field: "messages",
+        template_kwargs: convert::template_kwargs(thinking)?,
     };
     conversation.prepare(state).await
 }
@@ -72,7 +74,15 @@ pub async fn messages(
         return Err(ApiError::invalid("temperature", message).into());
     }
     let adapter = model_adapter(&state, r.model.as_deref())?;
-    let prepared = prepare(&state, r.system, r.messages, r.tools, r.tool_choice).await?;
+    let prepared = prepare(
+        &state,
+        r.system,
+        r.messages,
+        r.tools,
+        r.tool_choice,
+        r.thinking,
+    )
+    .await?;
     let sampling = Sampling {
         fields: SamplingFields {
             temperature: Some(temperature),
@@ -88,13 +98,14 @@ pub async fn messages(
     let generation =
         Generation::new(sampling, adapter.clone(), stream)?.constrained(prepared.constraint);
     let reading = prepared.reading;
+    let thinking = prepared.thinking;
     let prompts = vec![template_prompt(prepared.text)];
     let submitted = generation.submit(&state, prompts, &NAMES).await?;
     let model = adapter.unwrap_or_else(|| state.info.served_model_name.clone());
     let input_tokens = submitted[0].request.input_ids.len();
     let message = Message::opening(model, input_tokens);
     if stream {
-        let events = Events::new(reading.as_ref());
+        let events = Events::new(reading.as_ref(), thinking.as_ref());
         let submitted = submitted.into_iter().next().expect("one prompt submitted");
         return Ok(stream::respond(submitted, message, events, NAMES));
     }
@@ -107,7 +118,7 @@ pub async fn messages(
         .next()
         .expect("one sample collected")
         .end;
-    let message = message.answered(end, reading.as_ref());
+    let message = message.answered(end, reading.as_ref(), thinking.as_ref());
     Ok((headers, Json(message)).into_response())
 }
 
@@ -119,7 +130,15 @@ pub async fn count_tokens(
     AnthropicJson(r): AnthropicJson<CountTokensRequest>,
 ) -> Result<Json<TokenCount>, MessagesError> {
     model_adapter(&state, r.model.as_deref())?;
-    let prepared = prepare(&state, r.system, r.messages, r.tools, r.tool_choice).await?;
+    let prepared = prepare(
+        &state,
+        r.system,
+        r.messages,
+        r.tools,
+        r.tool_choice,
+        r.thinking,
+    )
+    .await?;
     let text = prepared.text;
     let tokenizer = state.infer.validation.tokenizer.clone();
     let ids = tokio::task::spawn_blocking(move || tokenizer.encode_with(&text, false))

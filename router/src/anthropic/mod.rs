@@ -28,8 +28,8 @@ pub use answer::{Message, MessageUsage, OutputBlock, StopReason};
 pub use error::{error, unauthorized, AnthropicError, AnthropicErrorDetail};
 pub use messages::{__path_count_tokens, __path_messages, count_tokens, messages, TokenCount};
 pub use request::{
-    ContentBlock, CountTokensRequest, InputContent, InputMessage, MessagesRequest, ToolChoiceInput,
-    ToolDefinition,
+    ContentBlock, CountTokensRequest, InputContent, InputMessage, MessagesRequest, ThinkingConfig,
+    ToolChoiceInput, ToolDefinition,
 };
 pub use stream::{BlockDelta, MessageDeltaBody, OutputUsage, StreamEvent};
 

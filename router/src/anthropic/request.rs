@@ -27,6 +27,10 @@ pub struct MessagesRequest {
     /// Client tools the model may call.
     pub tools: Option<Vec<ToolDefinition>>,
     pub tool_choice: Option<ToolChoiceInput>,
+    /// Extended thinking: `{"type": "enabled", "budget_tokens": N}` or `{"type":
+    /// "disabled"}`, given to the chat template as `enable_thinking` (the budget is not
+    /// enforced: `max_tokens` bounds reasoning and answer together).
+    pub thinking: Option<ThinkingConfig>,
 }
 
 /// `POST /v1/messages/count_tokens`: the fields of a conversation.
@@ -37,6 +41,16 @@ pub struct CountTokensRequest {
     pub system: Option<InputContent>,
     pub tools: Option<Vec<ToolDefinition>>,
     pub tool_choice: Option<ToolChoiceInput>,
+    pub thinking: Option<ThinkingConfig>,
+}
+
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+pub struct ThinkingConfig {
+    /// "enabled" or "disabled".
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// Accepted, not enforced.
+    pub budget_tokens: Option<u32>,
 }
 
 #[derive(Debug, Clone, Deserialize, ToSchema)]
@@ -55,8 +69,10 @@ pub enum InputContent {
 }
 
 /// One content block: `text` {text}, `tool_use` {id, name, input} (assistant turns),
-/// `tool_result` {tool_use_id, content, is_error} (user turns). Other kinds (`image`,
-/// `document`, ...) are refused.
+/// `tool_result` {tool_use_id, content, is_error} (user turns); `thinking` and
+/// `redacted_thinking` in assistant turns are accepted and left out of the prompt (chat
+/// templates drop earlier turns' reasoning). Other kinds (`image`, `document`, ...) are
+/// refused.
 #[derive(Debug, Clone, Deserialize, ToSchema)]
 pub struct ContentBlock {
     #[serde(rename = "type")]

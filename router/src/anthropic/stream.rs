@@ -1,7 +1,8 @@
 //! One answer as Anthropic's SSE events (`event: <type>` and the JSON): `message_start`
 //! (no content yet), per block `content_block_start` / `content_block_delta` (text as
 //! `text_delta`, a call's input as one `input_json_delta`) / `content_block_stop`, then
-//! `message_delta` (stop reason, output tokens) and `message_stop`; a failure after the
+//! `message_delta` (stop reason, output tokens) and `message_stop`; with
+//! --reasoning-parser a `thinking` block first (`thinking_delta`s); a failure after the
 //! start as an `error` event. `Events` decides the blocks from the output as the chat
 //! route's `StreamedAnswer` reads it, so the events add up to the non-streamed message.
 
@@ -20,6 +21,7 @@ use super::error::{AnthropicErrorDetail, MessagesError};
 use crate::api::tools::{Piece, Reading, StreamedAnswer};
 use crate::api::{ApiError, ParamNames};
 use crate::infer::{End, Submitted};
+use crate::reasoning::{Thinking, ThinkingStream};
 
 #[derive(Debug, Clone, Serialize, ToSchema)]
 #[serde(tag = "type", rename_all = "snake_case")]
@@ -51,6 +53,7 @@ pub enum StreamEvent {
 #[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum BlockDelta {
+    ThinkingDelta { thinking: String },
     TextDelta { text: String },
     InputJsonDelta { partial_json: String },
 }
@@ -95,6 +98,10 @@ impl StreamEvent {
 pub(super) struct Events {
     /// Set when the model may call: the output is read for calls.
     answer: Option<StreamedAnswer>,
+    /// Set when the reasoning is split from the answer.
+    thinking: Option<ThinkingStream>,
+    /// The index of the thinking block open now.
+    open_thinking: Option<usize>,
     /// The index of the text block open now.
     open_text: Option<usize>,
     /// The next block's index.
@@ -102,9 +109,11 @@ pub(super) struct Events {
 }
 
 impl Events {
-    pub(super) fn new(reading: Option<&Reading>) -> Self {
+    pub(super) fn new(reading: Option<&Reading>, thinking: Option<&Thinking>) -> Self {
         Self {
             answer: reading.map(Reading::stream),
+            thinking: thinking.map(Thinking::stream),
+            open_thinking: None,
             open_text: None,
             blocks: 0,
         }
@@ -112,11 +121,24 @@ impl Events {
 
     /// The events of the next token's `text`; with the last (`end`) the closing ones.
     pub(super) fn token(&mut self, text: &str, end: Option<&End>) -> Vec<StreamEvent> {
-        let pieces = match self.answer.as_mut() {
-            None => vec![Piece::Content(text.to_string())],
-            Some(answer) => answer.pieces(text, end.is_some()),
-        };
         let mut out = Vec::new();
+        let text = match self.thinking.as_mut() {
+            None => text.to_string(),
+            Some(thinking) => {
+                let parts = thinking.next(text, end.is_some());
+                self.think(parts.reasoning, &mut out);
+                parts.content
+            }
+        };
+        if !text.is_empty() || end.is_some() {
+            if let Some(index) = self.open_thinking.take() {
+                out.push(StreamEvent::ContentBlockStop { index });
+            }
+        }
+        let pieces = match self.answer.as_mut() {
+            None => vec![Piece::Content(text)],
+            Some(answer) => answer.pieces(&text, end.is_some()),
+        };
         for piece in pieces {
             match piece {
                 Piece::Content(text) if text.is_empty() => {}
@@ -159,6 +181,20 @@ impl Events {
             out.push(StreamEvent::MessageStop);
         }
         out
+    }
+
+    /// A piece of reasoning, in the thinking block (opened first if need be).
+    fn think(&mut self, thinking: String, out: &mut Vec<StreamEvent>) {
+        if thinking.is_empty() {
+            return;
+        }
+        let index = match self.open_thinking {
+            Some(index) => index,
+            None => self.open(OutputBlock::thinking(String::new()), out),
+        };
+        self.open_thinking = Some(index);
+        let delta = BlockDelta::ThinkingDelta { thinking };
+        out.push(StreamEvent::ContentBlockDelta { index, delta });
     }
 
     /// Starts the next block; its index.
@@ -242,7 +278,17 @@ mod tests {
 
     /// `text` streamed a character a token, then put back together as the SDK does.
     fn streamed(text: &str, end: &End, reading: Option<&Reading>) -> (Vec<&'static str>, Value) {
-        let mut events = Events::new(reading);
+        streamed_thinking(text, end, reading, None)
+    }
+
+    /// As `streamed`, the reasoning split from the answer by `thinking`.
+    fn streamed_thinking(
+        text: &str,
+        end: &End,
+        reading: Option<&Reading>,
+        thinking: Option<&Thinking>,
+    ) -> (Vec<&'static str>, Value) {
+        let mut events = Events::new(reading, thinking);
         let chars: Vec<String> = text.chars().map(String::from).collect();
         let mut all = vec![StreamEvent::MessageStart {
             message: Message::opening("m".into(), 3),
@@ -265,6 +311,10 @@ mod tests {
                     json_text.push(String::new());
                 }
                 StreamEvent::ContentBlockDelta { index, delta } => match delta {
+                    BlockDelta::ThinkingDelta { thinking } => {
+                        let block = &mut message["content"][*index]["thinking"];
+                        *block = format!("{}{thinking}", block.as_str().unwrap()).into();
+                    }
                     BlockDelta::TextDelta { text } => {
                         let block = &mut message["content"][*index]["text"];
                         *block = format!("{}{text}", block.as_str().unwrap()).into();
@@ -292,7 +342,11 @@ mod tests {
 
     /// The answer as the non-streamed route gives it, ids aside.
     fn whole(end: End, reading: Option<&Reading>) -> Value {
-        let message = Message::opening("m".into(), 3).answered(end, reading);
+        whole_thinking(end, reading, None)
+    }
+
+    fn whole_thinking(end: End, reading: Option<&Reading>, thinking: Option<&Thinking>) -> Value {
+        let message = Message::opening("m".into(), 3).answered(end, reading, thinking);
         without_ids(serde_json::to_value(message).unwrap())
     }
 
@@ -377,8 +431,53 @@ mod tests {
     }
 
     #[test]
+    fn reasoning_is_a_thinking_block_before_the_text_and_calls_streamed_or_whole() {
+        use crate::reasoning::ReasoningParser;
+        let thinking = Thinking::of(Some(ReasoningParser::Qwen3), "assistant:<think>\n").unwrap();
+        let reading = reading();
+        let text =
+            "Need f.</think>\n\nOk.<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>";
+        let e = end(text, FinishReason::EosToken, None);
+        let (names, message) = streamed_thinking(text, &e, Some(&reading), Some(&thinking));
+        let want = whole_thinking(e.clone(), Some(&reading), Some(&thinking));
+        assert_eq!(without_ids(message), want);
+        assert_eq!(
+            want["content"][0],
+            json!({"type": "thinking", "thinking": "Need f.", "signature": ""})
+        );
+        assert_eq!(want["content"][1], json!({"type": "text", "text": "Ok."}));
+        assert_eq!(want["content"][2]["type"], "tool_use");
+        assert_eq!(want["stop_reason"], "tool_use");
+        // The thinking block closes before the text block opens.
+        let opened: Vec<_> = names
+            .iter()
+            .filter(|n| n.starts_with("content_block_st"))
+            .collect();
+        assert_eq!(
+            opened,
+            [
+                &"content_block_start",
+                &"content_block_stop",
+                &"content_block_start",
+                &"content_block_stop",
+                &"content_block_start",
+                &"content_block_stop"
+            ]
+        );
+        // Unterminated, it is all thinking; without a parser the tags stay in the text.
+        let e = end("still", FinishReason::Length, None);
+        let (_, message) = streamed_thinking("still", &e, None, Some(&thinking));
+        assert_eq!(
+            without_ids(message)["content"],
+            json!([{"type": "thinking", "thinking": "still", "signature": ""}])
+        );
+        let e = end(text, FinishReason::EosToken, None);
+        assert_eq!(whole(e, None)["content"][0]["text"], text);
+    }
+
+    #[test]
     fn an_empty_answer_has_no_blocks_and_errors_are_error_events() {
-        let mut events = Events::new(None);
+        let mut events = Events::new(None, None);
         let e = end("", FinishReason::EosToken, None);
         let names: Vec<_> = events
             .token("", Some(&e))

@@ -10,6 +10,7 @@ use crate::chat::ChatTemplate;
 use crate::client::ShardClient;
 use crate::infer::Infer;
 use crate::readiness::Readiness;
+use crate::reasoning::ReasoningParser;
 
 /// `GET /info`.
 #[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
@@ -103,6 +104,8 @@ pub struct AppState {
     pub readiness: Readiness,
     /// The model's chat template; `None` when it has none (chat completions answer 400).
     pub chat: Option<Arc<ChatTemplate>>,
+    /// `--reasoning-parser`: how chat answers' reasoning is split from their content.
+    pub reasoning: Option<ReasoningParser>,
     /// Finished Responses-API responses, for `GET /v1/responses/{id}` and follow-ups.
     pub responses: Arc<ResponseStore>,
 }

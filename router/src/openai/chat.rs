@@ -1,6 +1,7 @@
 //! `POST /v1/chat/completions`: the messages rendered by the model's chat template
 //! (`crate::chat`), `n` choices, logprobs in the chat shape, structured outputs
-//! (`guided`), tool calling (`tools`).
+//! (`guided`), tool calling (`tools`), the reasoning split from the answer with
+//! `--reasoning-parser` (`message.reasoning`, `delta.reasoning`).
 
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
@@ -21,9 +22,10 @@ use crate::api::{
     ChoiceFinish, Conversation, Generation, OpenAiError, OpenAiJson, ParamNames, Role, Sampling,
     Usage,
 };
-use crate::chat::TemplateMessage;
+use crate::chat::{TemplateKwargs, TemplateMessage};
 use crate::detokenize::TokenizerInfo;
 use crate::infer::{Submitted, TokenEvent};
+use crate::reasoning::{Thinking, ThinkingStream};
 
 #[derive(Debug, Clone, Deserialize, ToSchema)]
 pub struct ContentPart {
@@ -106,16 +108,47 @@ with_sampling_fields! {
         #[schema(value_type = Option<Object>)]
         pub function_call: Option<Value>,
         pub user: Option<String>,
+        /// More variables for the chat template (e.g. `{"enable_thinking": false}` for
+        /// Qwen3's), as vLLM passes them to `apply_chat_template`.
+        #[schema(value_type = Option<Object>)]
+        pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
+        /// "low", "medium" or "high": given to the chat template as `reasoning_effort`
+        /// (templates that read it, such as gpt-oss's, use it; others ignore it).
+        pub reasoning_effort: Option<String>,
+        /// With --reasoning-parser: answer the reasoning too [default: true].
+        pub include_reasoning: Option<bool>,
     }
 }
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct AssistantMessage {
     role: Role,
-    /// Null when the answer is only tool calls.
+    /// Null when the answer is only tool calls (or, with --reasoning-parser, only
+    /// reasoning).
     content: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     tool_calls: Option<Vec<ToolCall>>,
+    #[serde(flatten)]
+    reasoning: Reasoning,
+}
+
+/// The reasoning (`--reasoning-parser`) under vLLM's name and the older one that clients
+/// written for DeepSeek's API read; absent without it.
+#[derive(Debug, Default, Serialize, ToSchema)]
+pub struct Reasoning {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reasoning: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reasoning_content: Option<String>,
+}
+
+impl Reasoning {
+    fn of(text: Option<String>) -> Self {
+        Self {
+            reasoning_content: text.clone(),
+            reasoning: text,
+        }
+    }
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -146,12 +179,22 @@ pub struct Delta {
     /// A piece of one call: its opening (`id`, `type`, name) or arguments.
     #[serde(skip_serializing_if = "Option::is_none")]
     tool_calls: Option<Vec<ToolCallDelta>>,
+    /// A piece of the reasoning (`--reasoning-parser`).
+    #[serde(flatten)]
+    reasoning: Reasoning,
 }
 
 impl Delta {
     fn content(text: String) -> Self {
         Self {
             content: Some(text),
+            ..Self::default()
+        }
+    }
+
+    fn reasoning(text: String) -> Self {
+        Self {
+            reasoning: Reasoning::of(Some(text)),
             ..Self::default()
         }
     }
@@ -234,6 +277,7 @@ pub async fn chat_completions(
         tools,
         format: r.guided.constraint()?,
         field: "messages",
+        template_kwargs: template_kwargs(r.chat_template_kwargs, r.reasoning_effort)?,
     };
     let prepared = conversation.prepare(&state).await?;
     let sampling = Sampling {
@@ -247,6 +291,8 @@ pub async fn chat_completions(
         Generation::new(sampling, adapter.clone(), stream)?.constrained(prepared.constraint);
     let tokenizer = state.infer.validation.tokenizer.clone();
     let reading = prepared.reading;
+    let thinking = prepared.thinking;
+    let include_reasoning = r.include_reasoning.unwrap_or(true);
     let n = generation.n();
     // The token limit is named as the client sent it.
     let names = if r.max_completion_tokens.is_none() && r.max_tokens.is_some() {
@@ -270,6 +316,8 @@ pub async fn chat_completions(
             include_usage,
             names,
             reading,
+            thinking,
+            include_reasoning,
         };
         return Ok(chat.respond(submitted));
     }
@@ -282,16 +330,28 @@ pub async fn chat_completions(
         .enumerate()
         .map(|(index, s)| {
             let usual = ChoiceFinish::from(s.end.finish_reason);
-            let (message, finish_reason) = match &reading {
-                None => (AssistantMessage::text(s.end.generated_text), usual),
+            let (reasoning, text) = match &thinking {
+                None => (None, s.end.generated_text),
+                Some(thinking) => {
+                    let split = thinking.split(&s.end.generated_text);
+                    (split.reasoning, split.content)
+                }
+            };
+            let (mut message, finish_reason) = match &reading {
+                // With a parser, an answer that is only reasoning has no content.
+                None if thinking.is_some() && text.is_empty() => {
+                    (AssistantMessage::calling(None, Vec::new()), usual)
+                }
+                None => (AssistantMessage::text(text), usual),
                 Some(reading) => {
-                    let answer = reading.answer(&s.end.generated_text, usual);
+                    let answer = reading.answer(&text, usual);
                     (
                         AssistantMessage::calling(answer.content, answer.calls),
                         answer.finish_reason,
                     )
                 }
             };
+            message.reasoning = Reasoning::of(reasoning.filter(|_| include_reasoning));
             ChatChoice {
                 index,
                 logprobs: with_logprobs
@@ -320,6 +380,7 @@ impl AssistantMessage {
             role: Role::Assistant,
             content: Some(content),
             tool_calls: None,
+            reasoning: Reasoning::default(),
         }
     }
 
@@ -328,8 +389,28 @@ impl AssistantMessage {
             role: Role::Assistant,
             content,
             tool_calls: (!calls.is_empty()).then_some(calls),
+            reasoning: Reasoning::default(),
         }
     }
+}
+
+/// The template's extra variables: `chat_template_kwargs`, and `reasoning_effort` as
+/// `reasoning_effort` unless the kwargs name it.
+fn template_kwargs(
+    kwargs: Option<serde_json::Map<String, Value>>,
+    effort: Option<String>,
+) -> Result<TemplateKwargs, ApiError> {
+    let mut kwargs = kwargs.unwrap_or_default();
+    if let Some(effort) = effort {
+        if !["low", "medium", "high"].contains(&effort.as_str()) {
+            let message = format!("must be \"low\", \"medium\" or \"high\", got {effort:?}");
+            return Err(ApiError::invalid("reasoning_effort", message));
+        }
+        kwargs
+            .entry("reasoning_effort")
+            .or_insert(Value::String(effort));
+    }
+    Ok(kwargs)
 }
 
 /// Refuses what the request asks that cadence cannot do (rather than ignoring it).
@@ -387,8 +468,12 @@ struct ChatStream {
     with_logprobs: bool,
     include_usage: bool,
     names: ParamNames,
-    /// Set when the model may call tools: each choice's text is read for calls.
+    /// Set when the model may call tools: each choice's answer is read for calls.
     reading: Option<Reading>,
+    /// Set with --reasoning-parser: each choice's reasoning is split from its answer.
+    thinking: Option<Thinking>,
+    /// Whether the reasoning is sent (else dropped).
+    include_reasoning: bool,
 }
 
 impl ChatStream {
@@ -401,6 +486,8 @@ impl ChatStream {
             include_usage,
             names,
             reading,
+            thinking,
+            include_reasoning,
         } = self;
         // Each choice opens with the assistant's role.
         let opening = (0..n)
@@ -424,6 +511,8 @@ impl ChatStream {
             .collect();
         let mut answers: Option<Vec<StreamedAnswer>> =
             reading.map(|r| (0..n).map(|_| r.stream()).collect());
+        let mut thoughts: Option<Vec<ThinkingStream>> =
+            thinking.map(|t| (0..n).map(|_| t.stream()).collect());
         let last = envelope.clone();
         let chunks = Chunks {
             opening,
@@ -439,11 +528,29 @@ impl ChatStream {
                     .end
                     .as_ref()
                     .map(|e| ChoiceFinish::from(e.finish_reason));
-                let (deltas, reason) = match answers.as_mut() {
-                    None => (vec![Delta::content(event.token.text)], usual),
-                    Some(answers) => {
-                        let (parts, reason) = answers[index].next(&event.token.text, usual);
-                        (parts.into_iter().map(Delta::from).collect(), reason)
+                let mut deltas = Vec::new();
+                let text = match thoughts.as_mut() {
+                    None => Some(event.token.text),
+                    Some(thoughts) => {
+                        let parts = thoughts[index].next(&event.token.text, usual.is_some());
+                        if include_reasoning && !parts.reasoning.is_empty() {
+                            deltas.push(Delta::reasoning(parts.reasoning));
+                        }
+                        // Only answer text makes a content delta (an empty one would
+                        // be sent for each token of reasoning).
+                        Some(parts.content).filter(|c| !c.is_empty() || answers.is_some())
+                    }
+                };
+                let reason = match (answers.as_mut(), text) {
+                    (None, text) => {
+                        deltas.extend(text.map(Delta::content));
+                        usual
+                    }
+                    (Some(answers), text) => {
+                        let text = text.unwrap_or_default();
+                        let (parts, reason) = answers[index].next(&text, usual);
+                        deltas.extend(parts.into_iter().map(Delta::from));
+                        reason
                     }
                 };
                 token_chunks(index, deltas, logprobs, reason)

@@ -38,7 +38,7 @@ pub use adapters::{
 pub use chat::{
     __path_chat_completions, chat_completions, AssistantMessage, ChatChoice, ChatChunkChoice,
     ChatCompletion, ChatCompletionChunk, ChatMessage, ChatRequest, ContentPart, Delta,
-    MessageContent,
+    MessageContent, Reasoning,
 };
 pub use completions::{
     __path_completions, completions, Completion, CompletionChoice, CompletionRequest, PromptInput,
@@ -48,7 +48,8 @@ pub use logprobs::{ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogpro
 pub use models::{__path_models, models, Model, ModelList};
 pub use responses::{
     __path_create_response, __path_get_response, create_response, get_response, IncompleteDetails,
-    OutputItem, OutputText, ResponseObject, ResponseUsage, ResponsesRequest, Settings,
+    OutputItem, OutputText, ReasoningText, ResponseObject, ResponseUsage, ResponsesRequest,
+    Settings,
 };
 pub use stream::StreamOptions;
 

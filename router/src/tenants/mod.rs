@@ -285,7 +285,11 @@ mod tests {
         ]);
         let a = tenants.get("a").unwrap();
         assert_eq!((a.requests.get(), a.bucket.per_minute()), (3, 60));
-        assert_eq!(a.weight(), 2.0, "a reload sets the weight the fair policy reads");
+        assert_eq!(
+            a.weight(),
+            2.0,
+            "a reload sets the weight the fair policy reads"
+        );
         let names: Vec<_> = tenants.iter().map(|(n, _)| n.to_string()).collect();
         assert_eq!(names, ["a", "c"]);
     }

@@ -31,6 +31,8 @@ pub(super) struct Setup {
     pub(super) max_waiting: usize,
     pub(super) async_scheduling: bool,
     pub(super) chat: Option<Arc<ChatTemplate>>,
+    /// `--reasoning-parser`.
+    pub(super) reasoning: Option<crate::reasoning::ReasoningParser>,
     pub(super) served_model_name: String,
     /// `--ready-stall-timeout-ms`.
     pub(super) stall_timeout: Duration,
@@ -51,6 +53,7 @@ pub(super) fn setup(script: Script) -> Setup {
         max_waiting: 64,
         async_scheduling: true,
         chat: None,
+        reasoning: None,
         served_model_name: "test-model".into(),
         stall_timeout: Duration::from_secs(5),
         replicas: 1,
@@ -102,6 +105,11 @@ impl Setup {
     pub(super) fn chat_template_source(mut self, template: &str) -> Self {
         let chat = ChatTemplate::new(template.into(), "<|bos|>".into(), testing::EOS.into());
         self.chat = Some(Arc::new(chat.unwrap()));
+        self
+    }
+
+    pub(super) fn reasoning_parser(mut self, parser: crate::reasoning::ReasoningParser) -> Self {
+        self.reasoning = Some(parser);
         self
     }
 
@@ -167,6 +175,7 @@ impl Setup {
             max_waiting,
             async_scheduling,
             chat,
+            reasoning,
             served_model_name,
             stall_timeout,
             replicas,
@@ -273,6 +282,7 @@ impl Setup {
                 info,
                 shards: Vec::new(),
                 chat,
+                reasoning,
                 readiness,
                 responses: Default::default(),
             },

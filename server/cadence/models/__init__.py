@@ -40,6 +40,7 @@ ARCHITECTURES: dict[str, Callable[[dict[str, Any]], nn.Module]] = {
     "llama": _llama,
     "mistral": _llama,
     "qwen2": _llama,
+    "qwen3": _llama,
     "opt": _opt,
     "gpt2": _gpt2,
 }

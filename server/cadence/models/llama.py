@@ -1,6 +1,7 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM): RMSNorm, rotary embeddings,
-grouped-query attention over the paged cache (Mistral's and Qwen2's sliding window per
-layer), SwiGLU MLP, optionally tied embeddings.
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM): RMSNorm, rotary
+embeddings, grouped-query attention over the paged cache (Mistral's and Qwen2's sliding
+window per layer, Qwen3's per-head RMSNorm of q and k), SwiGLU MLP, optionally tied
+embeddings.
 
 Written against the tensor-parallel layers and the attention interface, never against
 a device. `LlamaForCausalLM.forward` returns hidden states; `compute_logits` projects
@@ -39,6 +40,7 @@ class LlamaConfig:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
+    qk_norm: bool  # Qwen3: RMSNorm over each head of q and k, before the rotation
     sliding_windows: list[int | None]  # per layer; None: full attention
 
     @classmethod
@@ -64,6 +66,7 @@ class LlamaConfig:
             qkv_bias=qwen2 or attention_bias,  # Qwen2 always has q/k/v biases
             o_bias=attention_bias and not qwen2,
             mlp_bias=bool(c.get("mlp_bias", False)),
+            qk_norm=c.get("model_type") == "qwen3",
             sliding_windows=sliding_windows(c),
         )
 
@@ -107,13 +110,19 @@ class LlamaAttention(nn.Module):
             scale=cfg.head_dim**-0.5,
             sliding_window=cfg.sliding_windows[layer],
         )
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = rope.apply(q.view(-1, self.num_heads, self.head_dim))
-        k = rope.apply(k.view(-1, self.num_kv_heads, self.head_dim))
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view_as(q)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
+        q, k = rope.apply(q), rope.apply(k)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.attn(q, k, v))
 

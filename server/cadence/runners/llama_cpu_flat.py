@@ -24,7 +24,7 @@ from cadence.attention_backends.cpu_paged import CpuAttention, CpuMetadata
 from cadence.attention_backends.torch_sdpa import attend_prefill
 from cadence.heartbeat import HEARTBEAT
 from cadence.layers.linear import LinearBase, product
-from cadence.models.llama import LlamaForCausalLM, LlamaModel
+from cadence.models.llama import LlamaAttention, LlamaForCausalLM, LlamaModel
 from cadence.runners.generic import ModelRunner
 
 
@@ -55,6 +55,17 @@ def _row_parallel(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
     if layer.tp_size > 1:
         dist.all_reduce(y)
     return y
+
+
+def _norm_heads(attn: LlamaAttention, qkv: torch.Tensor) -> None:
+    """Qwen3's RMSNorm over each head of q and k, written back into the fused QKV rows
+    before the kernels rotate them."""
+    q_size = attn.num_heads * attn.head_dim
+    kv_size = attn.num_kv_heads * attn.head_dim
+    assert attn.q_norm is not None and attn.k_norm is not None
+    for start, size, norm in ((0, q_size, attn.q_norm), (q_size, kv_size, attn.k_norm)):
+        part = qkv[:, start : start + size]
+        part.copy_(norm(part.reshape(-1, attn.head_dim)).view_as(part))
 
 
 def forward_step(
@@ -91,6 +102,8 @@ def forward_step(
         attn = layer.self_attn
         norm(layer.input_layernorm.weight, x, i > 0, normed)
         qkv = _linear(attn.qkv_proj, normed)
+        if attn.q_norm is not None:
+            _norm_heads(attn, qkv)
         cache = attn.attn
         k_cache, v_cache = cache.k_cache, cache.v_cache
         k_scale, v_scale = cache.k_scale, cache.v_scale  # a quantized cache's, else None

@@ -3,7 +3,8 @@
 //! message `response.content_part.added`, `response.output_text.delta`s,
 //! `response.output_text.done`, `response.content_part.done`, for a call
 //! `response.function_call_arguments.delta` and `.done`, then
-//! `response.output_item.done`; last `response.completed` (or `response.incomplete`)
+//! `response.output_item.done`; with `--reasoning-parser` the reasoning item first
+//! (`response.reasoning_text.delta`s and `.done`); last `response.completed` (or `response.incomplete`)
 //! with the whole response. Each carries its `sequence_number`.
 //!
 //! `Writer` turns the generated text, in pieces, into those events and the response they
@@ -14,11 +15,12 @@ use serde::Serialize;
 use serde_json::Value;
 
 use super::object::{
-    new_id, IncompleteDetails, OutputItem, OutputText, ResponseObject, ResponseUsage,
+    new_id, IncompleteDetails, OutputItem, OutputText, ReasoningText, ResponseObject, ResponseUsage,
 };
 use crate::api::error::OpenAiErrorDetail;
 use crate::api::tools::{DeltaPart, Reading, StreamedAnswer};
 use crate::api::{ChoiceFinish, Role};
+use crate::reasoning::{Thinking, ThinkingStream};
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(tag = "type")]
@@ -66,6 +68,20 @@ pub enum EventBody {
     ItemDone {
         output_index: usize,
         item: OutputItem,
+    },
+    #[serde(rename = "response.reasoning_text.delta")]
+    ReasoningDelta {
+        item_id: String,
+        output_index: usize,
+        content_index: usize,
+        delta: String,
+    },
+    #[serde(rename = "response.reasoning_text.done")]
+    ReasoningDone {
+        item_id: String,
+        output_index: usize,
+        content_index: usize,
+        text: String,
     },
     #[serde(rename = "response.function_call_arguments.delta")]
     ArgumentsDelta {
@@ -118,6 +134,10 @@ pub struct Writer {
     sequence: usize,
     /// Set when the model may call tools: the text is read for calls.
     reading: Option<StreamedAnswer>,
+    /// Set with --reasoning-parser: the reasoning is split from the answer.
+    thinking: Option<ThinkingStream>,
+    /// The reasoning item being written: its id and its text so far.
+    reasoning_text: Option<(String, String)>,
     /// The message being written: its id and its text so far.
     text: Option<(String, String)>,
     call: Option<OpenCall>,
@@ -131,10 +151,18 @@ impl Writer {
             response,
             sequence: 0,
             reading: reading.map(Reading::stream),
+            thinking: None,
+            reasoning_text: None,
             text: None,
             call: None,
             events: Vec::new(),
         }
+    }
+
+    /// The writer with each output's reasoning split from its answer.
+    pub fn thinking(mut self, thinking: Option<&Thinking>) -> Self {
+        self.thinking = thinking.map(Thinking::stream);
+        self
     }
 
     fn emit(&mut self, body: EventBody) {
@@ -162,9 +190,20 @@ impl Writer {
     /// The events of the next piece of generated text; with `ending`, the last ones.
     pub fn next(&mut self, text: &str, ending: Option<Ending>) -> Vec<Event> {
         let usual = ending.as_ref().map(|e| e.finish_reason);
+        let text = match self.thinking.as_mut() {
+            None => text.to_string(),
+            Some(thinking) => {
+                let parts = thinking.next(text, ending.is_some());
+                self.write_reasoning(parts.reasoning);
+                parts.content
+            }
+        };
+        if !text.is_empty() || ending.is_some() {
+            self.close_reasoning();
+        }
         let (parts, reason) = match self.reading.as_mut() {
-            None => (vec![DeltaPart::Content(text.to_string())], usual),
-            Some(answer) => answer.next(text, usual),
+            None => (vec![DeltaPart::Content(text)], usual),
+            Some(answer) => answer.next(&text, usual),
         };
         for part in parts {
             match part {
@@ -189,6 +228,50 @@ impl Writer {
             self.end(reason.unwrap_or(ending.finish_reason), ending.usage);
         }
         self.taken()
+    }
+
+    fn write_reasoning(&mut self, delta: String) {
+        if delta.is_empty() {
+            return;
+        }
+        let output_index = self.response.output.len();
+        let item_id = match &self.reasoning_text {
+            Some((id, _)) => id.clone(),
+            None => {
+                let id = new_id("rs");
+                let item = reasoning(id.clone(), "in_progress", Vec::new());
+                self.emit(EventBody::ItemAdded { output_index, item });
+                self.reasoning_text = Some((id.clone(), String::new()));
+                id
+            }
+        };
+        if let Some((_, text)) = self.reasoning_text.as_mut() {
+            text.push_str(&delta);
+        }
+        self.emit(EventBody::ReasoningDelta {
+            item_id,
+            output_index,
+            content_index: 0,
+            delta,
+        });
+    }
+
+    fn close_reasoning(&mut self) {
+        let Some((item_id, text)) = self.reasoning_text.take() else {
+            return;
+        };
+        let output_index = self.response.output.len();
+        self.emit(EventBody::ReasoningDone {
+            item_id: item_id.clone(),
+            output_index,
+            content_index: 0,
+            text: text.clone(),
+        });
+        self.done(reasoning(
+            item_id,
+            "completed",
+            vec![ReasoningText::new(text)],
+        ));
     }
 
     fn write_text(&mut self, delta: String) {
@@ -280,7 +363,11 @@ impl Writer {
     fn end(&mut self, finish_reason: ChoiceFinish, usage: ResponseUsage) {
         // `Length` means no call ended the output: the token limit cut it.
         let incomplete = finish_reason == ChoiceFinish::Length;
-        if self.response.output.is_empty() {
+        let answered = self.response.output.iter();
+        if !answered
+            .into_iter()
+            .any(|i| !matches!(i, OutputItem::Reasoning { .. }))
+        {
             self.open_text();
         }
         self.close_text(if incomplete {
@@ -332,6 +419,15 @@ impl OpenCall {
             arguments,
             status,
         }
+    }
+}
+
+fn reasoning(id: String, status: &'static str, content: Vec<ReasoningText>) -> OutputItem {
+    OutputItem::Reasoning {
+        id,
+        summary: Vec::new(),
+        content,
+        status,
     }
 }
 
@@ -399,8 +495,72 @@ mod tests {
                 OutputItem::FunctionCall {
                     name, arguments, ..
                 } => (name.clone(), arguments.clone()),
+                OutputItem::Reasoning { content, .. } => {
+                    ("reasoning".into(), content[0].text.clone())
+                }
             })
             .collect()
+    }
+
+    #[test]
+    fn reasoning_is_an_item_before_the_message_streamed_or_whole() {
+        use crate::reasoning::ReasoningParser;
+        let thinking = Thinking::of(Some(ReasoningParser::DeepseekR1), "Q:").unwrap();
+        let text = "<think>a</b</think>The answer.";
+        let whole = {
+            let mut writer = Writer::new(response("resp_1"), None).thinking(Some(&thinking));
+            writer.next(text, ending(ChoiceFinish::Stop));
+            writer.into_response()
+        };
+        let pieces: Vec<String> = text.chars().map(String::from).collect();
+        let mut writer = Writer::new(response("resp_1"), None).thinking(Some(&thinking));
+        let mut events = Vec::new();
+        for (i, piece) in pieces.iter().enumerate() {
+            let end = (i + 1 == pieces.len())
+                .then(|| ending(ChoiceFinish::Stop))
+                .flatten();
+            events.extend(writer.next(piece, end));
+        }
+        let streamed = writer.into_response();
+        let want = [
+            ("reasoning".to_string(), "a</b".to_string()),
+            ("completed".into(), "The answer.".into()),
+        ];
+        assert_eq!(texts(&whole), want);
+        assert_eq!(texts(&streamed), want);
+        let mut kinds = kinds(&events);
+        kinds.dedup();
+        assert_eq!(
+            kinds,
+            [
+                "response.output_item.added",
+                "response.reasoning_text.delta",
+                "response.reasoning_text.done",
+                "response.output_item.done",
+                "response.output_item.added",
+                "response.content_part.added",
+                "response.output_text.delta",
+                "response.output_text.done",
+                "response.content_part.done",
+                "response.output_item.done",
+                "response.completed",
+            ]
+        );
+        let item = serde_json::to_value(&streamed.output[0]).unwrap();
+        assert_eq!(item["type"], "reasoning");
+        assert_eq!(
+            item["content"],
+            json!([{"type": "reasoning_text", "text": "a</b"}])
+        );
+        assert!(item["id"].as_str().unwrap().starts_with("rs_"));
+        // Given back as input, a reasoning item is accepted and left out.
+        let input = json!([{"type": "reasoning", "id": "rs_1", "summary": []}, "x"]);
+        assert!(
+            request::input_items(input).is_err(),
+            "a bare string is no item"
+        );
+        let input = json!([item, {"role": "user", "content": "next"}]);
+        assert_eq!(request::input_items(input).unwrap().len(), 1);
     }
 
     #[test]

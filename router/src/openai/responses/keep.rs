@@ -37,7 +37,7 @@ impl Keep {
             return;
         };
         let mut conversation = self.conversation;
-        conversation.extend(response.output.iter().map(OutputItem::as_input));
+        conversation.extend(response.output.iter().filter_map(OutputItem::as_input));
         let stored = Stored {
             response: response.clone(),
             conversation,

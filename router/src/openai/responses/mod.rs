@@ -24,7 +24,8 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 
 pub use object::{
-    IncompleteDetails, OutputItem, OutputText, ResponseObject, ResponseUsage, Settings,
+    IncompleteDetails, OutputItem, OutputText, ReasoningText, ResponseObject, ResponseUsage,
+    Settings,
 };
 pub use request::ResponsesRequest;
 
@@ -74,6 +75,7 @@ pub async fn create_response(
         tools,
         format,
         field: "input",
+        template_kwargs: Default::default(),
     }
     .prepare(&state)
     .await?;
@@ -110,7 +112,8 @@ pub async fn create_response(
         usage: None,
         settings,
     };
-    let mut writer = Writer::new(response, prepared.reading.as_ref());
+    let mut writer =
+        Writer::new(response, prepared.reading.as_ref()).thinking(prepared.thinking.as_ref());
     if streamed {
         let one = submitted.into_iter().next();
         return Ok(one.map_or_else(

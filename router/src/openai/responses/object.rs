@@ -99,6 +99,15 @@ pub enum OutputItem {
         role: Role,
         content: Vec<OutputText>,
     },
+    /// The model's reasoning (`--reasoning-parser`), before the message.
+    Reasoning {
+        /// `rs_` and a uuid.
+        id: String,
+        #[schema(value_type = Vec<Object>)]
+        summary: Vec<Value>,
+        content: Vec<ReasoningText>,
+        status: &'static str,
+    },
     FunctionCall {
         /// `fc_` and a uuid.
         id: String,
@@ -121,6 +130,23 @@ pub struct OutputText {
     pub annotations: Vec<Value>,
 }
 
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+pub struct ReasoningText {
+    /// "reasoning_text".
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub text: String,
+}
+
+impl ReasoningText {
+    pub fn new(text: String) -> Self {
+        Self {
+            kind: "reasoning_text",
+            text,
+        }
+    }
+}
+
 impl OutputText {
     pub fn new(text: String) -> Self {
         Self {
@@ -135,13 +161,17 @@ impl OutputItem {
     #[cfg(test)]
     pub fn id(&self) -> &str {
         match self {
-            OutputItem::Message { id, .. } | OutputItem::FunctionCall { id, .. } => id,
+            OutputItem::Message { id, .. }
+            | OutputItem::Reasoning { id, .. }
+            | OutputItem::FunctionCall { id, .. } => id,
         }
     }
 
-    /// The item as the next turn's input reads it.
-    pub fn as_input(&self) -> Item {
-        match self {
+    /// The item as the next turn's input reads it (reasoning is not carried: chat
+    /// templates leave earlier turns' reasoning out).
+    pub fn as_input(&self) -> Option<Item> {
+        Some(match self {
+            OutputItem::Reasoning { .. } => return None,
             OutputItem::Message { content, .. } => Item::Message {
                 role: "assistant".into(),
                 text: content.iter().map(|c| c.text.as_str()).collect(),
@@ -156,7 +186,7 @@ impl OutputItem {
                 name: name.clone(),
                 arguments: arguments.clone(),
             },
-        }
+        })
     }
 }
 
@@ -235,7 +265,7 @@ pub(super) mod tests {
                 "store": true, "metadata": {}, "user": null})
         );
         assert_eq!(
-            r.output[0].as_input(),
+            r.output[0].as_input().unwrap(),
             Item::FunctionCall {
                 call_id: "call_1".into(),
                 name: "f".into(),

@@ -63,6 +63,7 @@ pub fn input_items(input: Value) -> Result<Vec<Item>, ApiError> {
             .into_iter()
             .enumerate()
             .map(|(i, item)| input_item(&format!("input[{i}]"), item))
+            .filter_map(Result::transpose)
             .collect(),
         Value::Array(_) => Err(ApiError::invalid("input", "must not be empty")),
         other => Err(ApiError::invalid(
@@ -96,7 +97,9 @@ fn read<T: serde::de::DeserializeOwned>(field: &str, value: Value) -> Result<T, 
     serde_json::from_value(value).map_err(|e| ApiError::invalid(field, e.to_string()))
 }
 
-fn input_item(field: &str, item: Value) -> Result<Item, ApiError> {
+/// An input item; `None` for a `reasoning` item (an earlier answer's, given back: chat
+/// templates leave earlier turns' reasoning out).
+fn input_item(field: &str, item: Value) -> Result<Option<Item>, ApiError> {
     // A message may leave out its type (the SDKs' "easy" input message).
     let kind = match item.get("type") {
         None | Some(Value::Null) => "message".to_string(),
@@ -123,28 +126,29 @@ fn input_item(field: &str, item: Value) -> Result<Item, ApiError> {
             let text = m
                 .content
                 .into_text(&format!("{field}.content"), &["input_text", "output_text"])?;
-            Ok(Item::Message { role: m.role, text })
+            Ok(Some(Item::Message { role: m.role, text }))
         }
         "function_call" => {
             let c: FunctionCallItem = read(field, item)?;
             call_arguments(&format!("{field}.arguments"), &c.arguments)?;
-            Ok(Item::FunctionCall {
+            Ok(Some(Item::FunctionCall {
                 call_id: c.call_id,
                 name: c.name,
                 arguments: c.arguments,
-            })
+            }))
         }
         "function_call_output" => {
             let o: FunctionCallOutputItem = read(field, item)?;
-            Ok(Item::FunctionCallOutput {
+            Ok(Some(Item::FunctionCallOutput {
                 call_id: o.call_id,
                 output: o.output,
-            })
+            }))
         }
+        "reasoning" => Ok(None),
         other => Err(ApiError::invalid(
             &format!("{field}.type"),
             format!(
-                "must be \"message\", \"function_call\" or \"function_call_output\", got {other:?}"
+                "must be \"message\", \"function_call\", \"function_call_output\" or \"reasoning\", got {other:?}"
             ),
         )),
     }
