@@ -234,6 +234,12 @@ pub struct Args {
     #[arg(long, env = "CADENCE_SCHEDULING_POLICY", value_enum, default_value_t = SchedulingPolicyArg::Fcfs)]
     pub scheduling_policy: SchedulingPolicyArg,
 
+    /// Priorities of the Gateway API Inference Extension's objectives, `NAME=P` comma-
+    /// separated: a request without `priority` whose `x-gateway-inference-objective`
+    /// header names one runs at its priority under --scheduling-policy priority.
+    #[arg(long, env = "CADENCE_OBJECTIVE_PRIORITIES", value_delimiter = ',')]
+    pub objective_priorities: Vec<String>,
+
     /// Dynamic batching: longest a request waits for its batch to fill.
     #[arg(long, env = "CADENCE_BATCH_TIMEOUT_MS", default_value_t = 50)]
     pub batch_timeout_ms: u64,

@@ -75,6 +75,7 @@ use crate::detokenize::TokenizerInfo;
 use crate::error::RouterError;
 use crate::infer::{Infer, LoopConfig, SpeculativeConfig, SpeculativeMethod};
 use crate::readiness::{HealthProbe, Readiness};
+use crate::scheduler::objectives::ObjectivePriorities;
 use crate::telemetry::Telemetry;
 use crate::tenants::reload::KeyFile;
 use crate::tenants::{KeyRing, Tenants};
@@ -127,6 +128,8 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
             }
         })?;
     let api_keys = args.api_keys().map_err(RouterError::Args)?;
+    let objectives =
+        ObjectivePriorities::parse(&args.objective_priorities).map_err(RouterError::Args)?;
     // Read before the shards are reached, so a bad certificate fails the start at once.
     let tls = tls_files(&args)
         .map(|f| tls::server_config(&f))
@@ -274,7 +277,8 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
         .watch();
     }
     let infer = Infer::spawn_replicas(loops, validation, args.max_concurrent_requests)
-        .with_tenants(tenants);
+        .with_tenants(tenants)
+        .with_objective_priorities(objectives);
     infer.metrics().set_quantization(&app_info.quantization);
     tracing::info!(
         chat_template = chat.is_some(),

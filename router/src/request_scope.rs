@@ -22,6 +22,7 @@ use opentelemetry::trace::{Span as _, SpanKind, Status, TraceContextExt, Tracer 
 use opentelemetry::{Context, KeyValue};
 use opentelemetry_sdk::trace::SdkTracer;
 
+use crate::scheduler::objectives::OBJECTIVE_HEADER;
 use crate::tenants::Tenant;
 use crate::{request_id, telemetry};
 
@@ -33,6 +34,8 @@ pub struct RequestContext {
     pub trace: Option<Context>,
     /// The tenant of the API key it presented (`tenants`), when keys are required.
     pub tenant: Option<Arc<str>>,
+    /// The gateway's `x-gateway-inference-objective` (`scheduler::objectives`).
+    pub objective: Option<Arc<str>>,
 }
 
 tokio::task_local! {
@@ -47,6 +50,7 @@ impl RequestContext {
             id: request_id::generate().into(),
             trace: None,
             tenant: None,
+            objective: None,
         })
     }
 }
@@ -59,6 +63,11 @@ pub async fn scope(request: Request, next: Next) -> Response {
         id: id.clone(),
         trace: trace.clone(),
         tenant: request.extensions().get::<Tenant>().map(|t| t.0.clone()),
+        objective: request
+            .headers()
+            .get(OBJECTIVE_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .map(Into::into),
     };
     let mut response = CURRENT.scope(context, next.run(request)).await;
     if let Ok(value) = HeaderValue::from_str(&id) {

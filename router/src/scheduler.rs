@@ -63,6 +63,7 @@
 mod admission;
 mod host_pool;
 mod invariants;
+pub mod objectives;
 mod policy;
 mod priority;
 mod proposals;

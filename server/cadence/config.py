@@ -133,6 +133,7 @@ class LaunchConfig:
     batching: str | None = _router()
     batch_timeout_ms: int | None = _router()
     scheduling_policy: str | None = _router()  # fcfs, fair or priority
+    objective_priorities: str | None = _router()  # NAME=P,... (gateway objectives)
     max_waiting_requests: int | None = _router()
     grammar_compile_timeout_ms: int | None = _router()
     served_model_name: str | None = _router()  # None: the model id

@@ -380,6 +380,12 @@ def _add_scheduling_flags(g: Container, add: Add) -> None:
         "docs/tenancy.md.",
     )
     add(
+        "--objective-priorities",
+        help="Under --scheduling-policy priority, a request without `priority` whose "
+        "x-gateway-inference-objective header names one of these objectives (NAME=P, "
+        "comma-separated) runs at its priority.",
+    )
+    add(
         "--max-waiting-requests",
         type=positive_int,
         help="At most this many requests wait for their first step; beyond it they get 429.",

@@ -20,6 +20,7 @@ use crate::error::InferError;
 use crate::lora::{AdapterPin, Registry};
 use crate::metrics::{LoadGauges, Metrics};
 use crate::request_scope::RequestContext;
+use crate::scheduler::objectives::ObjectivePriorities;
 use crate::tenants::{TenantHold, Tenants};
 use crate::validation::{Extra, GenerateParameters, Prompt, ValidRequest, Validation};
 
@@ -56,6 +57,8 @@ pub struct Infer {
     balancer: Arc<Balancer>,
     adapters: Arc<Registry>,
     tenants: Arc<Tenants>,
+    /// The gateway objectives' priorities (`--objective-priorities`).
+    objectives: Arc<ObjectivePriorities>,
 }
 
 impl Infer {
@@ -124,6 +127,7 @@ impl Infer {
             balancer,
             adapters,
             tenants: Arc::new(Tenants::default()),
+            objectives: Arc::default(),
         }
     }
 
@@ -132,6 +136,12 @@ impl Infer {
     pub fn with_tenants(mut self, tenants: Arc<Tenants>) -> Self {
         self.metrics.enable_tenants(tenants.clone());
         self.tenants = tenants;
+        self
+    }
+
+    /// Runs a request without a `priority` at its gateway objective's.
+    pub fn with_objective_priorities(mut self, objectives: ObjectivePriorities) -> Self {
+        self.objectives = Arc::new(objectives);
         self
     }
 
@@ -217,6 +227,10 @@ impl Infer {
         if self.drain.is_draining() {
             return Err(Drain::refusal());
         }
+        let mut parameters = parameters;
+        parameters.priority = self
+            .objectives
+            .priority(parameters.priority, context.objective.as_deref());
         let request = self
             .validation
             .validate_prompt(prompt, parameters, extra)
