@@ -185,6 +185,34 @@ TINY_LAYERS, TINY_KV_HEADS, TINY_HEAD_DIM = 2, 1, 64
 TINY_BLOCK_BYTES_FLOAT32 = TINY_LAYERS * 2 * TINY_KV_HEADS * TINY_HEAD_DIM * 16 * 4
 
 
+def tiny_sizes(source: dict[str, Any]) -> dict[str, Any]:
+    """The tiny test models' shape (every family's), with SmolLM2's special token ids."""
+    return {
+        "hidden_size": TINY_KV_HEADS * 4 * TINY_HEAD_DIM,
+        "intermediate_size": 512,
+        "num_hidden_layers": TINY_LAYERS,
+        "num_attention_heads": 4,
+        "num_key_value_heads": TINY_KV_HEADS,
+        "head_dim": TINY_HEAD_DIM,
+        "max_position_embeddings": 8192,
+        "rope_theta": 10000.0,
+        "bos_token_id": source["bos_token_id"],
+        "eos_token_id": source["eos_token_id"],
+        "pad_token_id": source["pad_token_id"],
+    }
+
+
+def draw_wide_weights(model: Any) -> None:
+    """Redraws every matrix wide (embeddings 0.5, the rest 0.08), so greedy choices are
+    rarely within float32 rounding of the runner-up."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.5 if "embed" in name else 0.08)
+
+
 def tiny_model(tiny_llama_dir: str, blocks: int) -> tuple[str, ...]:
     """`cadence launch` flags serving the tiny Llama in float32 with a KV cache of
     `blocks` blocks."""
@@ -208,26 +236,12 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm_dir: str) ->
     path = tmp_path_factory.mktemp("tiny-llama")
     source = json.loads((Path(smollm_dir) / "config.json").read_text())
     config = LlamaConfig(
-        vocab_size=source["vocab_size"],
-        hidden_size=TINY_KV_HEADS * 4 * TINY_HEAD_DIM,
-        intermediate_size=512,
-        num_hidden_layers=TINY_LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=TINY_KV_HEADS,
-        head_dim=TINY_HEAD_DIM,
-        max_position_embeddings=8192,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-        bos_token_id=source["bos_token_id"],
-        eos_token_id=source["eos_token_id"],
-        pad_token_id=source["pad_token_id"],
+        vocab_size=source["vocab_size"], tie_word_embeddings=True, **tiny_sizes(source)
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
+    draw_wide_weights(model)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.5 if "embed" in name else 0.08)
         model.model.embed_tokens.weight[:3] = 0  # <|endoftext|>, <|im_start|>, <|im_end|>
     model.save_pretrained(path, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -359,28 +373,12 @@ def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory, smollm_dir: str) ->
     tokenizer.chat_template = THINKING_TEMPLATE
     open_id, close_id = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
     source = json.loads((Path(smollm_dir) / "config.json").read_text())
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=TINY_KV_HEADS * 4 * TINY_HEAD_DIM,
-        intermediate_size=512,
-        num_hidden_layers=TINY_LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=TINY_KV_HEADS,
-        head_dim=TINY_HEAD_DIM,
-        max_position_embeddings=8192,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        bos_token_id=source["bos_token_id"],
-        eos_token_id=source["eos_token_id"],
-        pad_token_id=source["pad_token_id"],
-    )
+    config = Qwen3Config(vocab_size=len(tokenizer), tie_word_embeddings=False, **tiny_sizes(source))
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(config).eval()
     lm_head = model.lm_head.weight
+    draw_wide_weights(model)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.5 if "embed" in name else 0.08)
         lm_head[:3] = 0  # <|endoftext|>, <|im_start|>, <|im_end|>: never top
         lm_head[open_id] = 0
     ids = tokenizer(thinking_prompt(tokenizer, True), return_tensors="pt").input_ids

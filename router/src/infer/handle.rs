@@ -202,7 +202,7 @@ impl Infer {
     pub async fn submit(
         &self,
         prompt: Prompt,
-        parameters: GenerateParameters,
+        mut parameters: GenerateParameters,
         extra: Extra,
     ) -> Result<Submitted, InferError> {
         // Before validation: a draining or overloaded router spends nothing on tokenizing.
@@ -227,7 +227,6 @@ impl Infer {
         if self.drain.is_draining() {
             return Err(Drain::refusal());
         }
-        let mut parameters = parameters;
         parameters.priority = self
             .objectives
             .priority(parameters.priority, context.objective.as_deref());

@@ -67,13 +67,20 @@ impl TenantUsage {
     /// Counts prompt tokens booked for one of its requests.
     pub fn add_prompt_tokens(&self, tokens: u64) {
         self.prompt_tokens.add(tokens);
-        self.bucket.take(tokens, Instant::now());
+        self.charge(tokens);
     }
 
-    /// Counts one generated token.
+    /// Counts one generated token (once per token of every request: no clock read
+    /// without a rate to charge).
     pub fn add_generated_token(&self) {
         self.generation_tokens.add(1);
-        self.bucket.take(1, Instant::now());
+        self.charge(1);
+    }
+
+    fn charge(&self, tokens: u64) {
+        if self.bucket.per_minute() != 0 {
+            self.bucket.take(tokens, Instant::now());
+        }
     }
 }
 
