@@ -18,6 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 from cadence import cpu_isa as isa
+from invariance import PROMPTS as QUESTIONS
+from invariance import assert_same_answers
 from margin import QUANTIZED_BOUND, judge, served_greedy
 
 from conftest import (
@@ -52,6 +54,12 @@ def test_the_default_launch_runs_the_best_kernels_this_cpu_has(default_server) -
     assert best in info["kernels"]["attention"]  # the C++ paged decode of that build
     log = default_server.log()
     assert f"kernels: isa {best}; attention C++ {best}" in log  # the shard's one line
+
+
+def test_the_default_launch_answers_alike_alone_in_a_crowd_and_again(default_server) -> None:
+    """Batch invariance on the defaults (the GGUF's integer products, bfloat16 compute and
+    KV cache): tokens and logprobs bit for bit (docs/determinism.md)."""
+    assert_same_answers(default_server.url, QUESTIONS[:8], seeded=4, max_tokens=12, crowd=24)
 
 
 def test_the_default_launch_serves_the_embedded_gguf_as_it_is(

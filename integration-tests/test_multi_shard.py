@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from invariance import PROMPTS, assert_same_answers
 
 from conftest import (
     CHAT_PROMPTS,
@@ -52,6 +53,11 @@ def test_two_shards_generate_the_same_greedy_tokens_as_one(
     assert info["world_size"] == 2
     log = two_shards.log()
     assert "rank 1/2" in log and "disagrees" not in log
+
+
+def test_two_shards_answer_alike_alone_in_a_crowd_and_again(two_shards: LaunchedServer) -> None:
+    """Batch invariance across ranks: each all-reduce adds the two parts in one order."""
+    assert_same_answers(two_shards.url, PROMPTS[:4], seeded=2, max_tokens=10, crowd=12)
 
 
 def test_two_shards_give_the_same_constrained_greedy_tokens_as_one(

@@ -44,16 +44,23 @@ NOTE_SCHEMA = {
 }
 
 
+# A greedy answer: its text and every token's logprob. Outputs are batch-invariant
+# (docs/determinism.md), so under load, preemption, chunking and prefix hits both must equal
+# the unloaded ones bit for bit.
+Answer = tuple[str, tuple[float, ...]]
+
+
 def generate(
     url: str, prompt: str, max_new_tokens: int = MAX_NEW, schema: dict | None = None
-) -> str:
-    parameters: dict = {"max_new_tokens": max_new_tokens}
+) -> Answer:
+    parameters: dict = {"max_new_tokens": max_new_tokens, "details": True}
     if schema is not None:
         parameters["grammar"] = {"type": "json", "value": schema}
     body = {"inputs": prompt, "parameters": parameters}
     r = httpx.post(f"{url}/generate", json=body, timeout=600)
     assert r.status_code == 200, r.text
-    return r.json()["generated_text"]
+    answer = r.json()
+    return answer["generated_text"], tuple(t["logprob"] for t in answer["details"]["tokens"])
 
 
 def stream(url: str, prompt: str, max_new_tokens: int) -> tuple[list[float], dict]:
@@ -131,18 +138,18 @@ def cached(
 
 
 @pytest.fixture(scope="module")
-def unloaded(reference: LaunchedServer) -> list[str]:
+def unloaded(reference: LaunchedServer) -> list[Answer]:
     """Greedy outputs of the load prompts, one request at a time."""
     return [generate(reference.url, p) for p in load_prompts()]
 
 
 @pytest.fixture(scope="module")
-def unloaded_constrained(reference: LaunchedServer) -> list[str]:
+def unloaded_constrained(reference: LaunchedServer) -> list[Answer]:
     """Greedy outputs of the load prompts under NOTE_SCHEMA, one request at a time."""
     return [generate(reference.url, p, schema=NOTE_SCHEMA) for p in load_prompts()]
 
 
-def run_load(url: str, schema: dict | None = None) -> list[str]:
+def run_load(url: str, schema: dict | None = None) -> list[Answer]:
     with ThreadPoolExecutor(64) as pool:
         return list(pool.map(lambda p: generate(url, p, schema=schema), load_prompts()))
 
@@ -154,7 +161,7 @@ def routed_requests(url: str) -> float:
     return sum(v for k, v in counts.items() if k.startswith("cadence_replica_requests_total"))
 
 
-def run_load_at_once(server: LaunchedServer) -> list[str]:
+def run_load_at_once(server: LaunchedServer) -> list[Answer]:
     """`run_load`, with every request queued before the first step: the shard is frozen
     until the router holds all 64, so they contend for the blocks on any machine (a fast
     one finishes early requests before the last arrive otherwise)."""
@@ -175,7 +182,7 @@ def run_load_at_once(server: LaunchedServer) -> list[str]:
 
 
 def assert_load_survives(
-    server: LaunchedServer, unloaded: list[str], kind: str, smollm_dir: str
+    server: LaunchedServer, unloaded: list[Answer], kind: str, smollm_dir: str
 ) -> None:
     from tokenizers import Tokenizer
 
@@ -197,13 +204,13 @@ def assert_load_survives(
 
 
 def test_64_requests_at_3x_kv_capacity_all_complete_with_unloaded_outputs(
-    tight: LaunchedServer, unloaded: list[str], smollm_dir: str
+    tight: LaunchedServer, unloaded: list[Answer], smollm_dir: str
 ) -> None:
     assert_load_survives(tight, unloaded, "recompute", smollm_dir)
 
 
 def test_constrained_outputs_survive_preemption_and_prefix_caching(
-    tight: LaunchedServer, cached: LaunchedServer, unloaded_constrained: list[str]
+    tight: LaunchedServer, cached: LaunchedServer, unloaded_constrained: list[Answer]
 ) -> None:
     """Greedy JSON-constrained outputs one at a time without prefix caching (the
     reference) equal those of 64 at once at 3x KV capacity (preempting, prefix caching
@@ -218,13 +225,13 @@ def test_constrained_outputs_survive_preemption_and_prefix_caching(
         "cadence_grammar_fast_forward_tokens_total", 0
     )
     assert run_load(cached.url, NOTE_SCHEMA) == unloaded_constrained
-    assert all(text.startswith('{"note": "') for text in unloaded_constrained)
+    assert all(text.startswith('{"note": "') for text, _ in unloaded_constrained)
 
 
 def test_async_scheduling_under_3x_kv_capacity_gives_the_same_outputs(
     tmp_path_factory: pytest.TempPathFactory,
     tiny_llama_dir: str,
-    unloaded: list[str],
+    unloaded: list[Answer],
     smollm_dir: str,
 ) -> None:
     """Steps scheduled while the previous one runs (off by default on CPU): the same 64
@@ -240,7 +247,7 @@ def test_async_scheduling_under_3x_kv_capacity_gives_the_same_outputs(
 def test_swap_preemption_gives_the_same_outputs(
     tmp_path_factory: pytest.TempPathFactory,
     tiny_llama_dir: str,
-    unloaded: list[str],
+    unloaded: list[Answer],
     smollm_dir: str,
 ) -> None:
     server = small_cache(tmp_path_factory, tiny_llama_dir, "--preemption", "swap")

@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from invariance import PROMPTS, ask, asked, differences, probe, served_model
 
 from conftest import (
     NEW_TOKENS,
@@ -211,3 +212,20 @@ def test_a_draft_model_changes_the_steps_not_the_greedy_output(
             assert accepted < proposed / 4, (proposed, accepted)
     finally:
         assert stop(server) == 0, server.log()
+
+
+def test_speculation_changes_no_bit_of_an_answer(
+    ngram_server: LaunchedServer, smollm_server: LaunchedServer
+) -> None:
+    """With n-gram proposals verified several tokens per row, every answer (greedy and
+    seeded) is the server's without speculation bit for bit -- alone, in a crowd and again."""
+    prompts = (f"Repeat the following text exactly:\n\n{PASSAGE}", *PROMPTS[:3])
+    asks = asked(prompts, seeded=2)
+    model = served_model(smollm_server.url)
+    without = [ask(smollm_server.url, model, p, 24, seed) for p, seed in asks]
+    _, _, accepted_before = spec_counts(ngram_server.url)
+    situations = probe(ngram_server.url, prompts, seeded=2, max_tokens=24, crowd=8)
+    assert spec_counts(ngram_server.url)[2] > accepted_before, "proposals were accepted"
+    situations["without speculation"] = without
+    found = differences(situations, asks)
+    assert not found, "\n".join(found)

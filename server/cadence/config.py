@@ -39,6 +39,9 @@ class ShardConfig:
     cpu_isa: str = "auto"  # the C++ kernels' instruction set: "auto" or one of isa.ISAS
     attention_backend: str = "auto"  # one of shard.backends.ATTENTION_BACKENDS
     cpu_kernels: bool = True  # the C++ CPU kernels serve what they cover (False: torch)
+    # a request's logits independent of its step's other rows, chunking, cache hits and
+    # preemption (cadence.shard.determinism); honoured on CPU with the C++ kernels
+    deterministic: bool = True
     cpu_threads: int = 0  # compute threads on CPU; 0: torch's default (every core it may use)
     cpu_cores: str = ""  # cores to pin the process to, comma-separated; "": no pinning
     quantize: str | None = None  # "int8" | "int4": quantize a float checkpoint's linears
@@ -100,6 +103,7 @@ class LaunchConfig:
     block_size: int = _shard("block_size")
     attention_backend: str = _shard("attention_backend")
     cpu_kernels: bool = _shard("cpu_kernels")
+    deterministic: bool = _shard("deterministic")
     quantize: str | None = _shard("quantize")
     quantize_group_size: int = _shard("quantize_group_size")
     quantize_keep_float: str = _shard("quantize_keep_float")

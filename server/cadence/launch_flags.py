@@ -205,6 +205,16 @@ def add_device_flags(add: Add, container: Container, config: type) -> None:
         default=default_of(config, "cpu_kernels"),
         help="Serve through the C++ CPU kernels where they apply (off: torch everywhere).",
     )
+    add_toggle(
+        container,
+        "--deterministic",
+        default=default_of(config, "deterministic"),
+        help="The same request gets the same tokens and logprobs whatever else is in its "
+        "step, however its prompt was chunked, and after a prefix-cache hit or a "
+        "preemption (docs/determinism.md); on CPU with the C++ kernels, /info says "
+        "whether it holds. Off: prefill attention and products pick their fastest "
+        "kernel by row count.",
+    )
 
 
 def add_draft_flags(add: Add) -> None:

@@ -278,8 +278,10 @@ def sample(
     logits: torch.Tensor, b: SamplingBatch, greedy_kernel: GreedyFn | None = None
 ) -> SampleOutput:
     """logits: [R, vocab] of the rows that sample this step. `greedy_kernel` (the shard's
-    bound `LayerOps.greedy`) serves all-greedy batches without top-n alternatives; it
-    reads masked rows' -inf entries as probability 0."""
+    bound `LayerOps.greedy`) serves every greedy row without top-n alternatives, whatever
+    the other rows do: a row's token and logprob then come from the one kernel (its own
+    fixed-order log-sum-exp) in any batch. It reads masked rows' -inf entries as
+    probability 0."""
     logits = _constrained(logits, b)
     greedy = not b.any_sample and b.max_top_n == 0
     unchanged = b.bias_rows is None and PENALTY not in b.features
@@ -298,6 +300,11 @@ def sample(
         drawn = draw(logprobs.double().exp(), uniform_noise(b.seeds, b.positions))
         ids = torch.where(b.params[:, DO_SAMPLE].bool(), drawn, ids)
     chosen = logprobs.gather(1, ids.unsqueeze(1)).squeeze(1)
+    if greedy_kernel is not None:
+        plain = (b.params[:, DO_SAMPLE] == 0) & (b.params[:, TOP_N] == 0)
+        if bool(plain.any()):
+            rows = plain.nonzero().squeeze(1)
+            ids[rows], chosen[rows] = greedy_kernel(logits.index_select(0, rows))
     top_ids = top_logprobs = None
     if b.max_top_n > 0:
         top_logprobs, top_ids = logprobs.topk(min(b.max_top_n, logprobs.shape[1]), dim=-1)

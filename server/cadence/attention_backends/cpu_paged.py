@@ -2,7 +2,13 @@
 the C++ kernels of `cadence.kernels.cpu` (no gather, no mask); prefill rows take the
 torch backend's padded SDPA, except short chunks (at most SHORT_CHUNK tokens: the few
 tokens a grammar forced, a small chunk), each of whose tokens is a decode query of its own
-over the context up to itself."""
+over the context up to itself.
+
+Batch-invariant (`every_query_on_cache`, the shard's --deterministic): every token of
+every row is such a decode query, after the step's keys and values are written. A
+query's output is then one kernel's fixed-order sum over its context as the cache holds
+it (rounded to the cache's dtype), whatever else is in the step, however its prompt was
+chunked and whether its prefix was computed now or read back from the prefix cache."""
 
 from __future__ import annotations
 
@@ -50,12 +56,30 @@ class CpuMetadata:
 class CpuAttention(AttentionBackend[CpuMetadata]):
     name = "cpu"
 
-    def __init__(self, workspace: Workspace | None = None) -> None:
+    def __init__(
+        self, workspace: Workspace | None = None, every_query_on_cache: bool = False
+    ) -> None:
         self.workspace = workspace if workspace is not None else Workspace()
+        self.every_query_on_cache = every_query_on_cache
         isa = cpu_kernels.selected_isa()
-        self.description = f"C++ {isa} paged decode, torch SDPA prefill"
+        self.description = (
+            f"C++ {isa} paged attention, every query over the cache (batch-invariant)"
+            if every_query_on_cache
+            else f"C++ {isa} paged decode, torch SDPA prefill"
+        )
 
     def metadata(self, layout: StepLayout) -> CpuMetadata:
+        rows = int(layout.context_lens.shape[0])
+        if self.every_query_on_cache and layout.num_decode < rows:
+            tokens = int(layout.slot_mapping.shape[0])
+            tables, lens = _rows_as_decodes(layout, rows, tokens)
+            return CpuMetadata(
+                slot_mapping=layout.slot_mapping.contiguous(),
+                num_decode=tokens,
+                decode_tables=tables,
+                decode_lens=lens,
+                prefill=None,
+            )
         if layout.num_short > 0:
             # the decodes and the short chunks on the decode kernel, the rest padded
             rows = layout.num_decode + layout.num_short

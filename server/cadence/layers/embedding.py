@@ -21,6 +21,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
         self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
         self.tp_rank = tp_rank()
         self.tp_size = tp_size()
         self.shard_size = -(-vocab_size // self.tp_size)  # ceil: the last rank is padded
@@ -50,6 +51,12 @@ class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__(vocab_size, hidden_size)
         self.packed_weight: torch.Tensor | None = None  # see cadence.layers.packed
+        self.packed_max_rows = 0  # rows up to which products read packed_weight
+        # products of fewer rows are padded up to min_rows, of more split into max_rows:
+        # a library kernel whose row bits change with the row count is kept to the range
+        # where they do not (cadence.shard.determinism)
+        self.min_rows = 1
+        self.max_rows = 1 << 30
         self.quantized: QuantizedProduct | None = None  # as a LinearBase's (layers.linear)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]

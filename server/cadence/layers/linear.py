@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from cadence.layers.packed import linear
-from cadence.layers.parallel import balanced_split, divide, tp_rank, tp_size
+from cadence.layers.parallel import all_reduce_sum, balanced_split, divide, tp_rank, tp_size
 
 if TYPE_CHECKING:
     from cadence.lora.apply import LoraHook
@@ -75,6 +75,12 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.packed_weight: torch.Tensor | None = None  # see cadence.layers.packed
+        self.packed_max_rows = 0  # rows up to which products read packed_weight
+        # products of fewer rows are padded up to min_rows, of more split into max_rows:
+        # a library kernel whose row bits change with the row count is kept to the range
+        # where they do not (cadence.shard.determinism)
+        self.min_rows = 1
+        self.max_rows = 1 << 30
         self.quantized: QuantizedProduct | None = None
         self.lora: LoraHook | None = None  # set by the engine serving adapters
 
@@ -204,8 +210,25 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = product(self, x, self.bias if self.tp_rank == 0 else None)
         if self.tp_size > 1:
-            dist.all_reduce(y)
+            all_reduce_sum(y)
         return y
+
+
+def _base_product(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T (+ bias) through the quantized weight for the row counts it serves,
+    else the float weight; in products of `layer.min_rows` to `layer.max_rows` rows
+    (padded, or split in order)."""
+    rows = x.numel() // x.shape[-1]
+    if rows > layer.max_rows:
+        step = layer.max_rows
+        parts = [_base_product(layer, x[i : i + step], bias) for i in range(0, rows, step)]
+        return torch.cat(parts)
+    if rows < layer.min_rows:
+        return _base_product(layer, F.pad(x, (0, 0, 0, layer.min_rows - rows)), bias)[:rows]
+    quantized = layer.quantized
+    if quantized is not None and quantized.serves(rows):
+        return quantized(x, bias)
+    return linear(x, layer.weight, bias, layer.packed_weight, layer.packed_max_rows)
 
 
 def product(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -214,11 +237,7 @@ def product(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> tor
     (prepacked when it has a packed copy); plus the LoRA delta of the step's adapters on
     this layer when it has some (`cadence.lora.apply`; a row-parallel layer's partial
     output gets its part of it, before the all-reduce)."""
-    quantized = layer.quantized
-    if quantized is not None and quantized.serves(x.numel() // x.shape[-1]):
-        y = quantized(x, bias)
-    else:
-        y = linear(x, layer.weight, bias, layer.packed_weight)
+    y = _base_product(layer, x, bias)
     hook = getattr(layer, "lora", None)
     if hook is not None and hook.context.step is not None:
         hook.add_delta_(x, y)

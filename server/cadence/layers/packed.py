@@ -13,6 +13,10 @@ weight once more in oneDNN's blocked layout, and `linear` multiplies through it:
   AVX2 take 1.9x less time than `F.linear` at 1 row, 1.6x at 32, 1.2x at 1024
   (`benchmarks/kernels/cpu_linear_bench.py --dtype float32`).
 
+Batch-invariant serving (`every_row_count`) multiplies bfloat16 through the packed weight
+at every row count too: oneDNN's prepacked product gives each row the same bits whatever
+the number of rows (`cadence.shard.determinism` checks it at start), `F.linear` does not.
+
 Each dtype is tried once on a tiny weight before any model weight is packed.
 Off with the C++ kernels (`--no-cpu-kernels`).
 """
@@ -28,6 +32,7 @@ from torch import nn
 from cadence.kernels import cpu as cpu_kernels
 
 BF16_PACKED_MAX_ROWS = 320  # bf16 rows up to which the packed weight is used
+EVERY_ROW_COUNT = 1 << 30
 _PACK_HINT_ROWS = 32  # the batch size oneDNN chooses the blocked layout for
 
 
@@ -63,9 +68,13 @@ def packing_supported(weight: torch.Tensor) -> bool:
     )
 
 
-def pack_linear_weights(model: nn.Module, enabled: bool = True) -> int:
-    """Gives every module with a `packed_weight` slot its packed copy (when `enabled`);
-    returns the bytes added. Call after the weights are loaded (and tied)."""
+def pack_linear_weights(
+    model: nn.Module, enabled: bool = True, every_row_count: bool = False
+) -> int:
+    """Gives every module with a `packed_weight` slot its packed copy (when `enabled`),
+    read by products of up to `packed_max_rows` rows: every row count for float32 or when
+    `every_row_count`, else BF16_PACKED_MAX_ROWS; returns the bytes added. Call after the
+    weights are loaded (and tied)."""
     added = 0
     if not enabled:
         return added
@@ -81,6 +90,8 @@ def pack_linear_weights(model: nn.Module, enabled: bool = True) -> int:
         module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(
             weight.data.contiguous(), _PACK_HINT_ROWS
         )
+        every = every_row_count or weight.dtype is torch.float32
+        module.packed_max_rows = EVERY_ROW_COUNT if every else BF16_PACKED_MAX_ROWS
         added += weight.numel() * weight.element_size()
     return added
 
@@ -90,12 +101,14 @@ def linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     packed: torch.Tensor | None,
+    packed_max_rows: int | None = None,
 ) -> torch.Tensor:
-    """F.linear, through the packed weight when there is one and it is the faster."""
-    if (
-        packed is not None
-        and x.dim() == 2
-        and (x.dtype is torch.float32 or x.shape[0] <= BF16_PACKED_MAX_ROWS)
-    ):
+    """F.linear, through the packed weight when there is one and `x` has at most
+    `packed_max_rows` rows (None: every row count for float32, BF16_PACKED_MAX_ROWS for
+    bfloat16)."""
+    if packed_max_rows is None:
+        every = x.dtype is torch.float32
+        packed_max_rows = EVERY_ROW_COUNT if every else BF16_PACKED_MAX_ROWS
+    if packed is not None and x.dim() == 2 and x.shape[0] <= packed_max_rows:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
     return F.linear(x, weight, bias)

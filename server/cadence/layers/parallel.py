@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 
@@ -24,3 +25,21 @@ def balanced_split(n: int, size: int, rank: int) -> tuple[int, int]:
     n % size ranks take one more (9 heads over 2 ranks: 5 and 4)."""
     base, extra = divmod(n, size)
     return rank * base + min(rank, extra), base + (rank < extra)
+
+
+def all_reduce_sum(t: torch.Tensor) -> None:
+    """Sums `t` over the ranks in place, every element in rank order. With two ranks that is
+    the backend's own all-reduce (a + b == b + a exactly). With more, a ring all-reduce
+    starts each element's sum at a rank that depends on where the element sits in the
+    buffer -- on the step's size -- so the parts are gathered and added in rank order,
+    which keeps a row's bits independent of the other rows in its step."""
+    size = tp_size()
+    if size <= 2:
+        dist.all_reduce(t)
+        return
+    parts = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(parts, t.contiguous())
+    total = parts[0]
+    for part in parts[1:]:
+        total += part
+    t.copy_(total)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from cadence.quant.checkpoints import QuantizedSource
-from cadence.quant.crossover import FORMATS, crossover_rows
+from cadence.quant.crossover import ALL_ROWS, FORMATS, Crossover, crossover_rows
 from cadence.quant.load import (
     Dispatch,
     load_from_source,
@@ -32,6 +32,9 @@ class QuantizeConfig:
     # the shard's product kernels (`cadence.shard.backends.product_kernels`); a model
     # with quantized weights needs them
     products: ProductKernels | None = None
+    # batch-invariant serving: the quantized kernel serves every row count (a float copy
+    # above a crossover would give a row other bits in a larger step)
+    one_kernel: bool = False
 
 
 def float_linear_bytes(model: nn.Module) -> int:
@@ -72,6 +75,8 @@ def dispatch_for(
     dtype_name = str(dtype).removeprefix("torch.")
     isa = isa_name(device)
     found = {fmt: crossover_rows(fmt, dtype_name, isa) for fmt in FORMATS}
+    if cfg.one_kernel:
+        found = {fmt: Crossover(ALL_ROWS, "one kernel: --deterministic") for fmt in FORMATS}
     rows = {fmt: c.rows for fmt, c in found.items()}
     keep = keeps_float(cfg.keep_float, device, float_linear_bytes(model))
     dispatch = Dispatch(keep, cfg.products, rows, keep_float_always=cfg.keep_float == "on")

@@ -17,13 +17,13 @@ parallelism all-reduces after the two row-parallel products as the layers do.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from cadence.attention_backends import StepLayout
 from cadence.attention_backends.cpu_paged import CpuAttention, CpuMetadata
 from cadence.attention_backends.torch_sdpa import attend_prefill
 from cadence.heartbeat import HEARTBEAT
 from cadence.layers.linear import LinearBase, product
+from cadence.layers.parallel import all_reduce_sum
 from cadence.models.llama import LlamaAttention, LlamaForCausalLM, LlamaModel
 from cadence.runners.generic import ModelRunner
 
@@ -53,7 +53,7 @@ def _row_parallel(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
     """RowParallelLinear.forward without the module call: bias once, then all-reduce."""
     y = _linear(layer, x, with_bias=layer.tp_rank == 0)
     if layer.tp_size > 1:
-        dist.all_reduce(y)
+        all_reduce_sum(y)
     return y
 
 

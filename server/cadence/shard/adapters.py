@@ -46,11 +46,15 @@ class ShardAdapters:
         shape: PoolShape,
         cpu_kernels: bool = False,
         triton: bool = False,
+        row_by_row: bool = False,
     ) -> None:
         """`shape`: the KV pool's slabs (its block count is taken from the cache once
         allocated); `cpu_kernels`: whether the C++ CPU kernels serve this shard; `triton`:
         whether its products run through the Triton kernels (with the triton attention
-        backend: on CUDA, or on CPU under the interpreter)."""
+        backend: on CUDA, or on CPU under the interpreter); `row_by_row`: every adapter row
+        through the C++ row kernels, however many rows share an adapter (batch-invariant
+        serving: a matrix product for long runs would give a row other bits)."""
+        self.row_by_row = row_by_row and cpu_kernels
         self.model = model
         self.dtype = dtype
         self.shape = shape
@@ -175,6 +179,8 @@ class ShardAdapters:
             return
         counts = (batch.query_start[1:] - batch.query_start[:-1]).tolist()
         min_rows = cpu_rows.SEGMENT_MIN_ROWS if self.context.cpu_kernels else SEGMENT_MIN_ROWS
+        if self.row_by_row:
+            min_rows = sum(counts) + 1  # no run of rows is long enough for a matrix product
         self.context.step = build_step(
             names, counts, self.resident, min_rows, triton=self.context.triton
         )

@@ -88,17 +88,23 @@ def choose(
     cpu: CpuKernels,
     products: ProductKernels,
     model: nn.Module,
+    deterministic: bool = False,
 ) -> Kernels:
     """The registry of a loaded model's kernels: see `attention_backend`, `layer_ops` and
-    `model_runner`; the LoRA delta through Triton exactly when the attention is."""
-    attention = attention_backend(requested_attention, device, cpu, Workspace())
+    `model_runner`; the LoRA delta through Triton exactly when the attention is.
+    `deterministic`: the cpu backend attends every query over the cache."""
+    attention = attention_backend(requested_attention, device, cpu, Workspace(), deterministic)
     lora = LoraKernels(triton=attention.name == "triton", cpu_rows=cpu.on)
     ops = layer_ops(device, attention, cpu)
     return Kernels(cpu, products, attention, ops, model_runner(model, attention), lora)
 
 
 def attention_backend(
-    requested: str, device: torch.device, cpu: CpuKernels, workspace: Workspace
+    requested: str,
+    device: torch.device,
+    cpu: CpuKernels,
+    workspace: Workspace,
+    every_query_on_cache: bool = False,
 ) -> AttentionBackend[Any]:
     """`auto`: triton on CUDA when triton imports; on CPU `cpu` when the C++ kernels
     serve, else torch. `triton` on a CPU device needs `TRITON_INTERPRET=1` (tests only:
@@ -118,7 +124,7 @@ def attention_backend(
             raise ValueError("the cpu attention backend runs on CPU devices only")
         if not cpu.on:
             raise ValueError(f"the cpu attention backend is unavailable: {cpu.reason}")
-        return CpuAttention(workspace)
+        return CpuAttention(workspace, every_query_on_cache)
     if requested == "triton":
         if device.type != "cuda" and not triton_interpreted:
             raise ValueError("the triton attention backend on CPU needs TRITON_INTERPRET=1")

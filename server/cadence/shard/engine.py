@@ -31,7 +31,7 @@ from cadence.quant.product import ProductKernels
 from cadence.quant.setup import QuantizeConfig
 from cadence.runners import ModelRunner
 from cadence.sampling import SamplingBatch
-from cadence.shard import backends
+from cadence.shard import backends, determinism
 from cadence.shard.adapters import ShardAdapters
 from cadence.shard.forward_batch import ForwardBatch
 from cadence.shard.kernel_report import kernel_paths, log_line
@@ -100,8 +100,9 @@ class Engine:
         self.memory_at_start = cuda_reading(self.device) if self.device.type == "cuda" else None
         started = time.perf_counter()
         quantize = QuantizeConfig(
-            cfg.quantize, cfg.quantize_group_size, cfg.quantize_keep_float, products
-        )
+            cfg.quantize, cfg.quantize_group_size, cfg.quantize_keep_float, products,
+            one_kernel=cfg.deterministic and cfg.quantize_keep_float != "on",
+        )  # fmt: skip
         self.model = load_model(cfg.model_dir, self.dtype, self.device, quantize)
         # what is quantized: source, formats, crossover, float kept ({} for none)
         self.quantization: dict[str, Any] = self.model.quantization
@@ -111,7 +112,9 @@ class Engine:
         self.weight_bytes += self.quantization.get("quantized_bytes", 0)
         self.checkpoint_bytes_read: int = getattr(self.model, "checkpoint_bytes_read", 0)
         # on CPU: a second copy of each linear weight in oneDNN's blocked layout
-        self.packed_bytes = pack_linear_weights(self.model, enabled=cfg.cpu_kernels)
+        self.packed_bytes = pack_linear_weights(
+            self.model, enabled=cfg.cpu_kernels, every_row_count=cfg.deterministic
+        )
         self.weight_bytes += self.packed_bytes
         self.block_size = cfg.block_size
         first = self.attention[0]
@@ -124,7 +127,9 @@ class Engine:
         if cfg.kv_cache_scales:
             check_kv_cache_choice(self.kv_format.name, cfg.kv_cache_scales)
             self.kv_layer_scales = read_scales_file(cfg.kv_cache_scales, len(self.attention))
-        kernels = backends.choose(cfg.attention_backend, self.device, cpu, products, self.model)
+        kernels = backends.choose(
+            cfg.attention_backend, self.device, cpu, products, self.model, cfg.deterministic
+        )
         self.attention_backend = kernels.attention
         self.ops = kernels.ops
         kernel_ops.bind(self.model, self.ops)
@@ -134,6 +139,7 @@ class Engine:
         self.adapters = ShardAdapters(
             self.model, self.dtype, PoolShape(len(self.attention), 0, slab_bytes),
             cpu_kernels=kernels.lora.cpu_rows, triton=kernels.lora.triton,
+            row_by_row=cfg.deterministic,
         )  # fmt: skip
         self.kv: KVCache | None = None
         self.state: BatchState | None = None
@@ -157,8 +163,12 @@ class Engine:
         )
         self.kernels = kernel_paths(
             self.device, self.dtype, self.attention_backend, self.ops, self.runner,
-            self.packed_bytes, self.quantization,
+            self.packed_bytes, self.quantization, packed_every_row=cfg.deterministic,
         )  # fmt: skip
+        self.determinism = determinism.decide(
+            cfg, self.device, self.attention_backend, self.model, self.dtype
+        )
+        self.kernels["determinism"] = self.determinism.describe()
         logger.info(log_line(self.kernels))
 
     @property

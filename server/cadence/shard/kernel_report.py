@@ -22,6 +22,7 @@ def kernel_paths(
     runner: ModelRunner,
     packed_bytes: int,
     quantization: dict[str, Any] | None = None,
+    packed_every_row: bool = False,
 ) -> dict[str, str]:
     """{"isa", "attention", "products", "norms", "sampling", "runner"} -> what serves each."""
     isa = ""
@@ -31,7 +32,8 @@ def kernel_paths(
         )
     products = f"torch {_name(dtype)}"
     if packed_bytes:
-        rows = "" if dtype == torch.float32 else f" up to {BF16_PACKED_MAX_ROWS} rows, else torch"
+        every = dtype == torch.float32 or packed_every_row
+        rows = "" if every else f" up to {BF16_PACKED_MAX_ROWS} rows, else torch"
         products = f"oneDNN {_name(dtype)} prepacked{rows}"
     if quantization:
         products = _quantized_products(quantization, products)

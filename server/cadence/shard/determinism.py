@@ -1,0 +1,172 @@
+"""Whether a shard's outputs are batch-invariant, and the start-up check of its products.
+
+Batch-invariant (`--deterministic`, the default): a request's logits, and so its tokens
+and logprobs, are the same bits whatever else is in its step, however its prompt was
+chunked, whether its prefix was computed or read from the prefix cache, and whether it
+was preempted (recomputed or swapped) or had its tokens verified by speculation. On CPU
+with the C++ kernels that holds by construction:
+
+- attention: every query, prompt tokens included, is one paged-attention kernel call over
+  its context as the cache holds it, in a fixed order (`CpuAttention.every_query_on_cache`);
+- products: one kernel per layer at every row count -- no float copy above a quantized
+  kernel's crossover, bfloat16 through oneDNN's prepacked weight at every row count. The
+  integer product quantizes each row by itself and sums integers exactly; oneDNN's
+  blocking is a library's choice, so `varying_product` checks every product shape of the
+  model at start, on its own layers, and keeps each kernel to the row counts where it
+  agrees with itself: products of more than `max_rows` rows are split (oneDNN's bfloat16
+  product changes its path above ~350 rows on a Zen 4), products of fewer than
+  `min_rows` padded (its float32 one at one row with K = 1536);
+- norms, rotary, activation and sampling: C++ kernels that compute row by row;
+- tensor parallelism: the all-reduce adds the ranks' parts in rank order
+  (`cadence.layers.parallel.all_reduce_sum`).
+
+Outside that (a GPU, torch's kernels) the flag is reported off with the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from loguru import logger
+from torch import nn
+
+from cadence.attention_backends import AttentionBackend
+from cadence.attention_backends.cpu_paged import CpuAttention
+from cadence.config import ShardConfig
+from cadence.layers.linear import product
+
+# Row counts the start-up check multiplies: one row, small batches, a vector or block tail
+# (17, 33, 129), prefill chunks, and past the largest split (700).
+CHECK_ROWS = (1, 2, 3, 5, 8, 16, 17, 33, 64, 129, 320, 333, 512, 700)
+OFFSET = 7  # the same rows again, at another place in the batch
+WINDOW_ROWS = 64  # rows multiplied at each row count
+MAX_PAD = 16  # the most rows a small product is padded to
+SPLITS = (512, 320, 256, 128)  # the most rows one kernel call takes, largest first
+
+
+@dataclass(frozen=True, slots=True)
+class Determinism:
+    on: bool
+    detail: str  # what holds, or why it does not
+
+    def describe(self) -> str:
+        """What /info's kernels.determinism shows."""
+        return f"{'on' if self.on else 'off'}: {self.detail}"
+
+
+def off_reason(cfg: ShardConfig, device: torch.device, attention: AttentionBackend[Any]) -> str:
+    """Why this shard cannot be batch-invariant ("" when it can)."""
+    if not cfg.deterministic:
+        return "turned off (--no-deterministic)"
+    if device.type != "cpu":
+        return f"not guaranteed on {device.type} (its kernels block by batch size)"
+    if not isinstance(attention, CpuAttention) or not attention.every_query_on_cache:
+        return f"needs the C++ CPU kernels' attention (serving: {attention.description})"
+    return ""
+
+
+def crossover_reason(model: nn.Module) -> str:
+    """Why products switch kernels by row count ("" when none does): a float copy kept for
+    large products (`--quantize-keep-float on` asks for one)."""
+    for name, module in model.named_modules():
+        quantized = getattr(module, "quantized", None)
+        if quantized is not None and not quantized.serves_every_row_count:
+            return (
+                f"{name}: products above {quantized.crossover} rows take the float copy "
+                "(--quantize-keep-float on)"
+            )
+    return ""
+
+
+def _in_features(module: nn.Module) -> int:
+    return int(getattr(module, "in_features", 0) or getattr(module, "hidden_size", 0))
+
+
+def _path(module: nn.Module, x: torch.Tensor) -> str:
+    """Which kernel serves `module` for `x` (the check's key: one check per kernel and shape)."""
+    quantized = getattr(module, "quantized", None)
+    if quantized is not None and quantized.serves(x.shape[0]):
+        return "quantized " + ",".join(quantized.formats)
+    return "packed" if getattr(module, "packed_weight", None) is not None else "torch"
+
+
+def _rows_vary(module: nn.Module, x: torch.Tensor) -> int:
+    """The first row count at which some row's product differs from the same row's in the
+    largest product; 0 when none does. Each row count multiplies at least WINDOW_ROWS
+    rows, in consecutive products of that many rows and at an offset: a kernel whose
+    float32 sums differ in their last bit changes a bfloat16 output in ~1 of 1000
+    elements, so few rows would miss it."""
+    whole = product(module, x, None)
+    for m in CHECK_ROWS:
+        if m + OFFSET > x.shape[0]:
+            break
+        for start in range(0, max(WINDOW_ROWS - m, 0) + 1, m):
+            for s in (start, start + OFFSET):
+                if not torch.equal(product(module, x[s : s + m], None), whole[s : s + m]):
+                    return m
+    return 0
+
+
+def _agreeing_range(module: nn.Module, x: torch.Tensor) -> tuple[int, int] | None:
+    """(min_rows, max_rows) for `module`'s products under which every row count checked
+    gives each row the same bits -- the largest split, then the least padding, that does --
+    or None when none does."""
+    for split in SPLITS:
+        for pad in (1, *(m for m in CHECK_ROWS if 1 < m <= MAX_PAD)):
+            module.min_rows, module.max_rows = pad, split
+            if not _rows_vary(module, x):
+                return pad, split
+    module.min_rows, module.max_rows = 1, SPLITS[0]
+    return None
+
+
+def varying_product(model: nn.Module, dtype: torch.dtype) -> str:
+    """Multiplies random rows through each distinct product of `model` (kernel, shape) at
+    the row counts of CHECK_ROWS, padding the products of a kernel that needs it (its
+    layers' `min_rows`); names the first whose rows depend on the row count even so (""
+    when none does)."""
+    generator = torch.Generator().manual_seed(0)
+    ranges: dict[tuple[str, int, int], tuple[int, int]] = {}
+    for name, module in model.named_modules():
+        if not hasattr(module, "packed_weight"):
+            continue  # not a product layer (LinearBase, ParallelLMHead)
+        cols = _in_features(module)
+        if cols == 0:
+            continue
+        x = torch.randn(max(CHECK_ROWS) + OFFSET, cols, generator=generator).to(dtype)
+        key = (_path(module, x), cols, int(getattr(module, "out_features", 0)))
+        if key not in ranges:
+            found = _agreeing_range(module, x)
+            if found is None:
+                return f"{name} ({key[0]}): a row's product changes with the row count"
+            ranges[key] = found
+            if found != (1, SPLITS[0]):
+                kept = f"{found[0]}..{found[1]} rows"
+                logger.info(f"{key[0]} products of {cols} columns kept to {kept}")
+        module.min_rows, module.max_rows = ranges[key]
+    return ""
+
+
+def decide(
+    cfg: ShardConfig,
+    device: torch.device,
+    attention: AttentionBackend[Any],
+    model: nn.Module,
+    dtype: torch.dtype,
+) -> Determinism:
+    """Whether this shard serves batch-invariant outputs (logged when asked for and not)."""
+    reason = off_reason(cfg, device, attention) or crossover_reason(model)
+    if not reason:
+        varying = varying_product(model, dtype)
+        if varying:
+            reason = f"the products are not batch-invariant on this CPU: {varying}"
+            logger.warning(f"--deterministic does not hold here: {reason}")
+    if reason:
+        return Determinism(False, reason)
+    return Determinism(
+        True,
+        "attention of every query over the cache, one product kernel per layer at every "
+        "row count (checked at start), row-wise norms and sampling",
+    )

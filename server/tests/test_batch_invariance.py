@@ -1,0 +1,196 @@
+"""Batch invariance inside one engine (docs/determinism.md): a request's logits are the same
+bits alone, inside steps of random other requests with random prompt chunks, after a
+prefix-cache hit, recomputed after a preemption, and with its next tokens computed several
+per row (as a speculative verification computes them) -- for float32, bfloat16 and the
+integer product's int4 weights. And the start-up check that keeps each product kernel to
+the row counts where it agrees with itself."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from cadence.layers.linear import product
+from cadence.pb import shard_pb2
+from cadence.shard.determinism import varying_product
+from cadence.shard.engine import Engine
+from shard_helpers import MiniRouter
+
+PROMPT = 45  # tokens: two full blocks and a partial one
+FOLLOW = 6  # tokens after the prompt: the logits of the prompt's last and of 5 more
+VOCAB_LOW, VOCAB_HIGH = 3, 120
+
+CONFIGS = {
+    "float32": {"dtype": "float32"},
+    "bfloat16": {"dtype": "bfloat16"},
+    "int4": {"dtype": "bfloat16", "quantize": "int4"},
+}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def engine(request, model_dirs, engine_for) -> Engine:
+    engine = engine_for(model_dirs("llama_gqa"), num_blocks=400, **CONFIGS[request.param])
+    assert engine.determinism.on, engine.determinism.detail
+    return engine
+
+
+def tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(n)]
+
+
+PROMPT_IDS = tokens(random.Random(7), PROMPT + FOLLOW)
+
+
+def finish(router: MiniRouter) -> None:
+    ids = list(router.reqs)
+    for rid in ids:
+        router.remove(rid)
+    router.step(removed=ids)
+
+
+def alone(engine: Engine) -> torch.Tensor:
+    """Logits of the probed request's prompt (last row) and of each following token: one
+    prefill, then one decode per token."""
+    router = MiniRouter(engine)
+    rows = [router.logits_step(joined=[router.join(1, PROMPT_IDS[:PROMPT])],
+                               forced={1: PROMPT_IDS[PROMPT]})[1][-1:]]  # fmt: skip
+    for t in PROMPT_IDS[PROMPT + 1 :]:
+        rows.append(router.logits_step(continuing=[router.cont(1)], forced={1: t})[1])
+    finish(router)
+    return torch.cat(rows)
+
+
+def in_a_crowd(engine: Engine, seed: int) -> torch.Tensor:
+    """The same, with its prompt in random chunks, beside 1-24 other requests whose own
+    prompts are chunked at random and which decode while it does."""
+    rng = random.Random(seed)
+    router = MiniRouter(engine)
+    others = {10 + i: tokens(rng, rng.randint(1, 90)) for i in range(rng.randint(1, 24))}
+    forced = {rid: rng.randrange(VOCAB_LOW, VOCAB_HIGH) for rid in others}
+    first = rng.randint(1, PROMPT - 1)
+    joined = [router.join(1, PROMPT_IDS[:PROMPT], num_compute=first)]
+    for rid, ids in others.items():
+        joined.append(router.join(rid, ids, num_compute=rng.randint(1, len(ids))))
+    rows: list[torch.Tensor] = []
+    out = router.logits_step(joined=joined, forced={1: PROMPT_IDS[PROMPT], **forced})
+    done = first
+    while len(rows) < FOLLOW:
+        cont = []
+        for rid, r in router.reqs.items():
+            left = len(r.tokens) - r.computed
+            if rid == 1 and done < PROMPT:
+                n = rng.randint(1, PROMPT - done)
+                done += n
+                cont.append(router.cont(1, num_compute=n))
+            elif rid != 1 and left > 0:
+                cont.append(router.cont(rid, num_compute=rng.randint(1, left)))
+            else:
+                cont.append(router.cont(rid))
+        nxt = PROMPT_IDS[PROMPT + len(rows)]
+        out = router.logits_step(continuing=cont, forced={1: nxt, **forced})
+        if done == PROMPT and router.reqs[1].computed >= PROMPT:
+            rows.append(out[1][-1:])
+    finish(router)
+    return torch.cat(rows)
+
+
+def after_a_prefix_hit(engine: Engine) -> torch.Tensor:
+    """The prompt's full blocks computed by an earlier request, read from the cache."""
+    router = MiniRouter(engine)
+    router.logits_step(joined=[router.join(2, PROMPT_IDS[:PROMPT])], forced={2: 0})
+    cached = (PROMPT // router.bs) * router.bs
+    shared = router.reqs[2].blocks[: cached // router.bs]
+    fresh = [router.free.pop() for _ in range(-(-PROMPT // router.bs) - len(shared) + 1)]
+    router.reqs[1] = type(router.reqs[2])(list(PROMPT_IDS[:PROMPT]), PROMPT, PROMPT)
+    router.reqs[1].blocks = shared + fresh
+    joined = shard_pb2.NewRequest(
+        id=1, token_ids=PROMPT_IDS[:PROMPT], prompt_len=PROMPT, num_cached=cached,
+        num_compute=PROMPT - cached, block_table=shared + fresh,
+        sampling=shard_pb2.SamplingParams(),
+    )  # fmt: skip
+    rows = [router.logits_step(joined=[joined], forced={1: PROMPT_IDS[PROMPT]})[1][-1:]]
+    for t in PROMPT_IDS[PROMPT + 1 :]:
+        rows.append(router.logits_step(continuing=[router.cont(1)], forced={1: t})[1])
+    router.reqs[2].blocks = router.reqs[2].blocks[len(shared) :]  # freed once, by request 1
+    finish(router)
+    return torch.cat(rows)
+
+
+def recomputed(engine: Engine) -> torch.Tensor:
+    """Preempted after three tokens, then recomputed: prompt and generated tokens
+    prefilled together, as the router resumes a preempted request."""
+    router = MiniRouter(engine)
+    rows = [router.logits_step(joined=[router.join(1, PROMPT_IDS[:PROMPT])],
+                               forced={1: PROMPT_IDS[PROMPT]})[1][-1:]]  # fmt: skip
+    for t in PROMPT_IDS[PROMPT + 1 : PROMPT + 3]:
+        rows.append(router.logits_step(continuing=[router.cont(1)], forced={1: t})[1])
+    finish(router)
+    known = PROMPT_IDS[: PROMPT + 3]
+    out = router.logits_step(joined=[router.join(1, known, prompt_len=PROMPT)],
+                             forced={1: PROMPT_IDS[PROMPT + 3]})  # fmt: skip
+    rows.append(out[1][-1:])
+    for t in PROMPT_IDS[PROMPT + 4 :]:
+        rows.append(router.logits_step(continuing=[router.cont(1)], forced={1: t})[1])
+    finish(router)
+    return torch.cat(rows)
+
+
+def several_per_row(engine: Engine) -> torch.Tensor:
+    """The following tokens computed three to a row, as a verification of proposals is."""
+    router = MiniRouter(engine)
+    rows = [router.logits_step(joined=[router.join(1, PROMPT_IDS[:PROMPT])],
+                               forced={1: PROMPT_IDS[PROMPT]})[1][-1:]]  # fmt: skip
+    fed = PROMPT + 1
+    while fed < len(PROMPT_IDS):
+        extra = PROMPT_IDS[fed : min(fed + 2, len(PROMPT_IDS) - 1)]
+        nxt = PROMPT_IDS[fed + len(extra)] if fed + len(extra) < len(PROMPT_IDS) else 0
+        rows.append(router.logits_step(continuing=[router.cont(1, forced=extra)],
+                                       forced={1: nxt})[1])  # fmt: skip
+        fed += len(extra) + 1
+    finish(router)
+    return torch.cat(rows)
+
+
+def test_a_request_gets_the_same_logits_in_every_situation(engine: Engine) -> None:
+    expected = alone(engine)
+    assert expected.shape[0] == FOLLOW
+    assert torch.equal(alone(engine), expected)
+    for seed in range(4):
+        assert torch.equal(in_a_crowd(engine, seed), expected), f"crowd {seed}"
+    assert torch.equal(after_a_prefix_hit(engine), expected)
+    assert torch.equal(recomputed(engine), expected)
+    assert torch.equal(several_per_row(engine), expected)
+
+
+def test_the_start_up_check_finds_every_product_row_invariant(engine: Engine) -> None:
+    """Each product, at any row count, gives a row the bits it gives that row alone (the
+    check's ranges applied), and the check keeps its answer when run again."""
+    assert varying_product(engine.model, engine.dtype) == ""
+    layer = engine.model.model.layers[0].mlp.down_proj
+    x = torch.randn(300, layer.in_features).to(engine.dtype)
+    whole = product(layer, x, None)
+    for m in (1, 2, 7, 64, 299):
+        assert torch.equal(product(layer, x[:m], None), whole[:m]), m
+
+
+def test_products_split_and_pad_in_order(engine: Engine) -> None:
+    """A layer kept to 2..5 rows: more rows are multiplied five at a time, one row padded."""
+    layer = engine.model.model.layers[0].self_attn.o_proj
+    saved = layer.min_rows, layer.max_rows
+    x = torch.randn(12, layer.in_features).to(engine.dtype)
+    try:
+        layer.min_rows, layer.max_rows = 2, 5
+        pieces = [product(layer, x[i : i + 5], None) for i in range(0, 12, 5)]
+        assert torch.equal(product(layer, x, None), torch.cat(pieces))
+        padded = product(layer, torch.cat([x[:1], torch.zeros_like(x[:1])]), None)[:1]
+        assert torch.equal(product(layer, x[:1], None), padded)
+    finally:
+        layer.min_rows, layer.max_rows = saved
+
+
+def test_without_the_flag_the_shard_says_so(model_dirs, engine_for) -> None:
+    engine = engine_for(model_dirs("llama_gqa"), deterministic=False)
+    assert engine.determinism.describe() == "off: turned off (--no-deterministic)"
+    assert engine.kernels["determinism"] == engine.determinism.describe()
+    assert "torch SDPA prefill" in engine.kernels["attention"]
