@@ -24,6 +24,7 @@ from cadence.config import LaunchConfig, ShardConfig
 from cadence.config_file import ConfigFileError, with_config_file
 from cadence.flags import add_switch
 from cadence.launch_flags import (
+    CPU_ISA_CHOICES,
     DTYPE_CHOICES,
     add_device_flags,
     add_draft_flags,
@@ -50,6 +51,14 @@ class ConvertConfig:
     output: str | None = None  # None: in the cache, beside the folder the GGUF is served from
     dtype: str = "float32"
     link: bool = False  # config and tokenizer only, linking the GGUF: what `launch` serves
+    log_format: str = "text"
+
+
+@dataclass(slots=True)
+class CalibrateConfig:
+    cpu_isa: str = "auto"  # the C++ kernels' instruction set
+    dtype: str = "auto"  # the activations' dtype; auto: what `launch` serves on this CPU
+    output: str | None = None  # None: kernel_table.json in the cache folder
     log_format: str = "text"
 
 
@@ -126,6 +135,51 @@ def _convert_parser(sub: Any) -> None:
     p.set_defaults(run=_run_convert)
 
 
+def _calibrate_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "calibrate",
+        help="measure which kernel multiplies quantized weights fastest on this CPU "
+        "(the integer product or a float copy) and cache it for `cadence launch`",
+    )
+    add = adder(p, CalibrateConfig)
+    # CADENCE_CALIBRATE_*: `launch` owns CADENCE_CPU_ISA and CADENCE_DTYPE.
+    add(
+        "--cpu-isa",
+        env="CADENCE_CALIBRATE_CPU_ISA",
+        choices=CPU_ISA_CHOICES,
+        help="The C++ kernels use this instruction set (auto: the best this CPU has).",
+    )
+    add(
+        "--dtype",
+        env="CADENCE_CALIBRATE_DTYPE",
+        choices=("auto", *DTYPE_CHOICES),
+        help="The activations have this dtype (auto: what `cadence launch` serves here).",
+    )
+    add(
+        "--output",
+        env="CADENCE_CALIBRATE_OUTPUT",
+        help="The table is written to this file (default: kernel_table.json in the cache "
+        "folder, where `cadence launch` reads it).",
+    )
+    add_log_format(add)
+    p.set_defaults(run=_run_calibrate)
+
+
+def _run_calibrate(args: argparse.Namespace) -> int:
+    from cadence import cpu_isa as isa
+    from cadence.quant import calibrate
+
+    chosen = isa.resolve(args.cpu_isa)
+    dtype = isa.default_dtype("cpu", chosen) if args.dtype == "auto" else args.dtype
+    table = calibrate.measure(chosen, dtype)
+    path = Path(args.output) if args.output else calibrate.table_path()
+    calibrate.write(table, path)
+    for fmt in table.formats:
+        print(f"{fmt}: {calibrate.describe(table, fmt)}")
+    print(f"written to {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cadence", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"cadence {__version__}")
@@ -133,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     _launch_parser(sub)
     _serve_parser(sub)
     _convert_parser(sub)
+    _calibrate_parser(sub)
     add_bench_parser(sub)
     return parser
 

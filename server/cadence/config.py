@@ -47,6 +47,9 @@ class ShardConfig:
     quantize: str | None = None  # "int8" | "int4": quantize a float checkpoint's linears
     quantize_group_size: int = 32  # int4 group size (32, 64, 128); docs/quantization.md
     quantize_keep_float: str = "auto"  # "auto" | "on" | "off": float copy for large products
+    # which kernel multiplies quantized weights, as measured (cadence.quant.calibrate);
+    # "": the built-in defaults (cadence launch measures and passes one on CPU)
+    kernel_table: str = ""
     # speculative decoding, benchmarks only: the share of the router's proposals accepted
     # regardless of the model (0: verify them against the model)
     speculative_acceptance: float = 0.0
@@ -107,6 +110,7 @@ class LaunchConfig:
     quantize: str | None = _shard("quantize")
     quantize_group_size: int = _shard("quantize_group_size")
     quantize_keep_float: str = _shard("quantize_keep_float")
+    kernel_table: str = _shard("kernel_table")  # "": measured at first start on CPU
     draft_model_id: str = _shard("draft_model_id")  # launch resolves it like model_id
     draft_quantize: str | None = _shard("draft_quantize")
     speculative_acceptance: float = _shard("speculative_acceptance")

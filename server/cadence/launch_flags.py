@@ -161,6 +161,13 @@ def add_model_flags(add: Add) -> None:
         "quantized kernels win at (prefill), at the cost of its memory; auto keeps them on "
         "CPU while the copies fit in half the available memory, and never on a GPU.",
     )
+    add(
+        "--kernel-table",
+        help="Which kernel multiplies quantized weights (the integer product or a float copy "
+        "through oneDNN), as `cadence calibrate` measured it; unset, `cadence launch` "
+        "measures it on its first start on a CPU and caches it per CPU model "
+        "(docs/quantization.md).",
+    )
 
 
 def add_kv_flags(add: Add) -> None:

@@ -22,6 +22,7 @@ import shutil
 import signal
 import socket
 import ssl
+import subprocess
 import sys
 import tempfile
 import urllib.error
@@ -100,6 +101,7 @@ def shard_argv(cfg: LaunchConfig, model_dir: str, slot: ShardSlot) -> list[str]:
         *(("--quantize", cfg.quantize) if cfg.quantize else ()),
         *("--quantize-group-size", str(cfg.quantize_group_size)),
         *("--quantize-keep-float", cfg.quantize_keep_float),
+        *(("--kernel-table", cfg.kernel_table) if cfg.kernel_table else ()),
         *(("--kv-cache-scales", cfg.kv_cache_scales) if cfg.kv_cache_scales else ()),
         *(("--draft-model-id", cfg.draft_model_id) if cfg.draft_model_id else ()),
         *(("--draft-quantize", cfg.draft_quantize) if cfg.draft_quantize else ()),
@@ -191,6 +193,41 @@ def resolve_cpu_choices(cfg: C) -> C:
     return replace(cfg, cpu_isa=chosen, dtype=dtype, kv_cache_dtype=kv_dtype)
 
 
+def serves_quantized(cfg: LaunchConfig, model_dir: str) -> bool:
+    """Whether the shards will hold quantized weights: --quantize, a GGUF folder, or a
+    checkpoint with a quantization config (GPTQ, AWQ)."""
+    import json
+
+    if cfg.quantize or (Path(model_dir) / "weights.gguf").exists():
+        return True
+    config = Path(model_dir) / "config.json"
+    return config.exists() and "quantization_config" in json.loads(config.read_text())
+
+
+def with_kernel_table(cfg: LaunchConfig, model_dir: str) -> LaunchConfig:
+    """`cfg` with the kernel table its CPU shards read: measured here once per machine
+    (`cadence calibrate`, in its own process: a few seconds) when none is cached for this
+    CPU, dtype and torch; unchanged on a GPU, without quantized weights or with a table
+    given. A failed measurement leaves the built-in defaults, with a warning."""
+    from cadence.quant import calibrate
+
+    if cfg.kernel_table or cfg.device != "cpu" or not cfg.cpu_kernels:
+        return cfg
+    if not serves_quantized(cfg, model_dir):
+        return cfg
+    path = calibrate.table_path()
+    if calibrate.read(path, calibrate.machine_key(cfg.cpu_isa, cfg.dtype)) is None:
+        logger.info("measuring which kernel multiplies quantized weights fastest here (once)")
+        argv = [sys.executable, "-m", "cadence", "calibrate", "--cpu-isa", cfg.cpu_isa]
+        argv += ["--dtype", cfg.dtype, "--log-format", cfg.log_format]
+        try:
+            subprocess.run(argv, check=True, timeout=cfg.startup_timeout)
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as err:
+            logger.warning(f"kernel calibration failed ({err}); serving with the defaults")
+            return cfg
+    return replace(cfg, kernel_table=str(path))
+
+
 def launch(cfg: LaunchConfig) -> int:
     """Runs the whole stack; returns the process exit code."""
     from cadence import cpu_isa as isa
@@ -211,6 +248,7 @@ def launch(cfg: LaunchConfig) -> int:
         cfg = replace(cfg, master_port=_free_port())
 
     model_dir = resolve_model(cfg.model_id)
+    cfg = with_kernel_table(cfg, model_dir)
     if cfg.draft_model_id:  # once here, not by every shard (a GGUF's folder is made once)
         cfg = replace(cfg, draft_model_id=resolve_model(cfg.draft_model_id))
     own_dir = cfg.uds_dir is None

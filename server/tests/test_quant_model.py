@@ -116,9 +116,7 @@ def test_a_kept_float_copy_serves_the_prefill_exactly(model_dirs, served, tmp_pa
     model_dir = model_dirs("llama_gqa")
     reference, _ = served(model_dir, deterministic=False)
     write_crossover(tmp_path / "cache", 4)  # the table `served` reads
-    got, engine = served(
-        model_dir, quantize="int8", quantize_keep_float="on", deterministic=False
-    )
+    got, engine = served(model_dir, quantize="int8", quantize_keep_float="on", deterministic=False)
     crossover = engine.quantization["crossover"]["int8"]
     assert crossover["from"].startswith("measured") and crossover["rows"] == 4
     prefill = len(PROMPT)

@@ -140,6 +140,11 @@ class QuantizedProduct:
         return not self.float_kept or rows <= self.crossover
 
     @property
+    def switches_by_rows(self) -> bool:
+        """Some row counts take the quantized kernel and others the float copy."""
+        return self.float_kept and 0 < self.crossover < ALL_ROWS
+
+    @property
     def serves_every_row_count(self) -> bool:
         """No product goes to a float weight (a kept one is there for another reason: a
         tied embedding table)."""

@@ -3,12 +3,15 @@ weights placed, or a float checkpoint's linears quantized; and the dict /info sh
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from cadence.quant import calibrate
 from cadence.quant.checkpoints import QuantizedSource
 from cadence.quant.crossover import ALL_ROWS, FORMATS, Crossover, crossover_rows
 from cadence.quant.load import (
@@ -35,6 +38,9 @@ class QuantizeConfig:
     # batch-invariant serving: the quantized kernel serves every row count (a float copy
     # above a crossover would give a row other bits in a larger step)
     one_kernel: bool = False
+    # the kernel table (`cadence.quant.calibrate`): a format whose measured kernel is the
+    # float copy is served by it at every row count; "": the integer product's defaults
+    kernel_table: str = ""
 
 
 def float_linear_bytes(model: nn.Module) -> int:
@@ -64,6 +70,24 @@ def isa_name(device: torch.device) -> str:
     return cpu_kernels.selected_isa() or "scalar"
 
 
+def measured_kernels(
+    cfg: QuantizeConfig, device: torch.device, isa: str, dtype_name: str
+) -> dict[str, tuple[str, str]]:
+    """format -> (kernel, what /info says of it) from the kernel table, for this machine's
+    entry (else the file's only one: a table handed over from another machine); {} on a
+    GPU or without a table."""
+    if not cfg.kernel_table or device.type != "cpu" or cfg.products is ProductKernels.TRITON:
+        return {}
+    path = Path(cfg.kernel_table)
+    table = calibrate.read(path, calibrate.machine_key(isa, dtype_name))
+    if table is None and path.exists():
+        entries = list(json.loads(path.read_text()))
+        table = calibrate.read(path, entries[0]) if len(entries) == 1 else None
+    if table is None:
+        return {}
+    return {fmt: (m.kernel, calibrate.describe(table, fmt)) for fmt, m in table.formats.items()}
+
+
 def dispatch_for(
     cfg: QuantizeConfig, model: nn.Module, dtype: torch.dtype, device: torch.device
 ) -> tuple[Dispatch, dict[str, str]]:
@@ -77,8 +101,15 @@ def dispatch_for(
     found = {fmt: crossover_rows(fmt, dtype_name, isa) for fmt in FORMATS}
     if cfg.one_kernel:
         found = {fmt: Crossover(ALL_ROWS, "one kernel: --deterministic") for fmt in FORMATS}
-    rows = {fmt: c.rows for fmt, c in found.items()}
     keep = keeps_float(cfg.keep_float, device, float_linear_bytes(model))
+    measured = measured_kernels(cfg, device, isa, dtype_name)
+    floats = {fmt: why for fmt, (kernel, why) in measured.items() if kernel == calibrate.FLOAT}
+    if floats and keep:  # where the float copies fit (auto) or are asked for (on)
+        found |= {fmt: Crossover(0, why) for fmt, why in floats.items()}
+    for fmt, (kernel, why) in measured.items():
+        if kernel == calibrate.INTEGER:
+            found[fmt] = Crossover(found[fmt].rows, f"{found[fmt].source}; {why}")
+    rows = {fmt: c.rows for fmt, c in found.items()}
     dispatch = Dispatch(keep, cfg.products, rows, keep_float_always=cfg.keep_float == "on")
     return dispatch, {fmt: c.source for fmt, c in found.items()}
 

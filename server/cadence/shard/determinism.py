@@ -72,7 +72,7 @@ def crossover_reason(model: nn.Module) -> str:
     large products (`--quantize-keep-float on` asks for one)."""
     for name, module in model.named_modules():
         quantized = getattr(module, "quantized", None)
-        if quantized is not None and not quantized.serves_every_row_count:
+        if quantized is not None and quantized.switches_by_rows:
             return (
                 f"{name}: products above {quantized.crossover} rows take the float copy "
                 "(--quantize-keep-float on)"

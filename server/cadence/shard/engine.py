@@ -102,6 +102,7 @@ class Engine:
         quantize = QuantizeConfig(
             cfg.quantize, cfg.quantize_group_size, cfg.quantize_keep_float, products,
             one_kernel=cfg.deterministic and cfg.quantize_keep_float != "on",
+            kernel_table=cfg.kernel_table,
         )  # fmt: skip
         self.model = load_model(cfg.model_dir, self.dtype, self.device, quantize)
         # what is quantized: source, formats, crossover, float kept ({} for none)

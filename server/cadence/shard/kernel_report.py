@@ -52,6 +52,9 @@ def _quantized_products(quantization: dict[str, Any], float_path: str) -> str:
     kernels = ", ".join(sorted(quantization["formats"]))
     if not quantization["float_kept"]:
         return f"{kernels} kernels (no float copy kept)"
+    crossovers = [c["rows"] for c in quantization["crossover"].values()]
+    if crossovers and not any(crossovers):
+        return f"{float_path} at every row count (measured faster here than the {kernels} kernels)"
     rows = "/".join(rows_text(c["rows"]) for c in quantization["crossover"].values())
     return f"{kernels} kernels up to {rows} rows, above: {float_path}"
 

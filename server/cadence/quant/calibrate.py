@@ -1,0 +1,152 @@
+"""Which kernel multiplies quantized weights on this machine, chosen by measuring it.
+
+CPUs with the same instruction-set names differ: the integer product (int8 activations
+against int4/int8 weights, VNNI) beats oneDNN's bfloat16 product on a Zen 4 or Zen 5, but
+on a Sapphire Rapids oneDNN's bfloat16 product runs on AMX tiles and the float copy of
+the same weights serves the charter workload faster. So the choice is measured on the
+machine, once per (CPU model, cores, torch version, instruction set, dtype), and cached in
+`<cache dir>/kernel_table.json`: `cadence launch` measures it on its first start on a
+machine (a few seconds; `cadence calibrate` does it on demand) and hands the file to its
+shards (`--kernel-table`).
+
+One kernel per format, not a crossover: batch-invariant serving (docs/determinism.md) needs
+one kernel for every row count of a layer. Each side is timed over SmolLM2-135M's products
+(`cadence.quant.measure`: CALIBRATION_LAYERS of its layers and its LM head, ~60 MB of
+bfloat16 weights, more than a CPU's caches hold, so they stream as in a real step) at a decode step's rows (32) and a prefill
+chunk's (320), weighted as the charter workload mixes them (64 prompts of 320 tokens and
+~9,200 tokens decoded 32 at a time: 288 decode steps to 64 prefill chunks, 4.5 to 1). The
+float copy is chosen only when it is FLOAT_MARGIN faster: it costs the memory of a float
+copy, and a choice that flips with the noise of a shared machine would change answers
+from one start to the next.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from importlib.metadata import version
+from pathlib import Path
+
+from cadence.model_source import cache_dir
+
+FILE_NAME = "kernel_table.json"
+INTEGER, FLOAT = "integer", "float"
+DECODE_ROWS, PREFILL_ROWS = 32, 320
+DECODE_WEIGHT = 4.5  # decode steps per prefill chunk in the charter workload
+FLOAT_MARGIN = 1.05  # the float copy must be this much faster to be chosen
+REPEATS = 2  # timed passes per side and row count (the fastest counts)
+FORMATS = ("int4", "int8")
+CALIBRATION_LAYERS = 10
+
+
+def machine_key(isa: str, dtype: str) -> str:
+    """What a measurement holds for: "AMD EPYC (family 25 model 17: Zen 4), 2 cores,
+    torch 2.9.1, avx512_bf16, bfloat16"."""
+    from cadence import cpu_isa
+
+    cores = len(os.sched_getaffinity(0))
+    return f"{cpu_isa.cpu_model()}, {cores} cores, torch {version('torch')}, {isa}, {dtype}"
+
+
+@dataclass(slots=True)
+class Measured:
+    """One format's measurement: seconds per pass over the step's products."""
+
+    kernel: str  # INTEGER or FLOAT
+    integer_s: dict[int, float]  # rows -> seconds
+    float_s: dict[int, float]
+    measured_at: str = ""
+
+
+@dataclass(slots=True)
+class KernelTable:
+    """The choices measured for one machine key, by format."""
+
+    key: str
+    formats: dict[str, Measured] = field(default_factory=dict)
+
+    def kernel(self, fmt: str) -> str | None:
+        measured = self.formats.get(fmt)
+        return measured.kernel if measured else None
+
+
+def table_path() -> Path:
+    return cache_dir() / FILE_NAME
+
+
+def mix(seconds: dict[int, float]) -> float:
+    """A pass's cost in the charter workload's proportions."""
+    return DECODE_WEIGHT * seconds[DECODE_ROWS] + seconds[PREFILL_ROWS]
+
+
+def choose(integer_s: dict[int, float], float_s: dict[int, float]) -> str:
+    return FLOAT if mix(float_s) * FLOAT_MARGIN < mix(integer_s) else INTEGER
+
+
+def read(path: Path, key: str) -> KernelTable | None:
+    """The table measured for `key` in the file at `path`, if it holds one."""
+    if not path.exists():
+        return None
+    entry = json.loads(path.read_text()).get(key)
+    if entry is None:
+        return None
+    formats = {
+        fmt: Measured(
+            m["kernel"],
+            {int(r): s for r, s in m["integer_s"].items()},
+            {int(r): s for r, s in m["float_s"].items()},
+            m.get("measured_at", ""),
+        )
+        for fmt, m in entry.items()
+    }
+    return KernelTable(key, formats)
+
+
+def write(table: KernelTable, path: Path) -> None:
+    """Merges `table` into the file (other machines' keys kept)."""
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data[table.key] = {fmt: asdict(m) for fmt, m in table.formats.items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def measure(
+    isa: str,
+    dtype_name: str,
+    shapes: list[tuple[int, int]] | None = None,
+    formats: tuple[str, ...] = FORMATS,
+) -> KernelTable:
+    """Times the integer product and the float copy for each of `formats` over `shapes`
+    (default: SmolLM2-135M's, CALIBRATION_LAYERS layers and the head) with the C++
+    kernels of `isa`."""
+    import torch
+
+    from cadence.kernels import cpu as cpu_kernels
+    from cadence.quant import measure as timing
+
+    cpu_kernels.select(isa)
+    dtype = getattr(torch, dtype_name)
+    torch.manual_seed(0)
+    table = KernelTable(machine_key(isa, dtype_name))
+    layers = timing.SMOLLM2_LAYER_SHAPES * CALIBRATION_LAYERS + [timing.SMOLLM2_HEAD]
+    for fmt in formats:
+        products = timing.build(shapes or layers, fmt, 32, dtype)
+        float_s, integer_s = {}, {}
+        for rows in (DECODE_ROWS, PREFILL_ROWS):
+            float_s[rows], integer_s[rows] = timing.time_rows(products, rows, dtype, REPEATS)
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        table.formats[fmt] = Measured(choose(integer_s, float_s), integer_s, float_s, stamp)
+    return table
+
+
+def describe(table: KernelTable, fmt: str) -> str:
+    """ "integer (integer 24.1 / float 28.3 ms a decode step, measured ...)"."""
+    m = table.formats[fmt]
+    return (
+        f"{m.kernel} (integer {m.integer_s[DECODE_ROWS] * 1e3:.1f} / float "
+        f"{m.float_s[DECODE_ROWS] * 1e3:.1f} ms at {DECODE_ROWS} rows, "
+        f"{m.integer_s[PREFILL_ROWS] * 1e3:.1f} / {m.float_s[PREFILL_ROWS] * 1e3:.1f} ms at "
+        f"{PREFILL_ROWS}; measured {m.measured_at} on {table.key})"
+    )

@@ -1,0 +1,103 @@
+"""The kernel table (docs/quantization.md, "Kernels and dispatch"): which kernel multiplies
+quantized weights, measured on the machine, cached per CPU, handed to the shards; a
+format measured faster through its float copy is served by it at every row count."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from cadence import cpu_isa
+from cadence.config import LaunchConfig
+from cadence.kernels import cpu as cpu_kernels
+from cadence.launcher import with_kernel_table
+from cadence.quant import calibrate
+from cadence.quant.crossover import ALL_ROWS
+from shard_helpers import prefill_then_decode_logits
+
+TOKENS = [5, 17, 9, 33, 2, 48, 11, 7, 21, 30, 4, 8]
+
+
+def table(kernel: str, isa: str, dtype: str) -> calibrate.KernelTable:
+    seconds = {calibrate.DECODE_ROWS: 1.0, calibrate.PREFILL_ROWS: 10.0}
+    key = calibrate.machine_key(isa, dtype)
+    entry = calibrate.Measured(kernel, seconds, seconds, "now")
+    return calibrate.KernelTable(key, {"int4": entry, "int8": entry})
+
+
+def test_the_float_copy_must_win_by_the_margin() -> None:
+    integer = {calibrate.DECODE_ROWS: 1.0, calibrate.PREFILL_ROWS: 10.0}
+    close = {rows: s * 0.97 for rows, s in integer.items()}
+    faster = {rows: s * 0.9 for rows, s in integer.items()}
+    assert calibrate.choose(integer, close) == calibrate.INTEGER
+    assert calibrate.choose(integer, faster) == calibrate.FLOAT
+    assert calibrate.choose(faster, integer) == calibrate.INTEGER
+
+
+def test_a_measurement_is_written_per_machine_and_read_back(tmp_path: Path) -> None:
+    isa = cpu_kernels.select("auto") or "scalar"
+    measured = calibrate.measure(isa, "float32", shapes=[(64, 128), (128, 64)])
+    assert measured.key == calibrate.machine_key(isa, "float32")
+    assert cpu_isa.cpu_model() in measured.key
+    for m in measured.formats.values():
+        assert m.kernel == calibrate.choose(m.integer_s, m.float_s)
+        assert set(m.integer_s) == set(m.float_s) == {calibrate.DECODE_ROWS, calibrate.PREFILL_ROWS}
+    path = tmp_path / "kernel_table.json"
+    other = replace(table(calibrate.FLOAT, isa, "bfloat16"), key="another machine")
+    calibrate.write(other, path)
+    calibrate.write(measured, path)
+    assert set(json.loads(path.read_text())) == {"another machine", measured.key}
+    again = calibrate.read(path, measured.key)
+    assert again is not None and again.formats == measured.formats
+    assert calibrate.read(path, "a third machine") is None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_float_choice_serves_the_checkpoints_own_float_weights(
+    dtype: str, model_dirs, engine_for, tmp_path: Path
+) -> None:
+    """--quantize int4 with the table choosing the float copy: the float product at every
+    row count, so the logits are the unquantized model's bit for bit, batch invariance
+    holding; with the integer choice the int4 kernel serves every row count."""
+    model_dir = model_dirs("llama_gqa")
+    plain = engine_for(model_dir, dtype=dtype)
+    isa = cpu_kernels.selected_isa() or "scalar"
+    path = tmp_path / "floats.json"
+    calibrate.write(table(calibrate.FLOAT, isa, dtype), path)
+    floats = engine_for(model_dir, dtype=dtype, quantize="int4", kernel_table=str(path))
+    qkv = floats.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.quantized is not None and not qkv.quantized.serves(1)
+    assert floats.quantization["crossover"]["int4"]["rows"] == 0
+    assert floats.quantization["crossover"]["int4"]["from"].startswith("float (")
+    assert floats.determinism.on, floats.determinism.detail
+    assert "at every row count (measured faster here" in floats.kernels["products"]
+    expected = prefill_then_decode_logits(plain, TOKENS, 8)
+    assert torch.equal(prefill_then_decode_logits(floats, TOKENS, 8), expected)
+
+    calibrate.write(table(calibrate.INTEGER, isa, dtype), path)
+    integer = engine_for(model_dir, dtype=dtype, quantize="int4", kernel_table=str(path))
+    assert integer.quantization["crossover"]["int4"]["rows"] == ALL_ROWS
+    assert integer.model.model.layers[0].self_attn.qkv_proj.quantized.serves(4096)
+
+
+def test_launch_measures_once_per_machine_and_hands_the_table_over(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model_dirs
+) -> None:
+    """A quantized model on CPU: the first launch measures (`cadence calibrate`, its own
+    process), later ones read the cache; a float model or a GPU needs none."""
+    monkeypatch.setenv("CADENCE_CACHE_DIR", str(tmp_path))
+    isa = cpu_isa.resolve("auto")
+    cfg = LaunchConfig(cpu_isa=isa, dtype=cpu_isa.default_dtype("cpu", isa), quantize="int4")
+    float_dir = str(model_dirs("llama_gqa"))
+    assert with_kernel_table(replace(cfg, quantize=None), float_dir).kernel_table == ""
+    assert with_kernel_table(replace(cfg, device="cuda"), float_dir).kernel_table == ""
+    measured = with_kernel_table(cfg, float_dir)
+    assert measured.kernel_table == str(tmp_path / calibrate.FILE_NAME)
+    written = calibrate.read(Path(measured.kernel_table), calibrate.machine_key(isa, cfg.dtype))
+    assert written is not None and set(written.formats) == set(calibrate.FORMATS)
+    stamp = Path(measured.kernel_table).stat().st_mtime_ns
+    assert with_kernel_table(cfg, float_dir).kernel_table == measured.kernel_table
+    assert Path(measured.kernel_table).stat().st_mtime_ns == stamp  # read, not measured again
