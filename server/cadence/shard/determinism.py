@@ -38,12 +38,17 @@ from cadence.config import ShardConfig
 from cadence.layers.linear import product
 
 # Row counts the start-up check multiplies: one row, small batches, a vector or block tail
-# (17, 33, 129), prefill chunks, and past the largest split (700).
+# (17, 33, 129), prefill chunks, and past the largest split (700). The LM head, the widest
+# product, is split at HEAD_SPLIT rows (it multiplies one row per sampled token; only
+# prompt logprobs give it more) and checked up to HEAD_ROWS.
 CHECK_ROWS = (1, 2, 3, 5, 8, 16, 17, 33, 64, 129, 320, 333, 512, 700)
+HEAD_SPLIT, HEAD_ROWS = 64, 100
 OFFSET = 7  # the same rows again, at another place in the batch
-WINDOW_ROWS = 64  # rows multiplied at each row count
+# rows multiplied at each row count: a kernel whose float32 sums differ in their last bit
+# changes a bfloat16 output in ~1 of 1000 elements, so few rows would miss it
+WINDOW_ROWS = {False: 64, True: 16}  # by "is the LM head" (49152 outputs a row)
 MAX_PAD = 16  # the most rows a small product is padded to
-SPLITS = (512, 320, 256, 128)  # the most rows one kernel call takes, largest first
+SPLIT = 512  # the most rows one kernel call takes (prefill chunks above are split)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,33 +97,40 @@ def _path(module: nn.Module, x: torch.Tensor) -> str:
     return "packed" if getattr(module, "packed_weight", None) is not None else "torch"
 
 
-def _rows_vary(module: nn.Module, x: torch.Tensor) -> int:
-    """The first row count at which some row's product differs from the same row's in the
-    largest product; 0 when none does. Each row count multiplies at least WINDOW_ROWS
-    rows, in consecutive products of that many rows and at an offset: a kernel whose
-    float32 sums differ in their last bit changes a bfloat16 output in ~1 of 1000
-    elements, so few rows would miss it."""
+def _rows_vary(module: nn.Module, x: torch.Tensor, counts: tuple[int, ...], window: int) -> int:
+    """The first of `counts` at which some row's product differs from the same row's in the
+    product of all of `x`; 0 when none does. Each count multiplies at least `window` rows,
+    in consecutive products of that many rows and again OFFSET rows further."""
     whole = product(module, x, None)
-    for m in CHECK_ROWS:
-        if m + OFFSET > x.shape[0]:
-            break
-        for start in range(0, max(WINDOW_ROWS - m, 0) + 1, m):
+    for m in counts:
+        for start in range(0, max(window - m, 0) + 1, m):
             for s in (start, start + OFFSET):
                 if not torch.equal(product(module, x[s : s + m], None), whole[s : s + m]):
                     return m
     return 0
 
 
-def _agreeing_range(module: nn.Module, x: torch.Tensor) -> tuple[int, int] | None:
-    """(min_rows, max_rows) for `module`'s products under which every row count checked
-    gives each row the same bits -- the largest split, then the least padding, that does --
-    or None when none does."""
-    for split in SPLITS:
-        for pad in (1, *(m for m in CHECK_ROWS if 1 < m <= MAX_PAD)):
-            module.min_rows, module.max_rows = pad, split
-            if not _rows_vary(module, x):
-                return pad, split
-    module.min_rows, module.max_rows = 1, SPLITS[0]
+def _agreeing_range(
+    module: nn.Module, x: torch.Tensor, counts: tuple[int, ...], split: int, window: int
+) -> tuple[int, int] | None:
+    """(min_rows, max_rows) for `module`'s products under which every count checked gives
+    each row the same bits: no padding and `split`, else padding small products past the
+    count that failed, or splitting below a large one; None when that does not converge."""
+    module.min_rows, module.max_rows = 1, split
+    for _ in range(6):
+        failed = _rows_vary(module, x, counts, window)
+        if not failed:
+            return module.min_rows, module.max_rows
+        if failed <= MAX_PAD:
+            module.min_rows = min(m for m in (*counts, MAX_PAD + 1) if m > failed)
+            if module.min_rows > MAX_PAD:
+                break
+        else:
+            smaller = [m for m in counts if m < failed and m >= MAX_PAD]
+            if not smaller:
+                break
+            module.max_rows = max(smaller)
+    module.min_rows, module.max_rows = 1, split
     return None
 
 
@@ -135,14 +147,17 @@ def varying_product(model: nn.Module, dtype: torch.dtype) -> str:
         cols = _in_features(module)
         if cols == 0:
             continue
-        x = torch.randn(max(CHECK_ROWS) + OFFSET, cols, generator=generator).to(dtype)
+        head = not hasattr(module, "in_features")
+        counts = tuple(m for m in CHECK_ROWS if m <= HEAD_ROWS) if head else CHECK_ROWS
+        x = torch.randn(max(counts) + OFFSET, cols, generator=generator).to(dtype)
         key = (_path(module, x), cols, int(getattr(module, "out_features", 0)))
+        split = HEAD_SPLIT if head else SPLIT
         if key not in ranges:
-            found = _agreeing_range(module, x)
+            found = _agreeing_range(module, x, counts, split, WINDOW_ROWS[head])
             if found is None:
                 return f"{name} ({key[0]}): a row's product changes with the row count"
             ranges[key] = found
-            if found != (1, SPLITS[0]):
+            if found != (1, split):
                 kept = f"{found[0]}..{found[1]} rows"
                 logger.info(f"{key[0]} products of {cols} columns kept to {kept}")
         module.min_rows, module.max_rows = ranges[key]
