@@ -14,7 +14,7 @@ use crate::error::InferError;
 use crate::pb;
 
 mod beam;
-pub use beam::{BeamSearch, EarlyStopping, MAX_BEAM_WIDTH};
+pub use beam::{BeamSearch, EarlyStopping, Never, MAX_BEAM_WIDTH};
 
 /// max_new_tokens when the client gives none (clamped to what the context leaves).
 pub const DEFAULT_MAX_NEW_TOKENS: usize = 100;

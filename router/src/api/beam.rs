@@ -62,7 +62,9 @@ pub(super) fn check(f: &SamplingFields, best_of: Option<u32>, n: u32) -> Result<
     if width == 0 || width as usize > MAX_BEAM_WIDTH {
         return Err(ApiError::invalid(
             field,
-            format!("the beam width must be in [1, {MAX_BEAM_WIDTH}] with use_beam_search, got {width}"),
+            format!(
+                "the beam width must be in [1, {MAX_BEAM_WIDTH}] with use_beam_search, got {width}"
+            ),
         ));
     }
     if n > width {

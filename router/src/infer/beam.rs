@@ -14,7 +14,7 @@
 use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
-use super::beam_search::{Beam, Candidates, Hypothesis, History, Round, Search};
+use super::beam_search::{Beam, Candidates, History, Hypothesis, Round, Search};
 use super::entry::Entry;
 use crate::blocks::RequestId;
 use crate::pb;
@@ -129,7 +129,13 @@ impl BeamGroups {
         let tokens = generation
             .top_tokens
             .first()
-            .map(|top| top.ids.iter().copied().zip(top.logprobs.iter().copied()).collect())
+            .map(|top| {
+                top.ids
+                    .iter()
+                    .copied()
+                    .zip(top.logprobs.iter().copied())
+                    .collect()
+            })
             .unwrap_or_default();
         beam.answer = Some((
             sampled,
@@ -139,7 +145,11 @@ impl BeamGroups {
             },
         ));
         scheduler.park(generation.id);
-        group.live.iter().all(|b| b.answer.is_some()).then_some(first)
+        group
+            .live
+            .iter()
+            .all(|b| b.answer.is_some())
+            .then_some(first)
     }
 
     /// Ranks group `first`'s round and makes its next beams; the finished search when it
@@ -158,7 +168,9 @@ impl BeamGroups {
             .map(|b| b.answer.as_ref().map(|a| a.1.clone()).unwrap_or_default())
             .collect();
         let eos = &group.eos;
-        let round = group.search.round(&beams, &rows, group.keep, |t| eos.contains(&t));
+        let round = group
+            .search
+            .round(&beams, &rows, group.keep, |t| eos.contains(&t));
         let survivors = match round {
             Round::Done(hypotheses) => {
                 let group = self.groups.remove(&first).expect("present");

@@ -156,12 +156,7 @@ impl Search {
         let mut fresh = Vec::new();
         let closed = self.params.early_stopping.is_true() && self.finished.len() == width;
         for (rank, &(cumulative, b, token, logprob)) in all.iter().enumerate() {
-            let top = rows[b]
-                .tokens
-                .iter()
-                .take(rows[b].top_n)
-                .copied()
-                .collect();
+            let top = rows[b].tokens.iter().take(rows[b].top_n).copied().collect();
             let history = || beams[b].history.push(token, logprob, top);
             if at_limit || ends(token) {
                 if rank < width && !closed && self.may_improve {
@@ -188,14 +183,15 @@ impl Search {
         self.generated = generated;
         let all_ended = running.is_empty();
         if self.may_improve {
-            let length = if self.params.early_stopping.is_never() && self.params.length_penalty > 0.0
-            {
-                self.max_new_tokens
-            } else {
-                generated
-            };
+            let length =
+                if self.params.early_stopping.is_never() && self.params.length_penalty > 0.0 {
+                    self.max_new_tokens
+                } else {
+                    generated
+                };
             let best = running.first().map_or(UNFILLED, |s| s.beam.cumulative);
-            let best = (best as f64 / (length as f64).powf(self.params.length_penalty as f64)) as f32;
+            let best =
+                (best as f64 / (length as f64).powf(self.params.length_penalty as f64)) as f32;
             let worst = if self.finished.len() == width {
                 self.finished.last().map_or(UNFILLED, |h| h.score)
             } else {
@@ -253,7 +249,12 @@ mod tests {
     #[test]
     fn the_best_continuations_over_all_beams_survive_whichever_beam_they_extend() {
         let mut s = search(2, 1.0, EarlyStopping::Default, 10);
-        let first = survivors(s.round(&root(), &[row(&[(5, -0.1), (6, -0.2), (7, -3.0), (8, -4.0)])], 4, |t| t == EOS));
+        let first = survivors(s.round(
+            &root(),
+            &[row(&[(5, -0.1), (6, -0.2), (7, -3.0), (8, -4.0)])],
+            4,
+            |t| t == EOS,
+        ));
         assert_eq!(first.iter().map(|s| s.token).collect::<Vec<_>>(), [5, 6]);
         let beams: Vec<Beam> = first.iter().map(|s| s.beam.clone()).collect();
         // Beam 1 (token 6) has both of the best next tokens: beam 0 is dropped.
@@ -262,7 +263,10 @@ mod tests {
             row(&[(13, -0.1), (14, -0.2), (15, -3.0), (16, -4.0)]),
         ];
         let next = survivors(s.round(&beams, &rows, 4, |t| t == EOS));
-        assert_eq!(next.iter().map(|s| (s.parent, s.token)).collect::<Vec<_>>(), [(1, 13), (1, 14)]);
+        assert_eq!(
+            next.iter().map(|s| (s.parent, s.token)).collect::<Vec<_>>(),
+            [(1, 13), (1, 14)]
+        );
         assert_eq!(next[0].beam.history.tokens(), [6, 13]);
         assert!((next[1].beam.cumulative - (-0.4)).abs() < 1e-6);
     }
@@ -270,7 +274,12 @@ mod tests {
     #[test]
     fn an_eos_among_the_first_width_candidates_finishes_a_hypothesis_with_its_length_penalty() {
         let mut s = search(2, 2.0, EarlyStopping::Default, 10);
-        let first = survivors(s.round(&root(), &[row(&[(5, -0.5), (6, -0.6), (7, -3.0), (8, -4.0)])], 4, |t| t == EOS));
+        let first = survivors(s.round(
+            &root(),
+            &[row(&[(5, -0.5), (6, -0.6), (7, -3.0), (8, -4.0)])],
+            4,
+            |t| t == EOS,
+        ));
         let beams: Vec<Beam> = first.iter().map(|s| s.beam.clone()).collect();
         let rows = [
             row(&[(EOS, -0.1), (9, -1.0), (10, -2.0), (11, -3.0)]),
@@ -309,21 +318,40 @@ mod tests {
         let rows = [row(&[(EOS, -1.0), (5, -0.5)])];
         let mut s = search(1, 1.0, EarlyStopping::Default, 10);
         // EOS ranks after 5 here, so it is past the width: nothing finishes.
-        assert!(matches!(s.round(&root(), &rows, 2, |t| t == EOS), Round::Continue(_)));
+        assert!(matches!(
+            s.round(&root(), &rows, 2, |t| t == EOS),
+            Round::Continue(_)
+        ));
         let mut s = search(1, 1.0, EarlyStopping::Default, 10);
         let rows = [row(&[(EOS, -0.4), (5, -0.5)])];
         // The hypothesis (-0.4) beats the running beam (-0.5 / 1): done.
-        assert!(matches!(s.round(&root(), &rows, 2, |t| t == EOS), Round::Done(_)));
+        assert!(matches!(
+            s.round(&root(), &rows, 2, |t| t == EOS),
+            Round::Done(_)
+        ));
         // With "never" and a positive penalty, the running beam is judged at the longest
         // length: -0.5 / 10 > -0.4 / 1, so it goes on.
-        let mut s = search(1, 1.0, EarlyStopping::Never(crate::validation::Never::Never), 10);
-        assert!(matches!(s.round(&root(), &rows, 2, |t| t == EOS), Round::Continue(_)));
+        let mut s = search(
+            1,
+            1.0,
+            EarlyStopping::Never(crate::validation::Never::Never),
+            10,
+        );
+        assert!(matches!(
+            s.round(&root(), &rows, 2, |t| t == EOS),
+            Round::Continue(_)
+        ));
     }
 
     #[test]
     fn the_token_limit_finishes_the_best_width_candidates() {
         let mut s = search(2, 0.0, EarlyStopping::Default, 1);
-        match s.round(&root(), &[row(&[(5, -0.1), (6, -0.2), (7, -0.3), (8, -0.4)])], 4, |t| t == EOS) {
+        match s.round(
+            &root(),
+            &[row(&[(5, -0.1), (6, -0.2), (7, -0.3), (8, -0.4)])],
+            4,
+            |t| t == EOS,
+        ) {
             Round::Done(h) => {
                 let tokens: Vec<Vec<u32>> = h.iter().map(|h| h.history.tokens()).collect();
                 assert_eq!(tokens, [vec![5], vec![6]]);

@@ -361,7 +361,13 @@ impl RequestBook {
         }
         let siblings = self.siblings.drain().flat_map(|(_, s)| s).map(|s| s.entry);
         let beams = self.beams.drain();
-        for mut entry in self.entries.drain().map(|(_, e)| e).chain(siblings).chain(beams) {
+        for mut entry in self
+            .entries
+            .drain()
+            .map(|(_, e)| e)
+            .chain(siblings)
+            .chain(beams)
+        {
             self.output.metrics.requests_failed.add(1);
             entry.spans.fail(error);
             let _ = entry.events.send(Err(error.clone()));

@@ -135,7 +135,10 @@ pub(super) fn check(
     let unsupported = [
         ("stop", p.stop.as_ref().is_some_and(|s| !s.is_empty())),
         ("grammar", constrained),
-        ("decoder_input_details", p.decoder_input_details == Some(true)),
+        (
+            "decoder_input_details",
+            p.decoder_input_details == Some(true),
+        ),
     ];
     if let Some((field, _)) = unsupported.into_iter().find(|(_, set)| *set) {
         return Err(invalid(format!(
