@@ -240,10 +240,11 @@ impl BeamGroups {
                 .any(|b| b.answer.is_none() && !scheduler.is_running(b.id));
             for beam in &mut group.live {
                 let parked = beam.answer.is_some();
-                if parked && (waits || !scheduler.is_running(beam.id)) {
-                    if scheduler.finish(beam.id).is_some() {
-                        tracing::debug!(id = beam.id, "parked beam gave its blocks back");
-                    }
+                if parked
+                    && (waits || !scheduler.is_running(beam.id))
+                    && scheduler.finish(beam.id).is_some()
+                {
+                    tracing::debug!(id = beam.id, "parked beam gave its blocks back");
                 }
             }
         }
