@@ -87,6 +87,49 @@ def test_two_shards_give_the_same_constrained_greedy_tokens_as_one(
     assert "disagrees" not in two_shards.log()
 
 
+def test_two_shards_search_beams_as_transformers_does(
+    two_shards: LaunchedServer, float_reference: tuple[object, object]
+) -> None:
+    """Beam search over 2 ranks: the beams and scores of transformers' float32 search on
+    the embedded model's weights (chat prompts, so a beam may end at EOS)."""
+    import torch
+
+    tokenizer, model = float_reference
+    for prompt in CHAT_PROMPTS[:2]:
+        text = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+        input_ids = tokenizer(text, return_tensors="pt").input_ids  # type: ignore[operator]
+        with torch.inference_mode():
+            want = model.generate(  # type: ignore[attr-defined]
+                input_ids,
+                max_new_tokens=16,
+                do_sample=False,
+                num_beams=3,
+                num_return_sequences=3,
+                length_penalty=1.0,
+                early_stopping=False,
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
+        body = {
+            "inputs": text,
+            "parameters": {"num_beams": 3, "max_new_tokens": 16, "details": True},
+        }
+        answer = httpx.post(f"{two_shards.url}/generate", json=body, timeout=300)
+        assert answer.status_code == 200, answer.text
+        details = answer.json()["details"]
+        beams = [details, *details["best_of_sequences"]]
+        pad = tokenizer.pad_token_id  # type: ignore[attr-defined]
+        for i, beam in enumerate(beams):
+            ids = [t["id"] for t in beam["tokens"]]
+            expected = want.sequences[i, input_ids.shape[1] :].tolist()
+            assert ids == expected[: len(ids)], (prompt, i)
+            assert all(t == pad for t in expected[len(ids) :]), (prompt, i)
+            score = sum(t["logprob"] for t in beam["tokens"]) / len(ids)
+            assert score == pytest.approx(want.sequences_scores[i].item(), abs=2e-3), (prompt, i)
+
+
 def _tiny_opt(path: Path, tokenizer_dir: str) -> tuple[Path, int]:
     """A random OPT with SmolLM2's tokenizer (its vocabulary size), saved as safetensors."""
     import torch

@@ -226,7 +226,7 @@ impl Metrics {
     fn write_cadence(&self, cadence: &mut Families, shard_computed: Option<(u64, u64)>) {
         let totals = load::totals(&self.replicas);
         let load = totals.load;
-        let gauges: [(&str, &str, f64); 7] = [
+        let gauges: [(&str, &str, f64); 8] = [
             (
                 "cadence_queue_waiting_requests",
                 "Requests waiting for a step (queued or preempted).",
@@ -261,6 +261,11 @@ impl Metrics {
                 "cadence_kv_utilization",
                 "Tokens stored in the running requests' blocks / the slots of those blocks.",
                 totals.kv_utilization,
+            ),
+            (
+                "cadence_kv_blocks_shared_by_beams",
+                "KV blocks the live beam searches save: block-table entries of their beams that share a block with another beam of the same search.",
+                totals.kv_blocks_shared_by_beams,
             ),
         ];
         for (name, help, value) in gauges {

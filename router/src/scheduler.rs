@@ -55,12 +55,14 @@
 //!
 //! This file holds the types and the order of the phases (`schedule_at`, `schedule_ahead`);
 //! each phase has its own file: `sequence` and `queue` (the requests, running and
-//! waiting), `admission` (with the adapter gate), `step` (decodes, prefill chunks, the
+//! waiting), `admission` (with the adapter gate), `beam` (beam search's park, fork and
+//! requeue), `step` (decodes, prefill chunks, the
 //! diff), `release` (finish, failure, preemption), `host_pool` (swap space), `proposals`
 //! (speculation), `policy` (the scheduling policy's order and victims, with `vtc`, the
 //! tenants' virtual token counters, and `priority`, aging) and `invariants`.
 
 mod admission;
+mod beam;
 mod host_pool;
 mod invariants;
 pub mod objectives;

@@ -40,6 +40,8 @@ use harness::*;
 mod anthropic;
 /// The batching loop through the routes: preemption, failures, async scheduling.
 mod batching;
+/// Beam search: answers against a plain search, block sharing, preemption, refusals.
+mod beams;
 /// Structured outputs: grammars, JSON schemas, choices.
 mod constraints;
 /// TGI's generating routes and their streams.

@@ -13,6 +13,9 @@ use crate::detokenize::TokenizerInfo;
 use crate::error::InferError;
 use crate::pb;
 
+mod beam;
+pub use beam::{BeamSearch, EarlyStopping, Never, MAX_BEAM_WIDTH};
+
 /// max_new_tokens when the client gives none (clamped to what the context leaves).
 pub const DEFAULT_MAX_NEW_TOKENS: usize = 100;
 /// Ends the message of a prompt over `max_input_tokens` (the APIs without `truncate`
@@ -120,6 +123,15 @@ pub struct GenerateParameters {
     /// Under `--scheduling-policy priority`, lower runs first [default: 0]; ignored by
     /// the other policies.
     pub priority: Option<i64>,
+    /// Beam search of this width (cadence's own field; greedy, not streamed): the best
+    /// beam answers, the others come in details.best_of_sequences; in [1, 32].
+    pub num_beams: Option<u32>,
+    /// Beam search: a finished beam's score is its cumulative logprob divided by its
+    /// length to this power [default: 1].
+    pub length_penalty: Option<f32>,
+    /// Beam search: true, false or "never", as transformers defines them [default: false].
+    #[schema(value_type = Option<Object>)]
+    pub early_stopping: Option<EarlyStopping>,
 }
 
 /// A request that passed validation, tokenized.
@@ -149,6 +161,8 @@ pub struct ValidRequest {
     pub grammar_compile_time: Option<std::time::Duration>,
     /// `--scheduling-policy priority`: lower runs first.
     pub priority: i64,
+    /// Beam search (`best_of` is then its width, `n` the beams returned).
+    pub beam: Option<BeamSearch>,
 }
 
 /// Structured outputs' compiler, or why there is none (the tokenizer's vocabulary could
@@ -269,7 +283,8 @@ impl Validation {
         }
         let n = extra.n.max(1) as usize;
         let best_of = p.best_of.map_or(n, |b| b as usize);
-        if best_of == 0 || best_of > limits.max_best_of {
+        // A beam search's width has its own limit (`beam::check`).
+        if best_of == 0 || (best_of > limits.max_best_of && p.num_beams.is_none()) {
             return Err(invalid(format!(
                 "parameters.best_of must be in [1, {}] (max_best_of), got {best_of}",
                 limits.max_best_of
@@ -335,8 +350,10 @@ impl Validation {
             }
         }
         let (sampling, seed) = sampling(&p, extra.logit_bias.clone())?;
+        let beam = beam::check(&p, &sampling, extra.stream, n, constraint.is_some())?;
+        let best_of = beam.map_or(best_of, |b| b.width);
         // Choosing among samples needs them to differ; n greedy copies are allowed.
-        if best_of > n && !sampling.do_sample {
+        if best_of > n && !sampling.do_sample && beam.is_none() {
             return Err(invalid(format!(
                 "parameters.best_of ({best_of}) > 1 needs sampling: set a temperature, top_k, \
                  top_p, typical_p or min_p{DO_SAMPLE_HINT}"
@@ -448,6 +465,7 @@ impl Validation {
             grammar,
             grammar_compile_time,
             priority: p.priority.unwrap_or(0),
+            beam,
         })
     }
 }

@@ -285,6 +285,23 @@ def add_workload_flags(p: argparse.ArgumentParser) -> None:
         help="JSON schema file: every request's output is constrained to it "
         "(TGI's parameters.grammar, OpenAI's response_format)",
     )
+    _flag(
+        t,
+        "--beam-width",
+        type=int,
+        default=0,
+        help="beam search of this width per request, not streamed (TGI's "
+        "parameters.num_beams, vLLM's use_beam_search with n); 0: greedy",
+    )
+    _flag(
+        t,
+        "--beam-method",
+        choices=("engine", "loop"),
+        default="engine",
+        help="engine: one beam request each; loop: vLLM's out-of-engine method, one "
+        "1-token /generate per beam per step ranked by the client (needs the server's "
+        "--max-top-n-tokens >= 2 x width)",
+    )
     o = p.add_argument_group("output")
     _flag(o, "--result-file", help="write the metrics here as JSON")
     _switch(o, "--no-progress", "no progress bar")
@@ -399,6 +416,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         json_schema=_read_json(args.json_schema) if args.json_schema else None,
         api_key=args.api_key or os.environ.get("CADENCE_BENCH_API_KEY"),
+        beam_width=args.beam_width,
+        beam_method=args.beam_method,
     )
     run = (
         partial(measure_tenant_loads, args=args)

@@ -11,6 +11,7 @@ from typing import Any
 from tqdm import tqdm
 
 from cadence_bench.arrivals import arrival_gaps
+from cadence_bench.beams import send_beam, send_beam_loop
 from cadence_bench.client import send, served_model, session
 from cadence_bench.datasets import BenchRequest
 from cadence_bench.metrics import RequestOutput
@@ -31,6 +32,10 @@ class RunConfig:
     json_schema: dict[str, Any] | None = None
     # sent as `Authorization: Bearer` (a server started with keys)
     api_key: str | None = None
+    # beam search of this width (0: greedy streamed requests), in the engine ("engine")
+    # or by vLLM's loop of one-token requests above it ("loop")
+    beam_width: int = 0
+    beam_method: str = "engine"
 
 
 async def run_benchmark(
@@ -48,7 +53,16 @@ async def run_benchmark(
 
         async def one(req: BenchRequest) -> RequestOutput:
             async with cap:
-                out = await send(client, cfg.backend, req, cfg.ignore_eos, model, cfg.json_schema)
+                if cfg.beam_width > 0 and cfg.beam_method == "loop":
+                    out = await send_beam_loop(client, req, cfg.beam_width, cfg.ignore_eos)
+                elif cfg.beam_width > 0:
+                    out = await send_beam(
+                        client, cfg.backend, req, cfg.beam_width, cfg.ignore_eos, model
+                    )
+                else:
+                    out = await send(
+                        client, cfg.backend, req, cfg.ignore_eos, model, cfg.json_schema
+                    )
             bar.update(1)
             return out
 
@@ -73,5 +87,7 @@ def warm_up(cfg: RunConfig, request: BenchRequest) -> None:
         progress=False,
         json_schema=cfg.json_schema,
         api_key=cfg.api_key,
+        beam_width=cfg.beam_width,
+        beam_method=cfg.beam_method,
     )
     asyncio.run(run_benchmark(quiet, [request]))

@@ -259,6 +259,7 @@ mod tests {
             input_length: 3,
             seed: None,
             cumulative_logprob: 0.0,
+            beam_score: None,
             queue_time: Duration::ZERO,
             inference_time: Duration::ZERO,
         }

@@ -16,6 +16,7 @@
 //! - `store`: finished responses kept for follow-ups.
 
 pub(crate) mod adapters;
+mod beam;
 pub(crate) mod body;
 pub(crate) mod choice;
 pub(crate) mod conversation;

@@ -59,6 +59,15 @@ macro_rules! with_sampling_fields {
             /// vLLM's extension: under `--scheduling-policy priority`, lower runs first
             /// [default: 0]; ignored by the other policies.
             pub priority: Option<i64>,
+            /// vLLM's extension: beam search, `best_of` (or `n`) beams wide, the `n`
+            /// best returned; greedy, not streamed.
+            pub use_beam_search: Option<bool>,
+            /// Beam search: a finished beam's score is its cumulative logprob divided by
+            /// its length to this power [default: 1].
+            pub length_penalty: Option<f32>,
+            /// Beam search: true, false or "never", as transformers defines them
+            /// [default: false].
+            pub early_stopping: Option<$crate::validation::EarlyStopping>,
         }
     };
     ($(#[$meta:meta])* pub struct $name:ident { $($body:tt)* }) => {
@@ -84,6 +93,9 @@ macro_rules! with_sampling_fields {
                     repetition_penalty: self.repetition_penalty.take(),
                     ignore_eos: self.ignore_eos.take(),
                     priority: self.priority.take(),
+                    use_beam_search: self.use_beam_search.take(),
+                    length_penalty: self.length_penalty.take(),
+                    early_stopping: self.early_stopping.take(),
                 }
             }
         }
@@ -127,6 +139,7 @@ impl Sampling {
         if n == 0 {
             return Err(ApiError::invalid("n", "must be at least 1"));
         }
+        let beam = super::beam::check(&f, self.best_of, n)?;
         let mut logit_bias = HashMap::new();
         for (token, bias) in f.logit_bias.unwrap_or_default() {
             let id = token.parse::<u32>().map_err(|_| {
@@ -137,10 +150,10 @@ impl Sampling {
             })?;
             logit_bias.insert(id, bias);
         }
-        let greedy = temperature == 0.0;
+        let greedy = temperature == 0.0 || beam.num_beams.is_some();
         // A greedy request drops the sampling filters: they would change nothing.
         let when_sampling = |v: Option<f32>| if greedy { None } else { v };
-        let parameters = GenerateParameters {
+        let mut parameters = GenerateParameters {
             best_of: self.best_of,
             temperature: (!greedy).then_some(temperature),
             repetition_penalty: f.repetition_penalty,
@@ -167,6 +180,7 @@ impl Sampling {
             priority: f.priority,
             ..Default::default()
         };
+        beam.set(&mut parameters);
         let extra = Extra {
             logit_bias,
             n,

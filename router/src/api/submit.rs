@@ -47,6 +47,12 @@ impl Generation {
         stream: bool,
     ) -> Result<Self, ApiError> {
         let (mut parameters, mut extra) = sampling.into_parameters()?;
+        if stream && parameters.num_beams.is_some() {
+            return Err(ApiError::invalid(
+                "use_beam_search",
+                "cannot be streamed: the best beam is known only at the end",
+            ));
+        }
         parameters.adapter_id = adapter;
         extra.stream = stream;
         Ok(Self { parameters, extra })

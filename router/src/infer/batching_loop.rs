@@ -240,6 +240,8 @@ impl<B: Backend> Loop<B> {
     /// Queue and KV gauges after a step.
     fn record_state(&self) {
         record_state(&self.load, &self.scheduler, self.adapters.enabled());
+        let saved = self.book.beam_blocks_saved(&self.scheduler);
+        self.load.kv_blocks_shared_by_beams.set(saved as f64);
     }
 
     /// Sends a step unless one is in flight, sends the next one ahead of it when
@@ -281,6 +283,7 @@ impl<B: Backend> Loop<B> {
         if self.async_scheduling
             && !self.book.has_siblings_waiting()
             && !self.book.any_constrained()
+            && !self.book.has_beams()
             && !speculating
         {
             self.sync_adapters();
@@ -477,6 +480,7 @@ impl<B: Backend> Loop<B> {
                     }
                     self.apply(generation);
                 }
+                self.book.yield_beam_blocks(&mut self.scheduler);
                 for id in samples {
                     if !sampled.contains(&id) && self.book.contains(id) {
                         self.fail(
@@ -508,6 +512,10 @@ impl<B: Backend> Loop<B> {
     /// and the scheduler appends them, or the request retires.
     fn apply(&mut self, generation: pb::Generation) {
         let id = generation.id;
+        if self.book.is_beam(id) {
+            self.book.beam_answer(&generation, &mut self.scheduler);
+            return;
+        }
         // Its first token: the prompt is computed, so its siblings fork from it now.
         self.book.start_siblings(id, true, &mut self.scheduler);
         let generated = self.scheduler.get(id).map_or(0, Sequence::num_generated);

@@ -14,6 +14,8 @@ use std::time::Instant;
 use opentelemetry_sdk::trace::Span;
 
 use super::admission::Admission;
+use super::beam::{BeamGroups, Finished};
+use super::beam_search::Search;
 use super::emit::{NextToken, Output};
 use super::entry::{Entry, SampleCommon};
 use super::siblings::{sample_seed, Sibling};
@@ -48,6 +50,8 @@ pub(super) struct RequestBook {
     next_id: RequestId,
     /// Speculative decoding's proposers, one per eligible request (None: off).
     speculation: Option<Speculation>,
+    /// The requests searched with beams (their samples are the group's, not `entries`).
+    beams: BeamGroups,
 }
 
 impl RequestBook {
@@ -67,6 +71,7 @@ impl RequestBook {
             siblings: HashMap::new(),
             next_id: 0,
             speculation,
+            beams: BeamGroups::default(),
         }
     }
 
@@ -77,7 +82,18 @@ impl RequestBook {
 
     /// Whether request `id` is held (not ended, failed or cancelled).
     pub(super) fn contains(&self, id: RequestId) -> bool {
-        self.entries.contains_key(&id)
+        self.entries.contains_key(&id) || self.beams.owns(id)
+    }
+
+    /// Whether `id` is a beam of a beam search.
+    pub(super) fn is_beam(&self, id: RequestId) -> bool {
+        self.beams.owns(id)
+    }
+
+    /// Whether a beam search is under way (its rounds are ranked between steps, so no
+    /// step is scheduled ahead).
+    pub(super) fn has_beams(&self) -> bool {
+        !self.beams.is_empty()
     }
 
     /// Whether some request's siblings still wait to fork from it.
@@ -140,6 +156,7 @@ impl RequestBook {
             .requests
             .admitted(samples.len(), request.max_new_tokens);
         let first = self.next_id;
+        let mut beam = request.beam.map(|params| (params, None, Vec::new()));
         tracing::info!(
             request_id = &*common.context.id,
             id = first,
@@ -171,6 +188,18 @@ impl RequestBook {
             // Siblings share the prompt: its logprobs come with the first only.
             seq.prompt_logprobs = request.prompt_logprobs && index == 0;
             let entry = Entry::new(events, &request, &seq, seed, &common);
+            if let Some((_, first_seq, entries)) = beam.as_mut() {
+                // A beam search: one sequence (the prompt), every sample an entry.
+                if index == 0 {
+                    metrics.prompt_tokens.add(seq.prompt_len as u64);
+                    if let Some(tenant) = common.permit.tenant() {
+                        tenant.add_prompt_tokens(seq.prompt_len as u64);
+                    }
+                    *first_seq = Some(seq);
+                }
+                entries.push(entry);
+                continue;
+            }
             metrics.prompt_tokens.add(seq.prompt_len as u64);
             // Billed once per request, as the answers' usage reports it: siblings share
             // the prompt's blocks.
@@ -200,6 +229,65 @@ impl RequestBook {
                     .push(Sibling { seq, entry });
             }
         }
+        if let Some((params, Some(seq), entries)) = beam {
+            let keep = Search::candidates_per_round(params.width, self.output.eos.len());
+            let eos = if request.ignore_eos {
+                HashSet::new()
+            } else {
+                self.output.eos.clone()
+            };
+            self.beams.admit(seq, entries, params, keep, eos, scheduler);
+        }
+    }
+
+    /// Beam `generation.id` answered: its round is ranked once every beam of its group
+    /// has, and a finished search's hypotheses are sent to the request's samples.
+    pub(super) fn beam_answer(&mut self, generation: &pb::Generation, scheduler: &mut Scheduler) {
+        let Some(first) = self.beams.record(generation, scheduler) else {
+            return;
+        };
+        let Some(Finished {
+            hypotheses,
+            mut entries,
+        }) = self.beams.advance(first, scheduler, &mut self.next_id)
+        else {
+            return;
+        };
+        let output = &self.output;
+        let mut hypotheses = hypotheses.into_iter();
+        for entry in &mut entries {
+            let Some(hypothesis) = hypotheses.next() else {
+                let error = InferError::Generation("beam search ended short of hypotheses".into());
+                let _ = entry.events.send(Err(error));
+                continue;
+            };
+            entry.beam_score = Some(hypothesis.score);
+            let nodes = hypothesis.history.nodes();
+            for (i, node) in nodes.iter().enumerate() {
+                let top = node
+                    .top
+                    .iter()
+                    .map(|&(id, logprob)| output.token(id, logprob))
+                    .collect();
+                let token = NextToken {
+                    id: node.token,
+                    sampled: Some((Some(node.logprob), top)),
+                };
+                if output.emit(entry, first, token, i + 1, None) {
+                    break;
+                }
+            }
+        }
+    }
+
+    /// The beam groups waiting for a queued beam give their parked beams' blocks back.
+    pub(super) fn yield_beam_blocks(&mut self, scheduler: &mut Scheduler) {
+        self.beams.yield_blocks(scheduler);
+    }
+
+    /// Blocks the live beams save by sharing.
+    pub(super) fn beam_blocks_saved(&self, scheduler: &Scheduler) -> usize {
+        self.beams.blocks_saved(scheduler)
     }
 
     /// Starts the siblings waiting on `first`: forked from it when it has just computed
@@ -238,6 +326,9 @@ impl RequestBook {
     /// Drops a request everywhere: its blocks now, its shard state at the next step, its
     /// proposer; its siblings still waiting start on their own.
     pub(super) fn retire(&mut self, id: RequestId, scheduler: &mut Scheduler) -> Option<Entry> {
+        if self.beams.owns(id) {
+            return None;
+        }
         scheduler.finish(id);
         if let Some(speculation) = self.speculation.as_mut() {
             speculation.forget(id);
@@ -248,6 +339,12 @@ impl RequestBook {
 
     /// Retires a request and tells its handler why it failed.
     pub(super) fn fail(&mut self, id: RequestId, error: InferError, scheduler: &mut Scheduler) {
+        // A beam fails its whole group.
+        for mut entry in self.beams.remove_with(id, scheduler) {
+            self.output.metrics.requests_failed.add(1);
+            entry.spans.fail(&error);
+            let _ = entry.events.send(Err(error.clone()));
+        }
         if let Some(mut entry) = self.retire(id, scheduler) {
             self.output.metrics.requests_failed.add(1);
             tracing::warn!(request_id = &*entry.request_id, id, %error, "failed");
@@ -263,7 +360,14 @@ impl RequestBook {
             speculation.forget_all();
         }
         let siblings = self.siblings.drain().flat_map(|(_, s)| s).map(|s| s.entry);
-        for mut entry in self.entries.drain().map(|(_, e)| e).chain(siblings) {
+        let beams = self.beams.drain();
+        for mut entry in self
+            .entries
+            .drain()
+            .map(|(_, e)| e)
+            .chain(siblings)
+            .chain(beams)
+        {
             self.output.metrics.requests_failed.add(1);
             entry.spans.fail(error);
             let _ = entry.events.send(Err(error.clone()));
@@ -285,7 +389,8 @@ impl RequestBook {
                 tracing::debug!(request_id, id, "client went away; cancelled");
             }
         }
-        !gone.is_empty()
+        let beams_gone = self.beams.drop_cancelled(scheduler);
+        !gone.is_empty() || beams_gone
     }
 
     /// The requests of `joined` start computing now (the first step with them is sent).
@@ -300,7 +405,9 @@ impl RequestBook {
     /// Request `id` was admitted into the running batch: its place in the waiting queue
     /// frees; returns when it was queued.
     pub(super) fn left_queue(&mut self, id: RequestId) -> Option<Instant> {
-        let entry = self.entries.get_mut(&id)?;
+        let Some(entry) = self.entries.get_mut(&id) else {
+            return self.beams.left_queue(id);
+        };
         entry.slot = None;
         Some(entry.queued_at)
     }

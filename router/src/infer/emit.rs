@@ -109,6 +109,16 @@ impl Output {
     }
 
     /// A position's most likely tokens, as the shard reported them.
+    /// Token `id` with its logprob, as a handler receives it.
+    pub(super) fn token(&self, id: u32, logprob: f32) -> Token {
+        Token {
+            id,
+            text: self.tokenizer.token_text(id),
+            logprob: Some(logprob),
+            special: self.tokenizer.is_special(id),
+        }
+    }
+
     pub(super) fn top_tokens(&self, top: &pb::TopTokens) -> Vec<Token> {
         top.ids
             .iter()

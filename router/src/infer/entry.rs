@@ -42,6 +42,8 @@ pub(super) struct Entry {
     /// The prompt, while its logprobs are still to be sent (with the first token).
     pub(super) prompt: Option<Vec<u32>>,
     cumulative_logprob: f32,
+    /// Set before a beam search's hypothesis is sent: its score.
+    pub(super) beam_score: Option<f32>,
     pub(super) queued_at: Instant,
     pub(super) started_at: Option<Instant>,
     first_token_at: Option<Instant>,
@@ -89,6 +91,7 @@ impl Entry {
             seed,
             prompt: seq.prompt_logprobs.then(|| request.input_ids.clone()),
             cumulative_logprob: 0.0,
+            beam_score: None,
             queued_at: common.queued_at,
             started_at: None,
             first_token_at: None,
@@ -197,6 +200,7 @@ impl Entry {
             input_length: self.input_length,
             seed: self.seed,
             cumulative_logprob: self.cumulative_logprob,
+            beam_score: self.beam_score,
             queue_time: self
                 .started_at
                 .unwrap_or(now)

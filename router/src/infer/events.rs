@@ -47,6 +47,9 @@ pub struct End {
     pub seed: Option<u64>,
     /// Sum of the sampled tokens' logprobs (what best_of ranks by).
     pub cumulative_logprob: f32,
+    /// A beam search's hypothesis: its score (the cumulative logprob under the length
+    /// penalty), what the beams are ranked by.
+    pub beam_score: Option<f32>,
     /// From arrival to the first step that computed it.
     pub queue_time: Duration,
     /// From that step to the last token.

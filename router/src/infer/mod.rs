@@ -24,6 +24,8 @@
 //! - `emit`: the one way a token reaches its request (counted, turned into its event).
 //! - `entry`: one sample's decoding state: its text, stop strings, grammar and end.
 //! - `siblings`: a request's `best_of` samples, forked from the first.
+//! - `beam`: beam groups (a request searched with `num_beams`): their rounds, forks and
+//!   end; `beam_search`: the ranking of a round and the finished hypotheses.
 //! - `adapters`: the LoRA adapters' loads as the loop learns of them.
 //! - `step_metrics`: what the loop records per schedule and per step.
 //! - `speculation`: speculative decoding's proposers, one per eligible request.
@@ -35,6 +37,8 @@ mod adapters;
 mod admission;
 pub mod balance;
 mod batching_loop;
+mod beam;
+mod beam_search;
 mod book;
 mod emit;
 mod entry;

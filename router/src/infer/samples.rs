@@ -44,14 +44,15 @@ pub async fn collect(mut rx: UnboundedReceiver<EventResult>) -> Result<Sample, I
     ))
 }
 
-/// The indices of `samples`, best first: by cumulative logprob, the earlier sample first
-/// on ties.
+/// The indices of `samples`, best first: by cumulative logprob (a beam search's
+/// hypotheses by their score), the earlier sample first on ties.
 pub fn best_first(samples: &[Sample]) -> Vec<usize> {
     let mut order: Vec<usize> = (0..samples.len()).collect();
     // Stable: equal logprobs keep sample order.
     order.sort_by(|&a, &b| {
         let (a, b) = (&samples[a].end, &samples[b].end);
-        b.cumulative_logprob.total_cmp(&a.cumulative_logprob)
+        let score = |e: &End| e.beam_score.unwrap_or(e.cumulative_logprob);
+        score(b).total_cmp(&score(a))
     });
     order
 }
@@ -77,6 +78,7 @@ mod tests {
                 input_length: 1,
                 seed: None,
                 cumulative_logprob,
+                beam_score: None,
                 queue_time: Duration::ZERO,
                 inference_time: Duration::ZERO,
             },

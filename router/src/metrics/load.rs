@@ -21,6 +21,9 @@ pub struct LoadGauges {
     pub kv_block_size: Gauge,
     pub kv_blocks_used: Gauge,
     pub kv_blocks_cached: Gauge,
+    /// Block-table entries of the live beam searches' beams that point to a block another
+    /// beam of the same search holds too: the blocks their sharing saves.
+    pub kv_blocks_shared_by_beams: Gauge,
     pub kv_utilization: Gauge,
     /// 1 while the replica takes new requests, 0 once it failed its readiness check.
     pub ready: Gauge,
@@ -56,6 +59,7 @@ pub(super) struct Totals {
     pub load: gateway::Load,
     pub swapped: f64,
     pub kv_blocks_cached: f64,
+    pub kv_blocks_shared_by_beams: f64,
     /// Over the replicas' running requests' blocks: each replica's utilization weighted
     /// by the blocks it has in use.
     pub kv_utilization: f64,
@@ -72,6 +76,7 @@ pub(super) fn totals(replicas: &[std::sync::Arc<LoadGauges>]) -> Totals {
         t.load.kv_blocks_total += r.kv_blocks_total.get();
         t.swapped += r.swapped.get();
         t.kv_blocks_cached += r.kv_blocks_cached.get();
+        t.kv_blocks_shared_by_beams += r.kv_blocks_shared_by_beams.get();
         weighted += r.kv_utilization.get() * used;
     }
     t.load.kv_block_size = replicas.first().map_or(0.0, |r| r.kv_block_size.get());

@@ -19,6 +19,31 @@ pub(super) struct FakeRequest {
     pub(super) prompt_logprobs: bool,
     /// Its LoRA adapter ("" = the base model): mixed into its tokens.
     pub(super) adapter: String,
+    /// Candidates returned per sampled token (a beam search's rows): then it samples
+    /// the most likely of `beam_candidates`.
+    pub(super) top_n: usize,
+}
+
+/// The fake's distribution after `history` for rows that ask for alternatives: the 26
+/// lowercase letters and EOS with logprobs drawn from the history (a pure function, so a
+/// test can search it itself), most likely first.
+pub(super) fn beam_candidates(history: &[u32]) -> Vec<(u32, f32)> {
+    let mut h: u64 = 0xcbf29ce484222325;
+    for &t in history {
+        h = (h ^ t as u64).wrapping_mul(0x100000001b3);
+    }
+    let eos = crate::detokenize::testing::eos_id();
+    let mut all: Vec<(u32, f32)> = (b'a' as u32..=b'z' as u32)
+        .chain([eos])
+        .map(|t| {
+            let x =
+                (h ^ (t as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)).wrapping_mul(0x100000001b3);
+            let x = (x ^ (x >> 29)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            (t, -(((x >> 40) % 800) as f32) / 100.0 - 0.25)
+        })
+        .collect();
+    all.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    all
 }
 
 /// How the fake picks tokens.
@@ -30,6 +55,9 @@ pub(super) enum Script {
     Fixed(Vec<u32>),
     /// Like `Hash`, with the request's sampling seed mixed in (parallel samples differ).
     Seeded,
+    /// Like `Hash`, but a row asking for alternatives samples the most likely of
+    /// `beam_candidates` and returns them (a beam search's rows).
+    Beams,
 }
 
 #[derive(Default)]
@@ -159,7 +187,7 @@ impl FakeShard {
     /// The token the fake samples after `tokens` (a prefix of `r`'s).
     pub(super) fn token_after(&self, r: &FakeRequest, tokens: &[u32]) -> u32 {
         match &self.script {
-            Script::Hash | Script::Seeded => {
+            Script::Hash | Script::Seeded | Script::Beams => {
                 let mut h: u64 = 0xcbf29ce484222325;
                 if matches!(self.script, Script::Seeded) {
                     h = (h ^ r.seed).wrapping_mul(0x100000001b3);
@@ -262,6 +290,7 @@ impl FakeShard {
                     seed: j.sampling.as_ref().map_or(0, |p| p.seed),
                     prompt_logprobs: j.prompt_logprobs,
                     adapter: j.adapter_id.clone(),
+                    top_n: j.top_n_tokens as usize,
                 },
             );
         }
@@ -366,7 +395,15 @@ impl FakeShard {
                 });
                 continue;
             }
-            let token = done.then(|| Self::masked(self.next_token(r), mask));
+            let mut top = Vec::new();
+            if done && r.top_n > 0 && matches!(self.script, Script::Beams) {
+                top = beam_candidates(&r.tokens);
+                top.truncate(r.top_n);
+            }
+            let token = done.then(|| match top.first() {
+                Some(&(best, _)) => best,
+                None => Self::masked(self.next_token(r), mask),
+            });
             let r = s.requests.get_mut(&id).unwrap();
             r.computed += n;
             if let Some(token) = token {
@@ -378,10 +415,21 @@ impl FakeShard {
                     Vec::new()
                 };
                 r.tokens.push(token);
+                let (logprob, top_tokens) = match top.first() {
+                    Some(&(_, best)) => (
+                        best,
+                        vec![pb::TopTokens {
+                            ids: top.iter().map(|c| c.0).collect(),
+                            logprobs: top.iter().map(|c| c.1).collect(),
+                        }],
+                    ),
+                    None => (-0.5, Vec::new()),
+                };
                 generations.push(pb::Generation {
                     id,
                     token_ids: vec![token],
-                    logprobs: vec![-0.5],
+                    logprobs: vec![logprob],
+                    top_tokens,
                     prompt_logprobs,
                     ..Default::default()
                 });

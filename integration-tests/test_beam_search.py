@@ -1,0 +1,212 @@
+"""Beam search through `cadence launch` against transformers' `generate(num_beams=...)` in
+float32 on the tiny random Llama: the same token sequences, best first, and the same scores
+(cumulative logprob / length ** length_penalty) within float32 rounding, for widths 2, 4
+and 8 through TGI's `/generate` (`parameters.num_beams`) and the OpenAI SDK
+(`use_beam_search`); beam and ordinary requests at once on a KV pool small enough that the
+beams are preempted; the blocks all given back; the blocks beams share in /metrics."""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+
+from conftest import LaunchedServer, launch, stop, tiny_model
+
+PROMPTS = [
+    "The history of the printing press",
+    "A recipe for bread:",
+    "In the year 2050, cities will",
+]
+MAX_NEW = 12
+# 16-token blocks: three searches 8 beams wide (each beam up to 2 blocks of its own beside
+# the shared prompt block) do not fit at once.
+BLOCKS = 28
+# (width, length_penalty, early_stopping)
+CASES = [(2, 1.0, False), (4, 0.5, True), (8, 2.0, "never")]
+
+
+def metrics(url: str) -> dict[str, float]:
+    """`name{labels}` -> value, labels other than `model` kept in the key."""
+    out: dict[str, float] = {}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        key, value = line.rsplit(" ", 1)
+        out[re.sub(r'model="[^"]*",?', "", key).replace("{}", "")] = float(value)
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(
+    tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: str
+) -> Iterator[LaunchedServer]:
+    tmp = tmp_path_factory.mktemp("beams")
+    launched = launch(tmp, *tiny_model(tiny_llama_dir, BLOCKS), "--max-batch-size", "32")
+    yield launched
+    stop(launched)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir: str) -> dict[tuple[int, int], list[tuple[list[int], float]]]:
+    """transformers' beams per (prompt, case): token ids and sequences_scores, best first."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    out = {}
+    for p, prompt in enumerate(PROMPTS):
+        input_ids = tokenizer(prompt, return_tensors="pt").input_ids
+        for c, (width, penalty, early) in enumerate(CASES):
+            with torch.inference_mode():
+                result = model.generate(
+                    input_ids,
+                    max_new_tokens=MAX_NEW,
+                    do_sample=False,
+                    num_beams=width,
+                    num_return_sequences=width,
+                    length_penalty=penalty,
+                    early_stopping=early,
+                    output_scores=True,
+                    return_dict_in_generate=True,
+                )
+            beams = result.sequences[:, input_ids.shape[1] :].tolist()
+            out[(p, c)] = list(zip(beams, result.sequences_scores.tolist(), strict=True))
+    return out
+
+
+def check_beams(
+    got: list[tuple[list[int], list[float]]], want: list[tuple[list[int], float]], penalty: float
+) -> None:
+    """Each returned beam against transformers': its tokens, and its score from its
+    tokens' logprobs."""
+    assert len(got) == len(want)
+    for i, ((ids, logprobs), (ids_want, score_want)) in enumerate(zip(got, want, strict=True)):
+        # The tiny Llama never ends at an EOS: every beam runs to the token limit.
+        assert ids == ids_want, (i, ids, ids_want)
+        score = sum(logprobs) / len(ids) ** penalty
+        assert score == pytest.approx(score_want, rel=1e-3, abs=1e-3), (i, score, score_want)
+
+
+def tgi_beams(
+    url: str, prompt: str, width: int, penalty: float, early: Any
+) -> list[tuple[list[int], list[float]]]:
+    body = {
+        "inputs": prompt,
+        "parameters": {
+            "num_beams": width,
+            "length_penalty": penalty,
+            "early_stopping": early,
+            "max_new_tokens": MAX_NEW,
+            "details": True,
+        },
+    }
+    response = httpx.post(f"{url}/generate", json=body, timeout=600)
+    assert response.status_code == 200, response.text
+    details = response.json()["details"]
+    sequences = [details] + details.get("best_of_sequences", [])
+    return [
+        ([t["id"] for t in s["tokens"]], [t["logprob"] for t in s["tokens"]]) for s in sequences
+    ]
+
+
+def test_tgi_beams_match_transformers_with_ordinary_requests_beside_and_preemption(
+    server: LaunchedServer, reference: dict[tuple[int, int], list[tuple[list[int], float]]]
+) -> None:
+    from text_generation import Client
+
+    before = metrics(server.url)
+    shared_seen = []
+    stop_watch = threading.Event()
+
+    def watch() -> None:
+        while not stop_watch.is_set():
+            shared_seen.append(metrics(server.url).get("cadence_kv_blocks_shared_by_beams", 0.0))
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    ordinary = Client(server.url, timeout=600)
+    jobs = [(p, c) for p in range(len(PROMPTS)) for c in range(len(CASES))]
+    with ThreadPoolExecutor(len(jobs) + 3) as pool:
+        plain = [
+            pool.submit(ordinary.generate, prompt, max_new_tokens=MAX_NEW) for prompt in PROMPTS
+        ]
+        beams = {(p, c): pool.submit(tgi_beams, server.url, PROMPTS[p], *CASES[c]) for p, c in jobs}
+        for future in plain:
+            assert future.result().details.generated_tokens == MAX_NEW
+        results = {job: future.result() for job, future in beams.items()}
+    stop_watch.set()
+    watcher.join()
+    for (p, c), got in results.items():
+        check_beams(got, reference[(p, c)], CASES[c][1])
+    after = metrics(server.url)
+    preempted = after.get('cadence_preemptions_total{kind="recompute"}', 0) - before.get(
+        'cadence_preemptions_total{kind="recompute"}', 0
+    )
+    assert preempted > 0, "the pool is sized so that the beams are preempted"
+    assert max(shared_seen) > 0
+    assert after["cadence_kv_blocks_used"] == 0
+    assert after["cadence_kv_blocks_shared_by_beams"] == 0
+    assert after["cadence_running_requests"] == 0
+
+
+def test_openai_beams_match_transformers(
+    server: LaunchedServer,
+    reference: dict[tuple[int, int], list[tuple[list[int], float]]],
+    tiny_llama_dir: str,
+) -> None:
+    from openai import OpenAI
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    model = client.models.list().data[0].id
+    for c, (width, penalty, early) in enumerate(CASES):
+        completion = client.completions.create(
+            model=model,
+            prompt=PROMPTS[1],
+            max_tokens=MAX_NEW,
+            n=width,
+            temperature=0,
+            logprobs=0,
+            extra_body={
+                "use_beam_search": True,
+                "length_penalty": penalty,
+                "early_stopping": early,
+            },
+        )
+        choices = sorted(completion.choices, key=lambda ch: ch.index)
+        want = reference[(1, c)]
+        assert len(choices) == len(want)
+        for i, (choice, (ids_want, score_want)) in enumerate(zip(choices, want, strict=True)):
+            assert choice.text == tokenizer.decode(ids_want), (c, i)
+            logprobs = choice.logprobs.token_logprobs
+            score = sum(logprobs) / len(logprobs) ** penalty
+            assert score == pytest.approx(score_want, rel=1e-3, abs=1e-3), (c, i)
+
+
+def test_beam_requests_are_refused_with_each_apis_names(server: LaunchedServer) -> None:
+    for parameters, field in [
+        ({"num_beams": 0}, "num_beams"),
+        ({"num_beams": 2, "temperature": 0.5}, "temperature"),
+        ({"num_beams": 2, "stop": ["x"]}, "stop"),
+    ]:
+        response = httpx.post(
+            f"{server.url}/generate", json={"inputs": "hi", "parameters": parameters}
+        )
+        assert response.status_code == 422, response.text
+        assert field in response.json()["error"]
+    for body, param in [
+        ({"use_beam_search": True, "n": 2, "stream": True}, "use_beam_search"),
+        ({"use_beam_search": True, "n": 2, "temperature": 0.8}, "temperature"),
+        ({"use_beam_search": True, "n": 64}, "n"),
+    ]:
+        response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", **body})
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == param
