@@ -7,7 +7,9 @@ beams are preempted; the blocks all given back; the blocks beams share in /metri
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import LaunchedServer, launch, stop, tiny_model
+from conftest import LaunchedServer, launch, stop, the_shard, tiny_model, wait_for
 
 PROMPTS = [
     "The history of the printing press",
@@ -116,6 +118,13 @@ def tgi_beams(
     ]
 
 
+def routed_requests(url: str) -> float:
+    """Requests the router has handed to its batching loop (counted while the shard is
+    frozen)."""
+    counts = metrics(url)
+    return sum(v for k, v in counts.items() if k.startswith("cadence_replica_requests_total"))
+
+
 def test_tgi_beams_match_transformers_with_ordinary_requests_beside_and_preemption(
     server: LaunchedServer, reference: dict[tuple[int, int], list[tuple[list[int], float]]]
 ) -> None:
@@ -133,14 +142,30 @@ def test_tgi_beams_match_transformers_with_ordinary_requests_beside_and_preempti
     watcher.start()
     ordinary = Client(server.url, timeout=600)
     jobs = [(p, c) for p in range(len(PROMPTS)) for c in range(len(CASES))]
-    with ThreadPoolExecutor(len(jobs) + 3) as pool:
-        plain = [
-            pool.submit(ordinary.generate, prompt, max_new_tokens=MAX_NEW) for prompt in PROMPTS
-        ]
-        beams = {(p, c): pool.submit(tgi_beams, server.url, PROMPTS[p], *CASES[c]) for p, c in jobs}
-        for future in plain:
-            assert future.result().details.generated_tokens == MAX_NEW
-        results = {job: future.result() for job, future in beams.items()}
+    # The shard is frozen until the router holds every request: they contend for the
+    # blocks on any machine (a fast one would finish early requests before the last came).
+    shard, routed = the_shard(server), routed_requests(server.url)
+    os.kill(shard, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(len(jobs) + 3) as pool:
+            plain = [
+                pool.submit(ordinary.generate, prompt, max_new_tokens=MAX_NEW)
+                for prompt in PROMPTS
+            ]
+            beams = {
+                (p, c): pool.submit(tgi_beams, server.url, PROMPTS[p], *CASES[c]) for p, c in jobs
+            }
+            wait_for(
+                lambda: routed_requests(server.url) - routed >= len(jobs) + len(PROMPTS),
+                60,
+                "every request queued",
+            )
+            os.kill(shard, signal.SIGCONT)
+            for future in plain:
+                assert future.result().details.generated_tokens == MAX_NEW
+            results = {job: future.result() for job, future in beams.items()}
+    finally:
+        os.kill(shard, signal.SIGCONT)  # a test that failed while it was frozen
     stop_watch.set()
     watcher.join()
     for (p, c), got in results.items():

@@ -12,9 +12,10 @@ shards (`--kernel-table`).
 One kernel per format, not a crossover: batch-invariant serving (docs/determinism.md) needs
 one kernel for every row count of a layer. Each side is timed over SmolLM2-135M's products
 (`cadence.quant.measure`: CALIBRATION_LAYERS of its layers and its LM head, ~60 MB of
-bfloat16 weights, more than a CPU's caches hold, so they stream as in a real step) at a decode step's rows (32) and a prefill
-chunk's (320), weighted as the charter workload mixes them (64 prompts of 320 tokens and
-~9,200 tokens decoded 32 at a time: 288 decode steps to 64 prefill chunks, 4.5 to 1). The
+bfloat16 weights, more than a CPU's caches hold, so they stream as in a real step) at a
+decode step's rows (32) and a prefill chunk's (320), weighted as the charter workload
+mixes them (64 prompts of 320 tokens and ~9,200 tokens decoded 32 at a time: 288 decode
+steps to 64 prefill chunks, 4.5 to 1). The
 float copy is chosen only when it is FLOAT_MARGIN faster: it costs the memory of a float
 copy, and a choice that flips with the noise of a shared machine would change answers
 from one start to the next.
