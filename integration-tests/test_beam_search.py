@@ -149,8 +149,7 @@ def test_tgi_beams_match_transformers_with_ordinary_requests_beside_and_preempti
     try:
         with ThreadPoolExecutor(len(jobs) + 3) as pool:
             plain = [
-                pool.submit(ordinary.generate, prompt, max_new_tokens=MAX_NEW)
-                for prompt in PROMPTS
+                pool.submit(ordinary.generate, prompt, max_new_tokens=MAX_NEW) for prompt in PROMPTS
             ]
             beams = {
                 (p, c): pool.submit(tgi_beams, server.url, PROMPTS[p], *CASES[c]) for p, c in jobs
