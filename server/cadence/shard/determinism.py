@@ -47,7 +47,10 @@ OFFSET = 7  # the same rows again, at another place in the batch
 # rows multiplied at each row count: a kernel whose float32 sums differ in their last bit
 # changes a bfloat16 output in ~1 of 1000 elements, so few rows would miss it
 WINDOW_ROWS = {False: 64, True: 16}  # by "is the LM head" (49152 outputs a row)
-MAX_PAD = 16  # the most rows a small product is padded to
+# the most rows a small product is padded to: a library may take another path (another
+# ISA's kernel, AMX tiles) for small products up to a few dozen rows; padding one row to
+# 64 costs little where the product reads its weight once either way
+MAX_PAD = 64
 SPLIT = 512  # the most rows one kernel call takes (prefill chunks above are split)
 
 
@@ -117,7 +120,7 @@ def _agreeing_range(
     each row the same bits: no padding and `split`, else padding small products past the
     count that failed, or splitting below a large one; None when that does not converge."""
     module.min_rows, module.max_rows = 1, split
-    for _ in range(6):
+    for _ in range(len(counts)):
         failed = _rows_vary(module, x, counts, window)
         if not failed:
             return module.min_rows, module.max_rows
