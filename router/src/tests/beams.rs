@@ -162,8 +162,13 @@ async fn beam_answers_match_a_plain_search_for_every_width_penalty_and_early_sto
 #[tokio::test]
 async fn beams_and_ordinary_requests_share_steps_and_a_small_cache_preempts_beams() {
     // 14 blocks of 4 tokens: four searches 4 beams wide with ordinary requests beside
-    // them do not fit at once.
-    let h = setup(Script::Beams).synchronous().blocks(14).build();
+    // them do not fit at once. The shard holds the first step until all eight are routed,
+    // so they contend for the blocks however fast the machine runs the first ones.
+    let h = setup(Script::Beams)
+        .synchronous()
+        .blocks(14)
+        .paused()
+        .build();
     let prompts: Vec<String> = (0..4)
         .map(|i| format!("prompt number {i} for beams"))
         .collect();
@@ -174,9 +179,22 @@ async fn beams_and_ordinary_requests_share_steps_and_a_small_cache_preempts_beam
         let body = json!({"inputs": format!("plain {i}"), "parameters": {"max_new_tokens": 8}});
         h.post("/generate", body)
     });
-    let (_, answers) = tokio::join!(
+    let release = async {
+        let mut polls = 0;
+        while routed_requests(&h).await < 8.0 {
+            polls += 1;
+            assert!(
+                polls < 1_000_000,
+                "the eight requests never reached the router"
+            );
+            tokio::task::yield_now().await;
+        }
+        h.resume();
+    };
+    let (_, answers, ()) = tokio::join!(
         futures::future::join_all(searches),
-        futures::future::join_all(ordinary)
+        futures::future::join_all(ordinary),
+        release
     );
     for (status, v) in answers {
         assert_eq!(status, StatusCode::OK, "{v}");
@@ -305,4 +323,15 @@ async fn openai_beams_answer_the_n_best_in_order() {
     assert_eq!(status, StatusCode::OK, "{v}");
     assert_eq!(v["choices"].as_array().unwrap().len(), 3, "{v}");
     h.assert_protocol_ok();
+}
+
+/// Requests the router has sent to the (one) replica so far.
+async fn routed_requests(h: &Harness) -> f64 {
+    let (_, metrics) = h.get_text("/metrics").await;
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("cadence_replica_requests_total{"))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
 }
