@@ -69,28 +69,31 @@ class CpuAttention(AttentionBackend[CpuMetadata]):
         )
 
     def metadata(self, layout: StepLayout) -> CpuMetadata:
-        rows = int(layout.context_lens.shape[0])
-        if self.every_query_on_cache and layout.num_decode < rows:
-            tokens = int(layout.slot_mapping.shape[0])
-            tables, lens = _rows_as_decodes(layout, rows, tokens)
-            return CpuMetadata(
-                slot_mapping=layout.slot_mapping.contiguous(),
-                num_decode=tokens,
-                decode_tables=tables,
-                decode_lens=lens,
-                prefill=None,
+        every_row = (
+            self.every_query_on_cache and layout.num_decode < layout.num_decode + layout.num_prefill
+        )
+        if every_row or layout.num_short > 0:
+            # every row (batch-invariant), or the decodes and the short chunks, on the decode
+            # kernel; the rest, if any, padded
+            rows = (
+                int(layout.context_lens.shape[0])
+                if every_row
+                else layout.num_decode + layout.num_short
             )
-        if layout.num_short > 0:
-            # the decodes and the short chunks on the decode kernel, the rest padded
-            rows = layout.num_decode + layout.num_short
-            tokens = layout.num_decode + layout.short_tokens
+            tokens = (
+                int(layout.slot_mapping.shape[0])
+                if every_row
+                else layout.num_decode + layout.short_tokens
+            )
             tables, lens = _rows_as_decodes(layout, rows, tokens)
             return CpuMetadata(
                 slot_mapping=layout.slot_mapping.contiguous(),
                 num_decode=tokens,
                 decode_tables=tables,
                 decode_lens=lens,
-                prefill=PaddedPrefill.build(layout, self.workspace, rows, tokens),
+                prefill=None
+                if every_row
+                else PaddedPrefill.build(layout, self.workspace, rows, tokens),
             )
         d = layout.num_decode
         tables = layout.block_tables[:d, : layout.decode_blocks]
