@@ -39,7 +39,8 @@ stop_server() {
     [[ -n $server_pid ]] || return 0
     kill -- -"$server_pid" 2>/dev/null || true
     wait "$server_pid" 2>/dev/null || true # reaps llama-server, a child; vLLM is not one
-    while kill -0 "$server_pid" 2>/dev/null; do sleep 1; done
+    # vLLM's workers outlive its API server by seconds: wait for the whole group.
+    while pgrep -g "$server_pid" >/dev/null; do sleep 1; done
     server_pid=""
 }
 trap stop_server EXIT

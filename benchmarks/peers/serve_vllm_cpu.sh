@@ -9,8 +9,9 @@
 # VLLM_START_TIMEOUT in seconds (1800: the first start compiles for minutes). vLLM's own
 # CPU settings pass through: VLLM_CPU_KVCACHE_SPACE (GiB of KV cache; 4 here when unset,
 # since without it vLLM reserves 92% of the machine's memory and refuses to start when
-# less is free), VLLM_CPU_OMP_THREADS_BIND (default `auto`, which leaves VLLM_CPU_NUM_OF_RESERVED_CPU
-# cores, one by default, to the API server and scheduler; `0-1` gives the model both of a
+# less is free), VLLM_CPU_OMP_THREADS_BIND (default `auto`, which leaves
+# VLLM_CPU_NUM_OF_RESERVED_CPU cores, one by default, to the API server and scheduler:
+# `VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0` gives the model both of a
 # 2-core machine's cores).
 set -euo pipefail
 
@@ -38,6 +39,7 @@ fi
 ) >"$VLLM_LOG" 2>&1 &
 pid=$!
 echo "$pid" >"$VLLM_PID_FILE"
+trap 'kill -- -"$pid" 2>/dev/null; exit 130' INT TERM # interrupted while it starts
 
 started=$SECONDS
 until curl -fs "$url/v1/models" >/dev/null 2>&1; do
@@ -53,5 +55,6 @@ until curl -fs "$url/v1/models" >/dev/null 2>&1; do
     fi
     sleep 2
 done
+trap - INT TERM
 echo "vLLM answers on $url after $((SECONDS - started)) s (pid $pid, log $VLLM_LOG)" >&2
 echo "$pid"
