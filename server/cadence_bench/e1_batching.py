@@ -108,7 +108,17 @@ def run(ctx: Context, none_prompts: int = NONE_PROMPTS) -> None:
     ctx.progress = Progress(ctx.name, len(MODES) * (1 + len(SATURATION_FACTORS)))
     first = plan(ctx, requests, none_prompts, None)
     burst = [i for i in first if i.slug == SATURATION_SLUG]
+    # the rest's fingerprints wait for the saturation rate: guess them unmeasured unless
+    # a record of theirs exists (the remaining time is rough anyway)
+    ctx.progress.later = sum(
+        1
+        for slug in (f"{m}-{arrival_slug(f)}" for m in MODES for f in (None, *SATURATION_FACTORS))
+        if slug != SATURATION_SLUG
+        and ctx.store.selected(slug)
+        and not ctx.store.path(slug).exists()
+    )
     records = run_planned(ctx, burst)
+    ctx.progress.later = 0
     saturation = _saturation(records)
     items = plan(ctx, requests, none_prompts, saturation)
     rest = [i for i in items if i.slug != SATURATION_SLUG]

@@ -115,6 +115,20 @@ def plan(
     return items
 
 
+def analytic_blocks(
+    kind: str, prompt_len: int, gen: int, width: int, block_size: int
+) -> tuple[int, int]:
+    """Blocks one prompt's `width` sequences hold at the end of generation: (shared,
+    unshared). Beams hold the prompt's full blocks once. Parallel samples fork once the
+    first has computed the prompt and each recomputes the last prompt token into its own
+    copy of that token's block, so a prompt ending on a block boundary shares one block
+    fewer than the documents' count."""
+    shared, unshared = shared_sampling_blocks(prompt_len, gen, width, block_size)
+    if kind == "samples" and width > 1 and prompt_len % block_size == 0:
+        shared += width - 1
+    return shared, unshared
+
+
 def sharing_rows(
     records: dict[str, Record], prompts: int, prompt_len: int, gen: int, block_size: int
 ) -> list[dict[str, Any]]:
@@ -129,7 +143,9 @@ def sharing_rows(
             continue
         width = int(record.config["width"])
         peak = int(record.extras["peak_blocks_used"])
-        shared, unshared = shared_sampling_blocks(prompt_len, gen, width, block_size)
+        shared, unshared = analytic_blocks(
+            record.config["kind"], prompt_len, gen, width, block_size
+        )
         unshared_peak = width * base if base is not None else None
         rows.append(
             {
@@ -166,8 +182,12 @@ def sharing_section(
         "`W × n=1 peak` is what the W sequences would hold without sharing (W copies of "
         "the n = 1 run); `analytic` counts the blocks at the end of generation with the "
         "prompt's full blocks held once and everything after them per sequence (shared), "
-        "against every sequence holding its own prompt (unshared); beams can share more "
-        "than that, their common generated prefix too. Made by `" + command + "`.\n\n"
+        "against every sequence holding its own prompt (unshared). Two departures from "
+        "that count: beams can share more, their common generated prefix too; parallel "
+        "samples fork after the first has computed the prompt and each recomputes the last "
+        "prompt token into its own copy of its block, so a prompt that ends on a block "
+        "boundary shares one block fewer per extra sample (counted in the analytic "
+        "column). Made by `" + command + "`.\n\n"
         "| kind | W | peak blocks used | peak shared by beams | W × n=1 peak | saved | "
         "analytic shared | analytic unshared | wall s |\n|---|---|---|---|---|---|---|---|---|\n"
     )

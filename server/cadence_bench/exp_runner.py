@@ -78,6 +78,7 @@ class Progress:
         self.started = time.monotonic()
         self.durations: list[float] = []
         self.to_measure = 0
+        self.later = 0  # configurations an experiment will plan after the current ones
 
     def next(self) -> None:
         self.index += 1
@@ -91,7 +92,7 @@ class Progress:
         self.durations.append(seconds)
         self.to_measure = max(0, self.to_measure - 1)
         elapsed = time.monotonic() - self.started
-        left = sum(self.durations) / len(self.durations) * self.to_measure
+        left = sum(self.durations) / len(self.durations) * (self.to_measure + self.later)
         self.say(
             label,
             f"done in {seconds:.0f} s (output {output_tps:.1f} tok/s); {self.name} elapsed "

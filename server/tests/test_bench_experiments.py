@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from cadence.cli import build_parser
-from cadence_bench import e1_batching, e4_kv, exp_runner
+from cadence_bench import e1_batching, e4_kv, e4_sharing, exp_runner
 from cadence_bench.exp_records import Record, RecordStore, fingerprint, from_json, to_json
 from cadence_bench.exp_runner import Context, Measured, Planned, Progress, Scale, run_planned
 from cadence_bench.kv import parse_metrics
@@ -292,3 +292,13 @@ def test_experiment_flags_parse() -> None:
     )
     assert args.only == ["static", "none-poisson"] and args.fresh and not args.report_only
     assert build_parser().parse_args(["bench", "experiment", "E4", "--report-only"]).report_only
+
+
+def test_analytic_blocks_of_samples_and_beams() -> None:
+    # 32-token prompt (2 full blocks of 16), 8 tokens each: 3 blocks per sequence alone
+    assert e4_sharing.analytic_blocks("beams", 32, 8, 8, 16) == (2 + 8 * 1, 8 * 3)
+    # samples recompute the last prompt token into a copy of its block: one block fewer
+    # shared when the prompt ends on a block boundary
+    assert e4_sharing.analytic_blocks("samples", 32, 8, 8, 16) == (1 + 8 * 2, 8 * 3)
+    assert e4_sharing.analytic_blocks("samples", 40, 8, 4, 16) == (2 + 4 * 1, 4 * 3)
+    assert e4_sharing.analytic_blocks("samples", 32, 8, 1, 16) == (3, 3)
