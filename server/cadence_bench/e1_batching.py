@@ -7,6 +7,7 @@ everything sent at once (measured first). The same requests and rates for every 
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -124,6 +125,11 @@ def run(ctx: Context, none_prompts: int = NONE_PROMPTS) -> None:
     rest = [i for i in items if i.slug != SATURATION_SLUG]
     if saturation is None:
         rest = [i for i in rest if i.slug.endswith("all-at-once")]
+        print(
+            f"[{ctx.name}] the Poisson runs wait for {SATURATION_SLUG}: its request "
+            "throughput sets their rates",
+            file=sys.stderr,
+        )
     records |= run_planned(ctx, rest)
     render(ctx, items, records, requests, none_prompts, saturation)
 

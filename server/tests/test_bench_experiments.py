@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 from cadence.cli import build_parser
-from cadence_bench import e1_batching, e4_kv, e4_sharing, exp_runner
+from cadence_bench import e1_batching, e2_variance, e3_batch_size, e4_kv, e4_sharing, exp_runner
+from cadence_bench.datasets import BenchRequest
 from cadence_bench.exp_records import Record, RecordStore, fingerprint, from_json, to_json
 from cadence_bench.exp_runner import Context, Measured, Planned, Progress, Scale, run_planned
 from cadence_bench.kv import parse_metrics
@@ -302,3 +303,45 @@ def test_analytic_blocks_of_samples_and_beams() -> None:
     assert e4_sharing.analytic_blocks("samples", 32, 8, 8, 16) == (1 + 8 * 2, 8 * 3)
     assert e4_sharing.analytic_blocks("samples", 40, 8, 4, 16) == (2 + 4 * 1, 4 * 3)
     assert e4_sharing.analytic_blocks("samples", 32, 8, 1, 16) == (3, 3)
+
+
+def _record(slug: str, config: dict[str, Any], tput: float, **extras: Any) -> Record:
+    result = {"output_throughput": tput, "mean_tpot_ms": 10.0, "duration_s": 1.0}
+    return Record("E", slug, config, result, latencies=[0.5, 1.0], extras=extras)
+
+
+def test_e2_renders_with_one_mode_measured(tmp_path: Path) -> None:
+    ctx = _context(tmp_path)
+    ctx.name = "E2"
+    by_cap = {c: [BenchRequest("p", 32, 1)] for c in (2, 8)}
+    items = e2_variance.plan(ctx, by_cap, 8)
+    records = {
+        "continuous-cap2": _record("continuous-cap2", {"batching": "continuous", "cap": 2}, 4.0),
+        "static-cap2": _record("static-cap2", {"batching": "static", "cap": 2}, 2.0),
+        "continuous-poisson-1": _record(
+            "continuous-poisson-1", {"batching": "continuous", "cap": 8, "rate": 1.0}, 3.0
+        ),
+    }
+    e2_variance.render(ctx, items, records, [2, 8], 8.0, 32)
+    text = (tmp_path / "E2.md").read_text()
+    assert "by cap: 2: 2.00×." in text  # cap 8 is measured in neither mode
+    assert "static, cap 8, all at once" in text.split("Not measured yet")[1]
+    assert (tmp_path / "E2-variance.png").is_file()
+
+
+def test_e3_renders_the_sweep_without_the_replicas(tmp_path: Path) -> None:
+    ctx = _context(tmp_path)
+    ctx.name = "E3"
+    requests = [BenchRequest("p", 16, 8)]
+    items = e3_batch_size.plan(ctx, requests)
+    columns = {"KV blocks": 100, "fit at full length": 50, "peak running": 2, "preemptions": 0}
+    records = {
+        f"batch-{b}": _record(
+            f"batch-{b}", {"max batch size": b, "KV cache": "default", **columns}, 10.0 * b
+        )
+        for b in (1, 2)
+    }
+    e3_batch_size.render(ctx, items, records, 16, 8)
+    text = (tmp_path / "E3.md").read_text()
+    assert "relative to batch size 1: 1: 1.00×, 2: 2.00×" in text
+    assert "max batch size 32, KV cache 8MiB" in text.split("Not measured yet")[1]
