@@ -112,9 +112,10 @@ def run(ctx: Context, none_prompts: int = NONE_PROMPTS) -> None:
     # the rest's fingerprints wait for the saturation rate: guess them unmeasured unless
     # a record of theirs exists (the remaining time is rough anyway)
     ctx.progress.later = sum(
-        1
-        for slug in (f"{m}-{arrival_slug(f)}" for m in MODES for f in (None, *SATURATION_FACTORS))
-        if slug != SATURATION_SLUG
+        none_prompts if mode == "none" else len(requests)
+        for mode in MODES
+        for factor in (None, *SATURATION_FACTORS)
+        if (slug := f"{mode}-{arrival_slug(factor)}") != SATURATION_SLUG
         and ctx.store.selected(slug)
         and not ctx.store.path(slug).exists()
     )

@@ -51,7 +51,11 @@ class Record:
 
 
 def to_json(record: Record) -> str:
-    return json.dumps(plain(asdict(record)), indent=1) + "\n"
+    """One line per field: readable with `cat`, compact for long latency lists and
+    metric series."""
+    fields = plain(asdict(record))
+    lines = [f" {json.dumps(k)}: {json.dumps(v, ensure_ascii=False)}" for k, v in fields.items()]
+    return "{\n" + ",\n".join(lines) + "\n}\n"
 
 
 def from_json(text: str) -> Record:

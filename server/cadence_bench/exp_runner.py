@@ -68,17 +68,18 @@ class Planned:
 
 class Progress:
     """`[E1 3/16] continuous, Poisson 1.4/s: launching` lines, with the elapsed time and
-    a rough remaining time (the mean of the configurations measured so far times those
-    still to measure)."""
+    a rough remaining time: the seconds per request of the configurations measured so
+    far (launches included) times the requests still to measure."""
 
     def __init__(self, name: str, total: int) -> None:
         self.name = name
         self.total = total
         self.index = 0
         self.started = time.monotonic()
-        self.durations: list[float] = []
-        self.to_measure = 0
-        self.later = 0  # configurations an experiment will plan after the current ones
+        self.seconds = 0.0  # measured so far, launches included
+        self.requests = 0  # measured so far
+        self.to_measure = 0  # requests still to measure
+        self.later = 0  # requests of configurations the experiment plans after these
 
     def next(self) -> None:
         self.index += 1
@@ -88,11 +89,14 @@ class Progress:
             f"[{self.name} {self.index}/{self.total}] {label}: {what}", file=sys.stderr, flush=True
         )
 
-    def done(self, label: str, seconds: float, output_tps: float) -> None:
-        self.durations.append(seconds)
-        self.to_measure = max(0, self.to_measure - 1)
+    def done(self, item: Planned, seconds: float, output_tps: float, wall: float) -> None:
+        """`seconds`: the measurement; `wall`: with its launch, what the estimate uses."""
+        label = item.label
+        self.seconds += wall
+        self.requests += item.requests
+        self.to_measure = max(0, self.to_measure - item.requests)
         elapsed = time.monotonic() - self.started
-        left = sum(self.durations) / len(self.durations) * (self.to_measure + self.later)
+        left = self.seconds / max(self.requests, 1) * (self.to_measure + self.later)
         self.say(
             label,
             f"done in {seconds:.0f} s (output {output_tps:.1f} tok/s); {self.name} elapsed "
@@ -171,15 +175,6 @@ class Context:
     def determinants(self, item: Planned) -> dict[str, Any]:
         return self.common() | {"flags": item.flags, **item.determinants}
 
-    def stored(self, items: list[Planned]) -> dict[str, Record]:
-        """The records on disk that match these configurations' fingerprints."""
-        found = {}
-        for item in items:
-            record = self.store.stored(item.slug, self.fingerprint_of(item))
-            if record is not None:
-                found[item.slug] = record
-        return found
-
 
 def measure_requests(
     url: str, requests: list[BenchRequest], rate: float, seed: int = 0
@@ -200,7 +195,7 @@ def run_planned(ctx: Context, items: list[Planned]) -> dict[str, Record]:
         for i in items
         if ctx.store.selected(i.slug) and ctx.store.reusable(i.slug, ctx.fingerprint_of(i)) is None
     ]
-    progress.to_measure += 0 if ctx.report_only else len(pending)
+    progress.to_measure += 0 if ctx.report_only else sum(i.requests for i in pending)
     records: dict[str, Record] = {}
     for item in items:
         progress.next()
@@ -212,10 +207,14 @@ def run_planned(ctx: Context, items: list[Planned]) -> dict[str, Record]:
             continue
         kept = ctx.store.stored(item.slug, print_)
         if not ctx.store.selected(item.slug) or ctx.report_only:
-            progress.say(item.label, "not selected" if kept is None else "recorded, kept")
+            why = "not measured (--report-only)" if ctx.report_only else "not selected (--only)"
+            progress.say(item.label, why if kept is None else "recorded, kept")
             if kept is not None:
                 records[item.slug] = kept
             continue
+        if ctx.store.path(item.slug).exists() and not ctx.store.fresh:
+            progress.say(item.label, "recorded with other settings: measuring again")
+        began = time.monotonic()  # the launch counts in the remaining-time estimate
         if not ctx.servers.up(item.flags):
             progress.say(item.label, "launching")
         url = ctx.servers.get(item.flags, f"{ctx.name}-{item.slug}")
@@ -238,5 +237,6 @@ def run_planned(ctx: Context, items: list[Planned]) -> dict[str, Record]:
         )
         ctx.store.save(record)
         records[item.slug] = record
-        progress.done(item.label, took, float(measured.result.get("output_throughput", 0.0)))
+        output = float(measured.result.get("output_throughput", 0.0))
+        progress.done(item, took, output, time.monotonic() - began)
     return records

@@ -203,12 +203,19 @@ def _fake_measure(monkeypatch: pytest.MonkeyPatch, seen: list[tuple[int, float]]
 
 
 def test_e1_measures_saturation_first_then_the_same_rates_for_every_mode(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     seen: list[tuple[int, float]] = []
     _fake_measure(monkeypatch, seen)
     ctx = _context(tmp_path)
     e1_batching.run(ctx, none_prompts=3)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[:2] == [
+        "[E1 1/16] continuous, all at once: launching",
+        "[E1 1/16] continuous, all at once: measuring 8 requests",
+    ]
+    assert lines[2].startswith("[E1 1/16] continuous, all at once: done in 0 s (output 100.0")
+    assert "[E1 16/16] none, Poisson 3/s (1.5× saturation): measuring 3 requests" in lines
     assert seen[0] == (8, math.inf)  # continuous, all at once: the saturation run
     assert len(seen) == 16
     rates = {rate for _, rate in seen if not math.isinf(rate)}
@@ -222,6 +229,7 @@ def test_e1_measures_saturation_first_then_the_same_rates_for_every_mode(
     seen.clear()
     e1_batching.run(_context(tmp_path), none_prompts=3)
     assert seen == []  # resumed: everything recorded
+    assert "[E1 5/16] dynamic, all at once: recorded in " in capsys.readouterr().err
 
 
 def test_e1_report_lists_what_is_not_measured_yet(
