@@ -213,8 +213,8 @@ def render(
     text = header(ctx.name, "batching strategies", ctx.scale_name, ctx.server_args, rows, extra)
     text += (
         f"{len(requests)} requests for continuous, dynamic and static batching, the first "
-        f"{none_prompts} of them for `none` (one request at a time, slow enough that the "
-        f"whole set would take hours); prompts of {ctx.scale.tokens(PROMPT)} tokens of "
+        f"{none_prompts} of them for `none` (one request at a time: fewer requests keep its "
+        f"runs within hours at full scale); prompts of {ctx.scale.tokens(PROMPT)} tokens of "
         f"English text, outputs of {outputs} tokens in turn (the documents' 512 and "
         f"32/64/128/256"
         + (f" divided by {ctx.scale.div}" if ctx.scale.div > 1 else "")
