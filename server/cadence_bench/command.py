@@ -63,12 +63,29 @@ def add_bench_parser(sub: Any) -> None:
         "--scale",
         choices=("small", "full"),
         default="small",
-        help="small: minutes on 2 CPU cores; full: the documents' sizes (a GPU)",
+        help="small: lengths / 4, minutes on 2 CPU cores; full: the documents' sizes "
+        "(hours on a CPU)",
     )
     _flag(e, "--length-divisor", type=int, help="divide the lengths by this instead")
     _flag(e, "--num-prompts", type=int, help="requests per run instead of the scale's")
     _flag(e, "--out-dir", default="docs/experiments", help="where tables and PNGs go")
     _flag(e, "--server-args", default="", help="extra `cadence launch` flags, quoted")
+    e.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="E1-E4: measure only the configurations whose slug (record name) contains "
+        "TEXT; repeatable",
+    )
+    _switch(e, "--fresh", "E1-E4: measure again even what is recorded with the same settings")
+    _switch(e, "--report-only", "E1-E4: render the report from the records; launch nothing")
+    _flag(
+        e,
+        "--none-prompts",
+        type=int,
+        help="E1: requests for `none` (one at a time; default 32 or --num-prompts if fewer)",
+    )
     _switch(e, "--quick", "E5: fewer adapter counts and requests (minutes on 2 CPU cores)")
     _flag(e, "--adapters-dir", help="E5: where its adapters are made (default: in the cache)")
     e.set_defaults(run=run_experiment_command)
@@ -484,5 +501,9 @@ def run_experiment_command(args: argparse.Namespace) -> int:
         shlex.split(args.server_args),
         args.length_divisor,
         args.num_prompts,
+        only=tuple(args.only),
+        fresh=args.fresh,
+        report_only=args.report_only,
+        none_prompts=args.none_prompts,
     )
     return 0
