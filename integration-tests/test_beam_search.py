@@ -21,13 +21,17 @@ import pytest
 from conftest import LaunchedServer, launch, stop, the_shard, tiny_model, wait_for
 
 PROMPTS = [
-    "The history of the printing press",
+    # 24 tokens: its first block is full, so every beam of its searches shares it from the
+    # first fork to the end (the other prompts' single partial blocks are copied at a
+    # fork's first write, and their shared blocks come and go with the steps).
+    "The history of the printing press, from the first carved wooden blocks of China to the "
+    "movable metal type of Mainz,",
     "A recipe for bread:",
     "In the year 2050, cities will",
 ]
 MAX_NEW = 12
 # 16-token blocks: three searches 8 beams wide (each beam up to 2 blocks of its own beside
-# the shared prompt block) do not fit at once.
+# the shared full prompt block, if any) do not fit at once.
 BLOCKS = 28
 # (width, length_penalty, early_stopping)
 CASES = [(2, 1.0, False), (4, 0.5, True), (8, 2.0, "never")]
