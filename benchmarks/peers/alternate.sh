@@ -32,6 +32,10 @@ VLLM_PORT=${VLLM_PORT:-8082}
 LLAMA_PORT=${LLAMA_PORT:-8081}
 workload=(--dataset-name random --num-prompts 64 --input-len 320 --output-len 32:256
     --ignore-eos --max-concurrency 32 "$@")
+command -v cadence >/dev/null || {
+    echo "cadence is not on the PATH: activate the checkout's environment (. .venv/bin/activate)" >&2
+    exit 1
+}
 mkdir -p "$OUT"
 
 server_pid=""
