@@ -34,6 +34,7 @@ from cadence_bench.exp_runner import (  # noqa: E402
     Progress,
     measure_requests,
     run_planned,
+    workload_determinants,
 )
 
 MODES = ("continuous", "dynamic", "static", "none")
@@ -92,12 +93,7 @@ def plan(
                     flags=["--batching", mode, *ctx.server_args],
                     requests=len(reqs),
                     measure=measure,
-                    determinants={
-                        "prompt_len": reqs[0].prompt_len,
-                        "outputs": [r.output_len for r in reqs],
-                        "rate": rate,
-                        "factor": factor,
-                    },
+                    determinants=workload_determinants(reqs, rate, factor=factor),
                 )
             )
     return items

@@ -20,6 +20,7 @@ from cadence_bench.exp_report import (
     TRACE_NOTE,
     header,
     missing,
+    rate_label,
     table,
     trace_table,
 )  # noqa: E402
@@ -30,6 +31,7 @@ from cadence_bench.exp_runner import (
     Progress,
     measure_requests,
     run_planned,
+    workload_determinants,
 )  # noqa: E402
 
 MODES = ("continuous", "static")
@@ -58,7 +60,7 @@ def plan(ctx: Context, by_cap: dict[int, list[BenchRequest]], cdf_cap: int) -> l
             config: dict[str, object] = {"batching": mode, "cap": cap}
             if not math.isinf(rate):
                 config["rate"] = rate
-            arrivals = "all at once" if math.isinf(rate) else f"Poisson {rate:g}/s"
+            arrivals = rate_label(rate)
             items.append(
                 Planned(
                     slug=slug,
@@ -67,12 +69,7 @@ def plan(ctx: Context, by_cap: dict[int, list[BenchRequest]], cdf_cap: int) -> l
                     flags=["--batching", mode, *ctx.server_args],
                     requests=len(reqs),
                     measure=measure,
-                    determinants={
-                        "prompt_len": reqs[0].prompt_len,
-                        "outputs": [r.output_len for r in reqs],
-                        "rate": rate,
-                        "arrival_seed": seed,
-                    },
+                    determinants=workload_determinants(reqs, rate, arrival_seed=seed),
                 )
             )
     return items

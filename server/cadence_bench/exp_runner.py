@@ -176,6 +176,15 @@ class Context:
         return self.common() | {"flags": item.flags, **item.determinants}
 
 
+def workload_determinants(
+    requests: list[BenchRequest], rate: float, **extra: Any
+) -> dict[str, Any]:
+    """What a run of `requests` at `rate` depends on besides the launch flags: the prompt
+    length, every output length, the rate, and the experiment's `extra` settings."""
+    outputs = [r.output_len for r in requests]
+    return {"prompt_len": requests[0].prompt_len, "outputs": outputs, "rate": rate, **extra}
+
+
 def measure_requests(
     url: str, requests: list[BenchRequest], rate: float, seed: int = 0
 ) -> Measured:
