@@ -269,7 +269,9 @@ def test_bench_drives_two_tenants_and_each_is_billed_what_it_was_served(
     tenants = tmp_path / "tenants.yaml"
     tenants.write_text(
         f"- {{name: alpha, api_key: {ALPHA}, num_prompts: 3, max_concurrency: 1}}\n"
-        f"- {{name: bare, api_key_env: BARE_KEY, num_prompts: 2, request_rate: 4}}\n"
+        # the server admits one request per key at a time: each tenant keeps to it
+        f"- {{name: bare, api_key_env: BARE_KEY, num_prompts: 2, request_rate: 4, "
+        "max_concurrency: 1}\n"
     )
     before = {t: usage_api(server.url, key)[0] for t, key in (("alpha", ALPHA), ("bare", BARE))}
     result_file = tmp_path / "result.json"

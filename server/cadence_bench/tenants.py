@@ -88,7 +88,10 @@ def read_tenants(
     entry and field."""
     import yaml  # JSON is YAML too
 
-    entries = yaml.safe_load(Path(path).read_text())
+    try:
+        entries = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as err:
+        raise ValueError(f"{path}: not YAML or JSON ({err})".replace("\n", " ")) from None
     if not isinstance(entries, list) or not entries:
         raise ValueError(f"{path}: a non-empty list of tenants")
     tenants, names = [], set()

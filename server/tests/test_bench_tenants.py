@@ -54,6 +54,7 @@ def test_json_is_read_too(tmp_path: Path) -> None:
     ("text", "says"),
     [
         ("{}", "non-empty list"),
+        ("- {num_prompts: 1}}", "not YAML or JSON"),
         ("- num_prompts: 0", "tenant 0.num_prompts"),
         ("- {num_prompts: 1, colour: red}", "unknown field(s) colour"),
         ("- {name: a, num_prompts: 1}\n- {name: a, num_prompts: 1}", "tenant 1.name"),
