@@ -1,7 +1,9 @@
 """A shard killed in the middle of a step, behind a router that talks to two
 tensor-parallel shards directly (the launcher would stop everything once a child died):
 the step fails with an error that names the dead rank, the request in flight ends with
-it instead of hanging, and the requests after it fail the same way."""
+it instead of hanging, and the requests after it fail the same way. The tiny random Llama
+serves: the failure path is the point, not the model; its request asks for more tokens than
+the stream can carry before the stopped rank holds the next step."""
 
 from __future__ import annotations
 
@@ -18,7 +20,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import free_port
+from conftest import FLOAT32, free_port
+
+MAX_NEW = 4000
 
 
 @dataclass
@@ -35,10 +39,10 @@ def _start(argv: list[str], log: Path) -> subprocess.Popen:
 
 
 @pytest.fixture
-def stack(tmp_path: Path, smollm_dir: str) -> Iterator[Stack]:
+def stack(tmp_path: Path, tiny_llama_dir: str) -> Iterator[Stack]:
     log, master = tmp_path / "stack.log", str(free_port())
     sockets = [str(tmp_path / f"shard-{rank}.sock") for rank in (0, 1)]
-    serve = [sys.executable, "-m", "cadence", "serve", "--model-id", smollm_dir]
+    serve = [sys.executable, "-m", "cadence", "serve", "--model-id", tiny_llama_dir, *FLOAT32]
     shards = [
         _start(
             [
@@ -59,7 +63,7 @@ def stack(tmp_path: Path, smollm_dir: str) -> Iterator[Stack]:
     port = free_port()
     router_argv = [sys.executable, "-m", "cadence.router", "--port", str(port)]
     router_argv += ["--shard-uds-path", sockets[0], "--shard-uds-path", sockets[1]]
-    router_argv += ["--tokenizer", smollm_dir, "--model-id", "smollm"]
+    router_argv += ["--tokenizer", tiny_llama_dir, "--model-id", "tiny"]
     router = _start([*router_argv, "--kv-cache-bytes", str(64 << 20)], log)
     running = Stack(f"http://127.0.0.1:{port}", shards, router, log)
     try:
@@ -85,7 +89,7 @@ def _healthy(url: str) -> bool:
 
 
 def test_a_shard_killed_mid_step_fails_that_step_naming_its_rank(stack: Stack) -> None:
-    body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 400}}
+    body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": MAX_NEW}}
     body["parameters"]["ignore_eos"] = True
     events = []
     with httpx.stream("POST", f"{stack.url}/generate_stream", json=body, timeout=120) as r:
@@ -101,7 +105,7 @@ def test_a_shard_killed_mid_step_fails_that_step_naming_its_rank(stack: Stack) -
                 time.sleep(1.0)
                 stack.shards[1].kill()
     *tokens, last = events
-    assert all("token" in e for e in tokens) and len(tokens) < 400
+    assert all("token" in e for e in tokens) and len(tokens) < MAX_NEW
     assert last["error_type"] == "generation", last
     assert last["error"].startswith("generation failed: shard 1: "), last
 

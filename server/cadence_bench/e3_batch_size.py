@@ -33,7 +33,7 @@ from cadence_bench.exp_runner import (
 )  # noqa: E402
 from cadence_bench.kv import MetricsSampler, largest_fitting_batch  # noqa: E402
 
-BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # past where a 2-core CPU's step saturates
 KV_BUDGET = "8MiB"  # a KV cache too small for 32 requests at full length
 PROMPT, OUTPUT = 256, 128
 
@@ -86,9 +86,9 @@ def plan(ctx: Context, requests: list[BenchRequest]) -> list[Planned]:
 def run(ctx: Context) -> None:
     maker = PromptMaker(load_tokenizer(None), np.random.default_rng(1 + ctx.seed))
     input_len, output_len = ctx.scale.tokens(PROMPT), ctx.scale.tokens(OUTPUT)
-    requests = [
-        BenchRequest(maker.make(input_len), input_len, output_len) for _ in range(max(BATCH_SIZES))
-    ]
+    # every size sees the same requests, at least enough to fill the largest batch
+    count = max(ctx.scale.num_prompts, max(BATCH_SIZES))
+    requests = [BenchRequest(maker.make(input_len), input_len, output_len) for _ in range(count)]
     runs = [
         [
             BenchRequest(maker.make(input_len), input_len, output_len)
@@ -170,7 +170,7 @@ def render(
     div = ctx.scale.div
     text = header(ctx.name, "throughput against batch size", ctx.scale_name, ctx.server_args, rows)
     text += (
-        f"{max(BATCH_SIZES)} requests sent at once, prompts of {input_len} tokens, outputs of "
+        f"{items[0].requests} requests sent at once, prompts of {input_len} tokens, outputs of "
         f"{output_len} (the documents' 256 and 128"
         + (f" divided by {div}" if div > 1 else "")
         + "); "
