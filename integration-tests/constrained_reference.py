@@ -1,6 +1,11 @@
 """The reference for grammar-constrained greedy decoding: transformers runs the model and,
 before each argmax, llguidance's own mask for the same grammar removes the disallowed
-tokens (every EOS id allowed wherever the grammar may end, as cadence documents)."""
+tokens (every EOS id allowed wherever the grammar may end, as cadence documents).
+
+The mask's bits are read here with numpy, not with `llguidance.torch.apply_token_bitmask_inplace`:
+that helper is a `torch.compile`d kernel, and the code inductor generates for AVX2
+(`ATEN_CPU_CAPABILITY=avx2`, or a CPU without AVX-512) lets half the vocabulary through
+(torch 2.15: every word's high bits), which made this reference, not cadence, wrong."""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ from typing import Any
 import llguidance
 import llguidance.hf
 import llguidance.torch
+import numpy as np
 import torch
 
 # The JSON layout cadence compiles schemas with unless a schema sets its own x-guidance.
@@ -29,6 +35,13 @@ def choice_grammar(options: list[str]) -> str:
     return llguidance.LLMatcher.grammar_from_lark(
         "start: " + " | ".join(json.dumps(o) for o in options)
     )
+
+
+def allowed_tokens(bitmask: torch.Tensor, width: int) -> torch.Tensor:
+    """Token i is allowed where bit i % 32 of the mask's word i // 32 is set."""
+    words = bitmask.numpy().astype("<i4")  # little-endian: bit i is byte i // 8's bit i % 8
+    bits = np.unpackbits(words.view(np.uint8), bitorder="little")[:width]
+    return torch.from_numpy(bits.astype(bool))
 
 
 class ConstrainedReference:
@@ -59,9 +72,7 @@ class ConstrainedReference:
                 allowed = torch.zeros(width, dtype=torch.bool)
                 if not matcher.is_stopped():
                     llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
-                    row = torch.ones(1, width)
-                    llguidance.torch.apply_token_bitmask_inplace(row, bitmask)
-                    allowed = row[0] > 0
+                    allowed = allowed_tokens(bitmask[0], width)
                 if matcher.is_stopped() or matcher.is_accepting():
                     allowed[list(self.eos)] = True
                 logits[~allowed] = float("-inf")

@@ -353,6 +353,26 @@ impl Scheduler {
     /// that has caught up (it just sampled, the token not yet appended) recomputes the
     /// last known token, into a copy of its block, to sample its own with its own seed.
     pub fn fork(&mut self, parent: RequestId, child: RequestId, seed: u64) -> bool {
+        self.fork_running(parent, child, |seq| {
+            seq.sampling.seed = seed;
+            // The parent's sample (pending until applied) is its own, not the child's.
+            seq.pending = 0;
+            if seq.remaining() == 0 {
+                seq.num_computed -= 1;
+            }
+        })
+    }
+
+    /// Running request `parent` copied as `child` (an id greater than every other), shaped
+    /// by `shape`, sharing every block of the parent (and its adapter), to join the shards
+    /// at the next step; false when the parent is not running or the batch is full. What
+    /// parallel samples and beams have in common.
+    fn fork_running(
+        &mut self,
+        parent: RequestId,
+        child: RequestId,
+        shape: impl FnOnce(&mut Sequence),
+    ) -> bool {
         let Some(i) = self.running_index(parent) else {
             return false;
         };
@@ -365,14 +385,9 @@ impl Scheduler {
         seq.id = child;
         seq.on_shard = false;
         seq.blocks_sent = 0;
-        seq.sampling.seed = seed;
         seq.prompt_logprobs = false;
         seq.proposal = Proposal::None;
-        // The parent's sample (pending until applied) is its own, not the child's.
-        seq.pending = 0;
-        if seq.remaining() == 0 {
-            seq.num_computed -= 1;
-        }
+        shape(&mut seq);
         self.blocks.fork(parent, child);
         if seq.has_adapter() {
             let resident = self.blocks.acquire_adapter(&seq.adapter_id);

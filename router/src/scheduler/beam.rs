@@ -26,29 +26,7 @@ impl Scheduler {
     /// joins at the next step to compute `token`. False when it cannot (the parent is not
     /// running or has not caught up, or the batch is full): the caller queues the beam.
     pub fn fork_beam(&mut self, parent: RequestId, child: RequestId, token: u32) -> bool {
-        let Some(i) = self.running_index(parent) else {
-            return false;
-        };
-        if !self.caught_up(parent)
-            || self.running.last().is_some_and(|s| s.id >= child)
-            || self.running.len() >= self.config.max_batch_size
-        {
-            return false;
-        }
-        let mut seq = self.running[i].clone();
-        seq.id = child;
-        seq.on_shard = false;
-        seq.blocks_sent = 0;
-        seq.prompt_logprobs = false;
-        seq.proposal = Proposal::None;
-        seq.token_ids.push(token);
-        self.blocks.fork(parent, child);
-        if seq.has_adapter() {
-            let resident = self.blocks.acquire_adapter(&seq.adapter_id);
-            debug_assert!(resident, "a running parent's adapter is resident");
-        }
-        self.running.push(seq);
-        true
+        self.caught_up(parent) && self.fork_running(parent, child, |seq| seq.token_ids.push(token))
     }
 
     /// Queues a beam that could not fork, first in line (its group waits for it): it
