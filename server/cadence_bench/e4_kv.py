@@ -26,7 +26,14 @@ from cadence_bench.exp_report import (
     table,
     trace_table,
 )  # noqa: E402
-from cadence_bench.exp_runner import Context, Measured, Planned, Progress, run_planned  # noqa: E402
+from cadence_bench.exp_runner import (  # noqa: E402
+    Context,
+    Measured,
+    Planned,
+    Progress,
+    every_one_served,
+    run_planned,
+)
 from cadence_bench.kv import MetricsSampler, contiguous_slots, contiguous_utilization, running_at  # noqa: E402
 from cadence_bench.metrics import summarize  # noqa: E402
 from cadence_bench.runner import RunConfig, run_benchmark  # noqa: E402
@@ -46,6 +53,7 @@ def _measure_paged(url: str, requests: list[BenchRequest], block_size: int) -> M
     with MetricsSampler(url) as sampler:
         t0 = time.perf_counter()
         outputs, duration = asyncio.run(run_benchmark(cfg, requests))
+    every_one_served(outputs)
     timings = [
         (q.prompt_len, q.output_len, o.ttft, o.itl, o.latency)
         for q, o in zip(requests, outputs, strict=True)

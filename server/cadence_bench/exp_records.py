@@ -93,6 +93,8 @@ class RecordStore:
             record = from_json(path.read_text())
         except (ValueError, TypeError):
             return None  # a record cut short or from an older layout: measure again
+        if record.result.get("failed", 0):
+            return None  # requests were lost (an older run): it measured another workload
         return record if record.fingerprint == print_ else None
 
     def reusable(self, slug: str, print_: str) -> Record | None:

@@ -16,7 +16,7 @@ from typing import Any
 
 from cadence_bench.datasets import BenchRequest
 from cadence_bench.exp_records import Record, RecordStore, fingerprint
-from cadence_bench.metrics import summarize
+from cadence_bench.metrics import RequestOutput, summarize
 from cadence_bench.runner import RunConfig, run_benchmark, warm_up
 from cadence_bench.server_process import LaunchedServer
 from cadence_bench.step_trace import read_metrics, step_trace
@@ -124,7 +124,10 @@ class Servers:
         if self.up(flags):
             return self.url
         self.close()
-        server = LaunchedServer(flags, name=name)
+        # an experiment sends up to hundreds of requests at once: none may be refused for
+        # the waiting queue's default bound (--max-waiting-requests 128)
+        queue = [] if "--max-waiting-requests" in flags else ["--max-waiting-requests", "100000"]
+        server = LaunchedServer([*queue, *flags], name=name)
         self.url = server.__enter__()
         self.server, self.flags = server, list(flags)
         warm_up(RunConfig(self.url), BenchRequest("Warm up.", 3, 2))
@@ -191,7 +194,18 @@ def measure_requests(
     """The requests sent at `rate` (inf: all at once), greedy with EOS ignored."""
     cfg = RunConfig(url, request_rate=rate, ignore_eos=True, seed=seed, progress=True)
     outputs, duration = asyncio.run(run_benchmark(cfg, requests))
-    return Measured(summarize(outputs, duration), [o.latency for o in outputs if o.success])
+    every_one_served(outputs)
+    return Measured(summarize(outputs, duration), [o.latency for o in outputs])
+
+
+def every_one_served(outputs: list[RequestOutput]) -> None:
+    """Raises when a request failed: a run that lost requests measured another workload,
+    so nothing of it may be recorded."""
+    failed = [o.error for o in outputs if not o.success]
+    if failed:
+        raise RuntimeError(
+            f"{len(failed)} of {len(outputs)} requests failed, e.g. {sorted(set(failed))[:3]}"
+        )
 
 
 def run_planned(ctx: Context, items: list[Planned]) -> dict[str, Record]:

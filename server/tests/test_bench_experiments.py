@@ -354,3 +354,23 @@ def test_e3_renders_the_sweep_without_the_replicas(tmp_path: Path) -> None:
     assert "relative to batch size 1: 1: 1.00×, 2: 2.00×" in text
     largest = max(e3_batch_size.BATCH_SIZES)
     assert f"max batch size {largest}, KV cache 8MiB" in text.split("Not measured yet")[1]
+
+
+def test_a_record_that_lost_requests_is_measured_again(tmp_path: Path) -> None:
+    store = RecordStore(tmp_path, "E1")
+    print_ = fingerprint({"rate": 1.0})
+    for slug, failed in (("kept", 0), ("lost", 72)):
+        record = _record(slug, {"mode": slug}, 1.0)
+        record.result["failed"], record.fingerprint = failed, print_
+        store.save(record)
+    assert store.reusable("kept", print_) is not None
+    assert store.reusable("lost", print_) is None
+
+
+def test_a_run_with_a_failed_request_records_nothing() -> None:
+    from cadence_bench.metrics import RequestOutput
+
+    served = [RequestOutput(True, 8, 4), RequestOutput(True, 8, 4)]
+    exp_runner.every_one_served(served)
+    with pytest.raises(RuntimeError, match="1 of 3 requests failed.*429"):
+        exp_runner.every_one_served([*served, RequestOutput(False, 8, error="HTTP 429")])
