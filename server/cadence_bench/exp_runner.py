@@ -125,9 +125,13 @@ class Servers:
             return self.url
         self.close()
         # an experiment sends up to hundreds of requests at once: none may be refused for
-        # the waiting queue's default bound (--max-waiting-requests 128)
-        queue = [] if "--max-waiting-requests" in flags else ["--max-waiting-requests", "100000"]
-        server = LaunchedServer([*queue, *flags], name=name)
+        # the default bounds on requests in flight and waiting (128 each)
+        bounds = [
+            [flag, "100000"]
+            for flag in ("--max-concurrent-requests", "--max-waiting-requests")
+            if flag not in flags
+        ]
+        server = LaunchedServer([*(a for b in bounds for a in b), *flags], name=name)
         self.url = server.__enter__()
         self.server, self.flags = server, list(flags)
         warm_up(RunConfig(self.url), BenchRequest("Warm up.", 3, 2))
