@@ -57,7 +57,6 @@ def _measure_paged(url: str, requests: list[BenchRequest], block_size: int) -> M
     timings = [
         (q.prompt_len, q.output_len, o.ttft, o.itl, o.latency)
         for q, o in zip(requests, outputs, strict=True)
-        if o.success
     ]
     series = []  # t, paged utilization, contiguous utilization, paged slots, contiguous slots
     for t, m in sampler.samples:
@@ -74,7 +73,7 @@ def _measure_paged(url: str, requests: list[BenchRequest], block_size: int) -> M
             ]
         )
     result = summarize(outputs, duration)
-    latencies = [o.latency for o in outputs if o.success]
+    latencies = [o.latency for o in outputs]
     return Measured(result, latencies, {"series": series, "block_size": block_size})
 
 

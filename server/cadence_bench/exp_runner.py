@@ -126,12 +126,10 @@ class Servers:
         self.close()
         # an experiment sends up to hundreds of requests at once: none may be refused for
         # the default bounds on requests in flight and waiting (128 each)
-        bounds = [
-            [flag, "100000"]
-            for flag in ("--max-concurrent-requests", "--max-waiting-requests")
-            if flag not in flags
-        ]
-        server = LaunchedServer([*(a for b in bounds for a in b), *flags], name=name)
+        bounds: list[str] = []
+        for flag in ("--max-concurrent-requests", "--max-waiting-requests"):
+            bounds += [] if flag in flags else [flag, "100000"]
+        server = LaunchedServer([*bounds, *flags], name=name)
         self.url = server.__enter__()
         self.server, self.flags = server, list(flags)
         warm_up(RunConfig(self.url), BenchRequest("Warm up.", 3, 2))
