@@ -1,8 +1,9 @@
 """E1: the batching modes side by side on one workload. Prompts of 512 tokens, outputs of
 32/64/128/256 in turn; sent all at once, then as Poisson processes at 0.5×, 0.9× and 1.5×
 the saturation rate, which is the request throughput continuous batching reaches with
-everything sent at once (measured first). The same requests and rates for every mode;
-`none` (one request at a time) gets the first `none_prompts` of them."""
+everything sent at once (measured first). The same requests and rates for every mode,
+each arrival pattern with prompts of its own; `none` (one request at a time) gets the
+first `none_prompts` of them."""
 
 from __future__ import annotations
 
@@ -58,16 +59,32 @@ def arrival_slug(factor: float | None) -> str:
     return "all-at-once" if factor is None else f"poisson-{factor:g}x"
 
 
-def _workload(ctx: Context) -> list[BenchRequest]:
-    maker = PromptMaker(load_tokenizer(None), np.random.default_rng(ctx.seed))
+def _workload(ctx: Context, seed: int) -> list[BenchRequest]:
+    maker = PromptMaker(load_tokenizer(None), np.random.default_rng(seed))
     outputs = [ctx.scale.tokens(o) for o in OUTPUTS]
     lengths = [outputs[i % len(outputs)] for i in range(ctx.scale.num_prompts)]
     prompt = ctx.scale.tokens(PROMPT)
     return [BenchRequest(maker.make(prompt), prompt, o) for o in lengths]
 
 
+def pattern_seed(ctx: Context, factor: float | None) -> int:
+    """The seed of an arrival pattern's prompts. The configurations of one mode share a
+    launch, so each pattern draws its own prompts (the same for every mode): a pattern
+    measured after another must not find that one's prompts in the prefix cache. All at
+    once, measured first in each launch, keeps the experiment's seed."""
+    return ctx.seed if factor is None else ctx.seed + 1 + SATURATION_FACTORS.index(factor)
+
+
+def workloads(ctx: Context) -> dict[float | None, list[BenchRequest]]:
+    """Each arrival pattern's requests (None: all at once)."""
+    return {f: _workload(ctx, pattern_seed(ctx, f)) for f in (None, *SATURATION_FACTORS)}
+
+
 def plan(
-    ctx: Context, requests: list[BenchRequest], none_prompts: int, saturation: float | None
+    ctx: Context,
+    requests: dict[float | None, list[BenchRequest]],
+    none_prompts: int,
+    saturation: float | None,
 ) -> list[Planned]:
     """Every configuration in measuring order: continuous all at once first (its request
     throughput sets the rates), the Poisson ones only once `saturation` is known."""
@@ -76,11 +93,14 @@ def plan(
         rates += list(zip(SATURATION_FACTORS, saturation_rates(saturation), strict=True))
     items = []
     for mode in MODES:
-        reqs = requests[:none_prompts] if mode == "none" else requests
         for factor, rate in rates:
+            reqs = requests[factor][:none_prompts] if mode == "none" else requests[factor]
             arrivals = rate_label(rate)
             if factor is not None:
                 arrivals += f" ({factor:g}× saturation)"
+            # all at once keeps the determinants (and records) it had before patterns
+            # drew their own prompts
+            seeds = {} if factor is None else {"prompt_seed": pattern_seed(ctx, factor)}
 
             def measure(url: str, reqs: list[BenchRequest] = reqs, rate: float = rate) -> Measured:
                 return measure_requests(url, reqs, rate, seed=ctx.seed)
@@ -93,22 +113,22 @@ def plan(
                     flags=["--batching", mode, *ctx.server_args],
                     requests=len(reqs),
                     measure=measure,
-                    determinants=workload_determinants(reqs, rate, factor=factor),
+                    determinants=workload_determinants(reqs, rate, factor=factor, **seeds),
                 )
             )
     return items
 
 
 def run(ctx: Context, none_prompts: int = NONE_PROMPTS) -> None:
-    requests = _workload(ctx)
-    none_prompts = min(none_prompts, len(requests))
+    requests = workloads(ctx)
+    none_prompts = min(none_prompts, ctx.scale.num_prompts)
     ctx.progress = Progress(ctx.name, len(MODES) * (1 + len(SATURATION_FACTORS)))
     first = plan(ctx, requests, none_prompts, None)
     burst = [i for i in first if i.slug == SATURATION_SLUG]
     # the rest's fingerprints wait for the saturation rate: guess them unmeasured unless
     # a record of theirs exists (the remaining time is rough anyway)
     ctx.progress.later = sum(
-        none_prompts if mode == "none" else len(requests)
+        none_prompts if mode == "none" else ctx.scale.num_prompts
         for mode in MODES
         for factor in (None, *SATURATION_FACTORS)
         if (slug := f"{mode}-{arrival_slug(factor)}") != SATURATION_SLUG
@@ -192,7 +212,7 @@ def render(
     ctx: Context,
     items: list[Planned],
     records: dict[str, Record],
-    requests: list[BenchRequest],
+    requests: dict[float | None, list[BenchRequest]],
     none_prompts: int,
     saturation: float | None,
 ) -> None:
@@ -208,9 +228,12 @@ def render(
     extra = [] if none_prompts == NONE_PROMPTS else [f"--none-prompts {none_prompts}"]
     text = header(ctx.name, "batching strategies", ctx.scale_name, ctx.server_args, rows, extra)
     text += (
-        f"{len(requests)} requests for continuous, dynamic and static batching, the first "
-        f"{none_prompts} of them for `none` (one request at a time: fewer requests keep its "
-        f"runs within hours at full scale); prompts of {ctx.scale.tokens(PROMPT)} tokens of "
+        f"{len(requests[None])} requests for continuous, dynamic and static batching, the "
+        f"first {none_prompts} of them for `none` (one request at a time: fewer requests keep "
+        f"its runs within hours at full scale); each arrival pattern draws its own prompts, "
+        f"the same for every mode (a mode's patterns share one launch, and a pattern must not "
+        f"find an earlier one's prompts in the prefix cache); prompts of "
+        f"{ctx.scale.tokens(PROMPT)} tokens of "
         f"English text, outputs of {outputs} tokens in turn (the documents' 512 and "
         f"32/64/128/256"
         + (f" divided by {ctx.scale.div}" if ctx.scale.div > 1 else "")

@@ -232,6 +232,25 @@ def test_e1_measures_saturation_first_then_the_same_rates_for_every_mode(
     assert "[E1 5/16] dynamic, all at once: recorded in " in capsys.readouterr().err
 
 
+def test_e1_patterns_draw_their_own_prompts_the_same_for_every_mode(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A mode's patterns share one launch: a later pattern must not meet an earlier one's
+    prompts in the prefix cache, and the modes must compare on the same prompts."""
+    prompts: list[str] = []
+
+    def measure(url: str, reqs: list[Any], rate: float, seed: int = 0) -> Measured:
+        prompts.append(reqs[0].prompt)
+        result = {"output_throughput": 1.0, "request_throughput": 2.0, "mean_tpot_ms": 20.0}
+        return Measured(result, [0.1] * len(reqs))
+
+    monkeypatch.setattr(e1_batching, "measure_requests", measure)
+    e1_batching.run(_context(tmp_path), none_prompts=3)
+    by_mode = [prompts[i : i + 4] for i in range(0, 16, 4)]  # all at once, 0.5×, 0.9×, 1.5×
+    assert len(set(by_mode[0])) == 4
+    assert all(patterns == by_mode[0] for patterns in by_mode)
+
+
 def test_e1_report_lists_what_is_not_measured_yet(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -12,11 +12,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from loguru import logger
 
 from cadence.convert.gguf_blocks import INT4_TYPES, int4_from_blocks
+from cadence.convert.gguf_file import GGUFFile, GGUFTensor
 from cadence.convert.gguf_names import gguf_to_hf_names, hf_checkpoint_names
 from cadence.models.llama import LlamaForCausalLM
 from cadence.quant.formats import Int4Weight, Int8BlockWeight
@@ -53,17 +54,12 @@ def _scalar(value: Any) -> Any:
     return value
 
 
-def _hf_shape(tensor: ReaderTensor) -> tuple[int, ...]:
-    """GGUF lists dimensions fastest-first; numpy/torch list them slowest-first."""
-    return tuple(int(d) for d in reversed(tensor.shape.tolist()))
-
-
 class GGUFModel:
     """A Llama or Qwen2 GGUF checkpoint opened read-only (memory-mapped)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path).resolve()  # a model folder's weights.gguf: the file it links
-        self.reader = GGUFReader(self.path)
+        self.file = GGUFFile(self.path)
         self.arch = self.field("general.architecture")
         if self.arch not in ARCHITECTURES:
             raise ValueError(
@@ -72,15 +68,15 @@ class GGUFModel:
             )
 
     def field(self, key: str, default: Any = None) -> Any:
-        field = self.reader.fields.get(key)
-        return default if field is None else _scalar(field.contents())
+        value = self.file.field(key)
+        return default if value is None else _scalar(value)
 
     def arch_field(self, key: str, default: Any = None) -> Any:
         return self.field(f"{self.arch}.{key}", default)
 
     @property
     def tensor_names(self) -> list[str]:
-        return [t.name for t in self.reader.tensors]
+        return [t.name for t in self.file.tensors]
 
     def hf_config(self) -> dict[str, Any]:
         """config.json for the transformers model, every value taken from the GGUF metadata."""
@@ -137,10 +133,10 @@ class GGUFModel:
         names = hf_checkpoint_names(config)
         return gguf_to_hf_names(self.arch, config["num_hidden_layers"], names)
 
-    def hf_tensor_items(self) -> Iterator[tuple[str, ReaderTensor]]:
+    def hf_tensor_items(self) -> Iterator[tuple[str, GGUFTensor]]:
         """(HF name, GGUF tensor) for every tensor HF keeps, in file order (rope_freqs and
         other llama.cpp-only tensors are left out)."""
-        for tensor in self.reader.tensors:
+        for tensor in self.file.tensors:
             name = self.hf_names.get(tensor.name)
             if name is None:
                 logger.debug("{}: {} has no Hugging Face counterpart", self.path.name, tensor.name)
@@ -159,18 +155,18 @@ class GGUFModel:
             return self.arch_field("attention.head_count_kv", heads)
         return None
 
-    def float_tensor(self, tensor: ReaderTensor) -> torch.Tensor:
+    def float_tensor(self, tensor: GGUFTensor) -> torch.Tensor:
         """The tensor dequantized to float32 in Hugging Face layout (exact: every GGUF
         type's values are float32-representable)."""
-        values = dequantize(tensor.data, tensor.tensor_type).reshape(_hf_shape(tensor))
+        values = dequantize(tensor.data, tensor.tensor_type).reshape(tensor.hf_shape)
         weight = torch.from_numpy(np.array(values, dtype=np.float32))  # a writable copy
         if (heads := self.rotary_heads(tensor.name)) is not None:
             weight = unpermute_rotary(weight, heads)
         return weight
 
-    def int4_tensor(self, tensor: ReaderTensor) -> Int4Weight:
+    def int4_tensor(self, tensor: GGUFTensor) -> Int4Weight:
         """A Q4_0/Q4_1 tensor as it is stored, in Hugging Face row order."""
-        weight = int4_from_blocks(tensor.data, tensor.tensor_type, _hf_shape(tensor)[0])
+        weight = int4_from_blocks(tensor.data, tensor.tensor_type, tensor.hf_shape[0])
         if (heads := self.rotary_heads(tensor.name)) is not None:
             # Groups run along the input dimension, so whole rows move with their scales.
             weight.q, weight.scale, weight.zero = (
@@ -184,7 +180,7 @@ class GGUFModel:
             yield name, self.float_tensor(tensor).to(dtype)
 
 
-def _int4_type(tensor: ReaderTensor) -> bool:
+def _int4_type(tensor: GGUFTensor) -> bool:
     """Q4_0/Q4_1 linears can go to the int4 kernel as they are; embeddings stay float."""
     return tensor.tensor_type in INT4_TYPES and tensor.name != EMBEDDING
 
@@ -214,7 +210,7 @@ class GGUFSource:
         self.description = self._describe()
 
     def _int4_names(self) -> set[str]:
-        layers: dict[str, list[ReaderTensor]] = {}
+        layers: dict[str, list[GGUFTensor]] = {}
         for name, tensor in self.model.hf_tensor_items():
             layers.setdefault(fused_layer(name), []).append(tensor)
         names: set[str] = set()
@@ -256,12 +252,12 @@ class GGUFSource:
         """The embedding table as stored when it is Q8_0 (None otherwise): llama.cpp
         multiplies a tied LM head by these blocks, and so does the shard where the integer
         product serves (`cadence.quant.load.serve_tied_head_in_blocks`)."""
-        for tensor in self.model.reader.tensors:
+        for tensor in self.model.file.tensors:
             if tensor.name == EMBEDDING and tensor.tensor_type == GGMLQuantizationType.Q8_0:
                 blocks = np.asarray(tensor.data).reshape(-1, Q8_0_BYTES)
                 scale = blocks[:, :2].copy().view(np.float16).astype(np.float32)
                 q = blocks[:, 2:].copy().view(np.int8)
-                rows = _hf_shape(tensor)[0]
+                rows = tensor.hf_shape[0]
                 return Int8BlockWeight(
                     torch.from_numpy(q).reshape(rows, -1),
                     torch.from_numpy(scale).reshape(rows, -1),
