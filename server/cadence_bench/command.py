@@ -75,11 +75,11 @@ def add_bench_parser(sub: Any) -> None:
         action="append",
         default=[],
         metavar="TEXT",
-        help="E1-E4: measure only the configurations whose slug (record name) contains "
+        help="E1-E4, E6: measure only the configurations whose slug (record name) contains "
         "TEXT; repeatable",
     )
-    _switch(e, "--fresh", "E1-E4: measure again even what is recorded with the same settings")
-    _switch(e, "--report-only", "E1-E4: render the report from the records; launch nothing")
+    _switch(e, "--fresh", "E1-E4, E6: measure again even what is recorded with the same settings")
+    _switch(e, "--report-only", "E1-E4, E6: render the report from the records; launch nothing")
     _flag(
         e,
         "--none-prompts",

@@ -3,11 +3,12 @@ experiment needs (docs/experiments/README.md says what each measures), run its w
 write `docs/experiments/<E>.md` (the command, the table, a summary computed from the
 numbers, the router's step trace) and PNG plots beside it.
 
-E1-E4 record each configuration's measurement under `<out-dir>/records/<E>/` as it is
-measured and render the report from the records, so a long run resumes where it stopped
-(`exp_runner`, `exp_records`); one module per experiment (`e1_batching`, `e2_variance`,
-`e3_batch_size`, `e4_kv`). `--scale full` is the documents' sizes, run on this CPU (hours);
-`--scale small` divides lengths and counts so each experiment runs in minutes.
+E1-E4 and E6 record each configuration's measurement under `<out-dir>/records/<E>/` as
+it is measured and render the report from the records, so a long run resumes where it
+stopped (`exp_runner`, `exp_records`); one module per experiment (`e1_batching`,
+`e2_variance`, `e3_batch_size`, `e4_kv`, `speculative_experiment`). `--scale full` is the
+documents' sizes, run on this CPU (hours); `--scale small` divides lengths and counts so
+each experiment runs in minutes.
 """
 
 from __future__ import annotations
@@ -16,21 +17,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cadence_bench.exp_records import RecordStore
-from cadence_bench.exp_report import cpu_class, cpus, header
-from cadence_bench.exp_runner import SCALES, Context, Scale, Servers
+from cadence_bench.exp_report import cpu_class, cpus
+from cadence_bench.exp_runner import SCALES, Context, Scale
 
 __all__ = ["SCALES", "Scale", "run_experiment"]
 
-# The names E5 and E6 (their own modules) import from here.
-_header = header
+# The names the LoRA experiment (its own module) imports from here.
 _cpu_class = cpu_class
 _cpus = cpus
-
-
-def _serve(flags: list[str], name: str, work: Callable[[str], None]) -> None:
-    """Launches cadence with `flags`, warms it up, and runs `work(url)` against it."""
-    with Servers() as servers:
-        work(servers.get(flags, name))
 
 
 def _recorded(name: str) -> Callable[..., None]:
@@ -41,6 +35,8 @@ def _recorded(name: str) -> Callable[..., None]:
         from cadence_bench.e2_variance import run
     elif name == "E3":
         from cadence_bench.e3_batch_size import run
+    elif name == "E6":
+        from cadence_bench.speculative_experiment import run
     else:
         from cadence_bench.e4_kv import run
     return run
@@ -69,18 +65,13 @@ def run_experiment(
         label += f" --length-divisor {divisor}"
     if num_prompts:
         label += f" --num-prompts {num_prompts}"
-    if name == "E6":
-        from cadence_bench.speculative_experiment import e6
+    store = RecordStore(out, name, tuple(only), fresh)
+    ctx = Context(name, chosen, label, out, server_args, store, report_only)
+    with ctx.servers:
+        if name == "E1" and none_prompts is not None:
+            from cadence_bench.e1_batching import run as run_e1
 
-        e6(chosen, out, server_args, label)
-    else:
-        store = RecordStore(out, name, tuple(only), fresh)
-        ctx = Context(name, chosen, label, out, server_args, store, report_only)
-        with ctx.servers:
-            if name == "E1" and none_prompts is not None:
-                from cadence_bench.e1_batching import run as run_e1
-
-                run_e1(ctx, none_prompts)
-            else:
-                _recorded(name)(ctx)
+            run_e1(ctx, none_prompts)
+        else:
+            _recorded(name)(ctx)
     print(f"wrote {out / (name + '.md')}")

@@ -7,14 +7,15 @@ real proposer: n-gram prompt lookup, the served model as its own draft, and that
 quantized to int4. Every run sends the same grounded prompts (a passage the model is asked
 to repeat or correct, so prompt lookup has spans to find) one at a time, greedy, EOS
 ignored. The measured acceptance comes from the router's /metrics; the theory curves
-(`cadence_bench.speculation`) are drawn over the points.
+(`cadence_bench.speculation`) are drawn over the points. Each launch's measurement is a
+record (`exp_runner`): an interrupted run resumes, `--only` picks launches by slug.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,16 @@ from cadence_bench.datasets import (
     load_chat_renderer,
     load_tokenizer,
 )
-from cadence_bench.experiments import Scale, _header, _serve
+from cadence_bench.exp_records import Record
+from cadence_bench.exp_report import header, missing
+from cadence_bench.exp_runner import (
+    Context,
+    Measured,
+    Planned,
+    Progress,
+    every_one_served,
+    run_planned,
+)
 from cadence_bench.metrics import summarize
 from cadence_bench.runner import RunConfig, run_benchmark
 from cadence_bench.speculation import (
@@ -69,22 +79,41 @@ class Run:
     def acceptance(self) -> float:
         return acceptance_of(self.counts)
 
+    @property
+    def slug(self) -> str:
+        """Its record's name: "off", "synthetic-k4-a0.5", "draft-int4-k4"."""
+        parts = [self.label.replace(" ", "-")]
+        parts += [f"k{self.k}"] if self.k else []
+        parts += [f"a{self.set_acceptance:g}"] if self.set_acceptance is not None else []
+        return "-".join(parts)
+
+    @property
+    def required(self) -> bool:
+        """The baselines and the synthetic proposer must run; a real proposer may fail to
+        start on some machines (the report says why)."""
+        return self.label in ("off", "off float", "synthetic")
+
 
 def _spec_counts(url: str) -> SpecCounts:
     return read_spec_counts(httpx.get(f"{url}/metrics", timeout=30).text)
 
 
-def _one_at_a_time(url: str, requests: list[BenchRequest], run: Run) -> None:
+def _one_at_a_time(url: str, requests: list[BenchRequest]) -> Measured:
     """The requests in turn, PASSES times; the fastest pass counts (the machine is shared:
     a burst of other work slows one pass, not the configuration)."""
     cfg = RunConfig(url, max_concurrency=1, ignore_eos=True, progress=True)
+    best: Measured | None = None
     for _ in range(PASSES):
         before = _spec_counts(url)
         outputs, duration = asyncio.run(run_benchmark(cfg, requests))
+        every_one_served(outputs)
         counts = _spec_counts(url).since(before)
         result = summarize(outputs, duration)
-        if result["output_throughput"] > run.tok_s:
-            run.counts, run.result = counts, result
+        if best is None or result["output_throughput"] > best.result["output_throughput"]:
+            latencies = [o.latency for o in outputs]
+            best = Measured(result, latencies, extras={"counts": asdict(counts)})
+    assert best is not None
+    return best
 
 
 def _served_folder(server_args: list[str]) -> str:
@@ -121,7 +150,7 @@ def _failure(message: str) -> str:
 
 def speedup(run: Run, runs: list[Run]) -> float:
     """`run`'s output tok/s over its baseline's (0 when that did not run)."""
-    base = next(r for r in runs if r.label == run.baseline).tok_s
+    base = next((r.tok_s for r in runs if r.label == run.baseline), 0.0)
     return run.tok_s / base if base else 0.0
 
 
@@ -147,47 +176,80 @@ def plan_runs(acceptances: tuple[float, ...], folder: str, float_folder: str) ->
     return runs
 
 
-def e6(scale: Scale, out: Path, server_args: list[str], scale_name: str) -> None:
-    full = scale_name.startswith("full")
+def _planned(run: Run, requests: list[BenchRequest], seed: int) -> Planned:
+    return Planned(
+        slug=run.slug,
+        label=run.slug,
+        config={"proposer": run.label, "k": run.k, "set_acceptance": run.set_acceptance},
+        flags=run.flags,
+        requests=len(requests) * PASSES,
+        measure=lambda url: _one_at_a_time(url, requests),
+        determinants={
+            "prompt_len": requests[0].prompt_len,
+            "outputs": [r.output_len for r in requests],
+            "passes": PASSES,
+            "prompt_seed": seed,
+        },
+    )
+
+
+def _take(run: Run, record: Record) -> None:
+    run.result = record.result
+    run.counts = SpecCounts(**record.extras["counts"])
+
+
+def run(ctx: Context) -> None:
+    full = ctx.scale_name.startswith("full")
     acceptances = ACCEPTANCES["full" if full else "small"]
-    num = max(2, scale.num_prompts // 6)
-    input_len, output_len = scale.tokens(512), scale.tokens(256)
+    num = max(2, ctx.scale.num_prompts // 6)
+    input_len, output_len = ctx.scale.tokens(512), ctx.scale.tokens(256)
+    seed = 6
     tok = load_tokenizer(None)
-    maker = GroundedPromptMaker(tok, load_chat_renderer(None), np.random.default_rng(6))
+    maker = GroundedPromptMaker(tok, load_chat_renderer(None), np.random.default_rng(seed))
     requests = [BenchRequest(maker.make(input_len)[0], input_len, output_len) for _ in range(num)]
-    folder = _served_folder(server_args)
+    folder = _served_folder(ctx.server_args)
     float_folder = _float_copy(folder)
     runs = plan_runs(acceptances, folder, float_folder)
+    ctx.progress = Progress(ctx.name, len(runs))
     load_before = os.getloadavg()[0]  # the machine may be shared: the doc says how busy
-    for run in runs:
+    records: list[Record] = []
+    absent: list[str] = []
+    for r in runs:
+        item = _planned(r, requests, seed)
+        item.flags = [*r.flags, *ctx.server_args]
         try:
-            _serve(
-                [*run.flags, *server_args],
-                f"E6-{run.label}-{run.k}-{run.set_acceptance}",
-                lambda url, run=run: _one_at_a_time(url, requests, run),
-            )
+            found = run_planned(ctx, [item])
         except (RuntimeError, TimeoutError) as err:
-            if run.label in ("off", "off float", "synthetic"):
+            ctx.servers.close()
+            if r.required:
                 raise
-            run.error = _failure(str(err))  # a real proposer that cannot run here
-    off = runs[0].tok_s
-    synthetic = [r for r in runs if r.label == "synthetic"]
-    cost = fit_proposal_cost(
-        {r.k: r.tok_s / off for r in synthetic if r.set_acceptance == 0.0 and r.tok_s > 0}
-    )
-    _plot(runs, off, cost, out / "E6-speedup.png")
-    text = _header(
-        "E6", "speculative decoding: speed-up against acceptance", scale_name, server_args
-    )
+            r.error = _failure(str(err))  # a real proposer that cannot run here
+            continue
+        if item.slug in found:
+            records.append(found[item.slug])
+            _take(r, found[item.slug])
+        else:
+            absent.append(item.slug)
+    text = header(ctx.name, "speculative decoding: speed-up against acceptance", ctx.scale_name,
+                  ctx.server_args, records)  # fmt: skip
     text += _describe(num, input_len, output_len, acceptances, folder)
-    text += _table(runs, off, cost)
-    text += "\n\n![speed-up and tokens per verification against acceptance](E6-speedup.png)\n\n"
-    text += _summary(runs, off, cost)
+    measured = [r for r in runs if r.result or r.error]
+    off = runs[0].tok_s
+    if off and any(r.label == "synthetic" and r.counts.drafts for r in measured):
+        synthetic = [r for r in measured if r.label == "synthetic"]
+        cost = fit_proposal_cost(
+            {r.k: r.tok_s / off for r in synthetic if r.set_acceptance == 0.0 and r.tok_s > 0}
+        )
+        _plot(measured, off, cost, ctx.out / "E6-speedup.png")
+        text += _table(measured, off, cost)
+        text += "\n\n![speed-up and tokens per verification against acceptance](E6-speedup.png)\n\n"
+        text += _summary(measured, off, cost)
     text += (
         f"\nThe machine's 1-minute load average was {load_before:.2f} when the experiment "
         f"started and {os.getloadavg()[0]:.2f} when it ended.\n"
     )
-    (out / "E6.md").write_text(text)
+    text += missing(absent)
+    (ctx.out / "E6.md").write_text(text)
 
 
 def _describe(
@@ -235,7 +297,7 @@ def _table(runs: list[Run], off: float, cost: float) -> str:
     lines = [head, "|" + "---|" * 15]
 
     def tpot_of(label: str) -> float:
-        return next(r for r in runs if r.label == label).result.get("mean_tpot_ms", 0.0)
+        return next((r.result.get("mean_tpot_ms", 0.0) for r in runs if r.label == label), 0.0)
 
     for r in runs:
         if r.error:

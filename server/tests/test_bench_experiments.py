@@ -393,3 +393,60 @@ def test_a_run_with_a_failed_request_records_nothing() -> None:
     exp_runner.every_one_served(served)
     with pytest.raises(RuntimeError, match="1 of 3 requests failed.*429"):
         exp_runner.every_one_served([*served, RequestOutput(False, 8, error="HTTP 429")])
+
+
+def test_e6_records_each_launch_resumes_and_reports_a_proposer_that_cannot_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cadence_bench import speculative_experiment as e6
+
+    measured: list[list[str]] = []
+    servers = FakeServers()
+
+    def launched(flags: list[str], name: str) -> str:
+        if "--draft-quantize" in flags:
+            raise RuntimeError("cadence launch exited: see /no/such/log")
+        return FakeServers.get(servers, flags, name)
+
+    def one_at_a_time(url: str, requests: list[Any]) -> Measured:
+        flags = servers.flags or []
+        measured.append(flags)
+        k = (
+            int(flags[flags.index("--num-speculative-tokens") + 1])
+            if "--speculative" in flags
+            else 0
+        )
+        a = (
+            float(flags[flags.index("--speculative-acceptance") + 1])
+            if "synthetic" in flags
+            else 0.5
+        )
+        counts = {"drafts": 10.0 * bool(k), "draft_tokens": 10.0 * k, "accepted": 10.0 * k * a}
+        result = {"output_throughput": 100.0 / (1 + 0.05 * k) * (1 + a * k), "mean_tpot_ms": 9.0}
+        return Measured(result, [1.0] * len(requests), extras={"counts": counts})
+
+    monkeypatch.setattr(servers, "get", launched)
+    monkeypatch.setattr(e6, "_one_at_a_time", one_at_a_time)
+    monkeypatch.setattr(e6, "_served_folder", lambda args: "/models/m")
+    monkeypatch.setattr(e6, "_float_copy", lambda folder: "/models/m-float32")
+
+    def context() -> Context:
+        ctx = _context(tmp_path, Scale(div=4, num_prompts=12, rates=(1.0,)))
+        ctx.name, ctx.store, ctx.servers = "E6", RecordStore(tmp_path, "E6"), servers
+        return ctx
+
+    e6.run(context())
+    runs = e6.plan_runs(e6.ACCEPTANCES["small"], "/models/m", "/models/m-float32")
+    assert len(measured) == len(runs) - 1  # the int4 twin could not start
+    slugs = {p.stem for p in (tmp_path / "records" / "E6").glob("*.json")}
+    assert "off" in slugs and "synthetic-k4-a0.5" in slugs and "draft-int4-k4" not in slugs
+    text = (tmp_path / "E6.md").read_text()
+    assert "| draft int4 | 4 | - | did not start: cadence launch exited" in text
+    assert "| synthetic | 2 | 0.5 | 181.8 |" in text  # 100 / 1.1 × (1 + 0.5 × 2), its record
+
+    measured.clear()
+    e6.run(context())
+    assert measured == []  # resumed: every launch that ran is recorded
+    assert (tmp_path / "E6.md").read_text().split("The machine's")[0] == text.split(
+        "The machine's"
+    )[0]
