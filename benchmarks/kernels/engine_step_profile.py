@@ -3,6 +3,7 @@ no gRPC): 32 requests of 320 prompt tokens prefilled three at a time, then decod
 with a torch profiler table of one batch of decode steps.
 
     PYTHONPATH=server python benchmarks/kernels/engine_step_profile.py [--batch 32] [--prompt 320]
+        [--kv-cache-dtype int8]
 """
 
 from __future__ import annotations
@@ -26,8 +27,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--kv-mib", type=int, default=512)
+    p.add_argument("--kv-cache-dtype", default=None, help="int8, bfloat16, ... (default: dtype)")
     a = p.parse_args()
-    engine = Engine(ShardConfig(model_dir=str(MODEL), uds_path="/unused", dtype=a.dtype))
+    cfg = ShardConfig(
+        model_dir=str(MODEL), uds_path="/unused", dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype
+    )
+    engine = Engine(cfg)
     engine.warmup(1024, 64, a.kv_mib * 1024**2, 0.1)
     per_request = (a.prompt + a.steps + 16) // 16 + 1  # blocks each request may fill
     greedy = pb.SamplingParams(top_p=1.0, typical_p=1.0, repetition_penalty=1.0)
