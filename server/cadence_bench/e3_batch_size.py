@@ -34,7 +34,15 @@ from cadence_bench.exp_runner import (
 from cadence_bench.kv import MetricsSampler, largest_fitting_batch  # noqa: E402
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # past where a 2-core CPU's step saturates
-KV_BUDGET = "8MiB"  # a KV cache too small for 32 requests at full length
+KV_BUDGET_MIB = 64  # at full length: about 7 requests of SmolLM2's (a bfloat16 cache)
+
+
+def kv_budget(div: int) -> str:
+    """A KV cache that holds about 7 requests at full length, whatever the divisor (the
+    blocks a request needs shrink with its length; 8 MiB at lengths / 8)."""
+    return f"{max(1, KV_BUDGET_MIB // div)}MiB"
+
+
 PROMPT, OUTPUT = 256, 128
 
 
@@ -56,7 +64,7 @@ def _measure(url: str, requests: list[BenchRequest], block_size: int) -> Measure
 
 def plan(ctx: Context, requests: list[BenchRequest]) -> list[Planned]:
     block_size = block_size_of(ctx.server_args)
-    configs = [(b, None) for b in BATCH_SIZES] + [(max(BATCH_SIZES), KV_BUDGET)]
+    configs = [(b, None) for b in BATCH_SIZES] + [(max(BATCH_SIZES), kv_budget(ctx.scale.div))]
     items = []
     for size, budget in configs:
         flags = ["--max-batch-size", str(size), *ctx.server_args]
@@ -175,7 +183,8 @@ def render(
         + (f" divided by {div}" if div > 1 else "")
         + "); "
         f"cadence launched once per `--max-batch-size` in {', '.join(map(str, BATCH_SIZES))}, "
-        f"then once more at {max(BATCH_SIZES)} with `--kv-cache-memory {KV_BUDGET}`. `KV "
+        f"then once more at {max(BATCH_SIZES)} with `--kv-cache-memory {kv_budget(div)}` "
+        "(about 7 requests at full length). `KV "
         "blocks` is `cadence_kv_blocks_total` from the router's /metrics; `fit at full "
         "length` is blocks ÷ ceil((prompt + output) / block size), the largest batch that can "
         "run to the end without preemption; `peak running` and `preemptions` are the "

@@ -372,7 +372,10 @@ def test_e3_renders_the_sweep_without_the_replicas(tmp_path: Path) -> None:
     text = (tmp_path / "E3.md").read_text()
     assert "relative to batch size 1: 1: 1.00×, 2: 2.00×" in text
     largest = max(e3_batch_size.BATCH_SIZES)
-    assert f"max batch size {largest}, KV cache 8MiB" in text.split("Not measured yet")[1]
+    budget = e3_batch_size.kv_budget(16)
+    assert f"max batch size {largest}, KV cache {budget}" in text.split("Not measured yet")[1]
+    # about 7 requests at full length at every scale: 64 MiB at full length, 8 at / 8
+    assert (e3_batch_size.kv_budget(1), e3_batch_size.kv_budget(8)) == ("64MiB", "8MiB")
 
 
 def test_a_record_that_lost_requests_is_measured_again(tmp_path: Path) -> None:
