@@ -176,12 +176,12 @@ def plan_runs(acceptances: tuple[float, ...], folder: str, float_folder: str) ->
     return runs
 
 
-def _planned(run: Run, requests: list[BenchRequest], seed: int) -> Planned:
+def _planned(run: Run, requests: list[BenchRequest], seed: int, server_args: list[str]) -> Planned:
     return Planned(
         slug=run.slug,
         label=run.slug,
         config={"proposer": run.label, "k": run.k, "set_acceptance": run.set_acceptance},
-        flags=run.flags,
+        flags=[*run.flags, *server_args],
         requests=len(requests) * PASSES,
         measure=lambda url: _one_at_a_time(url, requests),
         determinants={
@@ -214,9 +214,19 @@ def run(ctx: Context) -> None:
     load_before = os.getloadavg()[0]  # the machine may be shared: the doc says how busy
     records: list[Record] = []
     absent: list[str] = []
-    for r in runs:
-        item = _planned(r, requests, seed)
-        item.flags = [*r.flags, *ctx.server_args]
+    items = [_planned(r, requests, seed, ctx.server_args) for r in runs]
+    # each launch goes through run_planned alone: the estimate of the time left needs the
+    # requests of the launches after it that are still to measure
+    unmeasured = [
+        0
+        if ctx.report_only
+        or not ctx.store.selected(i.slug)
+        or ctx.store.reusable(i.slug, ctx.fingerprint_of(i))
+        else i.requests
+        for i in items
+    ]
+    for index, (r, item) in enumerate(zip(runs, items, strict=True)):
+        ctx.progress.later = sum(unmeasured[index + 1 :])
         try:
             found = run_planned(ctx, [item])
         except (RuntimeError, TimeoutError) as err:
