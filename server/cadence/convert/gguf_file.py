@@ -12,35 +12,17 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from enum import IntEnum
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGUFValueType as ValueType
 from gguf.quants import quant_shape_to_byte_shape
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)  # version 1 had 32-bit counts; no tool writes it any more
 DEFAULT_ALIGNMENT = 32
-
-
-class ValueType(IntEnum):
-    """GGUF's metadata value types (the numbering of the file format)."""
-
-    UINT8 = 0
-    INT8 = 1
-    UINT16 = 2
-    INT16 = 3
-    UINT32 = 4
-    INT32 = 5
-    FLOAT32 = 6
-    BOOL = 7
-    STRING = 8
-    ARRAY = 9
-    UINT64 = 10
-    INT64 = 11
-    FLOAT64 = 12
 
 
 # Fixed-size value types: their struct format (little-endian) and numpy dtype.
