@@ -41,15 +41,20 @@ PROMPT = 512
 CDF_CAP = 1  # index into the caps of the workload the latency CDFs use
 
 
-def plan(ctx: Context, by_cap: dict[int, list[BenchRequest]], cdf_cap: int) -> list[Planned]:
-    """Per mode: every cap all at once, then the CDF cap at each Poisson rate (one launch
-    per mode: the configurations of a mode follow each other)."""
+def plan(
+    ctx: Context,
+    by_cap: dict[int, list[BenchRequest]],
+    by_rate: dict[float, list[BenchRequest]],
+    cdf_cap: int,
+) -> list[Planned]:
+    """Per mode: every cap all at once, then the CDF cap's lengths at each Poisson rate
+    (one launch per mode: the configurations of a mode follow each other)."""
     items = []
     for mode in MODES:
         runs = [(f"{mode}-cap{cap}", cap, math.inf) for cap in by_cap]
         runs += [(f"{mode}-poisson-{rate:g}", cdf_cap, rate) for rate in ctx.scale.rates]
         for slug, cap, rate in runs:
-            reqs = by_cap[cap]
+            reqs = by_cap[cap] if math.isinf(rate) else by_rate[rate]
             seed = 0 if math.isinf(rate) else 1
 
             def measure(
@@ -89,7 +94,15 @@ def run(ctx: Context) -> None:
         ]
         for c in caps
     }
-    items = plan(ctx, by_cap, caps[CDF_CAP])
+    # Each rate's requests have the CDF cap's output lengths and prompts of their own: a
+    # launch serves every configuration of its mode, and a rate measured after the caps
+    # must not find their prompts in the prefix cache.
+    by_rate = {
+        rate: [BenchRequest(maker.make(input_len), input_len, r.output_len) for r in by_cap[cdf]]
+        for cdf in [caps[CDF_CAP]]
+        for rate in ctx.scale.rates
+    }
+    items = plan(ctx, by_cap, by_rate, caps[CDF_CAP])
     ctx.progress = Progress(ctx.name, len(items))
     records = run_planned(ctx, items)
     render(ctx, items, records, caps, mean, input_len)

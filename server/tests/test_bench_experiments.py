@@ -341,7 +341,8 @@ def test_e2_renders_with_one_mode_measured(tmp_path: Path) -> None:
     ctx = _context(tmp_path)
     ctx.name = "E2"
     by_cap = {c: [BenchRequest("p", 32, 1)] for c in (2, 8)}
-    items = e2_variance.plan(ctx, by_cap, 8)
+    by_rate = {rate: [BenchRequest("q", 32, 1)] for rate in ctx.scale.rates}
+    items = e2_variance.plan(ctx, by_cap, by_rate, 8)
     records = {
         "continuous-cap2": _record("continuous-cap2", {"batching": "continuous", "cap": 2}, 4.0),
         "static-cap2": _record("static-cap2", {"batching": "static", "cap": 2}, 2.0),
@@ -354,6 +355,33 @@ def test_e2_renders_with_one_mode_measured(tmp_path: Path) -> None:
     assert "by cap: 2: 2.00×." in text  # cap 8 is measured in neither mode
     assert "static, cap 8, all at once" in text.split("Not measured yet")[1]
     assert (tmp_path / "E2-variance.png").is_file()
+
+
+def test_e2_rates_draw_their_own_prompts_with_the_cdf_caps_lengths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A mode's caps and rates share one launch: a rate must not meet the caps' prompts in
+    the prefix cache; it keeps the CDF cap's output lengths, and both modes see the same."""
+    seen: list[list[Any]] = []
+
+    def measure(url: str, reqs: list[Any], rate: float, seed: int = 0) -> Measured:
+        seen.append(reqs)
+        return Measured({"output_throughput": 1.0, "mean_tpot_ms": 20.0}, [0.1] * len(reqs))
+
+    monkeypatch.setattr(e2_variance, "measure_requests", measure)
+    ctx = _context(tmp_path)
+    ctx.name = "E2"
+    e2_variance.run(ctx)
+    per_mode = len(e2_variance.CAPS) + len(ctx.scale.rates)
+    continuous, static = seen[:per_mode], seen[per_mode:]
+    assert [[r.prompt for r in reqs] for reqs in continuous] == [
+        [r.prompt for r in reqs] for reqs in static
+    ]
+    caps, rates = continuous[: len(e2_variance.CAPS)], continuous[len(e2_variance.CAPS) :]
+    cap_prompts = {r.prompt for reqs in caps for r in reqs}
+    for reqs in rates:
+        assert not cap_prompts & {r.prompt for r in reqs}
+        assert [r.output_len for r in reqs] == [r.output_len for r in caps[e2_variance.CDF_CAP]]
 
 
 def test_e3_renders_the_sweep_without_the_replicas(tmp_path: Path) -> None:
