@@ -54,11 +54,16 @@ def test_the_default_launch_runs_the_best_kernels_this_cpu_has(default_server) -
     assert best in info["kernels"]["attention"]  # the C++ paged decode of that build
     log = default_server.log()
     assert f"kernels: isa {best}; attention C++ {best}" in log  # the shard's one line
+    # the KV cache measured fastest here for quantized weights (int8 or the float one)
+    quantization = info["quantization"]
+    choice = quantization["kv_cache_measured"].split(" ", 1)[0]
+    assert choice in ("int8", isa.default_kv_cache_dtype("cpu", info["model_dtype"]))
+    assert quantization["kv_cache_dtype"] == choice, quantization
 
 
 def test_the_default_launch_answers_alike_alone_in_a_crowd_and_again(default_server) -> None:
-    """Batch invariance on the defaults (the GGUF's integer products, bfloat16 compute and
-    KV cache): tokens and logprobs bit for bit (docs/determinism.md)."""
+    """Batch invariance on the defaults (the GGUF's integer products, bfloat16 compute, the
+    KV cache the kernel table chose): tokens and logprobs bit for bit (docs/determinism.md)."""
     assert_same_answers(default_server.url, QUESTIONS[:8], seeded=4, max_tokens=12, crowd=24)
 
 

@@ -139,7 +139,8 @@ def _calibrate_parser(sub: Any) -> None:
     p = sub.add_parser(
         "calibrate",
         help="measure which kernel multiplies quantized weights fastest on this CPU "
-        "(the integer product or a float copy) and cache it for `cadence launch`",
+        "(the integer product or a float copy) and whether an int8 KV cache decodes "
+        "faster, and cache it for `cadence launch`",
     )
     add = adder(p, CalibrateConfig)
     # CADENCE_CALIBRATE_*: `launch` owns CADENCE_CPU_ISA and CADENCE_DTYPE.
@@ -167,7 +168,7 @@ def _calibrate_parser(sub: Any) -> None:
 
 def _run_calibrate(args: argparse.Namespace) -> int:
     from cadence import cpu_isa as isa
-    from cadence.quant import calibrate
+    from cadence.quant import calibrate, kv_calibrate
 
     chosen = isa.resolve(args.cpu_isa)
     dtype = isa.default_dtype("cpu", chosen) if args.dtype == "auto" else args.dtype
@@ -176,6 +177,8 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     calibrate.write(table, path)
     for fmt in table.formats:
         print(f"{fmt}: {calibrate.describe(table, fmt)}")
+    if table.kv_cache is not None:
+        print(f"KV cache for quantized serving: {kv_calibrate.describe(table.kv_cache)}")
     print(f"written to {path}")
     return 0
 

@@ -177,7 +177,9 @@ def add_kv_flags(add: Add) -> None:
         type=kv_dtype_name,
         choices=KV_CACHE_DTYPES,
         help="The KV cache is stored in this dtype, by default bfloat16 under float32 weights on "
-        "CPU and --dtype otherwise. int8 keeps a scale per token and KV head; fp8_e4m3 (vLLM's "
+        "CPU and --dtype otherwise, except that quantized weights on CPU take int8 where the "
+        "kernel table measured it decoding faster (cadence calibrate). int8 keeps a scale per "
+        "token and KV head; fp8_e4m3 (vLLM's "
         "fp8) and fp8_e5m2 keep a scale per layer for keys and for values, from --kv-cache-scales "
         "or estimated at warm-up (docs/quantization.md).",
     )

@@ -216,8 +216,9 @@ def with_kernel_table(cfg: LaunchConfig, model_dir: str) -> LaunchConfig:
     if not serves_quantized(cfg, model_dir):
         return cfg
     path = calibrate.table_path()
-    if calibrate.read(path, calibrate.machine_key(cfg.cpu_isa, cfg.dtype)) is None:
-        logger.info("measuring which kernel multiplies quantized weights fastest here (once)")
+    cached = calibrate.read(path, calibrate.machine_key(cfg.cpu_isa, cfg.dtype))
+    if cached is None or cached.kv_cache is None:  # a table from before the KV cache's too
+        logger.info("measuring which kernels serve quantized weights fastest here (once)")
         argv = [sys.executable, "-m", "cadence", "calibrate", "--cpu-isa", cfg.cpu_isa]
         argv += ["--dtype", cfg.dtype, "--log-format", cfg.log_format]
         try:
@@ -228,6 +229,22 @@ def with_kernel_table(cfg: LaunchConfig, model_dir: str) -> LaunchConfig:
     return replace(cfg, kernel_table=str(path))
 
 
+def with_measured_kv_cache(cfg: LaunchConfig, kv_asked: bool) -> LaunchConfig:
+    """`cfg` with the KV cache dtype the kernel table measured fastest for quantized
+    serving on this machine (`cadence.quant.kv_calibrate`: int8 where it decodes clearly
+    faster), unless one was asked for; unchanged without a table for this machine."""
+    from cadence.quant import calibrate, kv_calibrate
+
+    if kv_asked or cfg.kv_cache_scales or not cfg.kernel_table:
+        return cfg
+    key = calibrate.machine_key(cfg.cpu_isa, cfg.dtype)
+    table = calibrate.read_for_machine(Path(cfg.kernel_table), key)
+    if table is None or table.kv_cache is None or table.kv_cache.choice == cfg.kv_cache_dtype:
+        return cfg
+    logger.info("KV cache: {}", kv_calibrate.describe(table.kv_cache))
+    return replace(cfg, kv_cache_dtype=table.kv_cache.choice)
+
+
 def launch(cfg: LaunchConfig) -> int:
     """Runs the whole stack; returns the process exit code."""
     from cadence import cpu_isa as isa
@@ -236,6 +253,7 @@ def launch(cfg: LaunchConfig) -> int:
     check_port_free(cfg.hostname, cfg.port)  # now, not after the model has loaded
     check_tls_files(cfg)
     check_speculative(cfg)
+    kv_asked = cfg.kv_cache_dtype is not None
     cfg = resolve_cpu_choices(cfg)
     logger.info(
         "CPU {!r} runs {}: kernels for {}, {} weights",
@@ -248,7 +266,7 @@ def launch(cfg: LaunchConfig) -> int:
         cfg = replace(cfg, master_port=_free_port())
 
     model_dir = resolve_model(cfg.model_id)
-    cfg = with_kernel_table(cfg, model_dir)
+    cfg = with_measured_kv_cache(with_kernel_table(cfg, model_dir), kv_asked)
     if cfg.draft_model_id:  # once here, not by every shard (a GGUF's folder is made once)
         cfg = replace(cfg, draft_model_id=resolve_model(cfg.draft_model_id))
     own_dir = cfg.uds_dir is None

@@ -13,19 +13,20 @@ import torch
 from cadence import cpu_isa
 from cadence.config import LaunchConfig
 from cadence.kernels import cpu as cpu_kernels
-from cadence.launcher import with_kernel_table
-from cadence.quant import calibrate
+from cadence.launcher import with_kernel_table, with_measured_kv_cache
+from cadence.quant import calibrate, kv_calibrate
 from cadence.quant.crossover import ALL_ROWS
 from shard_helpers import prefill_then_decode_logits
 
 TOKENS = [5, 17, 9, 33, 2, 48, 11, 7, 21, 30, 4, 8]
 
 
-def table(kernel: str, isa: str, dtype: str) -> calibrate.KernelTable:
+def table(kernel: str, isa: str, dtype: str, kv: str = "bfloat16") -> calibrate.KernelTable:
     seconds = {calibrate.DECODE_ROWS: 1.0, calibrate.PREFILL_ROWS: 10.0}
     key = calibrate.machine_key(isa, dtype)
     entry = calibrate.Measured(kernel, seconds, seconds, "now")
-    return calibrate.KernelTable(key, {"int4": entry, "int8": entry})
+    kv_cache = kv_calibrate.KvMeasured(kv, {"bfloat16": 1.0, "int8": 0.5}, "now")
+    return calibrate.KernelTable(key, {"int4": entry, "int8": entry}, kv_cache)
 
 
 def test_the_float_copy_must_win_by_the_margin() -> None:
@@ -37,10 +38,20 @@ def test_the_float_copy_must_win_by_the_margin() -> None:
     assert calibrate.choose(faster, integer) == calibrate.INTEGER
 
 
+def test_an_int8_kv_cache_must_win_by_the_margin() -> None:
+    assert kv_calibrate.choose({"bfloat16": 1.0, "int8": 0.97}, "bfloat16") == "bfloat16"
+    assert kv_calibrate.choose({"bfloat16": 1.0, "int8": 0.9}, "bfloat16") == "int8"
+    assert kv_calibrate.choose({"bfloat16": 1.0, "int8": 1.2}, "bfloat16") == "bfloat16"
+
+
 def test_a_measurement_is_written_per_machine_and_read_back(tmp_path: Path) -> None:
     isa = cpu_kernels.select("auto") or "scalar"
-    measured = calibrate.measure(isa, "float32", shapes=[(64, 128), (128, 64)])
+    measured = calibrate.measure(isa, "float32", shapes=[(64, 128), (128, 64)], kv_step=(4, 40))
     assert measured.key == calibrate.machine_key(isa, "float32")
+    kv = measured.kv_cache  # a float32 serve's cache is bfloat16: int8 is timed against it
+    assert kv is not None and set(kv.seconds) == {"bfloat16", "int8"}
+    assert kv.choice == kv_calibrate.choose(kv.seconds, "bfloat16")
+    assert (kv.rows, kv.context) == (4, 40)
     assert cpu_isa.cpu_model() in measured.key
     for m in measured.formats.values():
         assert m.kernel == calibrate.choose(m.integer_s, m.float_s)
@@ -49,10 +60,18 @@ def test_a_measurement_is_written_per_machine_and_read_back(tmp_path: Path) -> N
     other = replace(table(calibrate.FLOAT, isa, "bfloat16"), key="another machine")
     calibrate.write(other, path)
     calibrate.write(measured, path)
-    assert set(json.loads(path.read_text())) == {"another machine", measured.key}
+    written = json.loads(path.read_text())
+    assert set(written) == {"another machine", measured.key, calibrate.KV_CACHE}
+    assert set(written[calibrate.KV_CACHE]) == {"another machine", measured.key}
     again = calibrate.read(path, measured.key)
     assert again is not None and again.formats == measured.formats
+    assert again.kv_cache == measured.kv_cache
     assert calibrate.read(path, "a third machine") is None
+    # a table handed over from one machine serves on another; the KV section is no machine
+    one = tmp_path / "one.json"
+    calibrate.write(other, one)
+    handed = calibrate.read_for_machine(one, measured.key)
+    assert handed is not None and handed.kv_cache == other.kv_cache
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -98,6 +117,25 @@ def test_launch_measures_once_per_machine_and_hands_the_table_over(
     assert measured.kernel_table == str(tmp_path / calibrate.FILE_NAME)
     written = calibrate.read(Path(measured.kernel_table), calibrate.machine_key(isa, cfg.dtype))
     assert written is not None and set(written.formats) == set(calibrate.FORMATS)
+    assert written.kv_cache is not None and written.kv_cache.choice in written.kv_cache.seconds
     stamp = Path(measured.kernel_table).stat().st_mtime_ns
     assert with_kernel_table(cfg, float_dir).kernel_table == measured.kernel_table
     assert Path(measured.kernel_table).stat().st_mtime_ns == stamp  # read, not measured again
+
+
+@pytest.mark.parametrize("measured", ["int8", "bfloat16"])
+def test_quantized_serving_takes_the_kv_cache_measured_fastest(
+    measured: str, tmp_path: Path
+) -> None:
+    """The table's KV cache choice is the default for quantized serving (`with_kernel_table`
+    hands no table to a float model); a cache asked for, or an fp8 scales file, wins."""
+    isa = cpu_isa.resolve("auto")
+    dtype = cpu_isa.default_dtype("cpu", isa)
+    path = tmp_path / calibrate.FILE_NAME
+    calibrate.write(table(calibrate.INTEGER, isa, dtype, kv=measured), path)
+    cfg = LaunchConfig(cpu_isa=isa, dtype=dtype, kv_cache_dtype="bfloat16", kernel_table=str(path))
+    assert with_measured_kv_cache(cfg, kv_asked=False).kv_cache_dtype == measured
+    assert with_measured_kv_cache(cfg, kv_asked=True).kv_cache_dtype == "bfloat16"
+    fp8 = replace(cfg, kv_cache_scales=str(tmp_path / "scales.json"))
+    assert with_measured_kv_cache(fp8, kv_asked=False).kv_cache_dtype == "bfloat16"
+    assert with_measured_kv_cache(replace(cfg, kernel_table=""), False).kv_cache_dtype == "bfloat16"

@@ -31,9 +31,14 @@ from importlib.metadata import version
 from pathlib import Path
 
 from cadence.model_source import cache_dir
+from cadence.quant import kv_calibrate
+from cadence.quant.kv_calibrate import KvMeasured
 
 FILE_NAME = "kernel_table.json"
 INTEGER, FLOAT = "integer", "float"
+# The KV cache's measurements by machine key, beside the machines' product entries (a
+# section of their own, so that a cadence from before them still reads the file).
+KV_CACHE = "kv_cache"
 DECODE_ROWS, PREFILL_ROWS = 32, 320
 DECODE_WEIGHT = 4.5  # decode steps per prefill chunk in the charter workload
 FLOAT_MARGIN = 1.05  # the float copy must be this much faster to be chosen
@@ -63,10 +68,12 @@ class Measured:
 
 @dataclass(slots=True)
 class KernelTable:
-    """The choices measured for one machine key, by format."""
+    """The choices measured for one machine key: the product kernel by weight format, and
+    the KV cache dtype quantized serving defaults to (`kv_calibrate`)."""
 
     key: str
     formats: dict[str, Measured] = field(default_factory=dict)
+    kv_cache: KvMeasured | None = None
 
     def kernel(self, fmt: str) -> str | None:
         measured = self.formats.get(fmt)
@@ -87,12 +94,15 @@ def choose(integer_s: dict[int, float], float_s: dict[int, float]) -> str:
 
 
 def read(path: Path, key: str) -> KernelTable | None:
-    """The table measured for `key` in the file at `path`, if it holds one."""
+    """The table measured for `key` in the file at `path`, if it holds one (its KV cache
+    measurement None where it was written without one)."""
     if not path.exists():
         return None
-    entry = json.loads(path.read_text()).get(key)
+    data = json.loads(path.read_text())
+    entry = data.get(key) if key != KV_CACHE else None
     if entry is None:
         return None
+    kv = data.get(KV_CACHE, {}).get(key)
     formats = {
         fmt: Measured(
             m["kernel"],
@@ -102,13 +112,26 @@ def read(path: Path, key: str) -> KernelTable | None:
         )
         for fmt, m in entry.items()
     }
-    return KernelTable(key, formats)
+    kv_cache = KvMeasured(**kv) if kv else None
+    return KernelTable(key, formats, kv_cache)
+
+
+def read_for_machine(path: Path, key: str) -> KernelTable | None:
+    """The table for `key`, else the file's only one (a table handed over from another
+    machine with `--kernel-table`)."""
+    table = read(path, key)
+    if table is None and path.exists():
+        entries = [key for key in json.loads(path.read_text()) if key != KV_CACHE]
+        table = read(path, entries[0]) if len(entries) == 1 else None
+    return table
 
 
 def write(table: KernelTable, path: Path) -> None:
     """Merges `table` into the file (other machines' keys kept)."""
     data = json.loads(path.read_text()) if path.exists() else {}
     data[table.key] = {fmt: asdict(m) for fmt, m in table.formats.items()}
+    if table.kv_cache is not None:
+        data.setdefault(KV_CACHE, {})[table.key] = asdict(table.kv_cache)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")
 
@@ -118,9 +141,11 @@ def measure(
     dtype_name: str,
     shapes: list[tuple[int, int]] | None = None,
     formats: tuple[str, ...] = FORMATS,
+    kv_step: tuple[int, int] = (kv_calibrate.DECODE_ROWS, kv_calibrate.CONTEXT),
 ) -> KernelTable:
     """Times the integer product and the float copy for each of `formats` over `shapes`
-    (default: SmolLM2-135M's, CALIBRATION_LAYERS layers and the head) with the C++
+    (default: SmolLM2-135M's, CALIBRATION_LAYERS layers and the head), and an int8 KV
+    cache against a float one at `kv_step` (rows, tokens of context), with the C++
     kernels of `isa`."""
     import torch
 
@@ -139,6 +164,7 @@ def measure(
             float_s[rows], integer_s[rows] = timing.time_rows(products, rows, dtype, REPEATS)
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         table.formats[fmt] = Measured(choose(integer_s, float_s), integer_s, float_s, stamp)
+    table.kv_cache = kv_calibrate.measure(dtype_name, *kv_step)
     return table
 
 

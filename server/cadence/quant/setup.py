@@ -3,7 +3,6 @@ weights placed, or a float checkpoint's linears quantized; and the dict /info sh
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cadence.quant import calibrate
+from cadence.quant import calibrate, kv_calibrate
 from cadence.quant.checkpoints import QuantizedSource
 from cadence.quant.crossover import ALL_ROWS, FORMATS, Crossover, crossover_rows
 from cadence.quant.load import (
@@ -78,14 +77,23 @@ def measured_kernels(
     GPU or without a table."""
     if not cfg.kernel_table or device.type != "cpu" or cfg.products is ProductKernels.TRITON:
         return {}
-    path = Path(cfg.kernel_table)
-    table = calibrate.read(path, calibrate.machine_key(isa, dtype_name))
-    if table is None and path.exists():
-        entries = list(json.loads(path.read_text()))
-        table = calibrate.read(path, entries[0]) if len(entries) == 1 else None
+    key = calibrate.machine_key(isa, dtype_name)
+    table = calibrate.read_for_machine(Path(cfg.kernel_table), key)
     if table is None:
         return {}
     return {fmt: (m.kernel, calibrate.describe(table, fmt)) for fmt, m in table.formats.items()}
+
+
+def measured_kv_cache(kernel_table: str, device: torch.device, dtype_name: str) -> str:
+    """What the kernel table measured of the KV cache here (`kv_calibrate.describe`), for
+    /info; "" without a table or a measurement."""
+    if not kernel_table or device.type != "cpu":
+        return ""
+    key = calibrate.machine_key(isa_name(device), dtype_name)
+    table = calibrate.read_for_machine(Path(kernel_table), key)
+    if table is None or table.kv_cache is None:
+        return ""
+    return kv_calibrate.describe(table.kv_cache)
 
 
 def dispatch_for(

@@ -28,7 +28,7 @@ from cadence.models import load_model, read_config, to_dtype
 from cadence.pb import shard_pb2
 from cadence.quant.crossover import rows_text
 from cadence.quant.product import ProductKernels
-from cadence.quant.setup import QuantizeConfig
+from cadence.quant.setup import QuantizeConfig, measured_kv_cache
 from cadence.runners import ModelRunner
 from cadence.sampling import SamplingBatch
 from cadence.shard import backends, determinism
@@ -238,6 +238,10 @@ class Engine:
                 f"{fmt}: {rows_text(c['rows'])} ({c['from']})"
                 for fmt, c in sorted(q["crossover"].items())
             )
+            dtype_name = str(self.dtype).removeprefix("torch.")
+            measured = measured_kv_cache(self.cfg.kernel_table, self.device, dtype_name)
+            if measured:  # the launcher takes its choice unless --kv-cache-dtype is given
+                fields["kv_cache_measured"] = measured
         return fields
 
     def warmup(
