@@ -121,7 +121,7 @@ def read_for_machine(path: Path, key: str) -> KernelTable | None:
     machine with `--kernel-table`)."""
     table = read(path, key)
     if table is None and path.exists():
-        entries = [key for key in json.loads(path.read_text()) if key != KV_CACHE]
+        entries = [name for name in json.loads(path.read_text()) if name != KV_CACHE]
         table = read(path, entries[0]) if len(entries) == 1 else None
     return table
 
