@@ -1,4 +1,4 @@
-"""Times and profiles the shard's whole `Engine.step` on the embedded SmolLM2 (no router,
+"""Times and profiles the shard's whole `Engine.step` on the embedded SmolLM2 GGUF (no router,
 no gRPC): 32 requests of 320 prompt tokens prefilled three at a time, then decode steps,
 with a torch profiler table of one batch of decode steps.
 
@@ -10,15 +10,11 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
-
 from cadence.config import ShardConfig
+from cadence.model_source import resolve_model
 from cadence.pb import shard_pb2 as pb
 from cadence.shard.engine import Engine
 from torch.profiler import ProfilerActivity, profile
-
-MODEL = Path.home() / ".cache/cadence/models/SmolLM2-135M-Instruct"
-
 
 def main() -> None:
     p = argparse.ArgumentParser()
@@ -30,7 +26,7 @@ def main() -> None:
     p.add_argument("--kv-cache-dtype", default=None, help="int8, bfloat16, ... (default: dtype)")
     a = p.parse_args()
     cfg = ShardConfig(
-        model_dir=str(MODEL), uds_path="/unused", dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype
+        model_dir=resolve_model(None), uds_path="/unused", dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype
     )
     engine = Engine(cfg)
     engine.warmup(1024, 64, a.kv_mib * 1024**2, 0.1)

@@ -3,7 +3,7 @@
 or int8 weights, int32 dot products. Each instruction set's library against the same
 arithmetic in float32 (`cpu_gemm.reference_product`), and against the plain float product
 within what int8 activations cost; every tile shape the vector paths have (AVX-512: 1-4
-rows x 1-4 column blocks; AVX2: 1-4 rows x 1-2 blocks; a padded last block), int8 weights
+rows x 1-3 column blocks; AVX2: 1-4 rows x 1-2 blocks; a padded last block), int8 weights
 at -128 (what an 8-bit GPTQ checkpoint may hold), the operator's checks and its Meta
 implementation."""
 

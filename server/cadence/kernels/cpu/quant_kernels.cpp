@@ -23,7 +23,7 @@
 // (vpdpbusd multiplies unsigned by signed bytes: int4's q is already unsigned; int8's is
 // stored + 128 and each row's 128 * sum of its quantized activations taken off at the end.)
 //
-// The AVX-512 VNNI build runs the vector tiles of quant_tiles_avx512.h (4 rows x 64
+// The AVX-512 VNNI build runs the vector tiles of quant_tiles_avx512.h (4 rows x 48
 // columns), the AVX2 build those of quant_tiles_avx2.h (4 rows x 32 columns, vpmaddubsw and
 // vpmaddwd for vpdpbusd); the others (scalar, and AVX-512 without VNNI) run the same
 // arithmetic in portable C++ (the tests hold all of them to one reference). Each thread takes one run of column blocks; a tile's weights stay in

@@ -58,7 +58,7 @@ inline __m512i broadcast4(const int8_t* p) {
 // ROWS rows x NV 16-column blocks. Per 32-column block: 8 vpdpbusd per row and column
 // block into int32 sums (each broadcast of 4 activations feeds NV of them, each unpacked
 // weight vector ROWS), then the block's scales: acc += (sum * d) * scale + zero' * d * sum(q).
-// 4 x 4 keeps 16 sums and 16 accumulators in registers: measured the fastest shape here.
+// Every sum and accumulator is a register (2 x ROWS x NV of AVX-512's 32): see TILE_BLOCKS.
 template <int ROWS, int NV>
 void int4_tile(const uint8_t* w, const float* sz, int64_t k32, const TileRows<ROWS>& x,
                const Prefetch& next, float* out, int64_t out_stride) {
@@ -163,12 +163,11 @@ void tile_blocks(int nv, int format, const uint8_t* w, const float* sz, const Qu
     switch (nv) {
         case 1: tile<ROWS, 1>(format, w, sz, a, r0, next, out, out_stride); break;
         case 2: tile<ROWS, 2>(format, w, sz, a, r0, next, out, out_stride); break;
-        case 3: tile<ROWS, 3>(format, w, sz, a, r0, next, out, out_stride); break;
-        default: tile<ROWS, 4>(format, w, sz, a, r0, next, out, out_stride); break;
+        default: tile<ROWS, 3>(format, w, sz, a, r0, next, out, out_stride); break;
     }
 }
 
-// A tile of `rows` (1..4) x `nv` (1..4) blocks: one template each keeps the sums in registers.
+// A tile of `rows` (1..4) x `nv` (1..3) blocks: one template each keeps the sums in registers.
 void vector_tile(int rows, int nv, int format, const uint8_t* w, const float* sz,
                  const QuantizedRows& a, int64_t r0, const Prefetch& next, float* out,
                  int64_t out_stride) {
@@ -180,7 +179,10 @@ void vector_tile(int rows, int nv, int format, const uint8_t* w, const float* sz
     }
 }
 
+// 4 rows x 3 blocks: 24 sums and accumulators leave registers for the weights and the
+// broadcast. 4 x 4 (32 of them, so some spill) was 0.85x as fast at 128-320 rows and on
+// the 49152-row LM head at 32 (Zen 4, SmolLM2-135M's shapes; 1-8 rows within noise).
 constexpr int TILE_ROWS = 4;
-constexpr int TILE_BLOCKS = 4;
+constexpr int TILE_BLOCKS = 3;
 
 }  // namespace cadence_quant
