@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import argparse
 import time
+
 from cadence.config import ShardConfig
 from cadence.model_source import resolve_model
 from cadence.pb import shard_pb2 as pb
 from cadence.shard.engine import Engine
 from torch.profiler import ProfilerActivity, profile
+
 
 def main() -> None:
     p = argparse.ArgumentParser()
@@ -26,7 +28,10 @@ def main() -> None:
     p.add_argument("--kv-cache-dtype", default=None, help="int8, bfloat16, ... (default: dtype)")
     a = p.parse_args()
     cfg = ShardConfig(
-        model_dir=resolve_model(None), uds_path="/unused", dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype
+        model_dir=resolve_model(None),
+        uds_path="/unused",
+        dtype=a.dtype,
+        kv_cache_dtype=a.kv_cache_dtype,
     )
     engine = Engine(cfg)
     engine.warmup(1024, 64, a.kv_mib * 1024**2, 0.1)
