@@ -4,7 +4,8 @@ CPUs with the same instruction-set names differ: the integer product (int8 activ
 against int4/int8 weights, VNNI) beats oneDNN's bfloat16 product on a Zen 4 or Zen 5, but
 on a Sapphire Rapids oneDNN's bfloat16 product runs on AMX tiles and the float copy of
 the same weights serves the charter workload faster. So the choice is measured on the
-machine, once per (CPU model, cores, torch version, instruction set, dtype), and cached in
+machine, once per (CPU model, cores, torch version, instruction set, dtype, build of the
+C++ kernels), and cached in
 `<cache dir>/kernel_table.json`: `cadence launch` measures it on its first start on a
 machine (a few seconds; `cadence calibrate` does it on demand) and hands the file to its
 shards (`--kernel-table`).
@@ -23,6 +24,7 @@ from one start to the next.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -49,11 +51,27 @@ CALIBRATION_LAYERS = 10
 
 def machine_key(isa: str, dtype: str) -> str:
     """What a measurement holds for: "AMD EPYC (family 25 model 17: Zen 4), 2 cores,
-    torch 2.9.1, avx512_bf16, bfloat16"."""
+    torch 2.9.1, avx512_bf16, bfloat16, kernels 4481add7cfca1ff7"."""
     from cadence import cpu_isa
 
     cores = len(os.sched_getaffinity(0))
-    return f"{cpu_isa.cpu_model()}, {cores} cores, torch {version('torch')}, {isa}, {dtype}"
+    return (
+        f"{cpu_isa.cpu_model()}, {cores} cores, torch {version('torch')}, {isa}, {dtype}, "
+        f"kernels {kernels_build(isa)}"
+    )
+
+
+@functools.cache
+def kernels_build(isa: str) -> str:
+    """The build id of the C++ kernels for `isa` (a hash of their sources, flags and
+    compiler): a table measured with other kernels is measured again. "none" where there
+    are none (no compiler, not x86)."""
+    from cadence.kernels.cpu import builds
+
+    try:
+        return builds.library_path(isa).stem.rsplit("-", 1)[-1]
+    except (KeyError, builds.KernelBuildError):
+        return "none"
 
 
 @dataclass(slots=True)
