@@ -25,10 +25,13 @@ using namespace cadence_kernels;  // DType, Status
 // and each head accumulates its D dimensions in registers.
 
 // Asks for cache lines ahead of use: blocks sit anywhere in the pool, so the hardware
-// prefetcher only finds each one after its start (and stops at every 4 KiB page).
+// prefetcher only finds each one after its start (and stops at every 4 KiB page). Into
+// L2 (prefetcht1): prefetcht0's fills wait for L1's few miss buffers, and a block's worth
+// of them held up the loads of the block at hand (decode attention over blocks spread
+// over the pool: bfloat16 cache 1.15-1.35x as long with prefetcht0, Zen 4).
 inline void prefetch_block(const void* rows, int64_t bytes) {
     const char* p = static_cast<const char*>(rows);
-    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
 }
 
 // The next block's keys and values (`bytes` at byte offset `at` of each cache), asked for

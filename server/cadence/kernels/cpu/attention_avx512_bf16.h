@@ -20,8 +20,9 @@ using namespace cadence_kernels;  // DType, Status
 // Decode attention with AVX512-BF16's vdpbf16ps (bfloat16 pairs into float32, exact
 // products), head_dim D a multiple of 32 (up to 256): one sequence, all of its KV heads,
 // so each cache block is read front to back once. It reads a bfloat16 cache as stored
-// and an int8 one converted to bfloat16 in registers (exact: every int8 value is a
-// bfloat16 one): a block's keys once per KV head into scratch, which all of its query
+// and an int8 one (under float32 queries: bfloat16 and float16 ones take the integer
+// path of attention_int8_avx512.h) converted to bfloat16 in registers (exact: every int8
+// value is a bfloat16 one): a block's keys once per KV head into scratch, which all of its query
 // heads score, its values as they are read for the query heads' accumulation. Scores are
 // vdpbf16ps of the query against the key rows; values are accumulated two rows at a time
 // against the probabilities as bfloat16, in float32 registers. An int8 cache's per-row scales

@@ -1,13 +1,16 @@
 // Paged decode attention, the kernels of the shard's `cpu` attention backend: one query
 // per sequence reads its keys and values straight from the paged cache through its block
 // table (no gather into a padded copy), with the query heads of one KV head together,
-// online softmax over blocks. The AVX512-BF16 path (attention_avx512_bf16.h), else the
-// AVX2 one (attention_avx2.h), else the portable one below. Entry points:
+// online softmax over blocks. On the AVX512-BF16 build an int8 cache under bfloat16 or
+// float16 queries takes integer dot products (attention_int8_avx512.h), every other pair
+// it can the vdpbf16ps path (attention_avx512_bf16.h); else the AVX2 one
+// (attention_avx2.h), else the portable one below. Entry points:
 // cadence_paged_decode_attention, and cadence_decode_layer_attention (rotary_kernels.cpp's
 // KV write, then the attention, in one call for a decode-only step).
 
 #include "attention_avx2.h"
 #include "attention_avx512_bf16.h"
+#include "attention_int8_avx512.h"
 #include "cache_rows.h"
 #include "cpu_elements.h"
 #include "cpu_kernels.h"
@@ -123,7 +126,11 @@ void decode_all(const void* q, void* out, const void* k_cache, const void* v_cac
     DecodeSeqFn fn = nullptr;
     int64_t scratch_floats = 0;
 #ifdef CADENCE_AVX512_BF16
-    if constexpr (dpbf16_serves<QT, KT>()) {
+    if constexpr (KT == I8 && QT != F32) {  // a float32 query keeps dpbf16's exact pieces
+        fn = pick_int8<QT>(head_dim, block_size);
+        scratch_floats = Int8Scratch::floats(num_heads, num_kv_heads, head_dim);
+    }
+    if (fn == nullptr) if constexpr (dpbf16_serves<QT, KT>()) {
         fn = pick_dpbf16<QT, KT>(head_dim);
         scratch_floats =
             Dpbf16Scratch::floats(num_heads, head_dim, block_size, bf16_pieces<QT>());

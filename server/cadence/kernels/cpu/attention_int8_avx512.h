@@ -1,0 +1,327 @@
+// Decode attention over an int8 KV cache with integer dot products, for bfloat16 and
+// float16 queries on the AVX512-BF16 build (which has VNNI): vpdpwssd multiplies pairs of
+// int16 into int32 sums, so the cache's int8 rows are only sign-extended (one instruction
+// per 32 elements) where decode_seq_dpbf16 converts them to bfloat16 through float32
+// (five). The query is quantized to int16 per head (amax / 32767: its rounding error is
+// below what the query's own bfloat16 or float16 rounding already holds), the
+// probabilities to int16 per head and chunk in the same way; every product and sum of
+// them is exact in int32, and the scales multiply once per score and once per chunk.
+//
+// Two passes per chunk of CHUNK positions instead of an online softmax per 16-row block:
+// the chunk's scores (its keys read once, block by block), one softmax update for the
+// chunk (one max, one rescale of the accumulators), then its values, one KV head at a
+// time with its query heads' int32 sums in registers across the whole chunk. A chunk
+// bounds the scratch for any context and keeps the value sums from overflowing int32
+// (CHUNK rows of 32767 * 128 products, two per lane and row pair: under 2^31).
+//
+// Rows the query does not see (other sequences' slots of a shared last block, rows before
+// a sliding window) get a score of -inf and a probability of exactly 0: their int8 codes
+// are finite whatever they hold, and their scales (which may be anything, NaN included)
+// are never read.
+
+#pragma once
+
+#include "attention_avx2.h"
+#include "attention_avx512_bf16.h"
+#include "cache_rows.h"
+#include "fast_exp.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+#ifdef CADENCE_AVX512_BF16
+
+constexpr int PREFETCH_BLOCKS = 3;  // how far ahead pass 1 asks for keys, values and scales
+constexpr int INT8_CHUNK = 256;  // positions per softmax pass (int32 value sums bound)
+constexpr float INT16_MAX_F = 32767.0f;
+
+// Lane i of the result is the sum of the 16 lanes of v[i]: reduce16's shuffles, on int32.
+[[gnu::always_inline]] inline __m512i reduce16i(const __m512i* v) {
+    __m512i t[8], u[4];
+    for (int i = 0; i < 8; ++i)
+        t[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]),
+                                _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i)
+        u[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * i], t[2 * i + 1]),
+                                _mm512_unpackhi_epi64(t[2 * i], t[2 * i + 1]));
+    const __m512i x0 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], 0x88),
+                                        _mm512_shuffle_i32x4(u[0], u[1], 0xdd));
+    const __m512i x1 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[2], u[3], 0x88),
+                                        _mm512_shuffle_i32x4(u[2], u[3], 0xdd));
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(x0, x1, 0x88),
+                            _mm512_shuffle_i32x4(x0, x1, 0xdd));
+}
+
+// x[0, n) (n a multiple of 16) as int16 q = round(x / s) with s = amax / 32767; returns s.
+inline float quantize_i16(const float* x, int n, int16_t* q) {
+    __m512 amax = _mm512_setzero_ps();
+    for (int i = 0; i < n; i += 16)
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+    const float a = _mm512_reduce_max_ps(amax);
+    const __m512 inv = _mm512_set1_ps(a > 0.0f ? INT16_MAX_F / a : 0.0f);
+    for (int i = 0; i < n; i += 16) {
+        const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), inv));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), _mm512_cvtepi32_epi16(v));
+    }
+    return a / INT16_MAX_F;
+}
+
+// 16 rows of int8 (row_stride bytes apart) as int16, D apart in dst.
+template <int D>
+inline void rows_i16(const int8_t* rows, int64_t row_stride, int16_t* dst) {
+    for (int t = 0; t < 16; ++t)
+        for (int c = 0; c < D / 32; ++c) {
+            const auto* x8 = reinterpret_cast<const __m256i*>(rows + t * row_stride + c * 32);
+            const __m256i x = _mm256_loadu_si256(x8);
+            _mm512_storeu_si512(dst + t * D + c * 32, _mm512_cvtepi8_epi16(x));
+        }
+}
+
+// The int32 dot products of one head's int16 query with 16 int16 key rows (D apart).
+template <int D>
+inline __m512i dots16(const int16_t* q16, const int16_t* keys) {
+    __m512i qv[D / 32], dots[16];
+    for (int c = 0; c < D / 32; ++c) qv[c] = _mm512_loadu_si512(q16 + c * 32);
+    for (int t = 0; t < 16; ++t) {
+        dots[t] = _mm512_setzero_si512();
+        for (int c = 0; c < D / 32; ++c)
+            dots[t] = _mm512_dpwssd_epi32(dots[t], qv[c],
+                                          _mm512_loadu_si512(keys + t * D + c * 32));
+    }
+    return reduce16i(dots);
+}
+
+// Every int32 sum of a (nested) array of registers set to 0.
+inline void set_all_i(__m512i& x) { x = _mm512_setzero_si512(); }
+template <typename T, size_t N>
+inline void set_all_i(T (&a)[N]) {
+    for (auto& e : a) set_all_i(e);
+}
+
+// acc_i[g] += sum over the rows of `blocks` blocks of p16[g][t] * V[t] for GB query heads
+// of one KV head: row pairs interleaved (unpacklo/hi on int16, the dimension order of
+// accumulate_value_pairs, value_dim_order) against the pair (p[t], p[t + 1]) of each head.
+// The int32 sums stay in registers over the whole chunk; then acc = acc * corr + sum * ps.
+template <int D, int GB>
+inline void values_int16(const int8_t* v_cache, const int64_t* bases, int blocks,
+                         int block_size, int64_t row_stride, const int16_t* p16, int p_stride,
+                         const float* corr, const float* ps, float* acc) {
+    constexpr int V = D / 16, C = D / 32;
+    __m512i a[GB][V];
+    set_all_i(a);
+    for (int b = 0; b < blocks; ++b) {
+        const int8_t* rows = v_cache + bases[b] * row_stride;
+        for (int t = 0; t < block_size; t += 2) {
+            const int8_t* r0 = rows + t * row_stride;
+            __m512i pairs[V];
+            for (int k = 0; k < C; ++k) {
+                const __m512i x = _mm512_cvtepi8_epi16(
+                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + k * 32)));
+                const __m512i y = _mm512_cvtepi8_epi16(
+                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + row_stride + k * 32)));
+                pairs[2 * k] = _mm512_unpacklo_epi16(x, y);
+                pairs[2 * k + 1] = _mm512_unpackhi_epi16(x, y);
+            }
+            for (int g = 0; g < GB; ++g) {
+                int32_t pp;
+                std::memcpy(&pp, p16 + g * p_stride + b * block_size + t, sizeof pp);
+                const __m512i w = _mm512_set1_epi32(pp);
+                for (int c = 0; c < V; ++c) a[g][c] = _mm512_dpwssd_epi32(a[g][c], pairs[c], w);
+            }
+        }
+    }
+    for (int g = 0; g < GB; ++g) {
+        const __m512 c = _mm512_set1_ps(corr[g]), s = _mm512_set1_ps(ps[g]);
+        for (int v = 0; v < V; ++v) {
+            float* out = acc + g * D + v * 16;
+            _mm512_storeu_ps(out, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[g][v]), s,
+                                                  _mm512_mul_ps(_mm512_loadu_ps(out), c)));
+        }
+    }
+}
+
+template <int D>
+inline void values_heads(const int8_t* v_cache, const int64_t* bases, int blocks, int block_size,
+                         int64_t row_stride, const int16_t* p16, int p_stride, const float* corr,
+                         const float* ps, float* acc, int heads) {
+    constexpr int MAX = heads_per_pass<D>();
+    for (int g0 = 0; g0 < heads; g0 += MAX) {
+        const int16_t* pg = p16 + g0 * p_stride;
+        switch (std::min(MAX, heads - g0)) {
+#define CADENCE_VALUES(N)                                                                    \
+    case N:                                                                                  \
+        if constexpr (N <= MAX)                                                              \
+            values_int16<D, N>(v_cache, bases, blocks, block_size, row_stride, pg, p_stride, \
+                               corr + g0, ps + g0, acc + g0 * D);                            \
+        break;
+            CADENCE_VALUES(1) CADENCE_VALUES(2) CADENCE_VALUES(3) CADENCE_VALUES(4)
+            CADENCE_VALUES(5) CADENCE_VALUES(6) CADENCE_VALUES(7) CADENCE_VALUES(8)
+#undef CADENCE_VALUES
+        }
+    }
+}
+
+// decode_seq_int8's per-thread scratch over one float buffer.
+struct Int8Scratch {
+    float* s;      // [H, CHUNK] scores, then probabilities times their value scales
+    float* vsc;    // [KVH, CHUNK] value scales of the chunk's rows (0 where unseen)
+    float* acc;    // [H, D] value_dim_order
+    float* m;      // [H] running max
+    float* l;      // [H] running sum
+    float* qs;     // [H] the int16 queries' scales
+    float* corr;   // [H] this chunk's rescale of acc
+    float* ps;     // [H] this chunk's probability scales
+    float* row;    // [D]
+    int16_t* q16;  // [H, D]
+    int16_t* p16;  // [H, CHUNK]
+    int16_t* keys; // [16, D] a block's 16 key rows of one KV head
+    int64_t* bases;  // [CHUNK] the chunk's blocks' first slots
+
+    static int64_t floats(int H, int KVH, int D) {
+        const int64_t f = static_cast<int64_t>(H) * (INT8_CHUNK + D + 6) + KVH * INT8_CHUNK + D;
+        const int64_t halves = static_cast<int64_t>(H) * (D + INT8_CHUNK) + 16 * D;
+        return f + (halves + 1) / 2 + 2 * INT8_CHUNK + 16;  // + int64 bases, alignment slack
+    }
+    [[gnu::always_inline]] Int8Scratch(float* base, int H, int KVH, int D) {
+        s = base;
+        vsc = s + H * INT8_CHUNK;
+        acc = vsc + KVH * INT8_CHUNK;
+        m = acc + H * D;
+        l = m + H;
+        qs = l + H;
+        corr = qs + H;
+        ps = corr + H;
+        row = ps + H;
+        q16 = reinterpret_cast<int16_t*>(row + D);
+        p16 = q16 + H * D;
+        keys = p16 + H * INT8_CHUNK;
+        const uintptr_t end = reinterpret_cast<uintptr_t>(keys + 16 * D);
+        bases = reinterpret_cast<int64_t*>((end + 7) & ~uintptr_t{7});
+    }
+};
+
+// One sequence over an int8 cache (block_size a multiple of 16 up to INT8_CHUNK), bfloat16
+// or float16 queries and output, head_dim D a multiple of 32.
+template <int QT, int D>
+void decode_seq_int8(const void* q, void* out, const void* k_cache, const void* v_cache,
+                     const float* k_scale, const float* v_scale, const int64_t* table,
+                     int64_t context_len, int64_t seq, int num_heads, int num_kv_heads,
+                     int block_size, float scale, int64_t window, float* scratch) {
+    const int G = num_heads / num_kv_heads;
+    Int8Scratch w(scratch, num_heads, num_kv_heads, D);
+    for (int h = 0; h < num_heads; ++h) {
+        load_row<QT>(q, (seq * num_heads + h) * D, w.row, D);
+        w.qs[h] = quantize_i16(w.row, D, w.q16 + h * D) * scale;
+    }
+    std::fill(w.acc, w.acc + num_heads * D, 0.0f);
+    std::fill(w.m, w.m + num_heads, NEG_INF);
+    std::fill(w.l, w.l + num_heads, 0.0f);
+    const auto* k8 = static_cast<const int8_t*>(k_cache);
+    const auto* v8 = static_cast<const int8_t*>(v_cache);
+    const int64_t row_stride = static_cast<int64_t>(num_kv_heads) * D;  // bytes
+    const int64_t block_bytes = block_size * row_stride;
+    const int64_t first_key = window > 0 ? std::max<int64_t>(0, context_len - window) : 0;
+    const int64_t num_blocks = (context_len + block_size - 1) / block_size;
+    const int chunk_blocks = INT8_CHUNK / block_size;
+    const int64_t first_block = first_key / block_size;
+    for (int64_t b0 = first_block; b0 < num_blocks; b0 += chunk_blocks) {
+        const int blocks = static_cast<int>(std::min<int64_t>(chunk_blocks, num_blocks - b0));
+        const int n = blocks * block_size;
+        // pass 1: every block's scores, block by block (its keys read front to back once)
+        for (int i = 0; i < blocks; ++i) {
+            const int64_t b = b0 + i;
+            w.bases[i] = table[b] * block_size;
+            if (b + PREFETCH_BLOCKS < num_blocks) {  // its keys, values (for pass 2), scales
+                const int64_t ahead = table[b + PREFETCH_BLOCKS] * block_size;
+                prefetch_block(k8 + ahead * row_stride, block_bytes);
+                prefetch_block(v8 + ahead * row_stride, block_bytes);
+                prefetch_block(k_scale + ahead * num_kv_heads, block_size * num_kv_heads * 4);
+                prefetch_block(v_scale + ahead * num_kv_heads, block_size * num_kv_heads * 4);
+            }
+            const int64_t lo = std::max<int64_t>(0, first_key - b * block_size);
+            const int64_t hi = std::min<int64_t>(block_size, context_len - b * block_size);
+            for (int kh = 0; kh < num_kv_heads; ++kh) {
+                for (int r0 = 0; r0 < block_size; r0 += 16) {
+                    const int64_t slot0 = w.bases[i] + r0;
+                    alignas(64) float ks[16];
+                    __mmask16 seen = 0;
+                    for (int t = 0; t < 16; ++t) {
+                        const bool valid = r0 + t >= lo && r0 + t < hi;
+                        const int64_t at = (slot0 + t) * num_kv_heads + kh;
+                        ks[t] = valid ? k_scale[at] : 0.0f;
+                        w.vsc[kh * INT8_CHUNK + i * block_size + r0 + t] =
+                            valid ? v_scale[at] : 0.0f;
+                        seen |= static_cast<__mmask16>(valid) << t;
+                    }
+                    rows_i16<D>(k8 + slot0 * row_stride + kh * D, row_stride, w.keys);
+                    const __m512 kscale = _mm512_load_ps(ks);
+                    for (int g = 0; g < G; ++g) {
+                        const int h = kh * G + g;
+                        const __m512 dot = _mm512_cvtepi32_ps(dots16<D>(w.q16 + h * D, w.keys));
+                        const __m512 sc = _mm512_mul_ps(_mm512_mul_ps(dot, kscale),
+                                                        _mm512_set1_ps(w.qs[h]));
+                        _mm512_storeu_ps(w.s + h * INT8_CHUNK + i * block_size + r0,
+                                         _mm512_mask_mov_ps(_mm512_set1_ps(NEG_INF), seen, sc));
+                    }
+                }
+            }
+        }
+        // one softmax update per head for the chunk; probabilities times their value
+        // scales, as int16 with a scale of the head's own
+        for (int h = 0; h < num_heads; ++h) {
+            float* sh = w.s + h * INT8_CHUNK;
+            const float* vs = w.vsc + (h / G) * INT8_CHUNK;
+            __m512 mx = _mm512_set1_ps(NEG_INF);
+            for (int i = 0; i < n; i += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sh + i));
+            const float m_new = std::max(w.m[h], _mm512_reduce_max_ps(mx));
+            if (m_new == NEG_INF) {  // nothing seen in this chunk: it adds nothing
+                w.corr[h] = 1.0f;
+                w.ps[h] = 0.0f;
+                std::fill(w.p16 + h * INT8_CHUNK, w.p16 + h * INT8_CHUNK + n, int16_t{0});
+                continue;
+            }
+            w.corr[h] = fast_exp(w.m[h] - m_new);
+            const __m512 mv = _mm512_set1_ps(m_new);
+            __m512 sum = _mm512_setzero_ps();
+            for (int i = 0; i < n; i += 16) {
+                const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sh + i), mv));
+                sum = _mm512_add_ps(sum, e);
+                _mm512_storeu_ps(sh + i, _mm512_mul_ps(e, _mm512_loadu_ps(vs + i)));
+            }
+            w.l[h] = w.l[h] * w.corr[h] + _mm512_reduce_add_ps(sum);
+            w.m[h] = m_new;
+            w.ps[h] = quantize_i16(sh, n, w.p16 + h * INT8_CHUNK);
+        }
+        // pass 2: the values, one KV head at a time over the chunk's blocks
+        for (int kh = 0; kh < num_kv_heads; ++kh) {
+            const int h0 = kh * G;
+            values_heads<D>(v8 + kh * D, w.bases, blocks, block_size, row_stride,
+                            w.p16 + h0 * INT8_CHUNK, INT8_CHUNK, w.corr + h0, w.ps + h0,
+                            w.acc + h0 * D, G);
+        }
+    }
+    for (int h = 0; h < num_heads; ++h) {
+        const float inv = w.l[h] > 0.0f ? 1.0f / w.l[h] : 0.0f;  // no visible key: zeros
+        for (int d = 0; d < D; ++d) w.row[d] = w.acc[h * D + value_dim_order(d)];
+        store_row<QT>(out, (seq * num_heads + h) * D, w.row, inv, D);
+    }
+}
+
+template <int QT>
+DecodeSeqFn pick_int8(int head_dim, int block_size) {
+    if (block_size % 16 != 0 || block_size > INT8_CHUNK) return nullptr;
+    switch (head_dim) {
+        case 32: return decode_seq_int8<QT, 32>;
+        case 64: return decode_seq_int8<QT, 64>;
+        case 96: return decode_seq_int8<QT, 96>;
+        case 128: return decode_seq_int8<QT, 128>;
+        case 256: return decode_seq_int8<QT, 256>;
+        default: return nullptr;
+    }
+}
+#endif
+
+}  // namespace
