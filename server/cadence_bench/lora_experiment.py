@@ -68,7 +68,8 @@ class E5Plan:
 
 
 PLANS = {
-    "full": E5Plan((1, 8, 64, 512, 2000), 1024, 128, 64, 32, 8),
+    # the documents' scale: prompts of 512 tokens, outputs of 128, a few hundred requests
+    "full": E5Plan((1, 8, 64, 512, 2000), 256, 512, 128, 32, 8),
     "quick": E5Plan((1, 8, 64), 128, 64, 32, 32, 8),
 }
 
