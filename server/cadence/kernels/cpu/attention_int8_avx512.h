@@ -2,17 +2,19 @@
 // float16 queries on the AVX512-BF16 build (which has VNNI): vpdpwssd multiplies pairs of
 // int16 into int32 sums, so the cache's int8 rows are only sign-extended (one instruction
 // per 32 elements) where decode_seq_dpbf16 converts them to bfloat16 through float32
-// (five). The query is quantized to int16 per head (amax / 32767: its rounding error is
-// below what the query's own bfloat16 or float16 rounding already holds), the
-// probabilities to int16 per head and chunk in the same way; every product and sum of
-// them is exact in int32, and the scales multiply once per score and once per chunk.
+// (five). The query is quantized to int16 per head (step amax / 32767: an error of at
+// most amax / 65534 per element, finer than bfloat16's own rounding of every element
+// above amax / 128), the probabilities to int16 per head and chunk in the same way; every
+// product and sum of them is exact in int32, and the scales multiply once per score and
+// once per chunk. The tests hold it to the float32 reference within bfloat16's and
+// float16's tolerances (tests/kernels/test_cpu_kernels.py).
 //
-// Two passes per chunk of CHUNK positions instead of an online softmax per 16-row block:
+// Two passes per chunk of INT8_CHUNK positions instead of an online softmax per 16-row block:
 // the chunk's scores (its keys read once, block by block), one softmax update for the
 // chunk (one max, one rescale of the accumulators), then its values, one KV head at a
 // time with its query heads' int32 sums in registers across the whole chunk. A chunk
 // bounds the scratch for any context and keeps the value sums from overflowing int32
-// (CHUNK rows of 32767 * 128 products, two per lane and row pair: under 2^31).
+// (INT8_CHUNK rows of 32767 * 128 products, two per lane and row pair: under 2^31).
 //
 // Rows the query does not see (other sequences' slots of a shared last block, rows before
 // a sliding window) get a score of -inf and a probability of exactly 0: their int8 codes
