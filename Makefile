@@ -85,7 +85,7 @@ test-rust:
 	cargo test --manifest-path router/Cargo.toml --quiet
 
 test-python:
-	$(PY) -m pytest -q server/tests integration-tests
+	$(PY) -m pytest -q --durations=25 server/tests integration-tests
 
 lint:
 	$(PY) -m ruff check server benchmarks integration-tests
