@@ -75,10 +75,10 @@ def add_bench_parser(sub: Any) -> None:
         action="append",
         default=[],
         metavar="TEXT",
-        help="E1-E4, E6: measure only the configurations whose slug (record name) contains "
-        "TEXT; repeatable",
+        help="measure only the configurations whose slug (record name; E5: base, lora-N, "
+        "merged, real-N) contains TEXT; repeatable",
     )
-    _switch(e, "--fresh", "E1-E4, E6: measure again even what is recorded with the same settings")
+    _switch(e, "--fresh", "measure again even what is recorded with the same settings")
     _switch(e, "--report-only", "E1-E4, E6: render the report from the records; launch nothing")
     _flag(
         e,
@@ -490,6 +490,8 @@ def run_experiment_command(args: argparse.Namespace) -> int:
             quick=args.quick,
             num_prompts=args.num_prompts,
             adapters_dir=args.adapters_dir,
+            only=tuple(args.only),
+            fresh=args.fresh,
         )
         return 0
     from cadence_bench.experiments import run_experiment

@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from cadence_bench import e5_progress
 from cadence_bench.adapter_maker import make_adapters
 from cadence_bench.adapter_merge import MERGED_WEIGHTS, merge_adapter
 from cadence_bench.adapter_workload import (
@@ -36,6 +37,7 @@ from cadence_bench.adapter_workload import (
 )
 from cadence_bench.datasets import BenchRequest, PromptMaker, load_tokenizer
 from cadence_bench.e5_arithmetic import ShareTime, share_sizes
+from cadence_bench.e5_progress import E5Progress, MergedShares
 from cadence_bench.e5_records import E5Records, RealMerged, ServedRun, save
 from cadence_bench.e5_report import PLOT, plot, probes_text, shares_table, summary, table
 from cadence_bench.experiments import _cpu_class, _cpus
@@ -253,34 +255,34 @@ def run_e5(
     quick: bool = False,
     num_prompts: int | None = None,
     adapters_dir: str | None = None,
-) -> E5Records:
+    only: tuple[str, ...] = (),
+    fresh: bool = False,
+) -> E5Records | None:
+    """Measures what `out_dir`'s progress file lacks (of it, the configurations whose slug
+    contains one of `only`), saving after each launch; writes the report once every
+    configuration is measured (None until then)."""
     plan = PLANS["quick" if quick else "full"]
     if num_prompts:
         plan = E5Plan(**{**asdict(plan), "num_prompts": num_prompts})
     model = _float_copy(_served_folder(server_args))
     folder = Path(adapters_dir) if adapters_dir else default_adapters_dir(model)
-    load_start = os.getloadavg()[0]
-    driver = Driver(plan, model, _without_model_id(server_args), folder)
-    probes: dict[str, str] = {}
-    base = driver.base(probes)
-    lora = [driver.lora(n, probes) for n in plan.adapter_counts]
-    sizes = share_sizes(c for run in lora for c in run.counts.values())
-    shares, switch_s, read_s = driver.merged_shares(sizes, probes)
-    real = [driver.merged_for_real(n) for n in plan.adapter_counts if n <= plan.real_merged_max]
-    records = E5Records(
-        plan={**asdict(plan), "model": model, "adapters_dir": str(folder)},
-        machine=f"{platform.machine()}, {_cpus()} CPUs ({_cpu_class()})",
-        base=base,
-        lora=lora,
-        shares=shares,
-        switch_s=switch_s,
-        weights_read_s=read_s,
-        real=real,
-        probes=probes,
-        load_average=(load_start, os.getloadavg()[0]),
-    )
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    progress = e5_progress.load(out, {**asdict(plan), "model": model}, fresh)
+    todo = [slug for slug in progress.missing() if not only or any(text in slug for text in only)]
+    started = time.perf_counter()
+    if todo:
+        if not progress.load_start:
+            progress.load_start = os.getloadavg()[0]
+        driver = Driver(plan, model, _without_model_id(server_args), folder)
+        for i, slug in enumerate(todo, 1):
+            measure_one(driver, progress, slug)
+            e5_progress.save(progress, out)
+            elapsed = (time.perf_counter() - started) / 60
+            print(f"[E5 {i}/{len(todo)}] {slug}: done; E5 elapsed {elapsed:.1f} min", flush=True)
+    if progress.missing():
+        print(f"E5: not yet measured: {', '.join(progress.missing())} (run again to go on)")
+        return None
+    records = records_from(progress, folder)
     save(records, out / "E5-records.json")
     plot(records, out / PLOT)
     command = "cadence bench experiment E5" + (" --quick" if quick else "")
@@ -291,6 +293,39 @@ def run_e5(
     (out / "E5.md").write_text(document(records, command))
     print(f"wrote {out / 'E5.md'}")
     return records
+
+
+def measure_one(driver: Driver, progress: E5Progress, slug: str) -> None:
+    """One configuration's launch(es), into `progress`."""
+    if slug == "base":
+        progress.base = driver.base(progress.probes)
+    elif slug == "merged":
+        counts = (adapter_counts(driver.workload(n)).values() for n in driver.plan.adapter_counts)
+        sizes = share_sizes(c for each in counts for c in each)
+        progress.merged = MergedShares(*driver.merged_shares(sizes, progress.probes))
+    else:
+        kind, _, n = slug.partition("-")
+        if kind == "lora":
+            progress.lora[int(n)] = driver.lora(int(n), progress.probes)
+        else:
+            progress.real[int(n)] = driver.merged_for_real(int(n))
+
+
+def records_from(progress: E5Progress, folder: Path) -> E5Records:
+    plan = progress.plan
+    assert progress.base is not None and progress.merged is not None
+    return E5Records(
+        plan={**plan, "adapters_dir": str(folder)},
+        machine=f"{platform.machine()}, {_cpus()} CPUs ({_cpu_class()})",
+        base=progress.base,
+        lora=[progress.lora[n] for n in plan["adapter_counts"]],
+        shares=progress.merged.shares,
+        switch_s=progress.merged.switch_s,
+        weights_read_s=progress.merged.weights_read_s,
+        real=[progress.real[n] for n in sorted(progress.real)],
+        probes=progress.probes,
+        load_average=(progress.load_start, os.getloadavg()[0]),
+    )
 
 
 def document(records: E5Records, command: str) -> str:

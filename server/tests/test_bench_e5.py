@@ -1,11 +1,13 @@
-"""E5's arithmetic (the merged-copy baseline composed from share times, ratios, the goal)
-and its document and plot rendered from records, without measuring anything."""
+"""E5's arithmetic (the merged-copy baseline composed from share times, ratios, the goal),
+its progress kept between runs (resume, one configuration at a time), and its document
+and plot rendered from records, without measuring anything."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+from cadence_bench import e5_progress
 from cadence_bench.e5_arithmetic import (
     GoalCheck,
     ShareTime,
@@ -16,7 +18,7 @@ from cadence_bench.e5_arithmetic import (
 )
 from cadence_bench.e5_records import E5Records, RealMerged, ServedRun, from_json, to_json
 from cadence_bench.e5_report import plot, summary, table
-from cadence_bench.lora_experiment import document
+from cadence_bench.lora_experiment import document, records_from
 
 SHARES = {
     1: ShareTime(1, 2.0, 64),
@@ -132,3 +134,56 @@ def test_records_round_trip_and_render(tmp_path: Path) -> None:
     assert text.startswith("# E5: LoRA serving as the number of adapters grows")
     assert "`cadence bench experiment E5 --quick`" in text and "x86_64, 2 CPUs (test)" in text
     assert table(records) in text and "' the tide'" in text
+
+
+PLAN = {
+    "adapter_counts": [1, 64],
+    "num_prompts": 8,
+    "input_len": 64,
+    "output_len": 64,
+    "concurrency": 32,
+    "real_merged_max": 8,
+    "model": "/m",
+}
+
+
+def test_progress_names_every_configuration_and_what_is_left() -> None:
+    progress = e5_progress.E5Progress(dict(PLAN))
+    assert progress.slugs() == ["base", "lora-1", "lora-64", "merged", "real-1"]
+    assert progress.missing() == progress.slugs()
+    records = _records(lora_ran=True)
+    progress.base = records.base
+    progress.lora[64] = records.lora[1]
+    progress.real[1] = records.real[0]
+    assert progress.missing() == ["lora-1", "merged"]
+
+
+def test_progress_resumes_only_for_the_same_plan(tmp_path: Path) -> None:
+    records = _records(lora_ran=True)
+    progress = e5_progress.E5Progress(dict(PLAN), base=records.base, probes=records.probes)
+    progress.lora = {1: records.lora[0], 64: records.lora[1]}
+    progress.merged = e5_progress.MergedShares(records.shares, 10.0, 0.5)
+    progress.real = {1: records.real[0]}
+    progress.load_start = 1.5
+    e5_progress.save(progress, tmp_path)
+    # the plan as run_e5 builds it (tuples): the same plan as the file's lists
+    again = e5_progress.load(tmp_path, {**PLAN, "adapter_counts": (1, 64)}, fresh=False)
+    assert again == progress and again.missing() == []
+    assert e5_progress.load(tmp_path, {**PLAN, "num_prompts": 16}, fresh=False).base is None
+    assert e5_progress.load(tmp_path, PLAN, fresh=True).missing() == progress.slugs()
+    assert not (tmp_path / (e5_progress.PROGRESS_FILE + ".tmp")).exists()
+
+
+def test_a_complete_progress_renders_the_records(tmp_path: Path) -> None:
+    records = _records(lora_ran=True)
+    progress = e5_progress.E5Progress(
+        {**PLAN, "adapter_counts": [1, 64]}, base=records.base, probes=records.probes
+    )
+    progress.lora = {64: records.lora[1], 1: records.lora[0]}
+    progress.merged = e5_progress.MergedShares(records.shares, 10.0, 0.5)
+    progress.real = {1: records.real[0]}
+    rendered = records_from(progress, Path("/a"))
+    assert [run.num_adapters for run in rendered.lora] == [1, 64]  # the plan's order
+    assert rendered.shares == records.shares and rendered.real == records.real
+    assert rendered.plan["adapters_dir"] == "/a" and rendered.probes == records.probes
+    assert table(rendered) == table(records)
