@@ -27,6 +27,7 @@
 #include "attention_avx512_bf16.h"
 #include "cache_rows.h"
 #include "fast_exp.h"
+#include "quant_rows.h"  // set_all
 
 #include <algorithm>
 #include <cstdint>
@@ -96,13 +97,6 @@ inline __m512i dots16(const int16_t* q16, const int16_t* keys) {
     return reduce16i(dots);
 }
 
-// Every int32 sum of a (nested) array of registers set to 0.
-inline void set_all_i(__m512i& x) { x = _mm512_setzero_si512(); }
-template <typename T, size_t N>
-inline void set_all_i(T (&a)[N]) {
-    for (auto& e : a) set_all_i(e);
-}
-
 // acc_i[g] += sum over the rows of `blocks` blocks of p16[g][t] * V[t] for GB query heads
 // of one KV head: row pairs interleaved (unpacklo/hi on int16, the dimension order of
 // accumulate_value_pairs, value_dim_order) against the pair (p[t], p[t + 1]) of each head.
@@ -113,7 +107,7 @@ inline void values_int16(const int8_t* v_cache, const int64_t* bases, int blocks
                          const float* corr, const float* ps, float* acc) {
     constexpr int V = D / 16, C = D / 32;
     __m512i a[GB][V];
-    set_all_i(a);
+    cadence_quant::set_all(a, _mm512_setzero_si512());
     for (int b = 0; b < blocks; ++b) {
         const int8_t* rows = v_cache + bases[b] * row_stride;
         for (int t = 0; t < block_size; t += 2) {
