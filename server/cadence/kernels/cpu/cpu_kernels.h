@@ -28,12 +28,28 @@ namespace cadence_kernels {
 // two fp8 formats with one float32 scale per layer.
 enum DType : int { F32 = 0, BF16 = 1, F16 = 2, I8 = 3, F8E4M3 = 4, F8E5M2 = 5 };
 
-// What an entry point returns (the shim names each in its error).
-enum Status : int { OK = 0, BAD_HEADS = 1, BAD_DTYPE = 2 };
+// What an entry point returns (the shim names each in its error). The last four are
+// cadence_quant_matmul_tiles': hardware AMX asked for without cadence_amx_request's grant;
+// a library built without the AMX kernel (every build but avx512_bf16); a tiles argument
+// not one of QuantTiles; an instruction the emulated tiles record as one the hardware
+// refuses (a kernel bug).
+enum Status : int {
+    OK = 0,
+    BAD_HEADS = 1,
+    BAD_DTYPE = 2,
+    NO_AMX = 3,
+    NO_AMX_KERNEL = 4,
+    BAD_TILES = 5,
+    TILE_FAULT = 6,
+};
 
 // The quantized weight formats of cadence_quant_matmul: int4 per group, int8 per output
 // channel, int8 per block of 32 input columns (GGUF's Q8_0).
 enum QuantFormat : int { QUANT_INT4 = 0, QUANT_INT8 = 1, QUANT_INT8_BLOCKS = 2 };
+
+// How cadence_quant_matmul_tiles computes its dot products: AMX's instructions, or their
+// emulation (amx_tiles.h: what the instructions compute, on any CPU with AVX-512 VNNI).
+enum QuantTiles : int { TILES_AMX = 1, TILES_EMULATED = 2 };
 
 }  // namespace cadence_kernels
 
@@ -120,5 +136,18 @@ int cadence_lora_expand(void* y, int64_t y_stride, int64_t out_offset, const voi
 int cadence_quant_matmul(const void* x, int64_t x_stride, int64_t m, int64_t k,
                          const void* packed, const float* scales, int64_t n, int format,
                          void* y, int64_t y_stride, int dtype, int num_threads);
+
+// 1 when this process may run AMX-INT8 (the CPU has AMX-TILE and AMX-INT8 and Linux granted
+// the tile data state), else 0; asked once, the answer kept. 0 from every library but
+// avx512_bf16's, which alone has the AMX kernel.
+int cadence_amx_request(void);
+
+// cadence_quant_matmul with AMX-INT8 tiles (quant_amx.h): `tiles` TILES_AMX (NO_AMX unless
+// cadence_amx_request granted AMX in this process) or TILES_EMULATED. Bitwise equal to
+// cadence_quant_matmul of the same library (avx512_bf16's; NO_AMX_KERNEL from the others).
+int cadence_quant_matmul_tiles(const void* x, int64_t x_stride, int64_t m, int64_t k,
+                               const void* packed, const float* scales, int64_t n, int format,
+                               void* y, int64_t y_stride, int dtype, int num_threads,
+                               int tiles);
 
 }  // extern "C"

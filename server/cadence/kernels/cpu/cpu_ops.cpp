@@ -32,6 +32,8 @@
 //     lora_expand_rows_(y!, h, rows_out, b_idx, piece_ranks, rank_start, out_offset,
 //                       row_adapter, rows, first_row)
 //     quant_matmul(x, packed, scales, out_features, format) -> y
+//     quant_matmul_tiles(x, packed, scales, out_features, format, tiles) -> y
+//     amx_available() -> bool
 //
 // The LoRA pair covers some rows of a step (rows[i], or first_row + i when rows is None;
 // row_adapter[i] their adapters, -1 none), reading the adapters' rows in place in the KV
@@ -40,7 +42,10 @@
 //
 // quant_matmul multiplies by an int4 (format 0) or int8 (format 1) weight packed by
 // cadence/quant/cpu_gemm.py, its activations quantized to int8 on the way in
-// (quant_kernels.cpp; quant_checks.h).
+// (quant_kernels.cpp; quant_checks.h). quant_matmul_tiles is the same product on AMX-INT8
+// tiles (quant_amx.h), bitwise equal to it: tiles 1 the hardware's (where amx_available(),
+// which asks the selected kernels, and with them Linux, once), 2 their emulation (any CPU
+// running the avx512_bf16 kernels, the only ones with the AMX kernel).
 //
 // k_scale/v_scale: an int8 or fp8 cache's scales (cadence/kv_format.py), None for a float
 // cache.
@@ -98,6 +103,8 @@ struct Kernels {
     decltype(&cadence_lora_shrink) lora_shrink;
     decltype(&cadence_lora_expand) lora_expand;
     decltype(&cadence_quant_matmul) quant_matmul;
+    decltype(&cadence_amx_request) amx_request;
+    decltype(&cadence_quant_matmul_tiles) quant_matmul_tiles;
 };
 
 // Every call reads the table through one atomic pointer; a selection swaps it. Tables are
@@ -135,6 +142,8 @@ void select_kernels(c10::string_view isa, c10::string_view path_view) {
         resolve(library, path, "cadence_lora_shrink", fresh->lora_shrink);
         resolve(library, path, "cadence_lora_expand", fresh->lora_expand);
         resolve(library, path, "cadence_quant_matmul", fresh->quant_matmul);
+        resolve(library, path, "cadence_amx_request", fresh->amx_request);
+        resolve(library, path, "cadence_quant_matmul_tiles", fresh->quant_matmul_tiles);
         table = std::move(fresh);
     }
     selected.store(table.get(), std::memory_order_release);
@@ -160,10 +169,18 @@ const Kernels& kernels() {
 // Raises the error naming the entry point of `table` that returned a non-zero status.
 void check_status(const Kernels& table, int status, const char* entry_point) {
     if (status == cadence_kernels::OK) return;
-    const char* why = status == cadence_kernels::BAD_HEADS
-                          ? "the query heads are not a multiple of the KV heads"
-                      : status == cadence_kernels::BAD_DTYPE ? "no kernel for the dtypes"
-                                                             : "an unknown status";
+    using namespace cadence_kernels;
+    const char* why =
+        status == BAD_HEADS ? "the query heads are not a multiple of the KV heads"
+        : status == BAD_DTYPE ? "no kernel for the dtypes"
+        : status == NO_AMX
+            ? "AMX-INT8 is not usable in this process (the CPU lacks it, or Linux refused "
+              "the tile data permission: amx_available() is False)"
+        : status == NO_AMX_KERNEL ? "these kernels have no AMX kernel (only avx512_bf16's do)"
+        : status == BAD_TILES ? "tiles must be 1 (AMX) or 2 (emulated AMX)"
+        : status == TILE_FAULT
+            ? "the emulated AMX tiles ran an instruction the hardware refuses (a kernel bug)"
+            : "an unknown status";
     TORCH_CHECK(false, entry_point, " (", table.isa, " kernels) failed with status ", status,
                 ": ", why);
 }
@@ -604,28 +621,59 @@ void lora_expand_rows_(const Tensor& y, const Tensor& h, const Tensor& rows_out,
 
 // ---- quantized weights ---------------------------------------------------------------------
 
+// Whether the selected kernels may run AMX-INT8 in this process (they ask once).
+bool amx_available() { return kernels().amx_request() == 1; }
+
+// quant_matmul (tiles 0) and quant_matmul_tiles (1: AMX, 2: emulated AMX).
 template <Impl I>
-Tensor quant_matmul(const Tensor& x, const Tensor& packed, const Tensor& scales,
-                    int64_t out_features, int64_t format) {
-    constexpr const char* op = "quant_matmul";
+Tensor quant_product(const char* op, const Tensor& x, const Tensor& packed,
+                     const Tensor& scales, int64_t out_features, int64_t format, int64_t tiles) {
     if constexpr (I == Impl::Meta) {
         on_cpu(op, {{"x", &x}, {"packed", &packed}, {"scales", &scales}});
     }
     const auto sizes = quant_checks::quant_matmul(op, x, packed, scales, out_features, format);
+    if (tiles != 0 && tiles != cadence_kernels::TILES_AMX &&
+        tiles != cadence_kernels::TILES_EMULATED) {
+        checks::fail(op, "tiles must be 1 (AMX) or 2 (emulated AMX), got ", tiles);
+    }
     Tensor y = at::empty_symint({sizes.rows, SymInt(out_features)}, x.options());
     if constexpr (I == Impl::CPU) {
-        const int64_t rows = as_int(sizes.rows);
-        if (rows == 0) return y;
-        const auto x_rows = packed_columns(x);
+        const int64_t rows = as_int(sizes.rows), in = as_int(sizes.in);
+        if (rows == 0 && tiles == 0) return y;
         const Kernels& k = kernels();
-        const int status = k.quant_matmul(
-            x_rows->const_data_ptr(), x_rows->stride(0), rows, as_int(sizes.in),
-            packed.const_data_ptr(), scales.const_data_ptr<float>(), out_features,
-            static_cast<int>(format), y.mutable_data_ptr(), out_features, code(x.scalar_type()),
-            threads());
-        check_status(k, status, "cadence_quant_matmul");
+        // the kernels run AMX once asked (the answer kept): a caller need not ask first
+        if (tiles == cadence_kernels::TILES_AMX) k.amx_request();
+        const auto x_rows = packed_columns(x);
+        const void* xp = x_rows->const_data_ptr();
+        const float* sp = scales.const_data_ptr<float>();
+        const int fmt = static_cast<int>(format), dtype = code(x.scalar_type());
+        if (tiles == 0) {
+            const int status =
+                k.quant_matmul(xp, x_rows->stride(0), rows, in, packed.const_data_ptr(), sp,
+                               out_features, fmt, y.mutable_data_ptr(), out_features, dtype,
+                               threads());
+            check_status(k, status, "cadence_quant_matmul");
+        } else {  // even with no rows: tiles 1 without AMX fails whatever the input
+            const int status = k.quant_matmul_tiles(
+                xp, x_rows->stride(0), rows, in, packed.const_data_ptr(), sp, out_features, fmt,
+                y.mutable_data_ptr(), out_features, dtype, threads(), static_cast<int>(tiles));
+            check_status(k, status, "cadence_quant_matmul_tiles");
+        }
     }
     return y;
+}
+
+template <Impl I>
+Tensor quant_matmul(const Tensor& x, const Tensor& packed, const Tensor& scales,
+                    int64_t out_features, int64_t format) {
+    return quant_product<I>("quant_matmul", x, packed, scales, out_features, format, 0);
+}
+
+template <Impl I>
+Tensor quant_matmul_tiles(const Tensor& x, const Tensor& packed, const Tensor& scales,
+                          int64_t out_features, int64_t format, int64_t tiles) {
+    return quant_product<I>("quant_matmul_tiles", x, packed, scales, out_features, format,
+                            tiles);
 }
 
 }  // namespace
@@ -677,6 +725,10 @@ TORCH_LIBRARY_FRAGMENT(cadence, m) {
     m.def(
         "quant_matmul(Tensor x, Tensor packed, Tensor scales, int out_features, int format) "
         "-> Tensor");
+    m.def(
+        "quant_matmul_tiles(Tensor x, Tensor packed, Tensor scales, int out_features, "
+        "int format, int tiles) -> Tensor");
+    m.def("amx_available() -> bool", TORCH_FN(cadence_ops::amx_available));
     // No tensors: these run whatever the dispatch keys (a catch-all kernel).
     m.def("_select_kernels(str isa, str path) -> ()", TORCH_FN(cadence_ops::select_kernels));
     m.def("_selected_kernels() -> str", TORCH_FN(cadence_ops::selected_kernels));
@@ -698,7 +750,8 @@ TORCH_LIBRARY_FRAGMENT(cadence, m) {
     m.impl("decode_layer_attention.out", TORCH_FN(cadence_ops::decode_layer_attention_out<I>)); \
     m.impl("lora_shrink_rows_", TORCH_FN(cadence_ops::lora_shrink_rows_<I>));                 \
     m.impl("lora_expand_rows_", TORCH_FN(cadence_ops::lora_expand_rows_<I>));                 \
-    m.impl("quant_matmul", TORCH_FN(cadence_ops::quant_matmul<I>));
+    m.impl("quant_matmul", TORCH_FN(cadence_ops::quant_matmul<I>));                           \
+    m.impl("quant_matmul_tiles", TORCH_FN(cadence_ops::quant_matmul_tiles<I>));
 
 TORCH_LIBRARY_IMPL(cadence, CPU, m) { CADENCE_IMPLS(m, cadence_ops::Impl::CPU) }
 TORCH_LIBRARY_IMPL(cadence, Meta, m) { CADENCE_IMPLS(m, cadence_ops::Impl::Meta) }

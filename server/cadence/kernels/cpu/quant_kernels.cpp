@@ -28,11 +28,15 @@
 // vpmaddwd for vpdpbusd); the others (scalar, and AVX-512 without VNNI) run the same
 // arithmetic in portable C++ (the tests hold all of them to one reference). Each thread takes one run of column blocks; a tile's weights stay in
 // cache for every row tile, and the first row tile asks for the next tile's weights.
+//
+// The VNNI build also has AMX-INT8 tiles (quant_amx.h; cadence_quant_matmul_tiles), in the
+// hardware's instructions or their emulation, bitwise equal to its VNNI product.
 
 #include "cpu_elements.h"
 #include "cpu_kernels.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -45,6 +49,8 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include "quant_tiles_avx512.h"
 #define CADENCE_QUANT_VECTOR_TILES 1
+#include "quant_amx.h"
+#define CADENCE_QUANT_AMX 1
 // x86-64-v4 has AVX2 too: the avx512 build (no VNNI) keeps the portable tiles
 #elif defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #include "quant_tiles_avx2.h"
@@ -253,6 +259,49 @@ void column_blocks(int format, const uint8_t* packed, const float* sz, int64_t n
     }
 }
 
+#ifdef CADENCE_QUANT_AMX
+std::atomic<bool> amx_granted{false};  // cadence_amx_request's answer in this process
+
+// AMX's tiles take 16 rows: rows m .. the next multiple of 16 made zero rows (scales too),
+// computed and never stored.
+void pad_rows(QuantizedRows& a, int64_t m) {
+    const int64_t padded = (m + amx::TILE_ROWS - 1) / amx::TILE_ROWS * amx::TILE_ROWS;
+    a.q.resize(padded * a.k32 * BLOCK);
+    std::fill(a.q.begin() + m * a.k32 * BLOCK, a.q.end(), 0);
+    for (std::vector<float>* v : {&a.d, &a.dsum}) {
+        v->resize(padded * a.k32);
+        std::fill(v->begin() + m * a.k32, v->end(), 0.0f);
+    }
+    a.correction.resize(padded);
+    std::fill(a.correction.begin() + m, a.correction.end(), 0.0f);
+}
+
+// cadence_quant_matmul's product on AMX tiles: the same quantized rows, the same split of
+// column blocks between threads, each thread configuring its own tiles.
+template <class Tiles>
+int amx_matmul(const void* x, int64_t x_stride, int64_t m, int64_t k, const uint8_t* w,
+               const float* scales, int64_t n, int format, void* y, int64_t y_stride, int dtype,
+               int num_threads) {
+    QuantizedRows& a = quantize_rows(x, x_stride, m, k, dtype, num_threads);
+    pad_rows(a, m);
+    const int64_t blocks = (n + COLS - 1) / COLS;
+    const int threads =
+        static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, blocks)));
+    const auto store = [=](int64_t r, int64_t col0, int64_t cols, const float* v) {
+        store_row(y, y_stride, r, col0, cols, v, dtype);
+    };
+    std::atomic<bool> faulted{false};
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
+        if (!amx::column_blocks<Tiles>(format, w, scales, blocks * t / count,
+                                       blocks * (t + 1) / count, a, m, n, store))
+            faulted = true;
+    }
+    return faulted ? TILE_FAULT : OK;
+}
+#endif  // CADENCE_QUANT_AMX
+
 }  // namespace
 
 extern "C" {
@@ -276,6 +325,40 @@ int cadence_quant_matmul(const void* x, int64_t x_stride, int64_t m, int64_t k,
                       y_stride, dtype);
     }
     return OK;
+}
+
+int cadence_amx_request(void) {
+#ifdef CADENCE_QUANT_AMX
+    static const bool granted = cadence_amx::request_permission();  // once, thread-safe
+    amx_granted = granted;
+    return granted ? 1 : 0;
+#else
+    return 0;
+#endif
+}
+
+int cadence_quant_matmul_tiles(const void* x, int64_t x_stride, int64_t m, int64_t k,
+                               const void* packed, const float* scales, int64_t n, int format,
+                               void* y, int64_t y_stride, int dtype, int num_threads,
+                               int tiles) {
+    if ((dtype != F32 && dtype != BF16) ||
+        (format != QUANT_INT4 && format != QUANT_INT8 && format != QUANT_INT8_BLOCKS))
+        return BAD_DTYPE;
+    if (tiles != TILES_AMX && tiles != TILES_EMULATED) return BAD_TILES;
+#ifdef CADENCE_QUANT_AMX
+    if (tiles == TILES_AMX && !amx_granted) return NO_AMX;
+    if (m == 0 || n == 0) return OK;
+    const uint8_t* w = static_cast<const uint8_t*>(packed);
+    return tiles == TILES_AMX
+               ? amx_matmul<cadence_amx::HardwareTiles>(x, x_stride, m, k, w, scales, n, format,
+                                                        y, y_stride, dtype, num_threads)
+               : amx_matmul<cadence_amx::EmulatedTiles>(x, x_stride, m, k, w, scales, n, format,
+                                                        y, y_stride, dtype, num_threads);
+#else
+    (void)x, (void)x_stride, (void)m, (void)k, (void)packed, (void)scales, (void)n, (void)y;
+    (void)y_stride, (void)num_threads;
+    return NO_AMX_KERNEL;
+#endif
 }
 
 }  // extern "C"

@@ -1,0 +1,115 @@
+"""`python -m cadence.kernels.cpu.amx_check`: whether the AMX-INT8 product of quantized
+weights (`torch.ops.cadence.quant_matmul_tiles` with tiles 1, `quant_amx.h`) runs on this
+machine and gives the VNNI product's bits (`quant_matmul` of the same avx512_bf16
+kernels). It runs in a process of its own because a CPU, kernel or hypervisor that
+mishandles AMX kills the process (SIGILL) rather than raising: exit 0 and one line when
+every case matches, 1 and the reason otherwise.
+
+`usable()` runs it as a subprocess, for the launcher to decide on AMX before any shard
+starts (what it computes with stays out of the launcher's process; importing this module
+still imports its package's torch). The kernels should be built beforehand (`python -m
+cadence.kernels.cpu`): a build inside the check counts against its timeout.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+from cadence import cpu_isa
+
+MODULE = "cadence.kernels.cpu.amx_check"
+AMX_FLAGS = frozenset({"amx_tile", "amx_int8"})  # /proc/cpuinfo's names
+ISA = "avx512_bf16"  # the only kernels with the AMX product
+HARDWARE = 1  # quant_matmul_tiles' tiles: the AMX instructions
+ROWS = (1, 16, 33)  # one row, one whole tile, two tiles and a padded one
+
+
+class AmxUnusable(RuntimeError):
+    pass
+
+
+def no_amx_reason() -> str:
+    """Why `amx_available()` is False here: the CPU, or else the kernel's permission."""
+    if not AMX_FLAGS <= cpu_isa.cpu_flags():
+        return "this CPU has no AMX-INT8"
+    return "the kernel refused AMX permission"
+
+
+def check() -> str:
+    """Compares the AMX product with the VNNI one on a few weights of each format (40
+    output channels: a padded last block of 16) and row counts; the line to report.
+    Raises AmxUnusable with the reason when AMX is not usable or a result differs."""
+    import torch
+
+    from cadence.kernels import cpu
+    from cadence.quant import cpu_gemm
+    from cadence.quant.quantize import quantize_int4, quantize_int8, quantize_int8_blocks
+
+    lacking = cpu_isa.missing(ISA)
+    if lacking:
+        raise AmxUnusable(f"this CPU lacks {', '.join(lacking)} for the {ISA} kernels")
+    cpu.select(ISA)
+    op = torch.ops.cadence
+    if not op.amx_available():
+        raise AmxUnusable(no_amx_reason())
+    g = torch.Generator().manual_seed(0)
+    weights = {
+        "int4": quantize_int4(torch.randn(40, 96, generator=g) * 0.1, 32),
+        "int8": quantize_int8(torch.randn(40, 100, generator=g) * 0.1),
+        "int8 blocks": quantize_int8_blocks(torch.randn(40, 96, generator=g) * 0.1),
+    }
+    cases = 0
+    for name, weight in weights.items():
+        w = cpu_gemm.IntegerCpuKernel(weight).weight
+        for rows in ROWS:
+            for dtype in (torch.float32, torch.bfloat16):
+                x = torch.randn(rows, w.in_features, generator=g).to(dtype)
+                want = op.quant_matmul(x, w.packed, w.scales, w.out_features, w.fmt)
+                got = op.quant_matmul_tiles(x, w.packed, w.scales, w.out_features, w.fmt, HARDWARE)
+                if not torch.equal(got, want):
+                    off = float((got.float() - want.float()).abs().max())
+                    raise AmxUnusable(
+                        f"{name}, {rows} rows, {dtype}: the AMX product differs from VNNI's "
+                        f"(by up to {off:g})"
+                    )
+                cases += 1
+    return f"AMX-INT8 product equals VNNI's bit for bit ({cases} cases)"
+
+
+def main() -> int:
+    try:
+        print(check())
+    except Exception as e:  # whatever fails, AMX is not to be used: say why
+        print(f"AMX-INT8 is not usable: {e}")
+        return 1
+    return 0
+
+
+def usable(timeout_s: float = 60) -> tuple[bool, str]:
+    """(True, the check's line) when the AMX product runs here and matches the VNNI one,
+    else (False, why). Spawns no process where /proc/cpuinfo lacks AMX-INT8."""
+    if not AMX_FLAGS <= cpu_isa.cpu_flags():
+        return False, "this CPU has no AMX-INT8 (/proc/cpuinfo lacks amx_tile or amx_int8)"
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", MODULE], capture_output=True, text=True, timeout=timeout_s
+        )
+    except subprocess.TimeoutExpired:
+        return False, f"the AMX self-test did not finish in {timeout_s:g} s"
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    last = lines[-1] if lines else ""
+    if done.returncode == 0:
+        return True, last
+    if done.returncode < 0:  # killed by a signal: SIGILL where AMX faults
+        try:
+            name = signal.Signals(-done.returncode).name
+        except ValueError:
+            name = f"signal {-done.returncode}"
+        return False, f"the AMX self-test was killed by {name}" + (f" ({last})" if last else "")
+    return False, last or f"the AMX self-test exited with status {done.returncode}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
