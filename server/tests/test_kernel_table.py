@@ -54,7 +54,10 @@ def test_a_measurement_is_written_per_machine_and_read_back(tmp_path: Path) -> N
     assert (kv.rows, kv.context) == (4, 40)
     assert cpu_isa.cpu_model() in measured.key
     for m in measured.formats.values():
-        assert m.kernel == calibrate.choose(m.integer_s, m.float_s)
+        assert m.tiles == calibrate.choose_tiles(m.integer_s, m.amx_s)
+        served = m.amx_s if m.tiles == calibrate.AMX else m.integer_s
+        assert m.kernel == calibrate.choose(served, m.float_s)
+        assert m.amx_s or "AMX tiles not timed" in m.amx_note, m.amx_note
         assert set(m.integer_s) == set(m.float_s) == {calibrate.DECODE_ROWS, calibrate.PREFILL_ROWS}
     path = tmp_path / "kernel_table.json"
     other = replace(table(calibrate.FLOAT, isa, "bfloat16"), key="another machine")
@@ -72,6 +75,50 @@ def test_a_measurement_is_written_per_machine_and_read_back(tmp_path: Path) -> N
     calibrate.write(other, one)
     handed = calibrate.read_for_machine(one, measured.key)
     assert handed is not None and handed.kv_cache == other.kv_cache
+
+
+def test_amx_tiles_serve_where_faster_without_a_margin_and_old_tables_read_as_vector(
+    tmp_path: Path,
+) -> None:
+    vector = {calibrate.DECODE_ROWS: 1.0, calibrate.PREFILL_ROWS: 10.0}
+    slightly = {rows: s * 0.99 for rows, s in vector.items()}
+    assert calibrate.choose_tiles(vector, {}) == calibrate.VECTOR
+    assert calibrate.choose_tiles(vector, slightly) == calibrate.AMX  # same bits: no margin
+    assert calibrate.choose_tiles(slightly, vector) == calibrate.VECTOR
+    entry = calibrate.Measured(
+        calibrate.INTEGER, vector, vector, "now", calibrate.AMX, slightly, "equal bit for bit"
+    )
+    path = tmp_path / "table.json"
+    calibrate.write(calibrate.KernelTable("machine", {"int4": entry}), path)
+    again = calibrate.read(path, "machine")
+    assert again is not None and again.formats["int4"] == entry
+    assert "integer on AMX tiles (" in calibrate.describe(again, "int4")
+    assert "AMX tiles 0.99 / 9.9" not in calibrate.describe(again, "int4")  # ms, not s
+    data = json.loads(path.read_text())  # a table written before the tiles were measured
+    for field in ("tiles", "amx_s", "amx_note"):
+        del data["machine"]["int4"][field]
+    path.write_text(json.dumps(data))
+    old = calibrate.read(path, "machine")
+    assert old is not None and old.formats["int4"].tiles == calibrate.VECTOR
+
+
+def test_a_table_choosing_amx_tiles_serves_on_them_only_where_this_process_may(
+    tmp_path: Path,
+) -> None:
+    """AMX where the CPU has it and the kernel grants it; the vector tiles (the same bits)
+    everywhere else, a handed-over table's choice included."""
+    from cadence.quant import cpu_gemm, setup
+
+    seconds = {calibrate.DECODE_ROWS: 1.0, calibrate.PREFILL_ROWS: 10.0}
+    amx = calibrate.Measured(calibrate.INTEGER, seconds, seconds, "now", calibrate.AMX, seconds)
+    floats = calibrate.Measured(calibrate.FLOAT, seconds, seconds, "now", calibrate.AMX, seconds)
+    try:
+        setup.use_measured_tiles(calibrate.KernelTable("m", {"int4": amx, "int8": floats}))
+        want = cpu_gemm.AMX_TILES if setup.amx_available() else cpu_gemm.VECTOR_TILES
+        assert cpu_gemm.tiles_of("int4") == want
+        assert cpu_gemm.tiles_of("int8") == cpu_gemm.VECTOR_TILES  # the float copy serves
+    finally:
+        cpu_gemm.use_tiles("int4", cpu_gemm.VECTOR_TILES)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

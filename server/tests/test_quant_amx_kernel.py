@@ -64,6 +64,28 @@ def test_amx_gives_the_vnni_products_bits(name, weight, tiles):
             assert torch.equal(got, want), (name, rows, dtype)
 
 
+def test_the_shards_integer_product_serves_on_the_tiles_chosen_for_its_format(tiles):
+    """cpu_gemm.use_tiles routes a format's products (int8 GGUF blocks with int8) to the
+    chosen tiles; the other format's stay on the vector tiles."""
+    int4, int8 = (w for name, w in WEIGHTS if name.startswith("int4")), dict(WEIGHTS)
+    kernels = [
+        cpu_gemm.IntegerCpuKernel(next(int4)),
+        *map(cpu_gemm.IntegerCpuKernel, (int8["int8-72x576"], int8["int8-blocks-72x576"])),
+    ]
+    x = {k: _input(33, k.weight.in_features, 3).to(torch.bfloat16) for k in kernels}
+    want = [k(x[k]) for k in kernels]
+    try:
+        cpu_gemm.use_tiles("int8", tiles)
+        assert cpu_gemm.tiles_of("int8") == tiles and cpu_gemm.tiles_of("int4") == 0
+        for k, expected in zip(kernels, want, strict=True):
+            assert torch.equal(k(x[k]), expected)
+        cpu_gemm.use_tiles("int4", tiles)
+        assert torch.equal(kernels[0](x[kernels[0]]), want[0])
+    finally:
+        cpu_gemm.use_tiles("int4", cpu_gemm.VECTOR_TILES)
+        cpu_gemm.use_tiles("int8", cpu_gemm.VECTOR_TILES)
+
+
 def test_a_strided_input_and_a_zero_block(tiles):
     weight = Int4Weight(*_int4_parts(48, 128), 32)
     wide = _input(20, 256, 7)

@@ -20,6 +20,11 @@ steps to 64 prefill chunks, 4.5 to 1). The
 float copy is chosen only when it is FLOAT_MARGIN faster: it costs the memory of a float
 copy, and a choice that flips with the noise of a shared machine would change answers
 from one start to the next.
+
+On a CPU with AMX-INT8 whose kernel grants it (and whose AMX product passes its self-test
+in a process of its own, `cadence.kernels.cpu.amx_check`), the integer product is timed a
+second time on AMX's tiles, and the faster tiles serve it: both give the same bits, so
+this choice needs no margin.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from cadence.quant.kv_calibrate import KvMeasured
 
 FILE_NAME = "kernel_table.json"
 INTEGER, FLOAT = "integer", "float"
+VECTOR, AMX = "vector", "amx"  # the integer product's tiles: VNNI/AVX2 vectors, AMX's
 # The KV cache's measurements by machine key, beside the machines' product entries (a
 # section of their own, so that a cadence from before them still reads the file).
 KV_CACHE = "kv_cache"
@@ -79,9 +85,12 @@ class Measured:
     """One format's measurement: seconds per pass over the step's products."""
 
     kernel: str  # INTEGER or FLOAT
-    integer_s: dict[int, float]  # rows -> seconds
+    integer_s: dict[int, float]  # rows -> seconds, on the vector tiles
     float_s: dict[int, float]
     measured_at: str = ""
+    tiles: str = VECTOR  # which tiles serve the integer product (VECTOR or AMX)
+    amx_s: dict[int, float] = field(default_factory=dict)  # on AMX's tiles, where timed
+    amx_note: str = ""  # why AMX was not timed, or its self-test's line
 
 
 @dataclass(slots=True)
@@ -111,6 +120,11 @@ def choose(integer_s: dict[int, float], float_s: dict[int, float]) -> str:
     return FLOAT if mix(float_s) * FLOAT_MARGIN < mix(integer_s) else INTEGER
 
 
+def choose_tiles(vector_s: dict[int, float], amx_s: dict[int, float]) -> str:
+    """The faster tiles for the integer product (no margin: they give the same bits)."""
+    return AMX if amx_s and mix(amx_s) < mix(vector_s) else VECTOR
+
+
 def read(path: Path, key: str) -> KernelTable | None:
     """The table measured for `key` in the file at `path`, if it holds one (its KV cache
     measurement None where it was written without one)."""
@@ -127,6 +141,9 @@ def read(path: Path, key: str) -> KernelTable | None:
             {int(r): s for r, s in m["integer_s"].items()},
             {int(r): s for r, s in m["float_s"].items()},
             m.get("measured_at", ""),
+            m.get("tiles", VECTOR),
+            {int(r): s for r, s in m.get("amx_s", {}).items()},
+            m.get("amx_note", ""),
         )
         for fmt, m in entry.items()
     }
@@ -168,6 +185,7 @@ def measure(
     import torch
 
     from cadence.kernels import cpu as cpu_kernels
+    from cadence.quant import cpu_gemm
     from cadence.quant import measure as timing
 
     cpu_kernels.select(isa)
@@ -175,23 +193,55 @@ def measure(
     torch.manual_seed(0)
     table = KernelTable(machine_key(isa, dtype_name))
     layers = timing.SMOLLM2_LAYER_SHAPES * CALIBRATION_LAYERS + [timing.SMOLLM2_HEAD]
+    amx, amx_note = amx_usable(isa)
+    if amx and not torch.ops.cadence.amx_available():  # the self-test's process had it
+        amx, amx_note = False, "AMX tiles not timed: the kernel refused AMX permission"
     for fmt in formats:
         products = timing.build(shapes or layers, fmt, 32, dtype)
-        float_s, integer_s = {}, {}
+        float_s, integer_s, amx_s = {}, {}, {}
         for rows in (DECODE_ROWS, PREFILL_ROWS):
             float_s[rows], integer_s[rows] = timing.time_rows(products, rows, dtype, REPEATS)
+        if amx:
+            cpu_gemm.use_tiles(fmt, cpu_gemm.AMX_TILES)
+            try:
+                for rows in (DECODE_ROWS, PREFILL_ROWS):
+                    amx_s[rows] = timing.time_rows(products, rows, dtype, REPEATS)[1]
+            finally:
+                cpu_gemm.use_tiles(fmt, cpu_gemm.VECTOR_TILES)
+        tiles = choose_tiles(integer_s, amx_s)
+        kernel = choose(amx_s if tiles == AMX else integer_s, float_s)
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-        table.formats[fmt] = Measured(choose(integer_s, float_s), integer_s, float_s, stamp)
+        table.formats[fmt] = Measured(kernel, integer_s, float_s, stamp, tiles, amx_s, amx_note)
     table.kv_cache = kv_calibrate.measure(dtype_name, *kv_step)
     return table
 
 
+def amx_usable(isa: str) -> tuple[bool, str]:
+    """Whether the integer product can be timed on AMX's tiles here, and the line why:
+    only the avx512_bf16 kernels have them, and only a CPU whose AMX passes the self-test
+    (in a process of its own: a CPU or hypervisor that mishandles AMX kills it)."""
+    if isa != "avx512_bf16":
+        return False, f"AMX tiles not timed: the {isa} kernels have none"
+    from cadence.kernels.cpu import amx_check
+
+    usable, why = amx_check.usable()
+    return usable, why if usable else f"AMX tiles not timed: {why}"
+
+
 def describe(table: KernelTable, fmt: str) -> str:
-    """ "integer (integer 24.1 / float 28.3 ms a decode step, measured ...)"."""
+    """ "integer (integer 24.1 / float 28.3 ms a decode step, measured ...)"; "integer on
+    AMX tiles (...)" where those serve it."""
     m = table.formats[fmt]
+    on_amx = m.kernel == INTEGER and m.tiles == AMX
+    amx = ""
+    if m.amx_s:
+        amx = f"; AMX tiles {m.amx_s[DECODE_ROWS] * 1e3:.1f} / {m.amx_s[PREFILL_ROWS] * 1e3:.1f} ms"
+    elif m.amx_note:
+        amx = f"; {m.amx_note}"
     return (
-        f"{m.kernel} (integer {m.integer_s[DECODE_ROWS] * 1e3:.1f} / float "
+        f"{m.kernel}{' on AMX tiles' if on_amx else ''} (integer "
+        f"{m.integer_s[DECODE_ROWS] * 1e3:.1f} / float "
         f"{m.float_s[DECODE_ROWS] * 1e3:.1f} ms at {DECODE_ROWS} rows, "
         f"{m.integer_s[PREFILL_ROWS] * 1e3:.1f} / {m.float_s[PREFILL_ROWS] * 1e3:.1f} ms at "
-        f"{PREFILL_ROWS}; measured {m.measured_at} on {table.key})"
+        f"{PREFILL_ROWS}{amx}; measured {m.measured_at} on {table.key})"
     )

@@ -37,6 +37,27 @@ BLOCK = 32  # input columns per block (the activations' quantization block)
 INT4 = 0  # the format codes of cadence_quant_matmul
 INT8 = 1
 INT8_BLOCKS = 2
+# Which tiles compute the integer dot products (`quant_matmul_tiles`' codes): the vector
+# tiles (VNNI, AVX2), AMX's tiles, or their emulation (tests). AMX's product is the vector
+# one bit for bit (`quant_amx.h`), so which serves changes speed, never an answer.
+VECTOR_TILES, AMX_TILES, EMULATED_AMX_TILES = 0, 1, 2
+# The format codes of each calibrated format name ("int8" measures GGUF's Q8_0 too).
+FORMAT_CODES = {"int4": (INT4,), "int8": (INT8, INT8_BLOCKS)}
+_tiles: dict[int, int] = {}  # format code -> tiles, where not the vector tiles
+
+
+def use_tiles(fmt: str, tiles: int) -> None:
+    """Every integer product of format `fmt` ("int4" or "int8") in this process from now on
+    computes on `tiles`: what the kernel table measured fastest here (`cadence.quant.setup`)."""
+    for code in FORMAT_CODES[fmt]:
+        if tiles == VECTOR_TILES:
+            _tiles.pop(code, None)
+        else:
+            _tiles[code] = tiles
+
+
+def tiles_of(fmt: str) -> int:
+    return _tiles.get(FORMAT_CODES[fmt][0], VECTOR_TILES)
 
 
 @dataclass(slots=True)
@@ -163,7 +184,12 @@ class IntegerCpuKernel:
         if self.perm is not None:
             flat = flat.index_select(1, self.perm)
         w = self.weight
-        y = torch.ops.cadence.quant_matmul(flat, w.packed, w.scales, w.out_features, w.fmt)
+        tiles = _tiles.get(w.fmt, VECTOR_TILES)
+        if tiles == VECTOR_TILES:
+            y = torch.ops.cadence.quant_matmul(flat, w.packed, w.scales, w.out_features, w.fmt)
+        else:
+            ops = torch.ops.cadence
+            y = ops.quant_matmul_tiles(flat, w.packed, w.scales, w.out_features, w.fmt, tiles)
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
     @property

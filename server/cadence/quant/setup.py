@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from loguru import logger
 from torch import nn
 
 from cadence.quant import calibrate, kv_calibrate
@@ -81,7 +82,38 @@ def measured_kernels(
     table = calibrate.read_for_machine(Path(cfg.kernel_table), key)
     if table is None:
         return {}
+    use_measured_tiles(table)
     return {fmt: (m.kernel, calibrate.describe(table, fmt)) for fmt, m in table.formats.items()}
+
+
+def amx_available() -> bool:
+    """Whether this process may run the AMX product (the avx512_bf16 kernels loaded, the CPU
+    has AMX-INT8, the kernel granted it)."""
+    try:
+        return bool(torch.ops.cadence.amx_available())
+    except (AttributeError, RuntimeError):  # no C++ kernels loaded here
+        return False
+
+
+def use_measured_tiles(table: calibrate.KernelTable) -> None:
+    """The integer product of each format on the tiles the table measured fastest: AMX's
+    where they won and this process may use them (the vector tiles otherwise, which give
+    the same bits, with one line saying why)."""
+    from cadence.quant import cpu_gemm
+
+    for fmt, m in table.formats.items():
+        if fmt not in cpu_gemm.FORMAT_CODES:
+            continue
+        if m.kernel != calibrate.INTEGER or m.tiles != calibrate.AMX:
+            cpu_gemm.use_tiles(fmt, cpu_gemm.VECTOR_TILES)
+        elif amx_available():
+            cpu_gemm.use_tiles(fmt, cpu_gemm.AMX_TILES)
+        else:
+            cpu_gemm.use_tiles(fmt, cpu_gemm.VECTOR_TILES)
+            logger.warning(
+                f"{fmt}: the kernel table chose AMX tiles but this process may not use them "
+                "(no AMX-INT8, or the kernel refused it): the vector tiles serve, same answers"
+            )
 
 
 def measured_kv_cache(kernel_table: str, device: torch.device, dtype_name: str) -> str:
