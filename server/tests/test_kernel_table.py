@@ -186,3 +186,18 @@ def test_quantized_serving_takes_the_kv_cache_measured_fastest(
     fp8 = replace(cfg, kv_cache_scales=str(tmp_path / "scales.json"))
     assert with_measured_kv_cache(fp8, kv_asked=False).kv_cache_dtype == "bfloat16"
     assert with_measured_kv_cache(replace(cfg, kernel_table=""), False).kv_cache_dtype == "bfloat16"
+
+
+def test_the_launcher_keys_the_table_without_importing_torch() -> None:
+    """`cadence launch` looks its machine's entry up before any shard starts: importing
+    torch for it cost every launch 1.5 s."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from cadence.quant import calibrate; "
+        "calibrate.machine_key('avx512_bf16', 'bfloat16'); print('torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"

@@ -72,7 +72,7 @@ def kernels_build(isa: str) -> str:
     """The build id of the C++ kernels for `isa` (a hash of their sources, flags and
     compiler): a table measured with other kernels is measured again. "none" where there
     are none (no compiler, not x86)."""
-    from cadence.kernels.cpu import builds
+    from cadence.kernels import cpu_builds as builds
 
     try:
         return builds.library_path(isa).stem.rsplit("-", 1)[-1]

@@ -1,10 +1,10 @@
 """The kernel library's build key covers every C++ file it is made of: each source beside
-builds.py is compiled into the library or the shim, and every header is hashed by a build
+cpu_builds.py is compiled into the library or the shim, and every header is hashed by a build
 that includes it, so an edited file never loads a stale library from the cache."""
 
 from __future__ import annotations
 
-from cadence.kernels.cpu import builds
+from cadence.kernels import cpu_builds as builds
 
 
 def test_every_cpp_and_header_beside_builds_is_in_a_build_key() -> None:

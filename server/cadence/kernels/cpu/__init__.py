@@ -5,7 +5,8 @@ torch reference beside each (`reference.py`), which is what the tests compare ag
 
 The kernels are compiled once per instruction set (`isa.ISAS`: AVX-512 with BF16,
 AVX-512, AVX2 + FMA + F16C, portable scalar), each with its own explicit `-march`, by the
-machine's C++ compiler (`builds.py`), into plain-C libraries that know nothing of torch.
+machine's C++ compiler (`cadence/kernels/cpu_builds.py`), into plain-C libraries that
+know nothing of torch.
 One library per instruction set rather than one binary holding all of them: the inline
 and template functions that each copy instantiates (the standard library's among them)
 would otherwise be merged across copies by the linker, and an AVX-512 instance could end
@@ -36,7 +37,6 @@ import torch
 
 from cadence import cpu_isa as isa
 from cadence.kernels.cpu import ops
-from cadence.kernels.cpu.builds import KernelBuildError, build
 from cadence.kernels.cpu.reference import (
     greedy_logprobs_ref,
     paged_decode_attention_ref,
@@ -50,6 +50,7 @@ from cadence.kernels.cpu.selection import (
     selected_isa,
     unavailable_reason,
 )
+from cadence.kernels.cpu_builds import KernelBuildError, build
 
 __all__ = [
     "DTYPES",

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from cadence import cpu_isa as isa
-from cadence.kernels.cpu.builds import KernelBuildError, build, build_operators
+from cadence.kernels.cpu_builds import KernelBuildError, build, build_operators
 
 
 def _build(job: tuple[str, Callable[[], Path]]) -> str:

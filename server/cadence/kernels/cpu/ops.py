@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from cadence.kernels.cpu.builds import KernelBuildError, build_operators
+from cadence.kernels.cpu_builds import KernelBuildError, build_operators
 
 _lock = threading.Lock()
 _loaded = False

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from cadence import cpu_isa as isas
 from cadence.kernels.cpu import ops
-from cadence.kernels.cpu.builds import KernelBuildError, build
+from cadence.kernels.cpu_builds import KernelBuildError, build
 
 _lock = threading.Lock()
 _selected: str | None = None

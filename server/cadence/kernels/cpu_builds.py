@@ -7,6 +7,10 @@ source, another compiler or another torch builds anew:
   library per instruction set (`isa.ISAS`), with OpenMP and no torch;
 - `build_operators()`: `cpu_ops.cpp`, the operator shim, once, with the machine's baseline
   flags (it has no vector code) against torch's headers and libraries.
+
+Outside the `cpu` package, whose import loads torch, and torch-free until the shim is
+built: the launcher keys its kernel table by the kernels' build (`library_path`) before
+any shard starts, and importing torch there cost each launch 1.5 s.
 """
 
 from __future__ import annotations
@@ -21,11 +25,9 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-
 from cadence import cpu_isa as isas
 
-_HERE = Path(__file__).parent
+_HERE = Path(__file__).parent / "cpu"  # the C++ sources
 # The kernel library's translation units, one per op family, compiled together per ISA.
 SOURCES = tuple(
     _HERE / name
@@ -90,6 +92,8 @@ def flags(isa: str) -> tuple[str, ...]:
 
 
 def _torch_dir(name: str) -> Path:
+    import torch
+
     path = Path(torch.__file__).parent / name
     if not path.is_dir():
         raise KernelBuildError(f"torch's C++ headers and libraries are not installed (no {path})")
@@ -99,6 +103,8 @@ def _torch_dir(name: str) -> Path:
 def ops_flags() -> tuple[str, ...]:
     """The shim's compile and link flags: torch's headers, its ABI, its libraries (found at
     run time where they are now; they are loaded already whenever the shim is)."""
+    import torch
+
     include, lib = _torch_dir("include"), _torch_dir("lib")
     return (
         *OPS_FLAGS,
@@ -127,6 +133,8 @@ def library_path(isa: str) -> Path:
 
 def ops_path() -> Path:
     """Where the build of the shim, by this compiler against this torch, lives."""
+    import torch
+
     version = f"{torch.__version__} {torch.version.git_version}"
     return cache_dir() / f"cpu_ops-{_key(OPS_FILES, ops_flags(), version)}.so"
 
