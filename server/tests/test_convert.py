@@ -4,6 +4,7 @@ a tokenizer that encodes like the GGUF's vocabulary and merges."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
@@ -45,12 +46,21 @@ def reference(gguf_path: Path) -> tuple[torch.nn.Module, dict[str, torch.Tensor]
 
     (`from_pretrained(gguf_file=...)` wraps exactly these calls but insists on accelerate.)
     """
+    import gguf
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)
+    with pytest.MonkeyPatch.context() as patch:
+        # transformers parses the file twice (for the config, then the tensors: 5 s each,
+        # most of it the tokenizer's 98,000 strings) and builds gguf's tensor-name map once
+        # per module (397 times, 6 s). Both are pure functions of their arguments, so each
+        # is computed once here: the reference's values are the same, 11 s sooner.
+        patch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
+        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        path = str(gguf_path)
+        config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)
     state = tensors["tensors"]
     incompatible = model.load_state_dict(state, strict=False)
     assert incompatible.unexpected_keys == []
