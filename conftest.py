@@ -23,10 +23,8 @@ def cpu_isa(request: pytest.FixtureRequest) -> Iterator[str]:
     names it); the ones this CPU cannot run are skipped with what it lacks."""
     from cadence.kernels import cpu
 
-    lacking = isa.missing(request.param)
-    if lacking:
-        pytest.skip(f"this CPU lacks {', '.join(lacking)} for the {request.param} kernels")
-    if not cpu.available():
-        pytest.skip(f"no CPU kernels: {cpu.unavailable_reason()}")
+    why_not = cpu.not_selectable(request.param)
+    if why_not:
+        pytest.skip(why_not)
     with cpu.selected(request.param):
         yield request.param

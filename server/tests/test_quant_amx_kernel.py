@@ -29,11 +29,9 @@ def avx512_bf16() -> Iterator[None]:
     """The avx512_bf16 kernels selected: the only ones with the AMX product."""
     from cadence.kernels import cpu
 
-    lacking = cpu_isa.missing(amx_check.ISA)
-    if lacking:
-        pytest.skip(f"this CPU lacks {', '.join(lacking)} for the avx512_bf16 kernels")
-    if not cpu.available():
-        pytest.skip(f"no CPU kernels: {cpu.unavailable_reason()}")
+    why_not = cpu.not_selectable(amx_check.ISA)
+    if why_not:
+        pytest.skip(why_not)
     with cpu.selected(amx_check.ISA):
         yield
 

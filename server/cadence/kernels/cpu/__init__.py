@@ -45,6 +45,7 @@ from cadence.kernels.cpu.reference import (
 from cadence.kernels.cpu.selection import (
     available,
     library,
+    not_selectable,
     select,
     selected,
     selected_isa,
@@ -61,6 +62,7 @@ __all__ = [
     "greedy_logprobs_ref",
     "isa",
     "library",
+    "not_selectable",
     "ops",
     "paged_decode_attention",
     "paged_decode_attention_ref",

@@ -77,3 +77,14 @@ def available() -> bool:
 
 def unavailable_reason() -> str | None:
     return None if available() else _error
+
+
+def not_selectable(isa: str) -> str | None:
+    """Why the kernels of `isa` cannot run here (the CPU lacks its flags, or there are no
+    kernels at all), else None: what a test of `isa`'s kernels is skipped with."""
+    lacking = isas.missing(isa)
+    if lacking:
+        return f"this CPU lacks {', '.join(lacking)} for the {isa} kernels"
+    if not available():
+        return f"no CPU kernels: {unavailable_reason()}"
+    return None
