@@ -56,3 +56,4 @@ def test_bench_counts_failed_requests(smollm_server, tmp_path: Path) -> None:
     assert code == 1, out
     assert (r["completed"], r["failed"]) == (0, 2)
     assert any("422" in e for e in r["errors"]), r["errors"]
+    assert f"a failed request: {r['errors'][0]}" in out, "why it failed is printed"

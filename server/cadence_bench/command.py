@@ -15,6 +15,7 @@ import asyncio
 import json
 import os
 import shlex
+import sys
 from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -462,6 +463,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
         print(tenants_table(result))
     if args.result_file:
         save_json(result, args.result_file)
+    for error in result.get("errors", []):  # why requests failed: the exit status says only that
+        print(f"a failed request: {error}", file=sys.stderr)
     return 0 if result["failed"] == 0 else 1
 
 

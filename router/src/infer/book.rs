@@ -258,7 +258,7 @@ impl RequestBook {
         for entry in &mut entries {
             let Some(hypothesis) = hypotheses.next() else {
                 let error = InferError::Generation("beam search ended short of hypotheses".into());
-                let _ = entry.events.send(Err(error));
+                entry.send_last(Err(error));
                 continue;
             };
             entry.beam_score = Some(hypothesis.score);
@@ -343,13 +343,13 @@ impl RequestBook {
         for mut entry in self.beams.remove_with(id, scheduler) {
             self.output.metrics.requests_failed.add(1);
             entry.spans.fail(&error);
-            let _ = entry.events.send(Err(error.clone()));
+            entry.send_last(Err(error.clone()));
         }
         if let Some(mut entry) = self.retire(id, scheduler) {
             self.output.metrics.requests_failed.add(1);
             tracing::warn!(request_id = &*entry.request_id, id, %error, "failed");
             entry.spans.fail(&error);
-            let _ = entry.events.send(Err(error));
+            entry.send_last(Err(error));
         }
     }
 
@@ -370,7 +370,7 @@ impl RequestBook {
         {
             self.output.metrics.requests_failed.add(1);
             entry.spans.fail(error);
-            let _ = entry.events.send(Err(error.clone()));
+            entry.send_last(Err(error.clone()));
         }
     }
 

@@ -55,7 +55,7 @@ impl Output {
             None => (None, Vec::new()),
         };
         m.generation_tokens.add(1);
-        if let Some(tenant) = entry.held.tenant() {
+        if let Some(tenant) = entry.tenant() {
             tenant.add_generated_token();
         }
         if forced {
@@ -73,12 +73,17 @@ impl Output {
             event.prefill = prefill;
             event.prefill_top_tokens = prefill_top_tokens;
         }
-        let ended = event.end.is_some();
-        if let Some(end) = &event.end {
-            entry.record_end(m, id, end);
+        match &event.end {
+            Some(end) => {
+                entry.record_end(m, id, end);
+                entry.send_last(Ok(event));
+                true
+            }
+            None => {
+                let _ = entry.events.send(Ok(event));
+                false
+            }
         }
-        let _ = entry.events.send(Ok(event));
-        ended
     }
 
     /// The prompt's tokens with their logprobs (the first has none) and, with

@@ -19,6 +19,7 @@ use crate::metrics::{Finished, FinishedReason, Metrics};
 use crate::request_scope::RequestContext;
 use crate::scheduler::Sequence;
 use crate::stop::StopMatcher;
+use crate::tenants::TenantUsage;
 use crate::validation::ValidRequest;
 
 /// Per-sample state the loop keeps beside the scheduler's `Sequence` (which counts the
@@ -50,8 +51,9 @@ pub(super) struct Entry {
     pub(super) last_token_at: Option<Instant>,
     /// Released at the request's first step; shared by its samples.
     pub(super) slot: Option<Arc<QueueSlot>>,
-    /// Shared by the samples of one request: the slot frees when the last one ends.
-    pub(super) held: Arc<Held>,
+    /// Shared by the samples of one request: its places free when the last one ends.
+    /// `None` once this sample has sent its last event.
+    held: Option<Arc<Held>>,
 }
 
 /// What the samples of one request have in common: when it was queued, its place in the
@@ -97,8 +99,22 @@ impl Entry {
             first_token_at: None,
             last_token_at: None,
             slot: Some(common.slot.clone()),
-            held: common.permit.clone(),
+            held: Some(common.permit.clone()),
         }
+    }
+
+    /// The account the request's tokens count to, when it has a tenant.
+    pub(super) fn tenant(&self) -> Option<&TenantUsage> {
+        self.held.as_ref().and_then(|held| held.tenant())
+    }
+
+    /// Sends the sample's last event (its end or its error) after giving up its share of
+    /// the request's places: a client that sends its next request as soon as it reads
+    /// this one's end must find its tenant's and the server's places free, not race the
+    /// loop retiring this entry.
+    pub(super) fn send_last(&mut self, event: EventResult) {
+        self.held = None;
+        let _ = self.events.send(event);
     }
 
     /// Counts, logs and traces the request's end (a sampled or a forced token ended it).

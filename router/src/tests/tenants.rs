@@ -152,3 +152,23 @@ async fn a_tenant_at_its_limit_gets_429_and_another_tenant_is_admitted() {
     );
     h.assert_protocol_ok();
 }
+
+/// A client that sends its next request as soon as it has read the previous one's end
+/// (as `cadence bench --max-concurrency 1` does) is admitted under a limit of one: the
+/// request gives its places back before its last event goes out, not after, so the
+/// next request cannot race the loop retiring it. Two worker threads let the handler
+/// read the end while the loop is still between sending it and retiring the request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_sent_on_reading_the_previous_ones_end_is_admitted_under_a_limit_of_one() {
+    let (h, app) = app_with_keys(setup(Script::Hash), Some(1));
+    let body = json!({"inputs": "hi", "parameters": {"max_new_tokens": 1}});
+    for (i, path) in ["/generate", "/generate_stream"]
+        .repeat(150)
+        .iter()
+        .enumerate()
+    {
+        let (status, _, text) = send(&app, post_json(path, &body, Some("key-a"))).await;
+        assert_eq!(status, StatusCode::OK, "request {i} to {path}: {text}");
+    }
+    h.assert_protocol_ok();
+}
