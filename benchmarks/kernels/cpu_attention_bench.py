@@ -7,8 +7,9 @@ AVX512-BF16), with `--kv-dtype` for their cache: a float dtype, or a quantized c
 picks the kernels' build.
 
     PYTHONPATH=server python benchmarks/kernels/cpu_attention_bench.py [--batch 32] [--context 420]
-        [--dtype float32] [--kv-dtype bfloat16]
+        [--dtype float32] [--kv-dtype bfloat16] [--block-size 16]
         [--in-cache]   # every sequence and layer reads the same blocks: compute alone
+        [--prefill]    # every token of --batch prompts of --context tokens a query
         [--cpu-time]   # time in CPU seconds of this process, not wall time
 """
 
@@ -31,6 +32,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--context", type=int, default=420)
     p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--dtype", default="bfloat16", help="the queries' and outputs' dtype")
     p.add_argument("--kv-dtype", default=None, help="the cache's dtype (default: --dtype)")
@@ -39,13 +41,18 @@ def main() -> None:
         help="every sequence and layer reads the same blocks (they stay in L2): compute alone",
     )  # fmt: skip
     p.add_argument("--cpu-time", action="store_true", help="CPU time instead of wall time")
+    p.add_argument(
+        "--prefill", action="store_true",
+        help="batch-invariant prefill: every token of --batch prompts of --context tokens is "
+        "a query over the context up to itself (the C++ kernel alone)",
+    )  # fmt: skip
     a = p.parse_args()
     clock = clock_of(a.cpu_time)
     cpu.select()  # $CADENCE_CPU_ISA, else the best this CPU runs: defines the operators
     torch.manual_seed(0)
     dtype = getattr(torch, a.dtype)
     fmt = kv_format(a.kv_dtype or a.dtype)
-    b, n, bs = a.batch, a.context, 16
+    b, n, bs = a.batch, a.context, a.block_size
     per_seq = -(-n // bs)
     q = torch.randn(b, 9, 64).to(dtype)
     layer_scale = torch.tensor([0.02])
@@ -67,8 +74,10 @@ def main() -> None:
         caches = [layer((b * per_seq + 8, bs, 3, 64)) for _ in range(a.layers)]
         tables = torch.randperm(b * per_seq).view(b, per_seq).long()  # scattered blocks
     lens = torch.full((b,), n)
-    mask = (torch.arange(per_seq * bs) < lens.unsqueeze(1)).view(b, 1, 1, -1)
-    kv_mb = b * n * bytes_per_block(a.layers, 1, 3, 64, fmt) / 1e6  # scales included
+    if a.prefill:  # each prompt's tokens: rows of its table, contexts 1..n
+        rows = torch.arange(b).repeat_interleave(n)
+        tables, lens = tables[rows], torch.arange(1, n + 1).repeat(b)
+        q = torch.randn(b * n, 9, 64).to(dtype)
     t_kernel = timed(
         lambda: [
             cpu.paged_decode_attention(q, k, v, tables, lens, 0.125, k_scale=ks, v_scale=vs)
@@ -77,6 +86,12 @@ def main() -> None:
         a.steps,
         clock,
     )
+    if a.prefill:
+        print(f"{a.layers} layers, {b} prompts of {n} tokens, every token a query: "
+              f"{t_kernel:.1f} ms ({b * n / t_kernel * 1000:.0f} tokens/s)")  # fmt: skip
+        return
+    mask = (torch.arange(per_seq * bs) < lens.unsqueeze(1)).view(b, 1, 1, -1)
+    kv_mb = b * n * bytes_per_block(a.layers, 1, 3, 64, fmt) / 1e6  # scales included
     t_torch = timed(
         lambda: [
             decode_attention(q, k, v, tables, mask, 0.125, k_scale=ks, v_scale=vs)

@@ -3,7 +3,7 @@ no gRPC): 32 requests of 320 prompt tokens prefilled three at a time, then decod
 with a torch profiler table of one batch of decode steps.
 
     PYTHONPATH=server python benchmarks/kernels/engine_step_profile.py [--batch 32] [--prompt 320]
-        [--kv-cache-dtype int8]
+        [--kv-cache-dtype int8] [--profile-prefill]
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--kv-mib", type=int, default=512)
+    p.add_argument("--profile-prefill", action="store_true", help="profile a prefill step too")
     p.add_argument("--kv-cache-dtype", default=None, help="int8, bfloat16, ... (default: dtype)")
     a = p.parse_args()
     cfg = ShardConfig(
@@ -52,6 +53,22 @@ def main() -> None:
     for k in range(0, a.batch, 3):
         engine.step(pb.StepRequest(joined=joined[k : k + 3]))
     print(f"prefill {a.batch} x {a.prompt}: {time.perf_counter() - started:.2f} s")
+    if a.profile_prefill:  # one more prefill step of three prompts, into fresh blocks
+        again = [
+            pb.NewRequest(
+                id=a.batch + i,
+                token_ids=list(r.token_ids)[::-1],
+                prompt_len=a.prompt,
+                num_compute=a.prompt,
+                block_table=[b + a.batch * per_request for b in r.block_table],
+                sampling=greedy,
+            )
+            for i, r in enumerate(joined[:3])
+        ]
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            engine.step(pb.StepRequest(joined=again))
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+        engine.step(pb.StepRequest(removed=[r.id for r in again]))
     decode = pb.StepRequest(
         continuing=[pb.ContinuingRequest(id=i, num_compute=1) for i in range(a.batch)]
     )

@@ -151,6 +151,44 @@ def test_paged_decode_attention_over_an_int8_cache_weighs_only_the_rows_it_sees(
     assert_close(out, ref, dtype)  # as if the garbage were not there
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_the_tokens_of_a_chunk_in_one_call_equal_each_token_alone(kv_dtype, block_size):
+    """Batch-invariant prefill queries every token of a chunk over the cache: one call of
+    many rows (which the int8 path takes up to 8 consecutive rows of one table at a time,
+    sharing their keys' and values' widening) gives each row the very bits it gets as
+    the only row of a call -- across the 256-position chunk of the int8 softmax, rows
+    ending in different blocks, two sequences' chunks side by side (one of 8 rows, one
+    of 5), a row of each alone between them, NaN scales past the longest row."""
+    lens = [300, 150]
+    k_float, v_float, tables = paged_cache(lens, block_size, 3, 64, torch.float32, seed=11)
+    tables = tables.cpu().long()
+    (k_cache, k_scale), (v_cache, v_scale) = (
+        quantized_cache(k_float.cpu(), kv_dtype),
+        quantized_cache(v_float.cpu(), kv_dtype),
+    )
+    last = int(tables[0, (lens[0] - 1) // block_size])  # its slots past 300: unread
+    if k_scale is not None:
+        k_scale[last, lens[0] % block_size :] = v_scale[last, lens[0] % block_size :] = float("nan")
+    rows = [(0, n) for n in range(235, 260)] + [(1, 40)] + [(1, n) for n in range(129, 142)]
+    rows += [(0, 290), (0, 300)] + [(1, n) for n in range(144, 151)]
+    seq = torch.tensor([s for s, _ in rows])
+    q = torch.randn(len(rows), 9, 64, generator=torch.Generator().manual_seed(3))
+    q = q.to(torch.bfloat16)
+    together_tables, together_lens = tables[seq], torch.tensor([n for _, n in rows])
+    scales = {"k_scale": k_scale, "v_scale": v_scale}
+    together = cpu.paged_decode_attention(
+        q, k_cache, v_cache, together_tables, together_lens, 0.125, **scales
+    )
+    for i in range(len(rows)):
+        alone = cpu.paged_decode_attention(
+            q[i : i + 1], k_cache, v_cache, together_tables[i : i + 1],
+            together_lens[i : i + 1], 0.125, **scales,
+        )  # fmt: skip
+        assert torch.equal(together[i : i + 1], alone), f"row {i} {rows[i]}"
+    assert torch.isfinite(together).all()
+
+
 def test_paged_decode_attention_rejects_what_it_cannot_run():
     k_cache, v_cache, tables = paged_cache([4], 16, 2, 64, torch.bfloat16, seed=0)
     q = torch.randn(1, 4, 64).to(torch.float16)

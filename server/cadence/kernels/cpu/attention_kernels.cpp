@@ -17,6 +17,7 @@
 #include "attention_shared.h"
 #include "fast_exp.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -118,6 +119,51 @@ inline void decode_sequences(DecodeSeqFn fn, int64_t scratch_floats, const void*
     }
 }
 
+// Whether rows a and b read the same blocks up to `blocks` (the tokens of one prompt
+// chunk do: each row holds a copy of its sequence's table).
+inline bool same_table(const int64_t* a, const int64_t* b, int64_t blocks) {
+    return std::equal(a, a + blocks, b);
+}
+
+// fn (a kernel of several rows over one table) over every sequence, consecutive rows
+// that one call can take (contexts one longer each, the same table, no sliding window) in
+// groups of up to max_rows, the groups in parallel, each thread with row_floats of
+// scratch per row of its largest group.
+inline void decode_row_groups(DecodeRowsFn fn, int64_t row_floats, int max_rows, const void* q,
+                              void* out, const void* k_cache, const void* v_cache,
+                              const float* k_scale, const float* v_scale,
+                              const int64_t* block_tables, int64_t table_stride,
+                              const int64_t* context_lens, int64_t num_seqs, int num_heads,
+                              int num_kv_heads, int block_size, float scale, int64_t window,
+                              int num_threads) {
+    std::vector<int64_t> starts;
+    int64_t widest = 1;
+    for (int64_t s = 0; s < num_seqs;) {
+        int64_t e = s + 1;
+        while (window <= 0 && e < num_seqs && e - s < max_rows &&
+               context_lens[e] == context_lens[e - 1] + 1 &&
+               same_table(block_tables + s * table_stride, block_tables + e * table_stride,
+                          (context_lens[e] + block_size - 1) / block_size))
+            ++e;
+        starts.push_back(s);
+        widest = std::max(widest, e - s);
+        s = e;
+    }
+    starts.push_back(num_seqs);
+    const auto groups = static_cast<int64_t>(starts.size()) - 1;
+#pragma omp parallel num_threads(num_threads)
+    {
+        std::vector<float> scratch(widest * row_floats);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < groups; ++i) {
+            const int64_t s = starts[i];
+            fn(q, out, k_cache, v_cache, k_scale, v_scale, block_tables + s * table_stride,
+               context_lens + s, s, static_cast<int>(starts[i + 1] - s), num_heads,
+               num_kv_heads, block_size, scale, window, scratch.data());
+        }
+    }
+}
+
 template <int QT, int KT>
 void decode_all(const void* q, void* out, const void* k_cache, const void* v_cache,
                 const float* k_scale, const float* v_scale, const int64_t* block_tables, int64_t table_stride, const int64_t* context_lens,
@@ -127,8 +173,11 @@ void decode_all(const void* q, void* out, const void* k_cache, const void* v_cac
     int64_t scratch_floats = 0;
 #ifdef CADENCE_AVX512_BF16
     if constexpr (KT == I8 && QT != F32) {  // a float32 query keeps dpbf16's exact pieces
-        fn = pick_int8<QT>(head_dim, block_size);
-        scratch_floats = Int8Scratch::floats(num_heads, num_kv_heads, head_dim);
+        if (DecodeRowsFn rows_fn = pick_int8<QT>(head_dim, block_size))
+            return decode_row_groups(rows_fn, Int8Scratch::floats(num_heads, num_kv_heads, head_dim),
+                                     INT8_GROUP_ROWS, q, out, k_cache, v_cache, k_scale, v_scale,
+                                     block_tables, table_stride, context_lens, num_seqs, num_heads,
+                                     num_kv_heads, block_size, scale, window, num_threads);
     }
     if (fn == nullptr) if constexpr (dpbf16_serves<QT, KT>()) {
         fn = pick_dpbf16<QT, KT>(head_dim);

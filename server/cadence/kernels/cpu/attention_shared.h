@@ -40,4 +40,11 @@ using DecodeSeqFn = void (*)(const void*, void*, const void*, const void*, const
                              const float*, const int64_t*, int64_t, int64_t, int, int, int,
                              float, int64_t, float*);
 
+// A kernel of `rows` consecutive query rows over one block table (decode_rows_int8): q,
+// out, the caches, their scales, the rows' block table, their context lengths, the first
+// row's index, the number of rows, then as DecodeSeqFn.
+using DecodeRowsFn = void (*)(const void*, void*, const void*, const void*, const float*,
+                              const float*, const int64_t*, const int64_t*, int64_t, int, int,
+                              int, int, float, int64_t, float*);
+
 }  // namespace
