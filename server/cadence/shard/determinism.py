@@ -97,10 +97,11 @@ def _in_features(module: nn.Module) -> int:
     return int(getattr(module, "in_features", 0) or getattr(module, "hidden_size", 0))
 
 
-def _path(module: nn.Module, x: torch.Tensor) -> str:
-    """Which kernel serves `module` for `x` (the check's key: one check per kernel and shape)."""
+def _path(module: nn.Module, rows: int) -> str:
+    """Which kernel serves `module` for products of `rows` rows (the check's key: one check
+    per kernel and shape)."""
     quantized = getattr(module, "quantized", None)
-    if quantized is not None and quantized.serves(x.shape[0]):
+    if quantized is not None and quantized.serves(rows):
         return "quantized " + ",".join(quantized.formats)
     return "packed" if getattr(module, "packed_weight", None) is not None else "torch"
 
@@ -156,7 +157,7 @@ def varying_product(model: nn.Module, dtype: torch.dtype) -> str:
         if cols == 0:
             continue
         head = not hasattr(module, "in_features")
-        path = _path(module, torch.empty(1, cols))
+        path = _path(module, 1)  # every row count's: crossover_reason ruled switching out
         split = HEAD_SPLIT if head else QUANTIZED_SPLIT if path.startswith("quantized") else SPLIT
         counts = tuple(m for m in CHECK_ROWS if m <= HEAD_ROWS) if head else CHECK_ROWS
         counts += (split,) if split > max(counts) else ()

@@ -170,7 +170,12 @@ inline void values_heads(const int8_t* v_cache, const int64_t* bases, int blocks
 // prompt chunk, each a query over the context up to itself (batch-invariant prefill).
 constexpr int INT8_GROUP_ROWS = 8;
 
-// decode_rows_int8's per-thread scratch over one float buffer, per query row.
+// What the rows of one decode_rows_int8 call share, at the front of its scratch: the
+// chunk's blocks' first slots (INT8_CHUNK int64) and a block's 16 key rows of one KV head
+// as int16 ([16, D]); each row's Int8Scratch follows.
+constexpr int64_t int8_shared_floats(int D) { return 2 * INT8_CHUNK + 8 * D; }
+
+// decode_rows_int8's scratch of one query row, over a float buffer.
 struct Int8Scratch {
     float* s;      // [H, CHUNK] scores, then probabilities times their value scales
     float* vsc;    // [KVH, CHUNK] value scales of the chunk's rows (0 where unseen)
@@ -183,13 +188,11 @@ struct Int8Scratch {
     float* row;    // [D]
     int16_t* q16;  // [H, D]
     int16_t* p16;  // [H, CHUNK]
-    int16_t* keys; // [16, D] a block's 16 key rows of one KV head
-    int64_t* bases;  // [CHUNK] the chunk's blocks' first slots
 
     static int64_t floats(int H, int KVH, int D) {
         const int64_t f = static_cast<int64_t>(H) * (INT8_CHUNK + D + 6) + KVH * INT8_CHUNK + D;
-        const int64_t halves = static_cast<int64_t>(H) * (D + INT8_CHUNK) + 16 * D;
-        return f + (halves + 1) / 2 + 2 * INT8_CHUNK + 16;  // + int64 bases, alignment slack
+        const int64_t halves = static_cast<int64_t>(H) * (D + INT8_CHUNK);
+        return f + (halves + 1) / 2;
     }
     Int8Scratch() = default;
     [[gnu::always_inline]] Int8Scratch(float* base, int H, int KVH, int D) {
@@ -204,9 +207,6 @@ struct Int8Scratch {
         row = ps + H;
         q16 = reinterpret_cast<int16_t*>(row + D);
         p16 = q16 + H * D;
-        keys = p16 + H * INT8_CHUNK;
-        const uintptr_t end = reinterpret_cast<uintptr_t>(keys + 16 * D);
-        bases = reinterpret_cast<int64_t*>((end + 7) & ~uintptr_t{7});
     }
 };
 
@@ -284,12 +284,15 @@ void decode_rows_int8(const void* q, void* out, const void* k_cache, const void*
                       int num_kv_heads, int block_size, float scale, int64_t window,
                       float* scratch) {
     const int G = num_heads / num_kv_heads;
+    auto* bases = reinterpret_cast<int64_t*>(scratch);  // 8-byte aligned: an allocation's start
+    auto* keys = reinterpret_cast<int16_t*>(scratch + 2 * INT8_CHUNK);
+    float* row_scratch = scratch + int8_shared_floats(D);
     const int64_t per_row = Int8Scratch::floats(num_heads, num_kv_heads, D);
     Int8Scratch ws[INT8_GROUP_ROWS];
     int64_t num_blocks[INT8_GROUP_ROWS];
     int64_t num_blocks_all = 0;
     for (int r = 0; r < rows; ++r) {
-        Int8Scratch& w = ws[r] = Int8Scratch(scratch + r * per_row, num_heads, num_kv_heads, D);
+        Int8Scratch& w = ws[r] = Int8Scratch(row_scratch + r * per_row, num_heads, num_kv_heads, D);
         for (int h = 0; h < num_heads; ++h) {
             load_row<QT>(q, ((seq0 + r) * num_heads + h) * D, w.row, D);
             w.qs[h] = quantize_i16(w.row, D, w.q16 + h * D) * scale;
@@ -307,8 +310,6 @@ void decode_rows_int8(const void* q, void* out, const void* k_cache, const void*
     const int64_t first_key = window > 0 ? std::max<int64_t>(0, context_lens[0] - window) : 0;
     const int chunk_blocks = INT8_CHUNK / block_size;
     const int64_t first_block = first_key / block_size;
-    int16_t* keys = ws[0].keys;
-    int64_t* bases = ws[0].bases;
     constexpr int HEADS = 64;  // value passes' heads gathered at once (rows x their heads)
     const int16_t* p[HEADS];
     float* acc[HEADS];

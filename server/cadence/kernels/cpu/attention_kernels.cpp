@@ -127,9 +127,10 @@ inline bool same_table(const int64_t* a, const int64_t* b, int64_t blocks) {
 
 // fn (a kernel of several rows over one table) over every sequence, consecutive rows
 // that one call can take (contexts one longer each, the same table, no sliding window) in
-// groups of up to max_rows, the groups in parallel, each thread with row_floats of
-// scratch per row of its largest group.
-inline void decode_row_groups(DecodeRowsFn fn, int64_t row_floats, int max_rows, const void* q,
+// groups of up to max_rows, the groups in parallel, each thread with a scratch of
+// shared_floats plus row_floats per row of the largest group.
+inline void decode_row_groups(DecodeRowsFn fn, int64_t shared_floats, int64_t row_floats,
+                              int max_rows, const void* q,
                               void* out, const void* k_cache, const void* v_cache,
                               const float* k_scale, const float* v_scale,
                               const int64_t* block_tables, int64_t table_stride,
@@ -153,7 +154,7 @@ inline void decode_row_groups(DecodeRowsFn fn, int64_t row_floats, int max_rows,
     const auto groups = static_cast<int64_t>(starts.size()) - 1;
 #pragma omp parallel num_threads(num_threads)
     {
-        std::vector<float> scratch(widest * row_floats);
+        std::vector<float> scratch(shared_floats + widest * row_floats);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < groups; ++i) {
             const int64_t s = starts[i];
@@ -174,7 +175,8 @@ void decode_all(const void* q, void* out, const void* k_cache, const void* v_cac
 #ifdef CADENCE_AVX512_BF16
     if constexpr (KT == I8 && QT != F32) {  // a float32 query keeps dpbf16's exact pieces
         if (DecodeRowsFn rows_fn = pick_int8<QT>(head_dim, block_size))
-            return decode_row_groups(rows_fn, Int8Scratch::floats(num_heads, num_kv_heads, head_dim),
+            return decode_row_groups(rows_fn, int8_shared_floats(head_dim),
+                                     Int8Scratch::floats(num_heads, num_kv_heads, head_dim),
                                      INT8_GROUP_ROWS, q, out, k_cache, v_cache, k_scale, v_scale,
                                      block_tables, table_stride, context_lens, num_seqs, num_heads,
                                      num_kv_heads, block_size, scale, window, num_threads);
