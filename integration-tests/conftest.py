@@ -11,7 +11,8 @@ import ssl
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -275,6 +276,19 @@ def greedy_ids(client: httpx.Client, text: str, max_new_tokens: int) -> list[int
     )
     assert response.status_code == 200, response.text
     return [token["id"] for token in response.json()["details"]["tokens"]]
+
+
+def greedy_ids_together(
+    client: httpx.Client, texts: Sequence[str], max_new_tokens: int | Sequence[int]
+) -> list[list[int]]:
+    """`greedy_ids` of every text (each its own length, or one for all), the requests sent
+    at once: the server decodes them in one batch, in a fraction of the steps one at a time
+    takes. Every server these tests compare this way is batch-invariant (test_determinism
+    and its kin probe that), so each answer is what it would be alone."""
+    lengths = [max_new_tokens] * len(texts) if isinstance(max_new_tokens, int) else max_new_tokens
+    jobs = list(zip(texts, lengths, strict=True))
+    with ThreadPoolExecutor(max(1, len(jobs))) as pool:
+        return list(pool.map(lambda job: greedy_ids(client, *job), jobs))
 
 
 @pytest.fixture(scope="session")

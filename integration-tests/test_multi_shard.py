@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -19,6 +20,7 @@ from conftest import (
     SMOLLM_FLOAT32,
     LaunchedServer,
     greedy_ids,
+    greedy_ids_together,
     launch,
     reference_up_to_eos,
     stop,
@@ -44,12 +46,13 @@ def two_shards(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedSer
 def test_two_shards_generate_the_same_greedy_tokens_as_one(
     two_shards: LaunchedServer, client: httpx.Client
 ) -> None:
+    prompts = CHAT_PROMPTS[:4]
     with httpx.Client(base_url=two_shards.url, timeout=300) as tp:
         info = tp.get("/info").json()
-        for prompt in CHAT_PROMPTS[:4]:
-            one = greedy_ids(client, prompt, NEW_TOKENS)
-            two = greedy_ids(tp, prompt, NEW_TOKENS)
-            assert two == one, prompt
+        ones = greedy_ids_together(client, prompts, NEW_TOKENS)
+        twos = greedy_ids_together(tp, prompts, NEW_TOKENS)
+    for prompt, one, two in zip(prompts, ones, twos, strict=True):
+        assert two == one, prompt
     assert info["world_size"] == 2
     log = two_shards.log()
     assert "rank 1/2" in log and "disagrees" not in log
@@ -73,17 +76,24 @@ def test_two_shards_give_the_same_constrained_greedy_tokens_as_one(
         {"type": "json", "value": schema},
         {"type": "regex", "value": "[A-Z][a-z]+ [0-9]{2}"},
     ]
-    with httpx.Client(base_url=two_shards.url, timeout=300) as tp:
-        for prompt in CHAT_PROMPTS[:3]:
-            for grammar in grammars:
-                body = {
-                    "inputs": prompt,
-                    "parameters": {"max_new_tokens": 48, "details": True, "grammar": grammar},
-                }
-                one, two = client.post("/generate", json=body), tp.post("/generate", json=body)
-                assert one.status_code == two.status_code == 200, (one.text, two.text)
-                ids = [[t["id"] for t in r.json()["details"]["tokens"]] for r in (one, two)]
-                assert ids[0] == ids[1], (prompt, grammar)
+    cases = [(prompt, grammar) for prompt in CHAT_PROMPTS[:3] for grammar in grammars]
+
+    def constrained_ids(http: httpx.Client, case: tuple[str, dict]) -> list[int]:
+        prompt, grammar = case
+        body = {
+            "inputs": prompt,
+            "parameters": {"max_new_tokens": 48, "details": True, "grammar": grammar},
+        }
+        response = http.post("/generate", json=body)
+        assert response.status_code == 200, (case, response.text)
+        return [t["id"] for t in response.json()["details"]["tokens"]]
+
+    # each server decodes the six requests in one batch (both are batch-invariant)
+    with httpx.Client(base_url=two_shards.url, timeout=300) as tp, ThreadPoolExecutor(6) as pool:
+        ones = list(pool.map(lambda case: constrained_ids(client, case), cases))
+        twos = list(pool.map(lambda case: constrained_ids(tp, case), cases))
+    for case, one, two in zip(cases, ones, twos, strict=True):
+        assert one == two, case
     assert "disagrees" not in two_shards.log()
 
 

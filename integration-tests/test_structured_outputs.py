@@ -108,13 +108,17 @@ def tgi_generate(url: str, text: str, kind: str, value: object, max_new_tokens: 
 def test_greedy_constrained_tokens_equal_transformers_under_the_same_masks(
     server_no_ff: LaunchedServer, reference: ConstrainedReference, kind, value, grammar
 ):
-    for prompt in PROMPTS:
-        text = chat_text(reference, prompt)
-        prompt_ids = reference.tokenizer(text, add_special_tokens=False).input_ids
-        want = reference.greedy(prompt_ids, grammar, 120)
-        got = tgi_generate(server_no_ff.url, text, kind, value, 120)
-        got_ids = [t["id"] for t in got["details"]["tokens"]]
-        assert got_ids == want, (prompt, reference.tokenizer.decode(want), got["generated_text"])
+    texts = [chat_text(reference, prompt) for prompt in PROMPTS]
+    # the server decodes the three at once (it is batch-invariant) while the reference runs
+    with concurrent.futures.ThreadPoolExecutor(len(texts)) as pool:
+        served = [pool.submit(tgi_generate, server_no_ff.url, t, kind, value, 120) for t in texts]
+        for prompt, text, answer in zip(PROMPTS, texts, served, strict=True):
+            prompt_ids = reference.tokenizer(text, add_special_tokens=False).input_ids
+            want = reference.greedy(prompt_ids, grammar, 120)
+            got = answer.result()
+            got_ids = [t["id"] for t in got["details"]["tokens"]]
+            decoded = reference.tokenizer.decode(want)
+            assert got_ids == want, (prompt, decoded, got["generated_text"])
 
 
 def test_a_choice_is_the_reference_s_greedy_choice(
@@ -141,11 +145,12 @@ def test_fast_forward_saves_steps_and_keeps_the_greedy_text(
     smollm_server: LaunchedServer, server_no_ff: LaunchedServer, reference, kind, value, grammar
 ):
     before = forwarded(smollm_server.url)
-    for prompt in PROMPTS:
-        text = chat_text(reference, prompt)
-        fast = tgi_generate(smollm_server.url, text, kind, value, 120)
-        slow = tgi_generate(server_no_ff.url, text, kind, value, 120)
-        assert fast["generated_text"] == slow["generated_text"], prompt
+    texts = [chat_text(reference, prompt) for prompt in PROMPTS]
+    with concurrent.futures.ThreadPoolExecutor(len(texts)) as pool:  # one batch per server
+        fast = list(pool.map(lambda t: tgi_generate(smollm_server.url, t, kind, value, 120), texts))
+        slow = list(pool.map(lambda t: tgi_generate(server_no_ff.url, t, kind, value, 120), texts))
+    for prompt, one, other in zip(PROMPTS, fast, slow, strict=True):
+        assert one["generated_text"] == other["generated_text"], prompt
     assert forwarded(smollm_server.url) > before
 
 
