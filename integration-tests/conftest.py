@@ -269,12 +269,15 @@ CHAT_PROMPTS = [
 NEW_TOKENS = 64
 
 
-def greedy_ids(client: httpx.Client, text: str, max_new_tokens: int) -> list[int]:
-    response = client.post(
-        "/generate",
-        json={"inputs": text, "parameters": {"max_new_tokens": max_new_tokens, "details": True}},
-    )
-    assert response.status_code == 200, response.text
+def greedy_ids(
+    client: httpx.Client, text: str, max_new_tokens: int, grammar: dict | None = None
+) -> list[int]:
+    """TGI's /generate greedy token ids (under `grammar`, TGI's structured-output field)."""
+    parameters: dict[str, Any] = {"max_new_tokens": max_new_tokens, "details": True}
+    if grammar is not None:
+        parameters["grammar"] = grammar
+    response = client.post("/generate", json={"inputs": text, "parameters": parameters})
+    assert response.status_code == 200, (text, grammar, response.text)
     return [token["id"] for token in response.json()["details"]["tokens"]]
 
 

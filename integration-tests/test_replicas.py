@@ -11,7 +11,6 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -21,6 +20,7 @@ from conftest import (
     NEW_TOKENS,
     LaunchedServer,
     greedy_ids,
+    greedy_ids_together,
     launch,
     reference_up_to_eos,
     stop,
@@ -75,8 +75,7 @@ def test_concurrent_requests_spread_over_both_and_match_transformers(
     texts, expected, eos_id = tiny_reference
     with httpx.Client(base_url=two_replicas.url, timeout=300) as http:
         assert http.get("/info").json()["replicas"] == 2
-        with ThreadPoolExecutor(max_workers=len(texts)) as pool:
-            ours = list(pool.map(lambda t: greedy_ids(http, t, NEW_TOKENS), texts))
+        ours = greedy_ids_together(http, texts, NEW_TOKENS)
     for text, got, reference in zip(texts, ours, expected, strict=True):
         assert got == reference_up_to_eos(reference, eos_id), text
     routed = replica_series(two_replicas.url, "cadence_replica_requests_total")
