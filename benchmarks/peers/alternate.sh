@@ -21,6 +21,11 @@
 #   LLAMA_ARGS    its flags (-np 32 -c 32768 -t <cores>: 1024 tokens for each of 32 slots)
 #   SERVERS       which servers, comma-separated, in the order of odd rounds
 #                 (cadence-default,cadence-bf16,vllm-cpu,llama-server)
+#   VLLM_ARGS     more flags for vLLM's server (`--dtype float32` replaces bfloat16)
+#   AS_AVX2       1: every server held to AVX2 as on an AVX2-only CPU (torch, oneDNN,
+#                 MKL and cadence's kernels by their environment variables, vLLM's own
+#                 CPU probes by as_avx2/sitecustomize.py); llama.cpp needs a build
+#                 without AVX-512 for the same (docs/benchmarks.md, "Per CPU class")
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -37,6 +42,10 @@ command -v cadence >/dev/null || {
     exit 1
 }
 mkdir -p "$OUT"
+if [[ ${AS_AVX2:-0} == 1 ]]; then
+    export ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
+        CADENCE_CPU_ISA=avx2 TORCHINDUCTOR_CPP_MARCH=x86-64-v3
+fi
 
 server_pid=""
 stop_server() {
@@ -74,8 +83,12 @@ run_one() {
     cadence-default) bench "$name" "$round" ;;
     cadence-bf16) bench "$name" "$round" --server-args "--model-id $(printf %q "$FOLDER")" ;;
     vllm-cpu)
+        local pythonpath=${PYTHONPATH:-}
+        [[ ${AS_AVX2:-0} == 1 ]] && pythonpath=$here/as_avx2${pythonpath:+:$pythonpath}
+        # shellcheck disable=SC2086 # VLLM_ARGS is a list of flags
         if ! server_pid=$(PORT=$VLLM_PORT VLLM_LOG=$OUT/round$round-$name.server.log \
-            "$here/serve_vllm_cpu.sh" "$VLLM_VENV" "$FOLDER"); then
+            PYTHONPATH=$pythonpath "$here/serve_vllm_cpu.sh" "$VLLM_VENV" "$FOLDER" \
+            ${VLLM_ARGS:-}); then
             echo "  vLLM did not start; see $OUT/round$round-$name.server.log" >&2
             server_pid=""
             return 0
@@ -139,6 +152,7 @@ done
     family=$(grep -m1 '^cpu family' /proc/cpuinfo | sed 's/.*: //')
     model=$(grep -m1 '^model[[:space:]]*:' /proc/cpuinfo | sed 's/.*: //')
     echo "family $family, model $model; $(nproc) cores; $(date -u +%FT%TZ)"
+    [[ ${AS_AVX2:-0} == 1 ]] && echo "every server held to AVX2 (AS_AVX2=1)"
     echo "workload: cadence bench ${workload[*]}"
     echo
     python3 "$here/peers_table.py" "$OUT" "$SERVERS"
