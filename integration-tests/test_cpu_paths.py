@@ -1,7 +1,8 @@
 """`cadence launch` on every CPU kernel path this machine runs: the default picks the
 best instruction set and the dtype for it and says so in /info, and serves the embedded
-GGUF as it is; a forced path serves the same greedy tokens as transformers, and a path
-that cannot run is refused at start.
+GGUF as it is, with this machine's kernel table and with one choosing the float copy; a
+forced path serves the same greedy tokens as transformers, and a path that cannot run is
+refused at start.
 
 The forced paths serve the tiny random Llama (SmolLM2's tokenizer, head size and grouped
 attention; wide logits, so no greedy choice sits within float32 rounding of another): the
@@ -38,14 +39,43 @@ TINY_BLOCKS = 64
 JUDGED = 4  # chat prompts the default's answers are judged on, 24 tokens each
 
 
-@pytest.fixture(scope="module")
-def default_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedServer]:
-    server = launch(tmp_path_factory.mktemp("default"), "--kv-cache-memory", "128MiB")
+@pytest.fixture(scope="module", params=["measured-table", "float-copy-table"])
+def default_server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LaunchedServer]:
+    """The default launch with this machine's measured kernel table, and with a table
+    choosing the float copy of both formats and the float KV cache: what calibration may
+    measure elsewhere (on a Sapphire Rapids oneDNN's bfloat16 product runs on AMX), so
+    the checks below hold whichever it chooses."""
+    tmp = tmp_path_factory.mktemp("default")
+    args = ["--kv-cache-memory", "128MiB"]
+    if request.param == "float-copy-table":
+        args += ["--kernel-table", str(_float_copy_table(tmp / "kernel_table.json"))]
+    server = launch(tmp, *args)
     yield server
     assert stop(server) == 0, server.log()
 
 
-def test_the_default_launch_runs_the_best_kernels_this_cpu_has(default_server) -> None:
+def _float_copy_table(path: Path) -> Path:
+    """A kernel table for this machine choosing the float copy of int4 and int8 weights
+    and the dtype's own KV cache."""
+    from cadence.quant import calibrate, kv_calibrate
+
+    best = isa.resolve()
+    dtype = isa.default_dtype("cpu", best)
+    seconds = {calibrate.DECODE_ROWS: 1.0, calibrate.PREFILL_ROWS: 10.0}
+    measured = calibrate.Measured(calibrate.FLOAT, seconds, seconds, "for the test")
+    kv = isa.default_kv_cache_dtype("cpu", dtype)
+    kv_cache = kv_calibrate.KvMeasured(kv, {kv: 1.0, "int8": 1.0}, "for the test")
+    key = calibrate.machine_key(best, dtype)
+    formats = {"int4": measured, "int8": measured}
+    calibrate.write(calibrate.KernelTable(key, formats, kv_cache), path)
+    return path
+
+
+def test_the_default_launch_runs_the_best_kernels_this_cpu_has(
+    default_server, request: pytest.FixtureRequest
+) -> None:
     info = httpx.get(f"{default_server.url}/info").json()
     best = isa.resolve()  # the best this CPU has, or what CADENCE_CPU_ISA holds it to
     assert info["kernels"]["isa"] == best
@@ -60,6 +90,11 @@ def test_the_default_launch_runs_the_best_kernels_this_cpu_has(default_server) -
     choice = quantization["kv_cache_measured"].split(" ", 1)[0]
     assert choice in ("int8", isa.default_kv_cache_dtype("cpu", info["model_dtype"]))
     assert quantization["kv_cache_dtype"] == choice, quantization
+    if request.node.callspec.params["default_server"] == "float-copy-table":
+        # the table was read: the float copy serves every row count of both formats
+        rows = quantization["quantized_max_rows"]
+        assert "int4: 0 (float (" in rows and "int8: 0 (float (" in rows, rows
+        assert quantization["float_copy"] == "kept", quantization
 
 
 def test_the_default_launch_answers_alike_alone_in_a_crowd_and_again(default_server) -> None:
