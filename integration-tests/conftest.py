@@ -282,14 +282,18 @@ def greedy_ids(
 
 
 def greedy_ids_together(
-    client: httpx.Client, texts: Sequence[str], max_new_tokens: int | Sequence[int]
+    client: httpx.Client,
+    texts: Sequence[str],
+    max_new_tokens: int | Sequence[int],
+    grammars: Sequence[dict | None] | None = None,
 ) -> list[list[int]]:
-    """`greedy_ids` of every text (each its own length, or one for all), the requests sent
-    at once: the server decodes them in one batch, in a fraction of the steps one at a time
-    takes. Every server these tests compare this way is batch-invariant (test_determinism
-    and its kin probe that), so each answer is what it would be alone."""
+    """`greedy_ids` of every text (each its own length, or one for all; each under its
+    grammar, if given), the requests sent at once: the server decodes them in one batch,
+    in a fraction of the steps one at a time takes. Every server these tests compare this
+    way is batch-invariant (test_determinism and its kin probe that), so each answer is
+    what it would be alone."""
     lengths = [max_new_tokens] * len(texts) if isinstance(max_new_tokens, int) else max_new_tokens
-    jobs = list(zip(texts, lengths, strict=True))
+    jobs = list(zip(texts, lengths, grammars or [None] * len(texts), strict=True))
     with ThreadPoolExecutor(max(1, len(jobs))) as pool:
         return list(pool.map(lambda job: greedy_ids(client, *job), jobs))
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -77,10 +76,11 @@ def test_two_shards_give_the_same_constrained_greedy_tokens_as_one(
         {"type": "regex", "value": "[A-Z][a-z]+ [0-9]{2}"},
     ]
     cases = [(prompt, grammar) for prompt in CHAT_PROMPTS[:3] for grammar in grammars]
+    texts, case_grammars = [c[0] for c in cases], [c[1] for c in cases]
     # each server decodes the six requests in one batch (both are batch-invariant)
-    with httpx.Client(base_url=two_shards.url, timeout=300) as tp, ThreadPoolExecutor(6) as pool:
-        ones = list(pool.map(lambda case: greedy_ids(client, case[0], 48, case[1]), cases))
-        twos = list(pool.map(lambda case: greedy_ids(tp, case[0], 48, case[1]), cases))
+    with httpx.Client(base_url=two_shards.url, timeout=300) as tp:
+        ones = greedy_ids_together(client, texts, 48, case_grammars)
+        twos = greedy_ids_together(tp, texts, 48, case_grammars)
     for case, one, two in zip(cases, ones, twos, strict=True):
         assert one == two, case
     assert "disagrees" not in two_shards.log()
