@@ -1,6 +1,6 @@
 """The same request gets the same answer: a probe that sends chat prompts alone, inside a
-crowd of other requests, and again (their prefixes now in the prefix cache), and compares
-the tokens and logprobs of each situation bit for bit.
+crowd of other requests, and again all together (their prefixes now in the prefix cache),
+and compares the tokens and logprobs of each situation bit for bit.
 
 Greedy and seeded sampling both: a seeded draw is a function of (seed, position), so with
 the logits invariant the sampled tokens are too. The crowd's requests vary in prompt length
@@ -84,7 +84,9 @@ def probe(
     url: str, prompts: tuple[str, ...], seeded: int, max_tokens: int, crowd: int
 ) -> dict[str, list[Answer]]:
     """The `asked` requests in three situations: "alone" (one request at a time), "crowd"
-    (all together with `crowd` other requests), "again" (one at a time once more)."""
+    (all together with `crowd` other requests), "again" (all together once more, their
+    prompts now in the prefix cache: one batch, where one at a time would repeat "alone"'s
+    many steps)."""
     model = served_model(url)
     asks = asked(prompts, seeded)
     alone = [ask(url, model, p, max_tokens, s) for p, s in asks]
@@ -96,7 +98,10 @@ def probe(
         together = [f.result() for f in mine]
         for f in theirs:
             f.result()
-    again = [ask(url, model, p, max_tokens, s) for p, s in asks]
+    with ThreadPoolExecutor(len(asks)) as pool:
+        again = [
+            f.result() for f in [pool.submit(ask, url, model, p, max_tokens, s) for p, s in asks]
+        ]
     return {"alone": alone, "crowd": together, "again": again}
 
 

@@ -137,16 +137,20 @@ def cached(
     assert stop(server) == 0, server.log()
 
 
+# The references below send the 64 load requests at once to the roomy server (no prefix
+# caching, room for all: nothing is preempted, chunked or cached), in one batch instead of
+# 64 one after another: outputs are batch-invariant (test_determinism probes it), so each
+# answer is the one it gets alone.
 @pytest.fixture(scope="module")
 def unloaded(reference: LaunchedServer) -> list[Answer]:
-    """Greedy outputs of the load prompts, one request at a time."""
-    return [generate(reference.url, p) for p in load_prompts()]
+    """Greedy outputs of the load prompts without KV pressure."""
+    return run_load(reference.url)
 
 
 @pytest.fixture(scope="module")
 def unloaded_constrained(reference: LaunchedServer) -> list[Answer]:
-    """Greedy outputs of the load prompts under NOTE_SCHEMA, one request at a time."""
-    return [generate(reference.url, p, schema=NOTE_SCHEMA) for p in load_prompts()]
+    """Greedy outputs of the load prompts under NOTE_SCHEMA without KV pressure."""
+    return run_load(reference.url, NOTE_SCHEMA)
 
 
 def run_load(url: str, schema: dict | None = None) -> list[Answer]:
@@ -212,7 +216,7 @@ def test_64_requests_at_3x_kv_capacity_all_complete_with_unloaded_outputs(
 def test_constrained_outputs_survive_preemption_and_prefix_caching(
     tight: LaunchedServer, cached: LaunchedServer, unloaded_constrained: list[Answer]
 ) -> None:
-    """Greedy JSON-constrained outputs one at a time without prefix caching (the
+    """Greedy JSON-constrained outputs without KV pressure or prefix caching (the
     reference) equal those of 64 at once at 3x KV capacity (preempting, prefix caching
     on) and those of 64 at once with room for all."""
     before = metrics(tight.url)
