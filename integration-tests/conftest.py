@@ -298,6 +298,15 @@ def greedy_ids_together(
         return list(pool.map(lambda job: greedy_ids(client, *job), jobs))
 
 
+def together(*calls: Callable[[], Any]) -> list[Any]:
+    """Each call's result, the calls made at once: requests to one server are then decoded
+    in one batch instead of one after another. For servers that are batch-invariant
+    (float32, the deterministic default: test_determinism probes it), so every answer is
+    the one it gets alone."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [future.result() for future in [pool.submit(call) for call in calls]]
+
+
 @pytest.fixture(scope="session")
 def float_reference(smollm_float_dir: str) -> tuple[object, object]:
     """transformers' tokenizer and float32 model on the embedded GGUF's dequantized weights:

@@ -14,7 +14,7 @@ import openai
 import pytest
 from test_tool_calling import ASK, SCHEMAS, TOOLS
 
-from conftest import LaunchedServer
+from conftest import LaunchedServer, together
 
 # The chat tools in the Responses API's flat shape.
 FLAT_TOOLS = [{"type": "function", **tool["function"]} for tool in TOOLS]
@@ -141,13 +141,15 @@ def test_streamed_text_equals_non_streamed(oai: openai.OpenAI):
     ids=["required", "auto", "named"],
 )
 def test_function_calls_validate_equal_chat_s_and_stream_the_same(oai: openai.OpenAI, tool_choice):
-    r = respond(
-        oai, input=QUESTION, tools=FLAT_TOOLS, tool_choice=tool_choice, max_output_tokens=200
-    )
     chat_choice = tool_choice
     if isinstance(tool_choice, dict):
         chat_choice = {"type": "function", "function": {"name": tool_choice["name"]}}
-    c = chat(oai, ASK, max_tokens=200, tools=TOOLS, tool_choice=chat_choice)
+    asked = {"input": QUESTION, "tools": FLAT_TOOLS, "tool_choice": tool_choice}
+    r, c, s = together(
+        lambda: respond(oai, **asked, max_output_tokens=200),
+        lambda: chat(oai, ASK, max_tokens=200, tools=TOOLS, tool_choice=chat_choice),
+        lambda: streamed(oai, **asked, max_output_tokens=200),
+    )
     message = c.choices[0].message
     assert calls_of(r) == [
         (t.function.name, t.function.arguments) for t in message.tool_calls or []
@@ -158,12 +160,7 @@ def test_function_calls_validate_equal_chat_s_and_stream_the_same(oai: openai.Op
         assert calls_of(r)
     if isinstance(tool_choice, dict):
         assert [name for name, _ in calls_of(r)] == ["get_time"]
-    same_answer(
-        streamed(
-            oai, input=QUESTION, tools=FLAT_TOOLS, tool_choice=tool_choice, max_output_tokens=200
-        ),
-        r,
-    )
+    same_answer(s, r)
 
 
 def test_a_function_call_output_is_answered_and_previous_response_id_continues(

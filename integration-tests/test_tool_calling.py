@@ -11,7 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-from conftest import LaunchedServer
+from conftest import LaunchedServer, together
 
 WEATHER = {
     "type": "object",
@@ -99,8 +99,13 @@ def streamed(oai: openai.OpenAI, **kwargs) -> tuple[str, list[dict], str]:
     return content, [calls[i] for i in sorted(calls)], finish
 
 
-def same_as_streamed(oai: openai.OpenAI, answer, **kwargs) -> None:
-    content, calls, finish = streamed(oai, **kwargs)
+def answered_and_streamed(oai: openai.OpenAI, **kwargs):
+    """`create`'s answer and `streamed`'s, the two requests sent together."""
+    return together(lambda: create(oai, **kwargs), lambda: streamed(oai, **kwargs))
+
+
+def same_as_streamed(answer, stream) -> None:
+    content, calls, finish = stream
     message = answer.choices[0].message
     assert finish == answer.choices[0].finish_reason
     assert content == (message.content or "")
@@ -110,7 +115,7 @@ def same_as_streamed(oai: openai.OpenAI, answer, **kwargs) -> None:
 
 
 def test_required_parallel_calls_validate_and_stream_the_same(oai: openai.OpenAI):
-    answer = create(oai, tool_choice="required")
+    answer, stream = answered_and_streamed(oai, tool_choice="required")
     choice = answer.choices[0]
     calls = check_calls(choice.message.tool_calls)
     # the 135M model asks for both tools, then goes on calling until max_tokens cuts an
@@ -120,24 +125,24 @@ def test_required_parallel_calls_validate_and_stream_the_same(oai: openai.OpenAI
         assert choice.message.content.lstrip().startswith("<tool_call>")
     else:
         assert choice.finish_reason == "tool_calls"
-    same_as_streamed(oai, answer, tool_choice="required")
+    same_as_streamed(answer, stream)
 
 
 def test_a_named_tool_is_called_once_and_finishes_with_stop(oai: openai.OpenAI):
     named = {"type": "function", "function": {"name": "get_time"}}
-    answer = create(oai, tool_choice=named)
+    answer, stream = answered_and_streamed(oai, tool_choice=named)
     choice = answer.choices[0]
     assert choice.finish_reason == "stop"  # as OpenAI's, for a named tool
     calls = check_calls(choice.message.tool_calls)
     assert [name for name, _ in calls] == ["get_time"]
-    same_as_streamed(oai, answer, tool_choice=named)
+    same_as_streamed(answer, stream)
 
 
 def test_parallel_tool_calls_false_allows_exactly_one(oai: openai.OpenAI):
-    answer = create(oai, tool_choice="required", parallel_tool_calls=False)
+    answer, stream = answered_and_streamed(oai, tool_choice="required", parallel_tool_calls=False)
     assert len(check_calls(answer.choices[0].message.tool_calls)) == 1
     assert answer.choices[0].finish_reason == "tool_calls"
-    same_as_streamed(oai, answer, tool_choice="required", parallel_tool_calls=False)
+    same_as_streamed(answer, stream)
 
 
 def test_auto_with_two_tools_answers_in_text_or_valid_calls(oai: openai.OpenAI):
@@ -146,8 +151,10 @@ def test_auto_with_two_tools_answers_in_text_or_valid_calls(oai: openai.OpenAI):
         [{"role": "user", "content": "What is the weather like in Berlin in celsius?"}],
         [{"role": "user", "content": "Say hello to me."}],
     ]
-    for messages in asks:
-        answer = create(oai, messages=messages, tool_choice="auto")
+    answers = together(
+        *(lambda m=m: answered_and_streamed(oai, messages=m, tool_choice="auto") for m in asks)
+    )
+    for answer, stream in answers:
         choice = answer.choices[0]
         if choice.message.tool_calls:
             assert choice.finish_reason == "tool_calls"
@@ -155,7 +162,7 @@ def test_auto_with_two_tools_answers_in_text_or_valid_calls(oai: openai.OpenAI):
         else:
             assert choice.finish_reason in ("stop", "length")
             assert "<tool_call>" not in (choice.message.content or "")
-        same_as_streamed(oai, answer, messages=messages, tool_choice="auto")
+        same_as_streamed(answer, stream)
 
 
 def test_a_tool_result_in_history_is_answered(oai: openai.OpenAI):
