@@ -32,6 +32,7 @@ from conftest import (
     reference_up_to_eos,
     stop,
     tiny_model,
+    together,
 )
 
 PROMPTS = 4  # of the chat prompts, 64 greedy tokens each, per kernel path
@@ -118,13 +119,16 @@ def test_the_default_launch_serves_the_embedded_gguf_as_it_is(
     integer = integer_product_is_fast(isa.resolve())
     assert quantization["weights"] == ("int4 g32, int8 g32" if integer else "int4 g32")
     tokenizer, model = float_reference
-    judgements = []
+    texts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+        for prompt in CHAT_PROMPTS[:JUDGED]
+    ]
     with httpx.Client(base_url=default_server.url, timeout=120) as client:
-        for prompt in CHAT_PROMPTS[:JUDGED]:
-            text = tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-            )
-            judgements.append(judge(model, *served_greedy(client, text, 24)))
+        # served together (the default is batch-invariant), then judged one by one
+        served = together(*(lambda t=t: served_greedy(client, t, 24) for t in texts))
+        judgements = [judge(model, *answer) for answer in served]
         chat = {
             "messages": [{"role": "user", "content": CHAT_PROMPTS[0]}],
             "max_tokens": 16,
