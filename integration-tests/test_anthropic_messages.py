@@ -15,7 +15,7 @@ import openai
 import pytest
 from test_tool_calling import TIME, WEATHER
 
-from conftest import LaunchedServer, launch, stop, tiny_model
+from conftest import LaunchedServer, launch, stop, tiny_model, together
 
 MODEL = "smollm"
 # This SDK's create() has no `temperature` argument: sent as an extra field, as the API takes it.
@@ -83,15 +83,17 @@ def ask(ant: anthropic.Anthropic, **kwargs) -> anthropic.types.Message:
 def test_a_greedy_answer_equals_the_chat_route_s_and_usage_counts_its_tokens(
     ant: anthropic.Anthropic, oai: openai.OpenAI, tokenizer
 ):
-    message = ask(ant)
+    message, reference = together(
+        lambda: ask(ant),
+        lambda: oai.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": ASK}],
+            max_tokens=48,
+            temperature=0,
+        ),
+    )
     assert message.type == "message" and message.role == "assistant"
     assert message.id.startswith("msg_")
-    reference = oai.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": ASK}],
-        max_tokens=48,
-        temperature=0,
-    )
     choice = reference.choices[0]
     assert text_of(message) == choice.message.content
     assert [block.type for block in message.content] == ["text"]
@@ -151,12 +153,11 @@ def without_ids(message: anthropic.types.Message) -> dict:
 
 
 def test_a_streamed_answer_adds_up_to_the_non_streamed_one(ant: anthropic.Anthropic):
-    whole = ask(ant)
-    text, final, names = streamed(
-        ant,
-        max_tokens=48,
-        system=SYSTEM,
-        messages=[{"role": "user", "content": ASK}],
+    whole, (text, final, names) = together(
+        lambda: ask(ant),
+        lambda: streamed(
+            ant, max_tokens=48, system=SYSTEM, messages=[{"role": "user", "content": ASK}]
+        ),
     )
     assert text == text_of(whole)
     assert without_ids(final) == without_ids(whole)
@@ -194,7 +195,10 @@ def tool_uses(message: anthropic.types.Message) -> list[tuple[str, dict]]:
     ],
 )
 def test_tool_use_blocks_validate_and_stream_the_same(ant: anthropic.Anthropic, choice: dict):
-    message = call(ant, tool_choice=choice)
+    message, (_, final, names) = together(
+        lambda: call(ant, tool_choice=choice),
+        lambda: streamed(ant, max_tokens=200, messages=TOOL_ASK, tools=TOOLS, tool_choice=choice),
+    )
     uses = tool_uses(message)
     if choice["type"] == "auto" and not uses:
         assert message.stop_reason in ("end_turn", "max_tokens")
@@ -204,9 +208,6 @@ def test_tool_use_blocks_validate_and_stream_the_same(ant: anthropic.Anthropic, 
         assert message.stop_reason == "tool_use"
     if choice["type"] == "tool":
         assert [name for name, _ in uses] == ["get_time"]
-    _, final, names = streamed(
-        ant, max_tokens=200, messages=TOOL_ASK, tools=TOOLS, tool_choice=choice
-    )
     assert without_ids(final) == without_ids(message)
     if uses:
         assert "input_json" in names
