@@ -27,6 +27,7 @@ from conftest import (
     reference_up_to_eos,
     stop,
     tiny_model,
+    together,
 )
 
 # The load switch must not interfere: one request at a time, up to 4 proposals.
@@ -224,7 +225,8 @@ def test_speculation_changes_no_bit_of_an_answer(
     prompts = (f"Repeat the following text exactly:\n\n{PASSAGE}", *PROMPTS[:3])
     asks = asked(prompts, seeded=2)
     model = served_model(smollm_server.url)
-    without = [ask(smollm_server.url, model, p, 24, seed) for p, seed in asks]
+    # sent together: the server without speculation is batch-invariant (test_determinism)
+    without = together(*(lambda p=p, s=s: ask(smollm_server.url, model, p, 24, s) for p, s in asks))
     _, _, accepted_before = spec_counts(ngram_server.url)
     situations = probe(ngram_server.url, prompts, seeded=2, max_tokens=24, crowd=8)
     assert spec_counts(ngram_server.url)[2] > accepted_before, "proposals were accepted"
