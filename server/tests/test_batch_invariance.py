@@ -7,13 +7,17 @@ the row counts where it agrees with itself."""
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
 from cadence.layers.linear import product
 from cadence.pb import shard_pb2
+from cadence.shard import determinism
 from cadence.shard.determinism import varying_product
+from cadence.shard.determinism_cache import CheckCache, machine
 from cadence.shard.engine import Engine
 from shard_helpers import MiniRouter
 
@@ -194,3 +198,58 @@ def test_without_the_flag_the_shard_says_so(model_dirs, engine_for) -> None:
     assert engine.determinism.describe() == "off: turned off (--no-deterministic)"
     assert engine.kernels["determinism"] == engine.determinism.describe()
     assert "torch SDPA prefill" in engine.kernels["attention"]
+
+
+def test_the_check_s_answers_are_kept_per_machine_and_read_back(
+    engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second start on the same machine reads every answer instead of multiplying;
+    another machine's key checks anew; a stored "no range agrees" is honoured."""
+    path = tmp_path / "checks.json"
+    first = CheckCache(path, "machine A")
+    assert varying_product(engine.model, engine.dtype, first) == ""
+    first.save()
+    stored = json.loads(path.read_text())["machine A"]
+    assert stored and all(v is not None and v[0] >= 1 for v in stored.values()), stored
+    ranges = [(m.min_rows, m.max_rows) for m in engine.model.modules() if hasattr(m, "min_rows")]
+
+    checked: list[object] = []
+    real = determinism._agreeing_range
+    monkeypatch.setattr(determinism, "_agreeing_range", lambda *a: checked.append(a[0]) or real(*a))
+    again = CheckCache(path, "machine A")
+    assert varying_product(engine.model, engine.dtype, again) == ""
+    assert checked == [] and again.new == {}
+    assert ranges == [
+        (m.min_rows, m.max_rows) for m in engine.model.modules() if hasattr(m, "min_rows")
+    ]
+
+    other = CheckCache(path, "machine B")
+    assert varying_product(engine.model, engine.dtype, other) == ""
+    assert len(checked) == len(stored)
+    other.save()
+    assert set(json.loads(path.read_text())) == {"machine A", "machine B"}
+
+    (key, _), *_ = stored.items()
+    path.write_text(json.dumps({"machine C": {key: None}}))
+    assert "changes with the row count" in varying_product(
+        engine.model, engine.dtype, CheckCache(path, "machine C")
+    )
+    path.write_text("not json")  # a broken file is ignored: checked anew
+    assert varying_product(engine.model, engine.dtype, CheckCache(path, "machine C")) == ""
+
+
+def test_the_machine_key_names_what_changes_a_kernel_s_blocking(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    plain = machine("avx2", torch.float32)
+    assert "threads" in plain and "float32" in plain and "torch " in plain
+    assert machine("avx2", torch.bfloat16) != plain
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert "ONEDNN_MAX_CPU_ISA=AVX2" in machine("avx2", torch.float32)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert machine("avx2", torch.float32) != plain
+    finally:
+        torch.set_num_threads(threads)

@@ -12,7 +12,9 @@ with the C++ kernels that holds by construction:
   kernel's crossover, bfloat16 through oneDNN's prepacked weight at every row count. The
   integer product quantizes each row by itself and sums integers exactly; oneDNN's
   blocking is a library's choice, so `varying_product` checks every product shape of the
-  model at start, on its own layers, and keeps each kernel to the row counts where it
+  model on its own layers at its first start on a machine (the answers are kept per
+  machine, threads and library versions: `determinism_cache`), and keeps each kernel to
+  the row counts where it
   agrees with itself: products of more than `max_rows` rows are split (oneDNN's bfloat16
   product changes its path above ~350 rows on a Zen 4), products of fewer than
   `min_rows` padded (its float32 one at one row with K = 1536);
@@ -35,7 +37,9 @@ from torch import nn
 from cadence.attention_backends import AttentionBackend
 from cadence.attention_backends.cpu_paged import CpuAttention
 from cadence.config import ShardConfig
+from cadence.kernels.cpu.selection import selected_isa
 from cadence.layers.linear import product
+from cadence.shard.determinism_cache import CheckCache, default_cache
 
 # Row counts the start-up check multiplies: one row, small batches, a vector or block tail
 # (17, 33, 129), prefill chunks, and past the largest split (700). The LM head, the widest
@@ -143,11 +147,12 @@ def _agreeing_range(
     return None
 
 
-def varying_product(model: nn.Module, dtype: torch.dtype) -> str:
+def varying_product(model: nn.Module, dtype: torch.dtype, known: CheckCache | None = None) -> str:
     """Multiplies random rows through each distinct product of `model` (kernel, shape) at
     the row counts of CHECK_ROWS, padding the products of a kernel that needs it (its
     layers' `min_rows`); names the first whose rows depend on the row count even so (""
-    when none does)."""
+    when none does). `known`: this machine's earlier answers, read instead of checking
+    again (and the new ones added)."""
     generator = torch.Generator().manual_seed(0)
     ranges: dict[tuple[str, int, int], tuple[int, int]] = {}
     for name, module in model.named_modules():
@@ -161,10 +166,16 @@ def varying_product(model: nn.Module, dtype: torch.dtype) -> str:
         split = HEAD_SPLIT if head else QUANTIZED_SPLIT if path.startswith("quantized") else SPLIT
         counts = tuple(m for m in CHECK_ROWS if m <= HEAD_ROWS) if head else CHECK_ROWS
         counts += (split,) if split > max(counts) else ()
-        x = torch.randn(max(counts) + OFFSET, cols, generator=generator).to(dtype)
         key = (path, cols, int(getattr(module, "out_features", 0)))
         if key not in ranges:
-            found = _agreeing_range(module, x, counts, split, WINDOW_ROWS[head])
+            outputs = key[2] or int(getattr(module, "shard_size", 0))  # the head's: its vocab slice
+            name_of = f"{path}, {cols} columns, {outputs} outputs, {split} split"
+            cached, found = known.get(name_of) if known is not None else (False, None)
+            if not cached:
+                x = torch.randn(max(counts) + OFFSET, cols, generator=generator).to(dtype)
+                found = _agreeing_range(module, x, counts, split, WINDOW_ROWS[head])
+                if known is not None:
+                    known.put(name_of, found)
             if found is None:
                 return f"{name} ({key[0]}): a row's product changes with the row count"
             ranges[key] = found
@@ -185,7 +196,9 @@ def decide(
     """Whether this shard serves batch-invariant outputs (logged when asked for and not)."""
     reason = off_reason(cfg, device, attention) or crossover_reason(model)
     if not reason:
-        varying = varying_product(model, dtype)
+        known = default_cache(selected_isa() or "none", dtype)
+        varying = varying_product(model, dtype, known)
+        known.save()
         if varying:
             reason = f"the products are not batch-invariant on this CPU: {varying}"
             logger.warning(f"--deterministic does not hold here: {reason}")
@@ -194,5 +207,5 @@ def decide(
     return Determinism(
         True,
         "attention of every query over the cache, one product kernel per layer at every "
-        "row count (checked at start), row-wise norms and sampling",
+        "row count (checked on this machine), row-wise norms and sampling",
     )
