@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from conftest import together
+
 WORDS = ("river", "stone", "light", "amber", "north", "quiet", "seven", "glass", "field")
 
 # 20 chat questions of varied kinds (the chat template adds SmolLM2's system prompt, so
@@ -95,14 +97,11 @@ def probe(
     with ThreadPoolExecutor(len(asks) + crowd) as pool:
         mine = [pool.submit(ask, url, model, p, max_tokens, s) for p, s in asks]
         theirs = [pool.submit(ask, url, model, p, n, None) for p, n in others]
-        together = [f.result() for f in mine]
+        in_crowd = [f.result() for f in mine]
         for f in theirs:
             f.result()
-    with ThreadPoolExecutor(len(asks)) as pool:
-        again = [
-            f.result() for f in [pool.submit(ask, url, model, p, max_tokens, s) for p, s in asks]
-        ]
-    return {"alone": alone, "crowd": together, "again": again}
+    again = together(*(lambda p=p, s=s: ask(url, model, p, max_tokens, s) for p, s in asks))
+    return {"alone": alone, "crowd": in_crowd, "again": again}
 
 
 def differences(

@@ -23,7 +23,7 @@ from constrained_reference import (
     regex_grammar,
 )
 
-from conftest import SMOLLM_FLOAT32, LaunchedServer, launch, stop
+from conftest import SMOLLM_FLOAT32, LaunchedServer, launch, stop, together
 
 PERSON = {
     "type": "object",
@@ -112,10 +112,9 @@ def test_greedy_constrained_tokens_equal_transformers_under_the_same_masks(
     # the server decodes the three at once (it is batch-invariant), then the reference
     # runs: on a 2-core machine two torch thread teams at once are slower than one after
     # the other (each spins at its barriers while the other holds a core)
-    with concurrent.futures.ThreadPoolExecutor(len(texts)) as pool:
-        served = list(
-            pool.map(lambda t: tgi_generate(server_no_ff.url, t, kind, value, 120), texts)
-        )
+    served = together(
+        *(lambda t=t: tgi_generate(server_no_ff.url, t, kind, value, 120) for t in texts)
+    )
     for prompt, text, got in zip(PROMPTS, texts, served, strict=True):
         prompt_ids = reference.tokenizer(text, add_special_tokens=False).input_ids
         want = reference.greedy(prompt_ids, grammar, 120)

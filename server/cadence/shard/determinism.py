@@ -14,10 +14,9 @@ with the C++ kernels that holds by construction:
   blocking is a library's choice, so `varying_product` checks every product shape of the
   model on its own layers at its first start on a machine (the answers are kept per
   machine, threads and library versions: `determinism_cache`), and keeps each kernel to
-  the row counts where it
-  agrees with itself: products of more than `max_rows` rows are split (oneDNN's bfloat16
-  product changes its path above ~350 rows on a Zen 4), products of fewer than
-  `min_rows` padded (its float32 one at one row with K = 1536);
+  the row counts where it agrees with itself: products of more than `max_rows` rows are
+  split (oneDNN's bfloat16 product changes its path above ~350 rows on a Zen 4), products
+  of fewer than `min_rows` padded (its float32 one at one row with K = 1536);
 - norms, rotary, activation and sampling: C++ kernels that compute row by row;
 - tensor parallelism: the all-reduce adds the ranks' parts in rank order
   (`cadence.layers.parallel.all_reduce_sum`).
@@ -154,7 +153,7 @@ def varying_product(model: nn.Module, dtype: torch.dtype, known: CheckCache | No
     when none does). `known`: this machine's earlier answers, read instead of checking
     again (and the new ones added)."""
     generator = torch.Generator().manual_seed(0)
-    ranges: dict[tuple[str, int, int], tuple[int, int]] = {}
+    ranges: dict[str, tuple[int, int]] = {}  # by product: kernel path and shape
     for name, module in model.named_modules():
         if not hasattr(module, "packed_weight"):
             continue  # not a product layer (LinearBase, ParallelLMHead)
@@ -166,22 +165,22 @@ def varying_product(model: nn.Module, dtype: torch.dtype, known: CheckCache | No
         split = HEAD_SPLIT if head else QUANTIZED_SPLIT if path.startswith("quantized") else SPLIT
         counts = tuple(m for m in CHECK_ROWS if m <= HEAD_ROWS) if head else CHECK_ROWS
         counts += (split,) if split > max(counts) else ()
-        key = (path, cols, int(getattr(module, "out_features", 0)))
+        # the head has no out_features: its vocabulary slice is its outputs
+        outputs = int(getattr(module, "out_features", 0) or getattr(module, "shard_size", 0))
+        key = f"{path}, {cols} columns, {outputs} outputs, {split} split"
         if key not in ranges:
-            outputs = key[2] or int(getattr(module, "shard_size", 0))  # the head's: its vocab slice
-            name_of = f"{path}, {cols} columns, {outputs} outputs, {split} split"
-            cached, found = known.get(name_of) if known is not None else (False, None)
+            cached, found = known.get(key) if known is not None else (False, None)
             if not cached:
                 x = torch.randn(max(counts) + OFFSET, cols, generator=generator).to(dtype)
                 found = _agreeing_range(module, x, counts, split, WINDOW_ROWS[head])
                 if known is not None:
-                    known.put(name_of, found)
+                    known.put(key, found)
             if found is None:
-                return f"{name} ({key[0]}): a row's product changes with the row count"
+                return f"{name} ({path}): a row's product changes with the row count"
             ranges[key] = found
             if found != (1, split):
                 kept = f"{found[0]}..{found[1]} rows"
-                logger.info(f"{key[0]} products of {cols} columns kept to {kept}")
+                logger.info(f"{path} products of {cols} columns kept to {kept}")
         module.min_rows, module.max_rows = ranges[key]
     return ""
 
