@@ -250,6 +250,49 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm_dir: str) ->
     return str(path)
 
 
+# A random Llama whose heads split over two ranks as SmolLM2's do (6 query heads over 3 KV
+# heads: 2 + 1 KV heads a rank), for the tensor-parallel and LoRA tests where the split,
+# not the embedded model, is the point: a step costs about a seventh of SmolLM2's.
+GQA_LAYERS, GQA_HEADS, GQA_KV_HEADS = 4, 6, 3
+GQA_BLOCK_BYTES_FLOAT32 = GQA_LAYERS * 2 * GQA_KV_HEADS * TINY_HEAD_DIM * 16 * 4
+
+
+def tiny_gqa_model(tiny_gqa_dir: str, blocks: int) -> tuple[str, ...]:
+    """`cadence launch` flags serving the tiny GQA Llama in float32 with a KV cache of
+    `blocks` blocks."""
+    memory = str(blocks * GQA_BLOCK_BYTES_FLOAT32)
+    return ("--model-id", tiny_gqa_dir, *FLOAT32, "--kv-cache-memory", memory)
+
+
+@pytest.fixture(scope="session")
+def tiny_gqa_dir(tmp_path_factory: pytest.TempPathFactory, smollm_dir: str) -> str:
+    """The tiny GQA Llama's folder: the tiny Llama's recipe (wide weights, zero special
+    rows, SmolLM2's tokenizer and chat template) at GQA_LAYERS x GQA_HEADS / GQA_KV_HEADS."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-gqa")
+    source = json.loads((Path(smollm_dir) / "config.json").read_text())
+    sizes = tiny_sizes(source) | {
+        "hidden_size": GQA_HEADS * TINY_HEAD_DIM,
+        "num_hidden_layers": GQA_LAYERS,
+        "num_attention_heads": GQA_HEADS,
+        "num_key_value_heads": GQA_KV_HEADS,
+    }
+    config = LlamaConfig(vocab_size=source["vocab_size"], tie_word_embeddings=True, **sizes)
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(config)
+    draw_wide_weights(model)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:3] = 0  # <|endoftext|>, <|im_start|>, <|im_end|>
+    model.save_pretrained(path, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(smollm_dir) / name, path / name)
+    return str(path)
+
+
 @pytest.fixture
 def client(smollm_server: LaunchedServer) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=smollm_server.url, timeout=300) as http:
@@ -319,20 +362,25 @@ def float_reference(smollm_float_dir: str) -> tuple[object, object]:
     return tokenizer, model
 
 
-def greedy_reference(tokenizer: Any, model: Any) -> tuple[list[str], list[list[int]], int]:
-    """CHAT_PROMPTS rendered with the model's chat template, and transformers' greedy
-    continuations of NEW_TOKENS from `model`."""
+def greedy_reference(
+    tokenizer: Any,
+    model: Any,
+    prompts: Sequence[str] = CHAT_PROMPTS,
+    new_tokens: int = NEW_TOKENS,
+) -> tuple[list[str], list[list[int]], int]:
+    """`prompts` rendered with the model's chat template, and transformers' greedy
+    continuations of `new_tokens` from `model`."""
     import torch
 
     texts, outputs = [], []
-    for prompt in CHAT_PROMPTS:
+    for prompt in prompts:
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
         )
         input_ids = tokenizer(text, return_tensors="pt").input_ids
         with torch.inference_mode():
             generated = model.generate(
-                input_ids, max_new_tokens=NEW_TOKENS, do_sample=False, num_beams=1
+                input_ids, max_new_tokens=new_tokens, do_sample=False, num_beams=1
             )
         texts.append(text)
         outputs.append(generated[0, input_ids.shape[1] :].tolist())

@@ -3,7 +3,8 @@ float32 on the tiny random Llama: the same token sequences, best first, and the 
 (cumulative logprob / length ** length_penalty) within float32 rounding, for widths 2, 4
 and 8 through TGI's `/generate` (`parameters.num_beams`) and the OpenAI SDK
 (`use_beam_search`); beam and ordinary requests at once on a small KV pool they contend
-for; the blocks all given back; the blocks beams share in /metrics."""
+for; the blocks all given back; the blocks beams share in /metrics. And on the embedded
+SmolLM2 (float32), chat answers whose beams end at its EOS."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ from typing import Any
 
 import httpx
 import pytest
+from beam_reference import assert_beams_as_transformers
 
-from conftest import LaunchedServer, launch, stop, the_shard, tiny_model, wait_for
+from conftest import CHAT_PROMPTS, LaunchedServer, launch, stop, the_shard, tiny_model, wait_for
 
 PROMPTS = [
     # 24 tokens: its first block is full, so every beam of its searches shares it from the
@@ -214,6 +216,15 @@ def test_openai_beams_match_transformers(
             logprobs = choice.logprobs.token_logprobs
             score = sum(logprobs) / len(logprobs) ** penalty
             assert score == pytest.approx(score_want, rel=1e-3, abs=1e-3), (c, i)
+
+
+def test_smollm_beams_that_end_at_its_eos_match_transformers(
+    smollm_server: LaunchedServer, float_reference: tuple[object, object]
+) -> None:
+    """Short chat answers, so beams end at EOS before the token limit (the tiny Llama's
+    never do) and are ranked by their own lengths."""
+    ended = assert_beams_as_transformers(smollm_server.url, *float_reference, CHAT_PROMPTS[:2])
+    assert ended > 0, "no beam ended at EOS: the check of their ranking has no teeth"
 
 
 def test_beam_requests_are_refused_with_each_apis_names(server: LaunchedServer) -> None:

@@ -1,8 +1,9 @@
-"""LoRA adapters served end to end: PEFT folders made here with `peft` on the embedded
-model's float32 weights, served by `cadence launch --lora-adapters`, against transformers
-+ PEFT running the same adapters (the oracle), through TGI's route and OpenAI's client;
-runtime load and unload, the directory resolver, refusals, and a load over more adapters
-than the KV pool can keep resident."""
+"""LoRA adapters served end to end: PEFT folders made here with `peft` on a tiny random
+Llama's float32 weights (its heads split over two ranks as SmolLM2's do: the adapters'
+slicing, not the embedded model, is the point), served by `cadence launch --lora-adapters`,
+against transformers + PEFT running the same adapters (the oracle), through TGI's route
+and OpenAI's client; runtime load and unload, the directory resolver, refusals, and a load
+over more adapters than the KV pool can keep resident."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import SMOLLM_FLOAT32, LaunchedServer, launch, metrics, stop, tiny_model
+from conftest import LaunchedServer, launch, metrics, stop, tiny_gqa_model, tiny_model
 
 NEW_TOKENS = 12
 PROMPTS = ["The capital of France is", "def reverse(items):", "Once upon a time, a robot"]
@@ -49,11 +50,12 @@ ADAPTERS: dict[str, dict[str, Any]] = {
         "r": 8,
         "lora_alpha": 32,
         "target_modules": ["gate_proj", "up_proj", "down_proj"],
-        "layers_to_transform": [0, 3, 7, 11, 29],
+        "layers_to_transform": [0, 3],  # of 4: skips the middle two
     },
 }
 LATE = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}  # loaded at run time
 SIXTEEN_POOL_BLOCKS = 40
+POOL_BLOCKS = 2048  # the KV pool of the servers of ADAPTERS: they and the requests fit
 
 
 class AdapterMaker:
@@ -81,11 +83,9 @@ class AdapterMaker:
 
 
 @pytest.fixture(scope="module")
-def adapter_dirs(
-    smollm_float_dir: str, tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, Path]:
+def adapter_dirs(tiny_gqa_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("adapters")
-    maker = AdapterMaker(smollm_float_dir)
+    maker = AdapterMaker(tiny_gqa_dir)
     made = {
         name: maker.make(root / name, fields, seed)
         for seed, (name, fields) in enumerate(ADAPTERS.items())
@@ -97,16 +97,14 @@ def adapter_dirs(
 
 
 @pytest.fixture(scope="module")
-def reference(
-    smollm_float_dir: str, adapter_dirs: dict[str, Path]
-) -> dict[tuple[str, str], list[int]]:
+def reference(tiny_gqa_dir: str, adapter_dirs: dict[str, Path]) -> dict[tuple[str, str], list[int]]:
     """transformers + PEFT's greedy tokens, per (adapter or "" for the base, prompt)."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(smollm_float_dir)
-    base = AutoModelForCausalLM.from_pretrained(smollm_float_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_gqa_dir)
+    base = AutoModelForCausalLM.from_pretrained(tiny_gqa_dir, dtype=torch.float32).eval()
     names = [*ADAPTERS, "late", "found"]
     model = PeftModel.from_pretrained(base, adapter_dirs[names[0]], adapter_name=names[0])
     for name in names[1:]:
@@ -132,13 +130,12 @@ def reference(
 
 @pytest.fixture(scope="module")
 def server(
-    adapter_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+    tiny_gqa_dir: str, adapter_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LaunchedServer]:
     listed = ",".join(f"{name}={adapter_dirs[name]}" for name in ADAPTERS)
     launched = launch(
         tmp_path_factory.mktemp("lora"),
-        *SMOLLM_FLOAT32,
-        *("--kv-cache-memory", "256MiB"),
+        *tiny_gqa_model(tiny_gqa_dir, POOL_BLOCKS),
         *("--lora-adapters", listed),
         "--allow-runtime-lora",
         *("--lora-dir", str(adapter_dirs["found"].parent)),
@@ -174,18 +171,19 @@ def test_a_batch_mixing_four_adapters_and_the_base_equals_transformers_and_peft(
 
 
 def test_two_shards_serve_the_mixed_batch_as_transformers_and_peft(
+    tiny_gqa_dir: str,
     adapter_dirs: dict[str, Path],
     reference: dict[tuple[str, str], list[int]],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    """Tensor parallelism: each rank holds its slice of every adapter (SmolLM2's 3 KV heads
-    split 2 + 1, so the q/k/v slices are uneven; the rank with one KV head has slabs of
-    16 x 64 elements per block, each holding one 576-wide rank row)."""
+    """Tensor parallelism: each rank holds its slice of every adapter (3 KV heads split
+    2 + 1, as SmolLM2's are, so the q/k/v slices are uneven; the rank with one KV head has
+    slabs of 16 x 64 elements per block, each holding one 384-wide rank row)."""
     listed = ",".join(f"{name}={adapter_dirs[name]}" for name in ADAPTERS)
     launched = launch(
         tmp_path_factory.mktemp("lora-tp"),
-        *SMOLLM_FLOAT32,
-        *("--num-shard", "2", "--kv-cache-memory", "128MiB"),
+        *tiny_gqa_model(tiny_gqa_dir, POOL_BLOCKS),
+        *("--num-shard", "2"),
         *("--lora-adapters", listed),
     )
     try:

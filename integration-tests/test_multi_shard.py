@@ -1,6 +1,9 @@
-"""`cadence launch --num-shard 2`: two shard processes in a gloo group serve SmolLM2
-with the same greedy tokens as one shard, every step checked rank against rank; an OPT
-checkpoint is served end to end and generates what transformers generates."""
+"""`cadence launch --num-shard 2`: two shard processes in a gloo group serve a tiny random
+Llama whose heads split as SmolLM2's do (3 KV heads: 2 + 1 a rank) with the same greedy,
+constrained and beam-search tokens as one shard and as transformers, every step checked
+rank against rank; an OPT checkpoint is served end to end and generates what transformers
+generates. (The split is the point, not the embedded model: a step costs a seventh of
+SmolLM2's. SmolLM2's own beams, ending at its EOS, are checked in test_beam_search.)"""
 
 from __future__ import annotations
 
@@ -11,30 +14,36 @@ from pathlib import Path
 
 import httpx
 import pytest
+from beam_reference import assert_beams_as_transformers
 from invariance import PROMPTS, assert_same_answers
 
 from conftest import (
     CHAT_PROMPTS,
     FLOAT32,
-    SMOLLM_FLOAT32,
     LaunchedServer,
     greedy_ids,
     greedy_ids_together,
+    greedy_reference,
     launch,
     reference_up_to_eos,
     stop,
+    tiny_gqa_model,
 )
 
 NEW_TOKENS = 32
+BLOCKS = 1024  # 16-token blocks, each rank's
 
 
 @pytest.fixture(scope="module")
-def two_shards(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedServer]:
-    """SmolLM2 in float32 over 2 ranks (its 9 heads / 3 KV heads split unevenly)."""
-    tmp = tmp_path_factory.mktemp("smollm-tp2")
+def two_shards(
+    tmp_path_factory: pytest.TempPathFactory, tiny_gqa_dir: str
+) -> Iterator[LaunchedServer]:
+    """The tiny GQA Llama in float32 over 2 ranks (its 6 heads / 3 KV heads split
+    unevenly)."""
+    tmp = tmp_path_factory.mktemp("gqa-tp2")
     server = launch(
         tmp,
-        *("--num-shard", "2", *SMOLLM_FLOAT32, "--kv-cache-memory", "256MiB"),
+        *("--num-shard", "2", *tiny_gqa_model(tiny_gqa_dir, BLOCKS)),
         "--check-rank-agreement",
     )
     yield server
@@ -42,16 +51,39 @@ def two_shards(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedSer
     assert code == 0, f"launcher exited with {code} on SIGTERM:\n{server.log()}"
 
 
-def test_two_shards_generate_the_same_greedy_tokens_as_one(
-    two_shards: LaunchedServer, client: httpx.Client
+@pytest.fixture(scope="module")
+def one_shard(
+    tmp_path_factory: pytest.TempPathFactory, tiny_gqa_dir: str
+) -> Iterator[httpx.Client]:
+    """The same model on one shard: what two must answer alike."""
+    server = launch(tmp_path_factory.mktemp("gqa-tp1"), *tiny_gqa_model(tiny_gqa_dir, BLOCKS))
+    with httpx.Client(base_url=server.url, timeout=300) as client:
+        yield client
+    assert stop(server) == 0, server.log()
+
+
+@pytest.fixture(scope="module")
+def gqa_reference(tiny_gqa_dir: str) -> tuple[object, object]:
+    """transformers' tokenizer and float32 model on the tiny GQA Llama."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_gqa_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_gqa_dir, dtype=torch.float32).eval()
+    return tokenizer, model
+
+
+def test_two_shards_generate_the_same_greedy_tokens_as_one_and_as_transformers(
+    two_shards: LaunchedServer, one_shard: httpx.Client, gqa_reference: tuple[object, object]
 ) -> None:
-    prompts = CHAT_PROMPTS[:4]
+    texts, expected, _ = greedy_reference(*gqa_reference, CHAT_PROMPTS[:4], NEW_TOKENS)
     with httpx.Client(base_url=two_shards.url, timeout=300) as tp:
         info = tp.get("/info").json()
-        ones = greedy_ids_together(client, prompts, NEW_TOKENS)
-        twos = greedy_ids_together(tp, prompts, NEW_TOKENS)
-    for prompt, one, two in zip(prompts, ones, twos, strict=True):
-        assert two == one, prompt
+        ones = greedy_ids_together(one_shard, texts, NEW_TOKENS)
+        twos = greedy_ids_together(tp, texts, NEW_TOKENS)
+    for text, want, one, two in zip(texts, expected, ones, twos, strict=True):
+        assert one == want, text
+        assert two == one, text
     assert info["world_size"] == 2
     log = two_shards.log()
     assert "rank 1/2" in log and "disagrees" not in log
@@ -63,7 +95,7 @@ def test_two_shards_answer_alike_alone_in_a_crowd_and_again(two_shards: Launched
 
 
 def test_two_shards_give_the_same_constrained_greedy_tokens_as_one(
-    two_shards: LaunchedServer, client: httpx.Client
+    two_shards: LaunchedServer, one_shard: httpx.Client
 ) -> None:
     """The router computes each mask once and every rank applies the same one."""
     schema = {
@@ -79,7 +111,7 @@ def test_two_shards_give_the_same_constrained_greedy_tokens_as_one(
     texts, case_grammars = [c[0] for c in cases], [c[1] for c in cases]
     # each server decodes the six requests in one batch (both are batch-invariant)
     with httpx.Client(base_url=two_shards.url, timeout=300) as tp:
-        ones = greedy_ids_together(client, texts, 48, case_grammars)
+        ones = greedy_ids_together(one_shard, texts, 48, case_grammars)
         twos = greedy_ids_together(tp, texts, 48, case_grammars)
     for case, one, two in zip(cases, ones, twos, strict=True):
         assert one == two, case
@@ -87,46 +119,10 @@ def test_two_shards_give_the_same_constrained_greedy_tokens_as_one(
 
 
 def test_two_shards_search_beams_as_transformers_does(
-    two_shards: LaunchedServer, float_reference: tuple[object, object]
+    two_shards: LaunchedServer, gqa_reference: tuple[object, object]
 ) -> None:
-    """Beam search over 2 ranks: the beams and scores of transformers' float32 search on
-    the embedded model's weights (chat prompts, so a beam may end at EOS)."""
-    import torch
-
-    tokenizer, model = float_reference
-    for prompt in CHAT_PROMPTS[:2]:
-        text = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-        )
-        input_ids = tokenizer(text, return_tensors="pt").input_ids  # type: ignore[operator]
-        with torch.inference_mode():
-            want = model.generate(  # type: ignore[attr-defined]
-                input_ids,
-                max_new_tokens=16,
-                do_sample=False,
-                num_beams=3,
-                num_return_sequences=3,
-                length_penalty=1.0,
-                early_stopping=False,
-                output_scores=True,
-                return_dict_in_generate=True,
-            )
-        body = {
-            "inputs": text,
-            "parameters": {"num_beams": 3, "max_new_tokens": 16, "details": True},
-        }
-        answer = httpx.post(f"{two_shards.url}/generate", json=body, timeout=300)
-        assert answer.status_code == 200, answer.text
-        details = answer.json()["details"]
-        beams = [details, *details["best_of_sequences"]]
-        pad = tokenizer.pad_token_id  # type: ignore[attr-defined]
-        for i, beam in enumerate(beams):
-            ids = [t["id"] for t in beam["tokens"]]
-            expected = want.sequences[i, input_ids.shape[1] :].tolist()
-            assert ids == expected[: len(ids)], (prompt, i)
-            assert all(t == pad for t in expected[len(ids) :]), (prompt, i)
-            score = sum(t["logprob"] for t in beam["tokens"]) / len(ids)
-            assert score == pytest.approx(want.sequences_scores[i].item(), abs=2e-3), (prompt, i)
+    """Beam search over 2 ranks: the beams and scores of transformers' float32 search."""
+    assert_beams_as_transformers(two_shards.url, *gqa_reference, CHAT_PROMPTS[:2])
 
 
 def _tiny_opt(path: Path, tokenizer_dir: str) -> tuple[Path, int]:
