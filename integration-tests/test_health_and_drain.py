@@ -32,8 +32,9 @@ from conftest import (
 )
 
 SERVED_NAME = "smollm-under-test"
-STALL_TIMEOUT_MS = 1000  # a 4000-token prefill on CPU takes longer: /ready must stay green
-LONG_PROMPT_TOKENS = 4000
+STALL_TIMEOUT_MS = 300  # the long prefill below takes 4 times longer: /ready must stay green
+LONG_PREFILL_MS = 4 * STALL_TIMEOUT_MS
+MAX_BATCH_TOKENS = 2048  # the longest prompt one step takes (a few seconds on a slow CPU)
 # the tiny random Llama's cache, for the tests about the shard process rather than the model
 TINY_BLOCKS = 256
 
@@ -50,14 +51,14 @@ def alive(url: str) -> bool:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedServer]:
-    """Room for a 4000-token prompt in one step, a short stall timeout (so a long
+    """Room for a prompt of MAX_BATCH_TOKENS in one step, a short stall timeout (so a long
     prefill is overdue and only the shard's Health answer keeps /ready green)."""
     tmp = tmp_path_factory.mktemp("deploy")
     launched = launch(
         tmp,
         *("--kv-cache-memory", "256MiB", "--served-model-name", SERVED_NAME),
-        *("--max-input-tokens", "4100", "--max-total-tokens", "4200"),
-        *("--max-batch-tokens", "4096", "--ready-stall-timeout-ms", str(STALL_TIMEOUT_MS)),
+        *("--max-batch-tokens", str(MAX_BATCH_TOKENS)),
+        *("--ready-stall-timeout-ms", str(STALL_TIMEOUT_MS)),
     )
     yield launched
     for pid in shard_pids(launched.process):
@@ -116,12 +117,23 @@ def test_a_shard_frozen_mid_stream_is_stalled_and_the_stream_ends_after_sigcont(
 
 
 def test_a_long_prefill_on_a_busy_server_keeps_ready_green(server: LaunchedServer) -> None:
+    """The long prompt is sized on this machine to take about LONG_PREFILL_MS: from a
+    256-token prefill's time, as prefill time grows at least in proportion to the prompt
+    (so a fast CPU gets a long prompt, a slow one no needlessly long wait)."""
     client = httpx.Client(base_url=server.url, timeout=300)
-    # A fresh prefix each run: no prefix-cache hit shortens the prefill.
     sentence = "The quick brown fox jumps over the lazy dog near the river bank. "
     per_sentence = len(client.post("/tokenize", json={"inputs": sentence}).json())
-    text = uuid.uuid4().hex + " " + sentence * (LONG_PROMPT_TOKENS // per_sentence)
-    assert len(client.post("/tokenize", json={"inputs": text}).json()) <= 4100
+
+    def fresh_prompt(tokens: int) -> str:
+        """A fresh prefix each time: no prefix-cache hit shortens the prefill."""
+        return uuid.uuid4().hex + " " + sentence * (tokens // per_sentence)
+
+    parameters = {"max_new_tokens": 1, "ignore_eos": True}
+    sized = client.post("/generate", json={"inputs": fresh_prompt(256), "parameters": parameters})
+    per_token_ms = int(sized.headers["x-inference-time"]) / 256
+    tokens = min(MAX_BATCH_TOKENS - 64, int(LONG_PREFILL_MS / max(per_token_ms, 1e-3)))
+    text = fresh_prompt(max(tokens, 256))
+    assert len(client.post("/tokenize", json={"inputs": text}).json()) <= MAX_BATCH_TOKENS
     answers: dict[str, httpx.Response] = {}
 
     def generate(name: str, inputs: str, new_tokens: int) -> None:
