@@ -1,7 +1,13 @@
-"""Structured outputs on the embedded SmolLM2 through `cadence launch`: JSON schemas,
-regular expressions and choices with the real clients (openai, text-generation), checked
-against transformers + llguidance's masks as the reference, with and without
-fast-forward, and a bad or pathological grammar failing only its own request."""
+"""Structured outputs through `cadence launch`: JSON schemas, regular expressions and
+choices with the real clients (openai, text-generation), checked against transformers +
+llguidance's masks as the reference, with and without fast-forward, and a bad or
+pathological grammar failing only its own request.
+
+The masks, fast-forward, sampled outputs and refusals are checked on the tiny random
+Llama (SmolLM2's tokenizer, so the same vocabulary under the same grammars; a step costs a
+fraction of SmolLM2's); the clients' round trips (a pydantic model parsed by the OpenAI
+SDK, TGI's client) on the embedded SmolLM2, whose answers end by themselves where a
+schema leaves a string's length open."""
 
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ from constrained_reference import (
     regex_grammar,
 )
 
-from conftest import SMOLLM_FLOAT32, LaunchedServer, launch, stop, together
+from conftest import LaunchedServer, launch, stop, tiny_model, together
 
 PERSON = {
     "type": "object",
@@ -55,24 +61,42 @@ PROMPTS = [
 ]
 
 
+TINY = "tiny"  # the tiny servers' model name
+TINY_BLOCKS = 1024
+
+
 @pytest.fixture(scope="module")
-def server_no_ff(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedServer]:
-    """The same model with every constrained token sampled (no fast-forward)."""
+def tiny_server(
+    tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: str
+) -> Iterator[LaunchedServer]:
+    """The tiny Llama, fast-forwarding the tokens a grammar forces (the default)."""
     server = launch(
-        tmp_path_factory.mktemp("no-ff"),
-        *SMOLLM_FLOAT32,
-        "--kv-cache-memory",
-        "256MiB",
-        "--no-grammar-fast-forward",
-        *("--served-model-name", "smollm"),
+        tmp_path_factory.mktemp("ff"),
+        *tiny_model(tiny_llama_dir, TINY_BLOCKS),
+        *("--served-model-name", TINY),
     )
     yield server
     assert stop(server) == 0, server.log()
 
 
 @pytest.fixture(scope="module")
-def reference(smollm_float_dir: str) -> ConstrainedReference:
-    return ConstrainedReference(smollm_float_dir)
+def server_no_ff(
+    tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: str
+) -> Iterator[LaunchedServer]:
+    """The same model with every constrained token sampled (no fast-forward)."""
+    server = launch(
+        tmp_path_factory.mktemp("no-ff"),
+        *tiny_model(tiny_llama_dir, TINY_BLOCKS),
+        "--no-grammar-fast-forward",
+        *("--served-model-name", TINY),
+    )
+    yield server
+    assert stop(server) == 0, server.log()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir: str) -> ConstrainedReference:
+    return ConstrainedReference(tiny_llama_dir)
 
 
 def chat_text(reference: ConstrainedReference, prompt: str) -> str:
@@ -132,7 +156,7 @@ def test_a_choice_is_the_reference_s_greedy_choice(
         prompt_ids = reference.tokenizer(text, add_special_tokens=False).input_ids
         want = reference.greedy(prompt_ids, choice_grammar(COLORS), 16)
         answer = oai.completions.create(
-            model="smollm",
+            model=TINY,
             prompt=text,
             max_tokens=16,
             temperature=0,
@@ -144,16 +168,16 @@ def test_a_choice_is_the_reference_s_greedy_choice(
 
 @pytest.mark.parametrize("kind,value,grammar", CASES, ids=[c[0] for c in CASES])
 def test_fast_forward_saves_steps_and_keeps_the_greedy_text(
-    smollm_server: LaunchedServer, server_no_ff: LaunchedServer, reference, kind, value, grammar
+    tiny_server: LaunchedServer, server_no_ff: LaunchedServer, reference, kind, value, grammar
 ):
-    before = forwarded(smollm_server.url)
+    before = forwarded(tiny_server.url)
     texts = [chat_text(reference, prompt) for prompt in PROMPTS]
     with concurrent.futures.ThreadPoolExecutor(len(texts)) as pool:  # one batch per server
-        fast = list(pool.map(lambda t: tgi_generate(smollm_server.url, t, kind, value, 120), texts))
+        fast = list(pool.map(lambda t: tgi_generate(tiny_server.url, t, kind, value, 120), texts))
         slow = list(pool.map(lambda t: tgi_generate(server_no_ff.url, t, kind, value, 120), texts))
     for prompt, one, other in zip(PROMPTS, fast, slow, strict=True):
         assert one["generated_text"] == other["generated_text"], prompt
-    assert forwarded(smollm_server.url) > before
+    assert forwarded(tiny_server.url) > before
 
 
 def forwarded(url: str) -> int:
@@ -166,6 +190,11 @@ def forwarded(url: str) -> int:
 @pytest.fixture(scope="module")
 def oai(smollm_server: LaunchedServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{smollm_server.url}/v1", api_key="none")
+
+
+@pytest.fixture(scope="module")
+def tiny_oai(tiny_server: LaunchedServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{tiny_server.url}/v1", api_key="none")
 
 
 class Event(pydantic.BaseModel):
@@ -187,10 +216,10 @@ def test_the_openai_sdk_parses_a_pydantic_model(oai: openai.OpenAI):
     assert completion.choices[0].finish_reason == "stop"
 
 
-def test_fifty_seeded_sampled_requests_all_validate(oai: openai.OpenAI):
+def test_fifty_seeded_sampled_requests_all_validate(tiny_oai: openai.OpenAI):
     def one(seed: int) -> tuple[str, str]:
-        answer = oai.chat.completions.create(
-            model="smollm",
+        answer = tiny_oai.chat.completions.create(
+            model=TINY,
             messages=[{"role": "user", "content": "Invent a person."}],
             response_format={
                 "type": "json_schema",
@@ -210,12 +239,12 @@ def test_fifty_seeded_sampled_requests_all_validate(oai: openai.OpenAI):
     assert len({content for content, _ in answers}) > 10, "seeds give different people"
 
 
-def test_regex_choice_and_json_object_outputs_match(oai: openai.OpenAI):
+def test_regex_choice_and_json_object_outputs_match(tiny_oai: openai.OpenAI):
     messages = [{"role": "user", "content": "Call me."}]
     for seed in range(5):
         phone = (
-            oai.chat.completions.create(
-                model="smollm",
+            tiny_oai.chat.completions.create(
+                model=TINY,
                 messages=messages,
                 temperature=1.0,
                 seed=seed,
@@ -227,8 +256,8 @@ def test_regex_choice_and_json_object_outputs_match(oai: openai.OpenAI):
         )
         assert re.fullmatch(PHONE, phone), phone
         color = (
-            oai.completions.create(
-                model="smollm",
+            tiny_oai.completions.create(
+                model=TINY,
                 prompt="My favourite color is",
                 temperature=1.0,
                 seed=seed,
@@ -239,8 +268,8 @@ def test_regex_choice_and_json_object_outputs_match(oai: openai.OpenAI):
             .text
         )
         assert color in COLORS
-    anything = oai.chat.completions.create(
-        model="smollm",
+    anything = tiny_oai.chat.completions.create(
+        model=TINY,
         messages=[{"role": "user", "content": "A JSON object please."}],
         response_format={"type": "json_object"},
         temperature=0,
@@ -270,13 +299,13 @@ def test_the_text_generation_client_grammar_parameter(smollm_server: LaunchedSer
 
 
 def test_bad_and_pathological_grammars_fail_alone_while_others_stream(
-    smollm_server: LaunchedServer, oai: openai.OpenAI
+    tiny_server: LaunchedServer, tiny_oai: openai.OpenAI
 ):
     streamed: list[str] = []
 
     def stream() -> None:
-        for chunk in oai.chat.completions.create(
-            model="smollm",
+        for chunk in tiny_oai.chat.completions.create(
+            model=TINY,
             messages=[{"role": "user", "content": "Tell me a long story."}],
             max_tokens=200,
             temperature=0,
@@ -306,8 +335,8 @@ def test_bad_and_pathological_grammars_fail_alone_while_others_stream(
     ]
     for schema, field in cases:
         with pytest.raises(openai.BadRequestError) as error:
-            oai.chat.completions.create(
-                model="smollm",
+            tiny_oai.chat.completions.create(
+                model=TINY,
                 messages=[{"role": "user", "content": "hi"}],
                 max_tokens=20,
                 response_format={
@@ -319,7 +348,7 @@ def test_bad_and_pathological_grammars_fail_alone_while_others_stream(
         assert error.value.body["param"].startswith(field), error.value.body
         assert len(error.value.body["message"]) > len(field) + 2
     tgi = httpx.post(
-        f"{smollm_server.url}/generate",
+        f"{tiny_server.url}/generate",
         json={"inputs": "hi", "parameters": {"grammar": {"type": "regex", "value": "(a"}}},
         timeout=60,
     )
