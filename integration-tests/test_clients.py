@@ -14,7 +14,7 @@ import pytest
 from huggingface_hub import InferenceClient
 from text_generation import Client
 
-from conftest import SMOLLM_FLOAT32, LaunchedServer, launch, stop
+from conftest import LaunchedServer, launch, stop, tiny_model
 
 KEY = "test-key-4"
 MODEL = "smollm"  # its --served-model-name: the OpenAI routes answer 404 to any other
@@ -22,24 +22,17 @@ MODEL = "smollm"  # its --served-model-name: the OpenAI routes answer 404 to any
 
 @pytest.fixture(scope="module")
 def server(
-    tmp_path_factory: pytest.TempPathFactory, smollm_float_dir: str
+    tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: str
 ) -> Iterator[LaunchedServer]:
-    """The float32 copy. Served as the GGUF it is, products dispatch by row count (on AVX2
-    a prefill's rows go to a float copy, decode rows to int4), so a prefix-cache hit that
-    computes the prompt's last rows in a smaller product can flip a close greedy choice
-    between two equal requests; the float copy has one path."""
+    """The tiny random Llama in float32 (SmolLM2's tokenizer and chat template): the
+    clients' protocols are the point, not the model. Float32 has one product path, so a
+    prefix-cache hit that computes a prompt's last rows in a smaller product cannot flip a
+    greedy choice between two equal requests."""
     tmp: Path = tmp_path_factory.mktemp("clients")
     s = launch(
         tmp,
-        *SMOLLM_FLOAT32,
-        "--kv-cache-memory",
-        "256MiB",
-        "--api-key",
-        KEY,
-        "--cors-allow-origin",
-        "*",
-        "--served-model-name",
-        MODEL,
+        *tiny_model(tiny_llama_dir, 1024),
+        *("--api-key", KEY, "--cors-allow-origin", "*", "--served-model-name", MODEL),
     )
     yield s
     assert stop(s) == 0, s.log()
