@@ -10,6 +10,7 @@ import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -51,20 +52,14 @@ def spec_counts(url: str) -> tuple[float, float, float]:
     return total("drafts"), total("draft_tokens"), total("accepted_tokens")
 
 
-def copy_prompt(tokenizer_dir: str) -> str:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+def copy_prompt(tokenizer: Any) -> str:
     message = {"role": "user", "content": f"Repeat the following text exactly:\n\n{PASSAGE}"}
     return tokenizer.apply_chat_template([message], tokenize=False, add_generation_prompt=True)
 
 
-def transformers_greedy(model_dir: str, text: str, new_tokens: int) -> list[int]:
+def transformers_greedy(tokenizer: Any, model: Any, text: str, new_tokens: int) -> list[int]:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     input_ids = tokenizer(text, return_tensors="pt").input_ids
     with torch.inference_mode():
         out = model.generate(input_ids, max_new_tokens=new_tokens, do_sample=False, num_beams=1)
@@ -101,16 +96,16 @@ def ngram_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedS
 def test_ngram_greedy_output_is_transformers_and_proposals_are_accepted(
     ngram_server: LaunchedServer,
     transformers_reference: tuple[list[str], list[list[int]], int],
-    smollm_float_dir: str,
+    float_reference: tuple[Any, Any],
 ) -> None:
     info = httpx.get(f"{ngram_server.url}/info").json()["speculative"]
     assert info["method"] == "ngram" and info["max_step_tokens"] == "64", info
     assert_greedy_equals_transformers(ngram_server, transformers_reference)
     before = spec_counts(ngram_server.url)
-    text = copy_prompt(smollm_float_dir)
+    text = copy_prompt(float_reference[0])
     with httpx.Client(base_url=ngram_server.url, timeout=300) as client:
         ours = greedy_ids(client, text, 64)
-    assert ours == transformers_greedy(smollm_float_dir, text, 64)
+    assert ours == transformers_greedy(*float_reference, text, 64)
     drafts, proposed, accepted = (
         a - b for a, b in zip(spec_counts(ngram_server.url), before, strict=True)
     )
