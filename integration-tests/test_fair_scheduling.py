@@ -1,11 +1,13 @@
 """Fair scheduling between tenants through `cadence launch` (`--scheduling-policy`):
 tenant A keeps many long requests in flight, more than the batch holds, and tenant B
-sends a short request now and then. Under `fair` (the Virtual Token Counter) B's time to
-first token stays within twice its time on the idle server; under `fcfs` B waits behind
-A's queue. Both figures are measured in the same run, on the same server: the test
-compares ratios, never seconds. Idle and loaded phases alternate, and each phase is
-represented by its fastest request, since other work on a small machine only ever adds
-time; the median of the rounds' ratios is compared."""
+sends a short request now and then. Under `fair` (the Virtual Token Counter) B waits for
+the step in flight and takes a place in the next, beside A's rows: its time to first
+token stays within SEPARATES times its time on the idle server. Under `fcfs` B waits
+behind A's queue, whole requests of A_TOKENS steps: 20x and more. Both figures are
+measured in the same run, on the same server: the test compares ratios, never seconds.
+Idle and loaded phases alternate, and each phase is represented by its fastest request,
+since other work on a small machine only ever adds time; the median of the rounds'
+ratios is compared."""
 
 from __future__ import annotations
 
@@ -31,6 +33,9 @@ B_SAMPLES = 4  # per phase
 # tokens, where A's requests are long. (VTC counts tokens: a tenant whose requests are
 # heavier than A's would rightly wait for A's counter to catch up.)
 B_PROMPT = " hello there"
+# Between the two regimes: `fair` measured 1.0-2.1x (a Zen 3's 2 cores put it at 2.1x
+# once), `fcfs` 19-35x; a bound of 2.0 sat on the edge of the first.
+SEPARATES = 5.0
 
 
 @pytest.fixture(scope="module", params=["fair", "fcfs"])
@@ -133,6 +138,6 @@ def test_a_tenants_backlog_delays_another_tenant_only_under_fcfs(
     ratio = statistics.median(ratios)
     print(f"{policy}: B's TTFT idle {ms(idle)} ms, under A's load {ms(loaded)} ms: {ratio:.2f}x")
     if policy == "fair":
-        assert ratio <= 2.0, f"fair: B's TTFT {ratio:.2f}x its idle TTFT"
+        assert ratio <= SEPARATES, f"fair: B's TTFT {ratio:.2f}x its idle TTFT"
     else:
-        assert ratio > 2.0, f"fcfs: B's TTFT only {ratio:.2f}x its idle TTFT"
+        assert ratio > SEPARATES, f"fcfs: B's TTFT only {ratio:.2f}x its idle TTFT"
