@@ -227,25 +227,20 @@ def tiny_model(tiny_llama_dir: str, blocks: int) -> tuple[str, ...]:
     return ("--model-id", tiny_llama_dir, *FLOAT32, "--kv-cache-memory", memory)
 
 
-@pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm_dir: str) -> str:
-    """The tiny random Llama's folder (config, safetensors, SmolLM2's tokenizer files).
-
-    Its weights are drawn wide (logits with a standard deviation of ~8), so a greedy
-    choice is rarely within float32 rounding of the runner-up, and the special tokens'
-    rows are zero: their logit is 0 where the top one is far above, so random text never
-    ends early at an EOS and a request runs to its token limit."""
+def save_wide_llama(path: Path, smollm_dir: str, seed: int, **sizes: int) -> str:
+    """A random Llama with SmolLM2's vocabulary, tokenizer and chat template saved in
+    `path`: the tiny sizes (tiny_sizes) with `sizes` over them, tied embeddings drawn wide
+    (draw_wide_weights) from `seed`, the special tokens' rows zero."""
     import shutil
 
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    path = tmp_path_factory.mktemp("tiny-llama")
     source = json.loads((Path(smollm_dir) / "config.json").read_text())
     config = LlamaConfig(
-        vocab_size=source["vocab_size"], tie_word_embeddings=True, **tiny_sizes(source)
+        vocab_size=source["vocab_size"], tie_word_embeddings=True, **(tiny_sizes(source) | sizes)
     )
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     draw_wide_weights(model)
     with torch.no_grad():
@@ -256,9 +251,20 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm_dir: str) ->
     return str(path)
 
 
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm_dir: str) -> str:
+    """The tiny random Llama's folder (config, safetensors, SmolLM2's tokenizer files).
+
+    Its weights are drawn wide (logits with a standard deviation of ~8), so a greedy
+    choice is rarely within float32 rounding of the runner-up, and the special tokens'
+    rows are zero: their logit is 0 where the top one is far above, so random text never
+    ends early at an EOS and a request runs to its token limit."""
+    return save_wide_llama(tmp_path_factory.mktemp("tiny-llama"), smollm_dir, seed=0)
+
+
 # A random Llama whose heads split over two ranks as SmolLM2's do (6 query heads over 3 KV
 # heads: 2 + 1 KV heads a rank), for the tensor-parallel and LoRA tests where the split,
-# not the embedded model, is the point: a step costs about a seventh of SmolLM2's.
+# not the embedded model, is the point: about a sixth of SmolLM2's weights.
 GQA_LAYERS, GQA_HEADS, GQA_KV_HEADS = 4, 6, 3
 GQA_BLOCK_BYTES_FLOAT32 = GQA_LAYERS * 2 * GQA_KV_HEADS * TINY_HEAD_DIM * 16 * 4
 
@@ -272,31 +278,17 @@ def tiny_gqa_model(tiny_gqa_dir: str, blocks: int) -> tuple[str, ...]:
 
 @pytest.fixture(scope="session")
 def tiny_gqa_dir(tmp_path_factory: pytest.TempPathFactory, smollm_dir: str) -> str:
-    """The tiny GQA Llama's folder: the tiny Llama's recipe (wide weights, zero special
-    rows, SmolLM2's tokenizer and chat template) at GQA_LAYERS x GQA_HEADS / GQA_KV_HEADS."""
-    import shutil
-
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path = tmp_path_factory.mktemp("tiny-gqa")
-    source = json.loads((Path(smollm_dir) / "config.json").read_text())
-    sizes = tiny_sizes(source) | {
-        "hidden_size": GQA_HEADS * TINY_HEAD_DIM,
-        "num_hidden_layers": GQA_LAYERS,
-        "num_attention_heads": GQA_HEADS,
-        "num_key_value_heads": GQA_KV_HEADS,
-    }
-    config = LlamaConfig(vocab_size=source["vocab_size"], tie_word_embeddings=True, **sizes)
-    torch.manual_seed(1)
-    model = LlamaForCausalLM(config)
-    draw_wide_weights(model)
-    with torch.no_grad():
-        model.model.embed_tokens.weight[:3] = 0  # <|endoftext|>, <|im_start|>, <|im_end|>
-    model.save_pretrained(path, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(Path(smollm_dir) / name, path / name)
-    return str(path)
+    """The tiny GQA Llama's folder: the tiny Llama's recipe at GQA_LAYERS layers of
+    GQA_HEADS query heads over GQA_KV_HEADS."""
+    return save_wide_llama(
+        tmp_path_factory.mktemp("tiny-gqa"),
+        smollm_dir,
+        seed=1,
+        hidden_size=GQA_HEADS * TINY_HEAD_DIM,
+        num_hidden_layers=GQA_LAYERS,
+        num_attention_heads=GQA_HEADS,
+        num_key_value_heads=GQA_KV_HEADS,
+    )
 
 
 @pytest.fixture

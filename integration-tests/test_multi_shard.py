@@ -2,8 +2,8 @@
 Llama whose heads split as SmolLM2's do (3 KV heads: 2 + 1 a rank) with the same greedy,
 constrained and beam-search tokens as one shard and as transformers, every step checked
 rank against rank; an OPT checkpoint is served end to end and generates what transformers
-generates. (The split is the point, not the embedded model: a step costs a seventh of
-SmolLM2's. SmolLM2's own beams, ending at its EOS, are checked in test_beam_search.)"""
+generates. (The split is the point, not the embedded model: the model has about a sixth of
+SmolLM2's weights. SmolLM2's own beams, ending at its EOS, are checked in test_beam_search.)"""
 
 from __future__ import annotations
 
