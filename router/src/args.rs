@@ -351,6 +351,12 @@ pub struct Args {
     #[arg(long, env = "CADENCE_SHUTDOWN_TIMEOUT", default_value_t = 30)]
     pub shutdown_timeout: u64,
 
+    /// Seconds to wait at start for each shard's socket to accept a connection. `cadence
+    /// launch` starts the router beside its shards (its tokenizer and templates load while
+    /// the shards load the model) and passes its own start-up timeout here.
+    #[arg(long, env = "CADENCE_SHARD_CONNECT_TIMEOUT", default_value_t = 60)]
+    pub shard_connect_timeout: u64,
+
     /// Debug: compare every rank's Step answer with rank 0's and fail the step when they
     /// differ (tensor-parallel ranks must compute the same tokens).
     #[arg(long, env = "CADENCE_CHECK_RANK_AGREEMENT")]

@@ -111,7 +111,9 @@ impl ShardClient {
                             message: format!("{e:?}"),
                         })
                     }
-                    Err(_) => tokio::time::sleep(Duration::from_millis(250)).await,
+                    // a refused connect costs microseconds: poll often, the shard is ready
+                    // when its socket is
+                    Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
                 }
             };
             tracing::info!(rank, path = %path.display(), "connected to shard");

@@ -81,8 +81,6 @@ use crate::tenants::reload::KeyFile;
 use crate::tenants::{KeyRing, Tenants};
 use crate::validation::{Constraints, Validation};
 
-/// How long to wait for the shards' sockets at start.
-const CONNECT_WAIT: Duration = Duration::from_secs(60);
 /// After a drain, how long connections get to write what they still hold (the last
 /// events of a stream, or the error events of a cut) when the shutdown timeout is near.
 const FLUSH_GRACE: Duration = Duration::from_secs(2);
@@ -138,7 +136,7 @@ pub async fn serve(args: Args) -> Result<(), RouterError> {
     let groups = args.shard_groups().map_err(RouterError::Args)?;
     let mut replicas = Vec::with_capacity(groups.len());
     for paths in &groups {
-        let shards = ShardClient::connect(paths, CONNECT_WAIT)
+        let shards = ShardClient::connect(paths, Duration::from_secs(args.shard_connect_timeout))
             .await?
             .with_agreement_check(args.check_rank_agreement);
         let infos = shards.info().await?;

@@ -17,6 +17,7 @@ others keep serving.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import signal
@@ -115,6 +116,7 @@ def router_argv(cfg: LaunchConfig, model_dir: str, uds_paths: list[str]) -> list
     (the others keep the router's own defaults)."""
     argv = [sys.executable, "-m", "cadence.router", "--hostname", cfg.hostname]
     argv += ["--port", str(cfg.port), "--shutdown-timeout", str(cfg.shutdown_timeout)]
+    argv += ["--shard-connect-timeout", str(math.ceil(cfg.startup_timeout))]
     for path in uds_paths:
         argv += ["--shard-uds-path", path]
     argv += ["--tokenizer", model_dir, "--model-id", cfg.model_id or EMBEDDED_MODEL_NAME]
@@ -318,18 +320,18 @@ def _run(cfg: LaunchConfig, supervisor: Supervisor, model_dir: str, slots: list[
         if slot.placement:  # OpenMP reads it when its first team starts
             shard_env = env | {"OMP_NUM_THREADS": str(slot.placement.threads)}
         supervisor.start(name, shard_argv(cfg, model_dir, slot), shard_env)
-    for name, slot in names.items():
-        supervisor.wait_until(
-            lambda p=slot.uds_path: os.path.exists(p), cfg.startup_timeout, f"{name} listening"
-        )
+    # The router starts beside the shards, not after them: it loads its tokenizer and
+    # templates on a core the shards' imports leave idle, then waits for their sockets
+    # (--shard-connect-timeout, the start-up timeout: one for loading, one for warm-up).
     uds_paths = [slot.uds_path for slot in slots]
     supervisor.start("router", router_argv(cfg, model_dir, uds_paths), router_env(cfg, env))
     scheme = "https" if cfg.ssl_certfile else "http"
     url = f"{scheme}://{_connect_host(cfg.hostname)}:{cfg.port}"
     supervisor.wait_until(
         lambda: _http_ok(f"{url}/ready"),
-        cfg.startup_timeout,
-        "the router warming the shards up and answering /ready",
+        2 * cfg.startup_timeout,
+        "the shards loading, the router warming them up and answering /ready",
+        interval=0.05,
     )
     logger.info("cadence ready on {}://{}:{}", scheme, cfg.hostname, cfg.port)
     _watch(cfg, supervisor, names)

@@ -35,7 +35,8 @@ def test_router_flags_left_unset_keep_the_routers_defaults() -> None:
     argv = _router_argv(LaunchConfig())
     flags = [a for a in argv[3:] if a.startswith("--")]
     assert flags == [
-        *("--hostname", "--port", "--shutdown-timeout", "--shard-uds-path", "--tokenizer"),
+        *("--hostname", "--port", "--shutdown-timeout", "--shard-connect-timeout"),
+        *("--shard-uds-path", "--tokenizer"),
         *("--model-id", "--log-format", "--no-async-scheduling", "--docs-assets"),
     ]
 

@@ -38,6 +38,7 @@ SOURCES = tuple(
         "sampling_kernels.cpp",
         "lora_kernels.cpp",
         "quant_kernels.cpp",
+        "float_kernels.cpp",
     )
 )
 OPS_SOURCE = _HERE / "cpu_ops.cpp"

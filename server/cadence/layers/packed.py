@@ -1,4 +1,4 @@
-"""Linear weights prepacked for oneDNN on CPU.
+"""Linear weights prepacked on CPU: for cadence's float32 tiles, or for oneDNN.
 
 `F.linear` on a CPU tensor reorders (bfloat16, through oneDNN) or packs (float32,
 through MKL's sgemm) the weight on every call; for a decode-sized batch (a few dozen
@@ -12,6 +12,14 @@ weight once more in oneDNN's blocked layout, and `linear` multiplies through it:
 - float32 at every batch size: SmolLM2's 30 layers and LM head with oneDNN and MKL held to
   AVX2 take 1.9x less time than `F.linear` at 1 row, 1.6x at 32, 1.2x at 1024
   (`benchmarks/kernels/cpu_linear_bench.py --dtype float32`).
+
+With the avx2 kernels, float32 weights are packed instead in panels of 16 output columns
+for cadence's own product (`torch.ops.cadence.float_matmul`, float_kernels.cpp): on a
+2-core Zen 3 it multiplies SmolLM2's 30 layers and LM head 2.0x faster than oneDNN's
+prepacked product at 1 row, 1.3x at 32, 1.1x at 320 and as fast from 512 rows on
+(docs/benchmarks.md). Each output is one FMA chain over the input columns in order, so a
+row's bits do not depend on the other rows. Not on the AVX-512 builds, where oneDNN's
+float32 product has AVX-512 and these tiles were not measured against it.
 
 Batch-invariant serving (`every_row_count`) multiplies bfloat16 through the packed weight
 at every row count too: oneDNN's prepacked product gives each row the same bits whatever
@@ -34,6 +42,7 @@ from cadence.kernels import cpu as cpu_kernels
 BF16_PACKED_MAX_ROWS = 320  # bf16 rows up to which the packed weight is used
 EVERY_ROW_COUNT = 1 << 30
 _PACK_HINT_ROWS = 32  # the batch size oneDNN chooses the blocked layout for
+TILE_COLS = 16  # output columns per panel of the float32 tiles (float_kernels.cpp)
 
 
 @cache
@@ -55,11 +64,40 @@ def onednn_packs(dtype: torch.dtype) -> bool:
     return True
 
 
+def float_tiles_serve() -> bool:
+    """Whether float32 products go through cadence's tiles instead of oneDNN (the avx2
+    kernels are the selected ones)."""
+    return cpu_kernels.available() and cpu_kernels.selected_isa() == "avx2"
+
+
+def tile_packing(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 weight [out, in] as `float_matmul` reads it: [ceil(out / 16), in, 16],
+    element (p, i, c) = weight[16 p + c, i], zero past `out`."""
+    out, width = weight.shape
+    panels = -(-out // TILE_COLS)
+    padded = F.pad(weight.float(), (0, 0, 0, panels * TILE_COLS - out))
+    return padded.view(panels, TILE_COLS, width).transpose(1, 2).contiguous()
+
+
+def is_tile_packing(packed: torch.Tensor) -> bool:
+    """Whether a packed copy is for the float32 tiles ([n16, in, 16]; oneDNN's keeps the
+    weight's two dimensions)."""
+    return packed.dim() == 3
+
+
+def packed_copy(weight: torch.Tensor) -> torch.Tensor:
+    """The packed copy of a weight `packing_supported` takes: for the float32 tiles where
+    they serve, else oneDNN's."""
+    if weight.dtype == torch.float32 and float_tiles_serve():
+        return tile_packing(weight.data)
+    return torch.ops.mkldnn._reorder_linear_weight(weight.data.contiguous(), _PACK_HINT_ROWS)
+
+
 def packing_supported(weight: torch.Tensor) -> bool:
     if weight.device.type != "cpu":
         return False
     if weight.dtype == torch.float32:
-        return onednn_packs(torch.float32)
+        return float_tiles_serve() or onednn_packs(torch.float32)
     return (
         weight.dtype == torch.bfloat16
         and cpu_kernels.available()
@@ -87,12 +125,11 @@ def pack_linear_weights(
         quantized = getattr(module, "quantized", None)
         if quantized is not None and quantized.serves_every_row_count:
             continue  # a float kept only as a tied table: no product reads it
-        module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(
-            weight.data.contiguous(), _PACK_HINT_ROWS
-        )
+        module.packed_weight = packed = packed_copy(weight)
         every = every_row_count or weight.dtype is torch.float32
         module.packed_max_rows = EVERY_ROW_COUNT if every else BF16_PACKED_MAX_ROWS
-        added += weight.numel() * weight.element_size()
+        tiles = is_tile_packing(packed)
+        added += packed.nbytes if tiles else weight.numel() * weight.element_size()
     return added
 
 
@@ -105,10 +142,12 @@ def linear(
 ) -> torch.Tensor:
     """F.linear, through the packed weight when there is one and `x` has at most
     `packed_max_rows` rows (None: every row count for float32, BF16_PACKED_MAX_ROWS for
-    bfloat16)."""
+    bfloat16): by cadence's float32 tiles or oneDNN, whichever it was packed for."""
     if packed_max_rows is None:
         every = x.dtype is torch.float32
         packed_max_rows = EVERY_ROW_COUNT if every else BF16_PACKED_MAX_ROWS
     if packed is not None and x.dim() == 2 and x.shape[0] <= packed_max_rows:
+        if is_tile_packing(packed):
+            return torch.ops.cadence.float_matmul(x, packed, bias, weight.shape[0])
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
     return F.linear(x, weight, bias)

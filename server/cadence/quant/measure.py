@@ -3,9 +3,10 @@ finds the crossover: the most rows at which the quantized kernels still win.
 
 Every layer gets its own weights (so they stream from memory as in a real step, rather
 than sit in cache); the float side is what a shard serves (`cadence.layers.packed.linear`,
-the weight prepacked by oneDNN where it can be), the quantized side the kernel a shard
-would use (`cadence.quant.product.make_kernel`: the integer product where the selected C++
-kernels have VNNI, else torch's weight-only kernels), or torch's when asked."""
+the weight prepacked for cadence's float32 tiles or oneDNN where it can be), the quantized
+side the kernel a shard would use (`cadence.quant.product.make_kernel`: the integer product
+where the selected C++ kernels have VNNI, else torch's weight-only kernels), or torch's
+when asked."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cadence.layers.packed import _PACK_HINT_ROWS, linear, onednn_packs
+from cadence.layers.packed import linear, packed_copy, packing_supported
 from cadence.quant.cpu_kernels import Int4CpuKernel, Int8CpuKernel
 from cadence.quant.crossover import ALL_ROWS
 from cadence.quant.formats import Int8Weight, QuantizedWeight
@@ -55,13 +56,12 @@ def build(
 ) -> Products:
     """`kernel` makes the quantized side's product of a weight (default: the one a shard
     would use, `make_kernel`)."""
-    packs = onednn_packs(dtype)
     cpu = torch.device("cpu")
     products = product_kernels(cpu)  # the shard's choice on this CPU
     floats, quantized, widths = [], [], []
     for out_features, in_features in shapes:
         w = (torch.randn(out_features, in_features) * 0.05).to(dtype)
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_HINT_ROWS) if packs else None
+        packed = packed_copy(w) if packing_supported(w) else None
         floats.append(lambda x, w=w, p=packed: linear(x, w, None, p))
         if fmt == "int8":
             q = quantize_int8(w)

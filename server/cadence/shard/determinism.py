@@ -38,6 +38,7 @@ from cadence.attention_backends.cpu_paged import CpuAttention
 from cadence.config import ShardConfig
 from cadence.kernels.cpu.selection import selected_isa
 from cadence.layers.linear import product
+from cadence.layers.packed import is_tile_packing
 from cadence.shard.determinism_cache import CheckCache, default_cache
 
 # Row counts the start-up check multiplies: one row, small batches, a vector or block tail
@@ -55,8 +56,9 @@ WINDOW_ROWS = {False: 64, True: 16}  # by "is the LM head" (49152 outputs a row)
 # 64 costs little where the product reads its weight once either way
 MAX_PAD = 64
 SPLIT = 512  # the most rows one float kernel call takes (prefill chunks above are split)
-# The most rows one quantized product takes: the integer product quantizes each row by
-# itself and sums integers exactly, so a whole prefill step (--max-batch-tokens' default)
+# The most rows one quantized product (or one of cadence's float32 tiles) takes: the integer
+# product quantizes each row by itself and sums integers exactly, and the tiles sum each
+# output in one fixed order, so a whole prefill step (--max-batch-tokens' default)
 # is one call, not two and a copy joining them (4% of a 960-row step on a Zen 4); the
 # check multiplies this many rows too, and splits below it where a kernel disagrees.
 QUANTIZED_SPLIT = 1024
@@ -106,7 +108,10 @@ def _path(module: nn.Module, rows: int) -> str:
     quantized = getattr(module, "quantized", None)
     if quantized is not None and quantized.serves(rows):
         return "quantized " + ",".join(quantized.formats)
-    return "packed" if getattr(module, "packed_weight", None) is not None else "torch"
+    packed = getattr(module, "packed_weight", None)
+    if packed is None:
+        return "torch"
+    return "float tiles" if is_tile_packing(packed) else "packed"
 
 
 def _rows_vary(module: nn.Module, x: torch.Tensor, counts: tuple[int, ...], window: int) -> int:
@@ -162,7 +167,8 @@ def varying_product(model: nn.Module, dtype: torch.dtype, known: CheckCache | No
             continue
         head = not hasattr(module, "in_features")
         path = _path(module, 1)  # every row count's: crossover_reason ruled switching out
-        split = HEAD_SPLIT if head else QUANTIZED_SPLIT if path.startswith("quantized") else SPLIT
+        own = path.startswith(("quantized", "float tiles"))  # a row's bits fixed by construction
+        split = HEAD_SPLIT if head else QUANTIZED_SPLIT if own else SPLIT
         counts = tuple(m for m in CHECK_ROWS if m <= HEAD_ROWS) if head else CHECK_ROWS
         counts += (split,) if split > max(counts) else ()
         # the head has no out_features: its vocabulary slice is its outputs

@@ -215,6 +215,7 @@ def _cases() -> list[Any]:
     if _has_amx_kernel():  # the emulated AMX tiles: what any CPU running these kernels runs
         tiles = [{**args, "tiles": 2} for args in _quant_args()]
         cases += [(OPS.quant_matmul_tiles.default, args) for args in tiles]
+    cases += [(OPS.float_matmul.default, args) for args in _float_args()]
     return [pytest.param(op, args, id=f"{op}-{_dtypes(args)}") for op, args in cases]
 
 
@@ -241,6 +242,21 @@ def _quant_args() -> list[dict[str, Any]]:
         }
         for p in packed
         for dtype in (F32, BF16)
+    ]
+
+
+def _float_args() -> list[dict[str, Any]]:
+    """float_matmul with and without a bias, on rows packed and strided (the packing is
+    cadence.layers.packed's)."""
+    from cadence.layers.packed import tile_packing
+
+    w = torch.randn(40, 64, generator=_generator())
+    x = torch.randn(3, 128, generator=_generator())
+    bias = torch.randn(40, generator=_generator())
+    packed = tile_packing(w)
+    return [
+        {"x": x[:, :64], "packed": packed, "bias": None, "out_features": 40},
+        {"x": x[:, ::2], "packed": packed, "bias": bias, "out_features": 40},
     ]
 
 
@@ -386,7 +402,27 @@ def _bad_cases() -> list[Any]:
             "k_scale must be a torch.float32 tensor of one element",
         ),
     ]
+    from cadence.layers.packed import tile_packing
+
+    floats = {"x": torch.randn(3, 64), "packed": tile_packing(torch.randn(40, 64))}
+    floats |= {"bias": None, "out_features": 40}
+    cases += [
+        (OPS.float_matmul.default, {"x": floats["x"].double()}, r"x must be float32 \[rows, in\]"),
+        (
+            OPS.float_matmul.default,
+            {"x": torch.randn(3, 63)},
+            r"x must be \[rows, 64\] \(the packed weight's input columns\)",
+        ),
+        (
+            OPS.float_matmul.default,
+            {"packed": floats["packed"].transpose(0, 1)},
+            r"packed must be a contiguous float32 \[n16, in, 16\]",
+        ),
+        (OPS.float_matmul.default, {"out_features": 50}, "out_features 50 does not fill"),
+        (OPS.float_matmul.default, {"bias": torch.randn(41)}, r"bias must be float32 \[40\]"),
+    ]
     bases = {
+        "float_matmul.default": floats,
         "paged_decode_attention.out": attention,
         "paged_decode_attention.default": {k: v for k, v in attention.items() if k != "out"},
         "rms_norm.out": norm,

@@ -8,7 +8,8 @@
 // -fopenmp once per instruction set (cadence/kernels/cpu/builds.py, cadence/cpu_isa.py):
 // attention_kernels.cpp (paged decode attention), rotary_kernels.cpp (the rotary, and with
 // it the KV-cache write), elementwise_kernels.cpp (RMSNorm, SwiGLU), sampling_kernels.cpp
-// (greedy with log-probabilities), lora_kernels.cpp and quant_kernels.cpp. Their vector
+// (greedy with log-probabilities), lora_kernels.cpp, quant_kernels.cpp and
+// float_kernels.cpp (float32 products on prepacked weights). Their vector
 // paths are chosen at compile time by what that build's -march enables
 // (CADENCE_AVX512_BF16, CADENCE_AVX2, else portable: cpu_elements.h). Python calls them
 // only through the torch operators of the shim (torch.ops.cadence.*), which checks every
@@ -136,6 +137,15 @@ int cadence_lora_expand(void* y, int64_t y_stride, int64_t out_offset, const voi
 int cadence_quant_matmul(const void* x, int64_t x_stride, int64_t m, int64_t k,
                          const void* packed, const float* scales, int64_t n, int format,
                          void* y, int64_t y_stride, int dtype, int num_threads);
+
+// y [m, n] = x [m, k] @ W.T, float32, with W packed by cadence/layers/packed.py into
+// panels of 16 output columns: packed [ceil(n / 16), k, 16], element (p, i, c) = W[16 p + c,
+// i] (zero past n), 32-byte aligned. Rows x_stride / y_stride elements apart. Each output is
+// one FMA chain over k ascending from +0 in every build (float_kernels.cpp), so a row's
+// result is the same bits whatever m, its place among the rows, or the threads.
+int cadence_float_matmul(const float* x, int64_t x_stride, int64_t m, int64_t k,
+                         const float* packed, int64_t n, float* y, int64_t y_stride,
+                         int num_threads);
 
 // 1 when this process may run AMX-INT8 (the CPU has AMX-TILE and AMX-INT8 and Linux granted
 // the tile data state), else 0; asked once, the answer kept. 0 from every library but

@@ -34,6 +34,7 @@
 //     quant_matmul(x, packed, scales, out_features, format) -> y
 //     quant_matmul_tiles(x, packed, scales, out_features, format, tiles) -> y
 //     amx_available() -> bool
+//     float_matmul(x, packed, bias, out_features) -> y
 //
 // The LoRA pair covers some rows of a step (rows[i], or first_row + i when rows is None;
 // row_adapter[i] their adapters, -1 none), reading the adapters' rows in place in the KV
@@ -46,6 +47,11 @@
 // tiles (quant_amx.h), bitwise equal to it: tiles 1 the hardware's (where amx_available(),
 // which asks the selected kernels, and with them Linux, once), 2 their emulation (any CPU
 // running the avx512_bf16 kernels, the only ones with the AMX kernel).
+//
+// float_matmul multiplies float32 rows by a float32 weight packed in panels of 16 output
+// columns by cadence/layers/packed.py (float_kernels.cpp; float_checks.h), each output one
+// FMA chain over the input columns in order: the same bits in every library, and for a row
+// whatever the other rows.
 //
 // k_scale/v_scale: an int8 or fp8 cache's scales (cadence/kv_format.py), None for a float
 // cache.
@@ -60,6 +66,7 @@
 
 #include "cpu_kernels.h"
 #include "cpu_ops_checks.h"
+#include "float_checks.h"
 #include "lora_checks.h"
 #include "quant_checks.h"
 
@@ -105,6 +112,7 @@ struct Kernels {
     decltype(&cadence_quant_matmul) quant_matmul;
     decltype(&cadence_amx_request) amx_request;
     decltype(&cadence_quant_matmul_tiles) quant_matmul_tiles;
+    decltype(&cadence_float_matmul) float_matmul;
 };
 
 // Every call reads the table through one atomic pointer; a selection swaps it. Tables are
@@ -144,6 +152,7 @@ void select_kernels(c10::string_view isa, c10::string_view path_view) {
         resolve(library, path, "cadence_quant_matmul", fresh->quant_matmul);
         resolve(library, path, "cadence_amx_request", fresh->amx_request);
         resolve(library, path, "cadence_quant_matmul_tiles", fresh->quant_matmul_tiles);
+        resolve(library, path, "cadence_float_matmul", fresh->float_matmul);
         table = std::move(fresh);
     }
     selected.store(table.get(), std::memory_order_release);
@@ -676,6 +685,34 @@ Tensor quant_matmul_tiles(const Tensor& x, const Tensor& packed, const Tensor& s
                             tiles);
 }
 
+// ---- float32 weights -----------------------------------------------------------------------
+
+template <Impl I>
+Tensor float_matmul(const Tensor& x, const Tensor& packed, const std::optional<Tensor>& bias,
+                    int64_t out_features) {
+    constexpr const char* op = "float_matmul";
+    if constexpr (I == Impl::Meta) {
+        on_cpu(op, {{"x", &x}, {"packed", &packed}});
+    }
+    const auto sizes = float_checks::float_matmul(op, x, packed, bias, out_features);
+    Tensor y = at::empty_symint({sizes.rows, SymInt(out_features)}, x.options());
+    if constexpr (I == Impl::CPU) {
+        const int64_t rows = as_int(sizes.rows), in = as_int(sizes.in);
+        if (reinterpret_cast<uintptr_t>(packed.const_data_ptr()) % 32 != 0) {
+            checks::fail(op, "packed must start on a 32-byte boundary (the tiles' aligned loads)");
+        }
+        if (rows == 0) return y;
+        const auto x_rows = packed_columns(x);
+        const Kernels& k = kernels();
+        const int status = k.float_matmul(x_rows->const_data_ptr<float>(), x_rows->stride(0), rows,
+                                          in, packed.const_data_ptr<float>(), out_features,
+                                          y.mutable_data_ptr<float>(), out_features, threads());
+        check_status(k, status, "cadence_float_matmul");
+        if (bias.has_value()) y.add_(*bias);
+    }
+    return y;
+}
+
 }  // namespace
 }  // namespace cadence_ops
 
@@ -728,6 +765,7 @@ TORCH_LIBRARY_FRAGMENT(cadence, m) {
     m.def(
         "quant_matmul_tiles(Tensor x, Tensor packed, Tensor scales, int out_features, "
         "int format, int tiles) -> Tensor");
+    m.def("float_matmul(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
     m.def("amx_available() -> bool", TORCH_FN(cadence_ops::amx_available));
     // No tensors: these run whatever the dispatch keys (a catch-all kernel).
     m.def("_select_kernels(str isa, str path) -> ()", TORCH_FN(cadence_ops::select_kernels));
@@ -751,7 +789,8 @@ TORCH_LIBRARY_FRAGMENT(cadence, m) {
     m.impl("lora_shrink_rows_", TORCH_FN(cadence_ops::lora_shrink_rows_<I>));                 \
     m.impl("lora_expand_rows_", TORCH_FN(cadence_ops::lora_expand_rows_<I>));                 \
     m.impl("quant_matmul", TORCH_FN(cadence_ops::quant_matmul<I>));                           \
-    m.impl("quant_matmul_tiles", TORCH_FN(cadence_ops::quant_matmul_tiles<I>));
+    m.impl("quant_matmul_tiles", TORCH_FN(cadence_ops::quant_matmul_tiles<I>));                 \
+    m.impl("float_matmul", TORCH_FN(cadence_ops::float_matmul<I>));
 
 TORCH_LIBRARY_IMPL(cadence, CPU, m) { CADENCE_IMPLS(m, cadence_ops::Impl::CPU) }
 TORCH_LIBRARY_IMPL(cadence, Meta, m) { CADENCE_IMPLS(m, cadence_ops::Impl::Meta) }
