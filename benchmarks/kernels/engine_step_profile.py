@@ -3,7 +3,12 @@ no gRPC): 32 requests of 320 prompt tokens prefilled three at a time, then decod
 with a torch profiler table of one batch of decode steps.
 
     PYTHONPATH=server python benchmarks/kernels/engine_step_profile.py [--batch 32] [--prompt 320]
-        [--kv-cache-dtype int8] [--profile-prefill]
+        [--kv-cache-dtype int8] [--profile-prefill] [--model-id FOLDER] [--dtype float32]
+        [--float-product tiles|onednn]
+
+`--float-product onednn` packs float32 weights for oneDNN where the shard would take
+cadence's float32 tiles (the `avx2` kernels): the two products of the same weights, for an
+A/B in one sitting.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import argparse
 import time
 
 from cadence.config import ShardConfig
+from cadence.layers import packed
 from cadence.model_source import resolve_model
 from cadence.pb import shard_pb2 as pb
 from cadence.shard.engine import Engine
@@ -27,9 +33,13 @@ def main() -> None:
     p.add_argument("--kv-mib", type=int, default=512)
     p.add_argument("--profile-prefill", action="store_true", help="profile a prefill step too")
     p.add_argument("--kv-cache-dtype", default=None, help="int8, bfloat16, ... (default: dtype)")
+    p.add_argument("--model-id", default=None, help="a model folder (default: the embedded GGUF)")
+    p.add_argument("--float-product", choices=("tiles", "onednn"), default="tiles")
     a = p.parse_args()
+    if a.float_product == "onednn":
+        packed.float_tiles_serve = lambda: False  # read when the weights are packed
     cfg = ShardConfig(
-        model_dir=resolve_model(None),
+        model_dir=resolve_model(a.model_id),
         uds_path="/unused",
         dtype=a.dtype,
         kv_cache_dtype=a.kv_cache_dtype,
@@ -79,6 +89,7 @@ def main() -> None:
     per_step = (time.perf_counter() - started) / (a.steps - 4) * 1000
     forward_ms = answer.forward_ns / 1e6
     print(f"decode step, batch {a.batch}: {per_step:.1f} ms ({forward_ms:.1f} in forward)")
+    print(f"float32 products: {engine.kernels['products']}")
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(3):
             engine.step(decode)

@@ -26,6 +26,7 @@ import ssl
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, replace
@@ -327,15 +328,37 @@ def _run(cfg: LaunchConfig, supervisor: Supervisor, model_dir: str, slots: list[
     supervisor.start("router", router_argv(cfg, model_dir, uds_paths), router_env(cfg, env))
     scheme = "https" if cfg.ssl_certfile else "http"
     url = f"{scheme}://{_connect_host(cfg.hostname)}:{cfg.port}"
-    supervisor.wait_until(
-        lambda: _http_ok(f"{url}/ready"),
-        2 * cfg.startup_timeout,
-        "the shards loading, the router warming them up and answering /ready",
-        interval=0.05,
-    )
+    try:
+        supervisor.wait_until(
+            lambda: _http_ok(f"{url}/ready"),
+            2 * cfg.startup_timeout,
+            "the shards loading, the router warming them up and answering /ready",
+            interval=0.05,
+        )
+    except ChildExited as err:
+        raise _starting_shard_that_ended(supervisor, names, cfg.startup_timeout) or err from None
     logger.info("cadence ready on {}://{}:{}", scheme, cfg.hostname, cfg.port)
     _watch(cfg, supervisor, names)
     raise Stopped()
+
+
+def _starting_shard_that_ended(
+    supervisor: Supervisor, shards: dict[str, ShardSlot], timeout: float
+) -> ChildExited | None:
+    """After the router ended during the start: the shard that ended too, if one still
+    starting does (within `timeout`). A model folder the shard cannot serve often lacks
+    the tokenizer the router reads first, and the shard's reason is the one to report."""
+    deadline = time.monotonic() + timeout
+    starting = {c.name: c for c in supervisor.children if c.name in shards}
+    while starting and time.monotonic() < deadline and not supervisor.stopping.is_set():
+        for name, child in list(starting.items()):
+            if child.proc.poll() is not None:
+                child.drain()
+                return ChildExited(child)
+            if os.path.exists(shards[name].uds_path):  # it loaded: the router's error stands
+                del starting[name]
+        time.sleep(0.05)
+    return None
 
 
 def _watch(cfg: LaunchConfig, supervisor: Supervisor, shards: dict[str, ShardSlot]) -> None:

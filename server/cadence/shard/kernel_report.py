@@ -8,8 +8,9 @@ import torch
 
 from cadence.attention_backends import AttentionBackend
 from cadence.kernels import cpu as cpu_kernels
+from cadence.layers import packed as packing
 from cadence.layers.kernel_ops import LayerOps
-from cadence.layers.packed import BF16_PACKED_MAX_ROWS, float_tiles_serve
+from cadence.layers.packed import BF16_PACKED_MAX_ROWS
 from cadence.quant.crossover import rows_text
 from cadence.runners import ModelRunner
 
@@ -35,7 +36,7 @@ def kernel_paths(
         every = dtype == torch.float32 or packed_every_row
         rows = "" if every else f" up to {BF16_PACKED_MAX_ROWS} rows, else torch"
         products = f"oneDNN {_name(dtype)} prepacked{rows}"
-        if dtype == torch.float32 and float_tiles_serve():
+        if dtype == torch.float32 and packing.float_tiles_serve():
             products = f"C++ {isa} float32 tiles"
     if quantization:
         products = _quantized_products(quantization, products)
