@@ -139,8 +139,9 @@ def _calibrate_parser(sub: Any) -> None:
     p = sub.add_parser(
         "calibrate",
         help="measure which kernel multiplies quantized weights fastest on this CPU "
-        "(the integer product or a float copy) and whether an int8 KV cache decodes "
-        "faster, and cache it for `cadence launch`",
+        "(the integer product or a float copy), which float32 product (cadence's tiles or "
+        "oneDNN's) and whether an int8 KV cache decodes faster, and cache it for "
+        "`cadence launch`",
     )
     add = adder(p, CalibrateConfig)
     # CADENCE_CALIBRATE_*: `launch` owns CADENCE_CPU_ISA and CADENCE_DTYPE.
@@ -168,13 +169,15 @@ def _calibrate_parser(sub: Any) -> None:
 
 def _run_calibrate(args: argparse.Namespace) -> int:
     from cadence import cpu_isa as isa
-    from cadence.quant import calibrate, kv_calibrate
+    from cadence.quant import calibrate, float_calibrate, kv_calibrate
 
     chosen = isa.resolve(args.cpu_isa)
     dtype = isa.default_dtype("cpu", chosen) if args.dtype == "auto" else args.dtype
     table = calibrate.measure(chosen, dtype)
     path = Path(args.output) if args.output else calibrate.table_path()
     calibrate.write(table, path)
+    if table.float32 is not None:
+        print(f"float32 products: {float_calibrate.describe(table.float32)}")
     for fmt in table.formats:
         print(f"{fmt}: {calibrate.describe(table, fmt)}")
     if table.kv_cache is not None:

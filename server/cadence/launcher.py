@@ -31,7 +31,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from loguru import logger
 
@@ -39,6 +39,9 @@ from cadence.config import LaunchConfig, router_fields
 from cadence.cpu_placement import Placement, available_cores, plan
 from cadence.docs_assets import swagger_ui_dir
 from cadence.supervisor import ChildExited, Stopped, Supervisor
+
+if TYPE_CHECKING:
+    from cadence.quant.calibrate import KernelTable
 
 EMBEDDED_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # both stop the stack cleanly, exit 0
@@ -210,18 +213,20 @@ def serves_quantized(cfg: LaunchConfig, model_dir: str) -> bool:
 def with_kernel_table(cfg: LaunchConfig, model_dir: str) -> LaunchConfig:
     """`cfg` with the kernel table its CPU shards read: measured here once per machine
     (`cadence calibrate`, in its own process: a few seconds) when none is cached for this
-    CPU, dtype and torch; unchanged on a GPU, without quantized weights or with a table
-    given. A failed measurement leaves the built-in defaults, with a warning."""
-    from cadence.quant import calibrate
+    CPU, dtype and torch; unchanged on a GPU, with a table given, or for weights it holds
+    nothing for (neither quantized nor float32). A failed measurement leaves the built-in
+    defaults, with a warning."""
+    from cadence.quant import calibrate, float_calibrate
 
     if cfg.kernel_table or cfg.device != "cpu" or not cfg.cpu_kernels:
         return cfg
-    if not serves_quantized(cfg, model_dir):
+    float32 = cfg.dtype == "float32" and cfg.cpu_isa in float_calibrate.TILE_ISAS
+    if not (float32 or serves_quantized(cfg, model_dir)):
         return cfg
     path = calibrate.table_path()
     cached = calibrate.read(path, calibrate.machine_key(cfg.cpu_isa, cfg.dtype))
-    if cached is None or cached.kv_cache is None:  # a table from before the KV cache's too
-        logger.info("measuring which kernels serve quantized weights fastest here (once)")
+    if needs_measuring(cached, float32):
+        logger.info(f"measuring which kernels serve {cfg.dtype} weights fastest here (once)")
         argv = [sys.executable, "-m", "cadence", "calibrate", "--cpu-isa", cfg.cpu_isa]
         argv += ["--dtype", cfg.dtype, "--log-format", cfg.log_format]
         try:
@@ -232,13 +237,24 @@ def with_kernel_table(cfg: LaunchConfig, model_dir: str) -> LaunchConfig:
     return replace(cfg, kernel_table=str(path))
 
 
-def with_measured_kv_cache(cfg: LaunchConfig, kv_asked: bool) -> LaunchConfig:
+def needs_measuring(cached: KernelTable | None, float32: bool) -> bool:
+    """No table for this machine, or one from before the KV cache's measurement or (for
+    float32 weights) the float32 product's."""
+    if cached is None or cached.kv_cache is None:
+        return True
+    return float32 and cached.float32 is None
+
+
+def with_measured_kv_cache(
+    cfg: LaunchConfig, kv_asked: bool, quantized: bool = True
+) -> LaunchConfig:
     """`cfg` with the KV cache dtype the kernel table measured fastest for quantized
     serving on this machine (`cadence.quant.kv_calibrate`: int8 where it decodes clearly
-    faster), unless one was asked for; unchanged without a table for this machine."""
+    faster), unless one was asked for; unchanged without a table for this machine or for
+    float weights (`quantized` False: they keep a float cache)."""
     from cadence.quant import calibrate, kv_calibrate
 
-    if kv_asked or cfg.kv_cache_scales or not cfg.kernel_table:
+    if kv_asked or cfg.kv_cache_scales or not cfg.kernel_table or not quantized:
         return cfg
     key = calibrate.machine_key(cfg.cpu_isa, cfg.dtype)
     table = calibrate.read_for_machine(Path(cfg.kernel_table), key)
@@ -269,7 +285,8 @@ def launch(cfg: LaunchConfig) -> int:
         cfg = replace(cfg, master_port=_free_port())
 
     model_dir = resolve_model(cfg.model_id)
-    cfg = with_measured_kv_cache(with_kernel_table(cfg, model_dir), kv_asked)
+    quantized = serves_quantized(cfg, model_dir)
+    cfg = with_measured_kv_cache(with_kernel_table(cfg, model_dir), kv_asked, quantized)
     if cfg.draft_model_id:  # once here, not by every shard (a GGUF's folder is made once)
         cfg = replace(cfg, draft_model_id=resolve_model(cfg.draft_model_id))
     own_dir = cfg.uds_dir is None

@@ -14,7 +14,7 @@ from cadence import cpu_isa
 from cadence.config import LaunchConfig
 from cadence.kernels import cpu as cpu_kernels
 from cadence.launcher import with_kernel_table, with_measured_kv_cache
-from cadence.quant import calibrate, kv_calibrate
+from cadence.quant import calibrate, float_calibrate, kv_calibrate
 from cadence.quant.crossover import ALL_ROWS
 from shard_helpers import prefill_then_decode_logits
 
@@ -64,7 +64,8 @@ def test_a_measurement_is_written_per_machine_and_read_back(tmp_path: Path) -> N
     calibrate.write(other, path)
     calibrate.write(measured, path)
     written = json.loads(path.read_text())
-    assert set(written) == {"another machine", measured.key, calibrate.KV_CACHE}
+    float_section = {calibrate.FLOAT32} if measured.float32 else set()  # test_float_calibrate
+    assert set(written) == {"another machine", measured.key, calibrate.KV_CACHE, *float_section}
     assert set(written[calibrate.KV_CACHE]) == {"another machine", measured.key}
     again = calibrate.read(path, measured.key)
     assert again is not None and again.formats == measured.formats
@@ -153,18 +154,22 @@ def test_launch_measures_once_per_machine_and_hands_the_table_over(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model_dirs
 ) -> None:
     """A quantized model on CPU: the first launch measures (`cadence calibrate`, its own
-    process), later ones read the cache; a float model or a GPU needs none."""
+    process), later ones read the cache; a bfloat16 model or a GPU needs none."""
     monkeypatch.setenv("CADENCE_CACHE_DIR", str(tmp_path))
     isa = cpu_isa.resolve("auto")
-    cfg = LaunchConfig(cpu_isa=isa, dtype=cpu_isa.default_dtype("cpu", isa), quantize="int4")
+    # float32 where the float32 product is measured too, so that one measurement covers both
+    dtype = "float32" if float_calibrate.can_measure(isa) else cpu_isa.default_dtype("cpu", isa)
+    cfg = LaunchConfig(cpu_isa=isa, dtype=dtype, quantize="int4")
     float_dir = str(model_dirs("llama_gqa"))
-    assert with_kernel_table(replace(cfg, quantize=None), float_dir).kernel_table == ""
+    bf16 = replace(cfg, quantize=None, dtype="bfloat16")  # float32 has its product measured
+    assert with_kernel_table(bf16, float_dir).kernel_table == ""
     assert with_kernel_table(replace(cfg, device="cuda"), float_dir).kernel_table == ""
     measured = with_kernel_table(cfg, float_dir)
     assert measured.kernel_table == str(tmp_path / calibrate.FILE_NAME)
     written = calibrate.read(Path(measured.kernel_table), calibrate.machine_key(isa, cfg.dtype))
     assert written is not None and set(written.formats) == set(calibrate.FORMATS)
     assert written.kv_cache is not None and written.kv_cache.choice in written.kv_cache.seconds
+    assert (written.float32 is not None) == (dtype == "float32")
     stamp = Path(measured.kernel_table).stat().st_mtime_ns
     assert with_kernel_table(cfg, float_dir).kernel_table == measured.kernel_table
     assert Path(measured.kernel_table).stat().st_mtime_ns == stamp  # read, not measured again
@@ -186,6 +191,8 @@ def test_quantized_serving_takes_the_kv_cache_measured_fastest(
     fp8 = replace(cfg, kv_cache_scales=str(tmp_path / "scales.json"))
     assert with_measured_kv_cache(fp8, kv_asked=False).kv_cache_dtype == "bfloat16"
     assert with_measured_kv_cache(replace(cfg, kernel_table=""), False).kv_cache_dtype == "bfloat16"
+    float_weights = with_measured_kv_cache(cfg, kv_asked=False, quantized=False)
+    assert float_weights.kv_cache_dtype == "bfloat16"  # a float32 model's table: no KV choice
 
 
 def test_the_launcher_keys_the_table_without_importing_torch() -> None:

@@ -18,8 +18,9 @@ for cadence's own product (`torch.ops.cadence.float_matmul`, float_kernels.cpp):
 2-core Zen 3 it multiplies SmolLM2's 30 layers and LM head 2.0x faster than oneDNN's
 prepacked product at 1 row, 1.3x at 32, 1.1x at 320 and as fast from 512 rows on
 (docs/benchmarks.md). Each output is one FMA chain over the input columns in order, so a
-row's bits do not depend on the other rows. Not on the AVX-512 builds, where oneDNN's
-float32 product has AVX-512 and these tiles were not measured against it.
+row's bits do not depend on the other rows. The AVX-512 builds have the same tiles but
+default to oneDNN, whose float32 product has AVX-512; on every build the kernel table
+measured on the machine decides where it has measured (`cadence.quant.float_calibrate`).
 
 Batch-invariant serving (`every_row_count`) multiplies bfloat16 through the packed weight
 at every row count too: oneDNN's prepacked product gives each row the same bits whatever
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cadence.kernels import cpu as cpu_kernels
+from cadence.quant.float_calibrate import ONEDNN, TILE_ISAS, TILES
 
 BF16_PACKED_MAX_ROWS = 320  # bf16 rows up to which the packed weight is used
 EVERY_ROW_COUNT = 1 << 30
@@ -64,10 +66,39 @@ def onednn_packs(dtype: torch.dtype) -> bool:
     return True
 
 
+# Where float32 products go: TILES, ONEDNN, or None for the instruction set's default
+# (the tiles with the avx2 kernels, oneDNN above them) until a kernel table measured here
+# says otherwise (`cadence.quant.float_calibrate`, set by the shard before it packs).
+_float_product: str | None = None
+
+
+def use_float_product(kind: str | None) -> None:
+    """Serves float32 products by `kind` (TILES or ONEDNN; None: the default per
+    instruction set). Call before the weights are packed."""
+    global _float_product
+    if kind not in (TILES, ONEDNN, None):
+        raise ValueError(f"float product {kind!r}: expected {TILES!r} or {ONEDNN!r}")
+    _float_product = kind
+
+
+def float_product_choice() -> str | None:
+    """What `use_float_product` set last (None: the default per instruction set)."""
+    return _float_product
+
+
+def default_float_product(isa: str | None) -> str:
+    """TILES with the avx2 kernels (measured 1.1-2x oneDNN's prepacked product on a Zen 3),
+    ONEDNN with the AVX-512 ones (whose float32 product has AVX-512)."""
+    return TILES if isa == "avx2" else ONEDNN
+
+
 def float_tiles_serve() -> bool:
-    """Whether float32 products go through cadence's tiles instead of oneDNN (the avx2
-    kernels are the selected ones)."""
-    return cpu_kernels.available() and cpu_kernels.selected_isa() == "avx2"
+    """Whether float32 products go through cadence's tiles instead of oneDNN: the selected
+    kernels have them and the measured choice (or else the default) is them."""
+    isa = cpu_kernels.selected_isa() if cpu_kernels.available() else None
+    if isa not in TILE_ISAS:
+        return False
+    return (_float_product or default_float_product(isa)) == TILES
 
 
 def tile_packing(weight: torch.Tensor) -> torch.Tensor:

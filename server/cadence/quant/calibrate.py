@@ -25,6 +25,11 @@ On a CPU with AMX-INT8 whose kernel grants it (and whose AMX product passes its 
 in a process of its own, `cadence.kernels.cpu.amx_check`), the integer product is timed a
 second time on AMX's tiles, and the faster tiles serve it: both give the same bits, so
 this choice needs no margin.
+
+Where float32 weights serve (`--dtype float32`, and every float weight on the avx2
+kernels), the table also holds which float32 product serves them, cadence's tiles or
+oneDNN's (`cadence.quant.float_calibrate`), measured first, so that the float copy is
+timed against the integer product on the float32 product that would serve it.
 """
 
 from __future__ import annotations
@@ -36,9 +41,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from importlib.metadata import version
 from pathlib import Path
+from typing import Any
 
 from cadence.model_source import cache_dir
-from cadence.quant import kv_calibrate
+from cadence.quant import float_calibrate, kv_calibrate
+from cadence.quant.float_calibrate import FloatMeasured
 from cadence.quant.kv_calibrate import KvMeasured
 
 FILE_NAME = "kernel_table.json"
@@ -47,6 +54,8 @@ VECTOR, AMX = "vector", "amx"  # the integer product's tiles: VNNI/AVX2 vectors,
 # The KV cache's measurements by machine key, beside the machines' product entries (a
 # section of their own, so that a cadence from before them still reads the file).
 KV_CACHE = "kv_cache"
+FLOAT32 = "float32_products"  # the same for the float32 product's measurements
+SECTIONS = (KV_CACHE, FLOAT32)
 DECODE_ROWS, PREFILL_ROWS = 32, 320
 DECODE_WEIGHT = 4.5  # decode steps per prefill chunk in the charter workload
 FLOAT_MARGIN = 1.05  # the float copy must be this much faster to be chosen
@@ -96,11 +105,13 @@ class Measured:
 @dataclass(slots=True)
 class KernelTable:
     """The choices measured for one machine key: the product kernel by weight format, and
-    the KV cache dtype quantized serving defaults to (`kv_calibrate`)."""
+    the KV cache dtype quantized serving defaults to (`kv_calibrate`), and for a float32
+    key the float32 product (`float_calibrate`; None where it was not measured)."""
 
     key: str
     formats: dict[str, Measured] = field(default_factory=dict)
     kv_cache: KvMeasured | None = None
+    float32: FloatMeasured | None = None
 
     def kernel(self, fmt: str) -> str | None:
         measured = self.formats.get(fmt)
@@ -131,10 +142,11 @@ def read(path: Path, key: str) -> KernelTable | None:
     if not path.exists():
         return None
     data = json.loads(path.read_text())
-    entry = data.get(key) if key != KV_CACHE else None
+    entry = data.get(key) if key not in SECTIONS else None
     if entry is None:
         return None
     kv = data.get(KV_CACHE, {}).get(key)
+    float32 = data.get(FLOAT32, {}).get(key)
     formats = {
         fmt: Measured(
             m["kernel"],
@@ -148,7 +160,15 @@ def read(path: Path, key: str) -> KernelTable | None:
         for fmt, m in entry.items()
     }
     kv_cache = KvMeasured(**kv) if kv else None
-    return KernelTable(key, formats, kv_cache)
+    float_products = None
+    if float32:
+        float_products = FloatMeasured(
+            float32["choice"],
+            {int(r): s for r, s in float32["tiles_s"].items()},
+            {int(r): s for r, s in float32["onednn_s"].items()},
+            float32.get("measured_at", ""),
+        )
+    return KernelTable(key, formats, kv_cache, float_products)
 
 
 def read_for_machine(path: Path, key: str) -> KernelTable | None:
@@ -156,7 +176,7 @@ def read_for_machine(path: Path, key: str) -> KernelTable | None:
     machine with `--kernel-table`)."""
     table = read(path, key)
     if table is None and path.exists():
-        entries = [name for name in json.loads(path.read_text()) if name != KV_CACHE]
+        entries = [name for name in json.loads(path.read_text()) if name not in SECTIONS]
         table = read(path, entries[0]) if len(entries) == 1 else None
     return table
 
@@ -167,6 +187,8 @@ def write(table: KernelTable, path: Path) -> None:
     data[table.key] = {fmt: asdict(m) for fmt, m in table.formats.items()}
     if table.kv_cache is not None:
         data.setdefault(KV_CACHE, {})[table.key] = asdict(table.kv_cache)
+    if table.float32 is not None:
+        data.setdefault(FLOAT32, {})[table.key] = asdict(table.float32)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")
 
@@ -181,11 +203,11 @@ def measure(
     """Times the integer product and the float copy for each of `formats` over `shapes`
     (default: SmolLM2-135M's, CALIBRATION_LAYERS layers and the head), and an int8 KV
     cache against a float one at `kv_step` (rows, tokens of context), with the C++
-    kernels of `isa`."""
+    kernels of `isa`; for float32, the float32 tiles against oneDNN first."""
     import torch
 
     from cadence.kernels import cpu as cpu_kernels
-    from cadence.quant import cpu_gemm
+    from cadence.layers import packed as packing
     from cadence.quant import measure as timing
 
     cpu_kernels.select(isa)
@@ -193,11 +215,37 @@ def measure(
     torch.manual_seed(0)
     table = KernelTable(machine_key(isa, dtype_name))
     layers = timing.SMOLLM2_LAYER_SHAPES * CALIBRATION_LAYERS + [timing.SMOLLM2_HEAD]
+    if dtype_name == "float32" and float_calibrate.can_measure(isa):
+        rows = (DECODE_ROWS, PREFILL_ROWS)
+        table.float32 = float_calibrate.measure(isa, shapes or layers, rows, DECODE_WEIGHT)
+    previous = packing.float_product_choice()
+    packing.use_float_product(table.float32.choice if table.float32 else previous)
+    try:
+        measure_formats(table, isa, dtype, shapes or layers, formats)
+    finally:
+        packing.use_float_product(previous)
+    table.kv_cache = kv_calibrate.measure(dtype_name, *kv_step)
+    return table
+
+
+def measure_formats(
+    table: KernelTable,
+    isa: str,
+    dtype: Any,
+    layers: list[tuple[int, int]],
+    formats: tuple[str, ...],
+) -> None:
+    """The integer product against the float copy for each of `formats`, into `table`."""
+    import torch
+
+    from cadence.quant import cpu_gemm
+    from cadence.quant import measure as timing
+
     amx, amx_note = amx_usable(isa)
     if amx and not torch.ops.cadence.amx_available():  # the self-test's process had it
         amx, amx_note = False, "AMX tiles not timed: the kernel refused AMX permission"
     for fmt in formats:
-        products = timing.build(shapes or layers, fmt, 32, dtype)
+        products = timing.build(layers, fmt, 32, dtype)
         float_s, integer_s, amx_s = {}, {}, {}
         for rows in (DECODE_ROWS, PREFILL_ROWS):
             float_s[rows], integer_s[rows] = timing.time_rows(products, rows, dtype, REPEATS)
@@ -212,8 +260,6 @@ def measure(
         kernel = choose(amx_s if tiles == AMX else integer_s, float_s)
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         table.formats[fmt] = Measured(kernel, integer_s, float_s, stamp, tiles, amx_s, amx_note)
-    table.kv_cache = kv_calibrate.measure(dtype_name, *kv_step)
-    return table
 
 
 def amx_usable(isa: str) -> tuple[bool, str]:

@@ -116,6 +116,24 @@ def use_measured_tiles(table: calibrate.KernelTable) -> None:
             )
 
 
+def use_measured_float_product(kernel_table: str, device: torch.device) -> str:
+    """Serves float32 products by the kernel the table measured faster on this machine
+    (cadence's tiles or oneDNN, `cadence.quant.float_calibrate`), and returns what /info
+    says of it; "" (the instruction set's default) without a float32 measurement here."""
+    from cadence.layers import packed as packing
+    from cadence.quant import float_calibrate
+
+    packing.use_float_product(None)
+    if not kernel_table or device.type != "cpu":
+        return ""
+    key = calibrate.machine_key(isa_name(device), "float32")
+    table = calibrate.read_for_machine(Path(kernel_table), key)
+    if table is None or table.float32 is None:
+        return ""
+    packing.use_float_product(table.float32.choice)
+    return float_calibrate.describe(table.float32)
+
+
 def measured_kv_cache(kernel_table: str, device: torch.device, dtype_name: str) -> str:
     """What the kernel table measured of the KV cache here (`kv_calibrate.describe`), for
     /info; "" without a table or a measurement."""

@@ -28,7 +28,7 @@ from cadence.models import load_model, read_config, to_dtype
 from cadence.pb import shard_pb2
 from cadence.quant.crossover import rows_text
 from cadence.quant.product import ProductKernels
-from cadence.quant.setup import QuantizeConfig, measured_kv_cache
+from cadence.quant.setup import QuantizeConfig, measured_kv_cache, use_measured_float_product
 from cadence.runners import ModelRunner
 from cadence.sampling import SamplingBatch
 from cadence.shard import backends, determinism
@@ -104,6 +104,10 @@ class Engine:
             one_kernel=cfg.deterministic and cfg.quantize_keep_float != "on",
             kernel_table=cfg.kernel_table,
         )  # fmt: skip
+        # before the weights are packed: where float32 products go, as measured here
+        self.float_product_measured = ""
+        if self.dtype == torch.float32:
+            self.float_product_measured = use_measured_float_product(cfg.kernel_table, self.device)
         self.model = load_model(cfg.model_dir, self.dtype, self.device, quantize)
         # what is quantized: source, formats, crossover, float kept ({} for none)
         self.quantization: dict[str, Any] = self.model.quantization
@@ -165,6 +169,7 @@ class Engine:
         self.kernels = kernel_paths(
             self.device, self.dtype, self.attention_backend, self.ops, self.runner,
             self.packed_bytes, self.quantization, packed_every_row=cfg.deterministic,
+            float_measured=self.float_product_measured,
         )  # fmt: skip
         self.determinism = determinism.decide(
             cfg, self.device, self.attention_backend, self.model, self.dtype

@@ -24,8 +24,10 @@ def kernel_paths(
     packed_bytes: int,
     quantization: dict[str, Any] | None = None,
     packed_every_row: bool = False,
+    float_measured: str = "",
 ) -> dict[str, str]:
-    """{"isa", "attention", "products", "norms", "sampling", "runner"} -> what serves each."""
+    """{"isa", "attention", "products", "norms", "sampling", "runner"} -> what serves each;
+    `float_measured`: what the kernel table measured of the float32 products here."""
     isa = ""
     if device.type == "cpu":
         isa = cpu_kernels.selected_isa() or (
@@ -38,6 +40,8 @@ def kernel_paths(
         products = f"oneDNN {_name(dtype)} prepacked{rows}"
         if dtype == torch.float32 and packing.float_tiles_serve():
             products = f"C++ {isa} float32 tiles"
+        if dtype == torch.float32 and float_measured:
+            products += f", measured here: {float_measured}"
     if quantization:
         products = _quantized_products(quantization, products)
     return {

@@ -1,0 +1,126 @@
+"""Whether float32 weights multiply faster on cadence's own tiles or on oneDNN's prepacked
+product on this machine, measured with the kernel table (`cadence.quant.calibrate`).
+
+The tiles (`torch.ops.cadence.float_matmul`) were 1.1-2x oneDNN on a Zen 3 with AVX2, but
+what oneDNN does with AVX-512 (or on another vendor's AVX2 core) is another matter, so the
+choice is measured where both can serve: the avx2, avx512 and avx512_bf16 kernels with
+oneDNN able to prepack float32. Both sides are timed over the same products as the
+quantized side's measurement (SmolLM2-135M's, a few layers and its LM head), at a decode
+step's rows and a prefill chunk's, call by call in turn, weighted as the charter workload
+mixes them. One kernel for every row count, not a crossover: the tiles give a row the same
+bits whatever the other rows, and a product that switched kernels with the row count would
+not. The side that is not the instruction set's default must win by MARGIN: a choice that
+flipped with a shared machine's noise would change answers from one start to the next.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+# torch is imported where it is used: the launcher reads the table without it.
+TILES, ONEDNN = "tiles", "onednn"  # where cadence.layers.packed sends float32 products
+TILE_ISAS = ("avx2", "avx512", "avx512_bf16")  # the kernel builds with the AVX2+FMA tiles
+MARGIN = 1.05
+REPEATS = 2  # timed passes per side and row count, after one to warm up
+
+
+@dataclass(slots=True)
+class FloatMeasured:
+    """Seconds per pass over the products by rows, on each side, and the one chosen."""
+
+    choice: str  # TILES or ONEDNN
+    tiles_s: dict[int, float]
+    onednn_s: dict[int, float]
+    measured_at: str = ""
+
+
+def can_measure(isa: str) -> bool:
+    """Both sides can serve float32 here: the kernels of `isa` have the tiles, and oneDNN
+    prepacks float32 on this CPU."""
+    import torch
+
+    from cadence.layers import packed as packing
+
+    return isa in TILE_ISAS and packing.onednn_packs(torch.float32)
+
+
+def choose(isa: str, tiles: float, onednn: float) -> str:
+    """The faster side by a pass's weighted cost; the other than `isa`'s default only
+    when it wins by MARGIN."""
+    from cadence.layers import packed as packing
+
+    if packing.default_float_product(isa) == TILES:
+        return ONEDNN if onednn * MARGIN < tiles else TILES
+    return TILES if tiles * MARGIN < onednn else ONEDNN
+
+
+def _products(shapes: Sequence[tuple[int, int]]) -> list[tuple[Callable, Callable, int]]:
+    """(tiles, oneDNN, in_features) per shape, over one random weight each."""
+    import torch
+
+    from cadence.layers import packed as packing
+
+    out = []
+    for out_features, in_features in shapes:
+        w = torch.randn(out_features, in_features) * 0.05
+        tiles = packing.tile_packing(w)
+        onednn = torch.ops.mkldnn._reorder_linear_weight(w, packing._PACK_HINT_ROWS)
+        out.append(
+            (
+                lambda x, p=tiles, n=out_features: torch.ops.cadence.float_matmul(x, p, None, n),
+                lambda x, p=onednn: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""),
+                in_features,
+            )
+        )
+    return out
+
+
+def time_sides(
+    shapes: Sequence[tuple[int, int]], rows: Sequence[int], repeats: int = REPEATS
+) -> tuple[dict[int, float], dict[int, float]]:
+    """(tiles, oneDNN) seconds per pass over `shapes` at each of `rows`: the sum over
+    products of each one's fastest call, the two sides' calls in turn."""
+    import torch
+
+    products = _products(shapes)
+    tiles_s, onednn_s = {}, {}
+    for r in rows:
+        inputs = {k: torch.randn(r, k) for _, _, k in products}
+        best = [[float("inf")] * len(products), [float("inf")] * len(products)]
+        for _ in range(repeats + 1):  # the first pass warms up
+            for i, (tiles, onednn, k) in enumerate(products):
+                for side, fn in enumerate((tiles, onednn)):
+                    started = time.perf_counter()
+                    fn(inputs[k])
+                    best[side][i] = min(best[side][i], time.perf_counter() - started)
+        tiles_s[r], onednn_s[r] = sum(best[0]), sum(best[1])
+    return tiles_s, onednn_s
+
+
+def measure(
+    isa: str, shapes: Sequence[tuple[int, int]], rows: tuple[int, int], weight: float
+) -> FloatMeasured:
+    """Times both sides over `shapes` at `rows` (decode, prefill), the decode pass counted
+    `weight` times, with the kernels of `isa` selected."""
+    tiles_s, onednn_s = time_sides(shapes, rows)
+    decode, prefill = rows
+
+    def mix(s: dict[int, float]) -> float:
+        return weight * s[decode] + s[prefill]
+
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    return FloatMeasured(choose(isa, mix(tiles_s), mix(onednn_s)), tiles_s, onednn_s, stamp)
+
+
+def describe(m: FloatMeasured) -> str:
+    """ "tiles (tiles 3.1 / oneDNN 5.2 ms at 32 rows, 30.2 / 31.0 ms at 320; measured
+    ...)"."""
+    decode, prefill = sorted(m.tiles_s)
+    name = {TILES: "cadence's float32 tiles", ONEDNN: "oneDNN prepacked"}
+    return (
+        f"{name[m.choice]} (tiles {m.tiles_s[decode] * 1e3:.1f} / oneDNN "
+        f"{m.onednn_s[decode] * 1e3:.1f} ms at {decode} rows, {m.tiles_s[prefill] * 1e3:.1f}"
+        f" / {m.onednn_s[prefill] * 1e3:.1f} ms at {prefill}; measured {m.measured_at})"
+    )

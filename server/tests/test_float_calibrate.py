@@ -1,0 +1,122 @@
+"""Which float32 product serves, measured on the machine (`cadence.quant.float_calibrate`):
+cadence's tiles or oneDNN's prepacked product, chosen with a margin for the side that is
+not the instruction set's default, kept in the kernel table, and served by a shard that
+is handed the table."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from cadence.config import LaunchConfig
+from cadence.kernels import cpu as cpu_kernels
+from cadence.launcher import needs_measuring, with_kernel_table
+from cadence.layers import packed as packing
+from cadence.quant import calibrate, float_calibrate
+from cadence.quant.float_calibrate import FloatMeasured
+from shard_helpers import prefill_then_decode_logits
+
+TOKENS = [5, 17, 9, 33, 2, 48, 11, 7, 21, 30, 4, 8]
+ROWS = (calibrate.DECODE_ROWS, calibrate.PREFILL_ROWS)
+
+
+def isa_with_tiles() -> str:
+    isa = cpu_kernels.select("auto")
+    if isa not in float_calibrate.TILE_ISAS or not float_calibrate.can_measure(isa):
+        pytest.skip(f"the {isa} kernels and this CPU's oneDNN cannot both serve float32")
+    return isa
+
+
+def test_the_side_that_is_not_the_default_must_win_by_the_margin() -> None:
+    assert packing.default_float_product("avx2") == float_calibrate.TILES
+    for isa in ("avx512", "avx512_bf16"):
+        assert packing.default_float_product(isa) == float_calibrate.ONEDNN
+    close, clear = 1.0 / 0.97, 1.0 / 0.9  # the default's time when the other takes 1.0
+    assert float_calibrate.choose("avx2", tiles=close, onednn=1.0) == float_calibrate.TILES
+    assert float_calibrate.choose("avx2", tiles=clear, onednn=1.0) == float_calibrate.ONEDNN
+    assert float_calibrate.choose("avx2", tiles=1.0, onednn=2.0) == float_calibrate.TILES
+    assert float_calibrate.choose("avx512_bf16", tiles=1.0, onednn=close) == "onednn"
+    assert float_calibrate.choose("avx512_bf16", tiles=1.0, onednn=clear) == "tiles"
+    assert float_calibrate.choose("avx512_bf16", tiles=2.0, onednn=1.0) == "onednn"
+
+
+def test_the_measurement_times_both_sides_and_is_kept_per_machine(tmp_path: Path) -> None:
+    isa = isa_with_tiles()
+    measured = calibrate.measure(
+        isa, "float32", shapes=[(64, 128), (128, 64)], formats=("int8",), kv_step=(4, 40)
+    )
+    m = measured.float32
+    assert m is not None and set(m.tiles_s) == set(m.onednn_s) == set(ROWS)
+    mix = {side: calibrate.DECODE_WEIGHT * s[ROWS[0]] + s[ROWS[1]]
+           for side, s in (("tiles", m.tiles_s), ("onednn", m.onednn_s))}  # fmt: skip
+    assert m.choice == float_calibrate.choose(isa, mix["tiles"], mix["onednn"])
+    assert packing.float_product_choice() is None  # measuring leaves the default serving
+    path = tmp_path / calibrate.FILE_NAME
+    calibrate.write(measured, path)
+    assert set(json.loads(path.read_text())) == {measured.key, *calibrate.SECTIONS}
+    again = calibrate.read(path, measured.key)
+    assert again is not None and again.float32 == m
+    bf16 = calibrate.measure(isa, "bfloat16", shapes=[(64, 128)], formats=(), kv_step=(4, 40))
+    assert bf16.float32 is None  # bfloat16 weights have no float32 product to choose
+
+
+@pytest.mark.parametrize("choice", [float_calibrate.TILES, float_calibrate.ONEDNN])
+def test_a_shard_serves_float32_on_the_product_its_table_chose(
+    choice: str, model_dirs, engine_for, tmp_path: Path
+) -> None:
+    """The packed weights are the chosen product's, /info says it was measured, and the
+    logits are the other product's within float32 rounding."""
+    isa = isa_with_tiles()
+    model_dir = model_dirs("llama_gqa")
+    seconds = {rows: 1.0 for rows in ROWS}
+    table = calibrate.KernelTable(
+        calibrate.machine_key(isa, "float32"),
+        float32=FloatMeasured(choice, seconds, seconds, "now"),
+    )
+    path = tmp_path / calibrate.FILE_NAME
+    calibrate.write(table, path)
+    chosen = engine_for(model_dir, kernel_table=str(path))
+    other = float_calibrate.ONEDNN if choice == float_calibrate.TILES else float_calibrate.TILES
+    table.float32 = FloatMeasured(other, seconds, seconds, "now")
+    calibrate.write(table, path)
+    contrast = engine_for(model_dir, kernel_table=str(path))
+    packed = chosen.model.model.layers[0].self_attn.qkv_proj.packed_weight
+    assert packed is not None and packing.is_tile_packing(packed) == (choice == "tiles")
+    assert "measured here: " in chosen.kernels["products"]
+    assert ("float32 tiles" in chosen.kernels["products"]) == (choice == "tiles")
+    got = prefill_then_decode_logits(chosen, TOKENS, 4)
+    want = prefill_then_decode_logits(contrast, TOKENS, 4)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    plain = engine_for(model_dir)  # no table: the instruction set's default again
+    packed = plain.model.model.layers[0].self_attn.qkv_proj.packed_weight
+    default = packing.default_float_product(isa)
+    assert packed is not None and packing.is_tile_packing(packed) == (default == "tiles")
+
+
+def test_a_float32_launch_is_handed_the_table_and_measures_what_it_lacks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model_dirs
+) -> None:
+    """float32 weights on kernels with the tiles get the table without quantized weights
+    (bfloat16 ones need none), read from the cache where it holds the float32 product; a
+    table from before that measurement, or from before the KV cache's, is measured again
+    (test_kernel_table times a whole launch's measurement)."""
+    isa = isa_with_tiles()
+    monkeypatch.setenv("CADENCE_CACHE_DIR", str(tmp_path))
+    float_dir = str(model_dirs("llama_gqa"))
+    cfg = LaunchConfig(cpu_isa=isa, dtype="float32")
+    if isa != "avx2":  # the bf16 products are the AVX-512 kernels' only
+        assert with_kernel_table(replace(cfg, dtype="bfloat16"), float_dir).kernel_table == ""
+    path = tmp_path / calibrate.FILE_NAME
+    cached = calibrate.measure(isa, "float32", shapes=[(64, 128)], formats=(), kv_step=(4, 40))
+    calibrate.write(cached, path)
+    stamp = path.stat().st_mtime_ns
+    assert with_kernel_table(cfg, float_dir).kernel_table == str(path)
+    assert path.stat().st_mtime_ns == stamp  # read, not measured again
+    assert not needs_measuring(cached, float32=True)
+    assert needs_measuring(replace(cached, float32=None), float32=True)
+    assert not needs_measuring(replace(cached, float32=None), float32=False)
+    assert needs_measuring(replace(cached, kv_cache=None), float32=False)
+    assert needs_measuring(None, float32=False)
