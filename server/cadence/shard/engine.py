@@ -105,9 +105,8 @@ class Engine:
             kernel_table=cfg.kernel_table,
         )  # fmt: skip
         # before the weights are packed: where float32 products go, as measured here
-        self.float_product_measured = ""
-        if self.dtype == torch.float32:
-            self.float_product_measured = use_measured_float_product(cfg.kernel_table, self.device)
+        float32_table = cfg.kernel_table if self.dtype == torch.float32 else ""
+        self.float_product_measured = use_measured_float_product(float32_table, self.device)
         self.model = load_model(cfg.model_dir, self.dtype, self.device, quantize)
         # what is quantized: source, formats, crossover, float kept ({} for none)
         self.quantization: dict[str, Any] = self.model.quantization
