@@ -61,6 +61,11 @@ def test_the_measurement_times_both_sides_and_is_kept_per_machine(tmp_path: Path
     assert again is not None and again.float32 == m
     bf16 = calibrate.measure(isa, "bfloat16", shapes=[(64, 128)], formats=(), kv_step=(4, 40))
     assert bf16.float32 is None  # bfloat16 weights have no float32 product to choose
+    alone = float_calibrate.only_tiles()  # where oneDNN cannot prepack float32
+    assert "oneDNN cannot prepack" in float_calibrate.describe(alone)
+    calibrate.write(replace(measured, float32=alone), path)
+    again = calibrate.read(path, measured.key)
+    assert again is not None and again.float32 == alone
 
 
 @pytest.mark.parametrize("choice", [float_calibrate.TILES, float_calibrate.ONEDNN])

@@ -218,6 +218,8 @@ def measure(
     if dtype_name == "float32" and float_calibrate.can_measure(isa):
         rows = (DECODE_ROWS, PREFILL_ROWS)
         table.float32 = float_calibrate.measure(isa, shapes or layers, rows, DECODE_WEIGHT)
+    elif dtype_name == "float32" and isa in float_calibrate.TILE_ISAS:
+        table.float32 = float_calibrate.only_tiles()
     previous = packing.float_product_choice()
     packing.use_float_product(table.float32.choice if table.float32 else previous)
     try:
