@@ -59,6 +59,7 @@ class CalibrateConfig:
     cpu_isa: str = "auto"  # the C++ kernels' instruction set
     dtype: str = "auto"  # the activations' dtype; auto: what `launch` serves on this CPU
     output: str | None = None  # None: kernel_table.json in the cache folder
+    float32_only: bool = False  # the float32 product alone (a float32 model's launch)
     log_format: str = "text"
 
 
@@ -163,6 +164,13 @@ def _calibrate_parser(sub: Any) -> None:
         help="The table is written to this file (default: kernel_table.json in the cache "
         "folder, where `cadence launch` reads it).",
     )
+    add_switch(
+        p,
+        "--float32-only",
+        env="CADENCE_CALIBRATE_FLOAT32_ONLY",
+        help="measure only which float32 product serves (what a float32 model's first "
+        "launch needs; about 2 s), keeping the rest of this machine's entry",
+    )
     add_log_format(add)
     p.set_defaults(run=_run_calibrate)
 
@@ -173,7 +181,10 @@ def _run_calibrate(args: argparse.Namespace) -> int:
 
     chosen = isa.resolve(args.cpu_isa)
     dtype = isa.default_dtype("cpu", chosen) if args.dtype == "auto" else args.dtype
-    table = calibrate.measure(chosen, dtype)
+    if args.float32_only:
+        table = calibrate.measure(chosen, "float32", formats=(), kv_step=None)
+    else:
+        table = calibrate.measure(chosen, dtype)
     path = Path(args.output) if args.output else calibrate.table_path()
     calibrate.write(table, path)
     if table.float32 is not None:

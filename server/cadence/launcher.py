@@ -221,14 +221,17 @@ def with_kernel_table(cfg: LaunchConfig, model_dir: str) -> LaunchConfig:
     if cfg.kernel_table or cfg.device != "cpu" or not cfg.cpu_kernels:
         return cfg
     float32 = cfg.dtype == "float32" and cfg.cpu_isa in float_calibrate.TILE_ISAS
-    if not (float32 or serves_quantized(cfg, model_dir)):
+    quantized = serves_quantized(cfg, model_dir)
+    if not (float32 or quantized):
         return cfg
     path = calibrate.table_path()
     cached = calibrate.read(path, calibrate.machine_key(cfg.cpu_isa, cfg.dtype))
-    if needs_measuring(cached, float32):
-        logger.info(f"measuring which kernels serve {cfg.dtype} weights fastest here (once)")
+    if needs_measuring(cached, float32, quantized):
+        what = "quantized" if quantized else "float32"
+        logger.info(f"measuring which kernels serve {what} weights fastest here (once)")
         argv = [sys.executable, "-m", "cadence", "calibrate", "--cpu-isa", cfg.cpu_isa]
         argv += ["--dtype", cfg.dtype, "--log-format", cfg.log_format]
+        argv += [] if quantized else ["--float32-only"]
         try:
             subprocess.run(argv, check=True, timeout=cfg.startup_timeout)
         except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as err:
@@ -237,10 +240,13 @@ def with_kernel_table(cfg: LaunchConfig, model_dir: str) -> LaunchConfig:
     return replace(cfg, kernel_table=str(path))
 
 
-def needs_measuring(cached: KernelTable | None, float32: bool) -> bool:
-    """No table for this machine, or one from before the KV cache's measurement or (for
-    float32 weights) the float32 product's."""
-    if cached is None or cached.kv_cache is None:
+def needs_measuring(cached: KernelTable | None, float32: bool, quantized: bool) -> bool:
+    """What the launch serves is not in the table for this machine: for quantized weights
+    the formats and KV cache (a table from before the KV cache's measurement, or one
+    holding only a float32 launch's), for float32 weights the float32 product's."""
+    if cached is None:
+        return True
+    if quantized and (cached.kv_cache is None or not cached.formats):
         return True
     return float32 and cached.float32 is None
 

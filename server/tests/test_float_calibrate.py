@@ -101,13 +101,13 @@ def test_a_shard_serves_float32_on_the_product_its_table_chose(
     assert packed is not None and packing.is_tile_packing(packed) == (default == "tiles")
 
 
-def test_a_float32_launch_is_handed_the_table_and_measures_what_it_lacks(
+def test_a_float32_launch_measures_the_float32_product_alone_and_keeps_the_rest(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model_dirs
 ) -> None:
     """float32 weights on kernels with the tiles get the table without quantized weights
-    (bfloat16 ones need none), read from the cache where it holds the float32 product; a
-    table from before that measurement, or from before the KV cache's, is measured again
-    (test_kernel_table times a whole launch's measurement)."""
+    (bfloat16 ones need none): the first launch measures the float32 product alone
+    (`cadence calibrate --float32-only`), later ones read it; a quantized launch on that
+    key measures the rest, and a float32-only measurement keeps what was there."""
     isa = isa_with_tiles()
     monkeypatch.setenv("CADENCE_CACHE_DIR", str(tmp_path))
     float_dir = str(model_dirs("llama_gqa"))
@@ -115,13 +115,22 @@ def test_a_float32_launch_is_handed_the_table_and_measures_what_it_lacks(
     if isa != "avx2":  # the bf16 products are the AVX-512 kernels' only
         assert with_kernel_table(replace(cfg, dtype="bfloat16"), float_dir).kernel_table == ""
     path = tmp_path / calibrate.FILE_NAME
-    cached = calibrate.measure(isa, "float32", shapes=[(64, 128)], formats=(), kv_step=(4, 40))
-    calibrate.write(cached, path)
+    assert with_kernel_table(cfg, float_dir).kernel_table == str(path)
+    key = calibrate.machine_key(isa, "float32")
+    alone = calibrate.read(path, key)
+    assert alone is not None and alone.float32 is not None
+    assert not alone.formats and alone.kv_cache is None  # the float32 product only
     stamp = path.stat().st_mtime_ns
     assert with_kernel_table(cfg, float_dir).kernel_table == str(path)
     assert path.stat().st_mtime_ns == stamp  # read, not measured again
-    assert not needs_measuring(cached, float32=True)
-    assert needs_measuring(replace(cached, float32=None), float32=True)
-    assert not needs_measuring(replace(cached, float32=None), float32=False)
-    assert needs_measuring(replace(cached, kv_cache=None), float32=False)
-    assert needs_measuring(None, float32=False)
+    assert not needs_measuring(alone, float32=True, quantized=False)
+    assert needs_measuring(alone, float32=True, quantized=True)  # no formats, no KV cache
+    assert needs_measuring(replace(alone, float32=None), float32=True, quantized=False)
+    assert needs_measuring(None, float32=False, quantized=True)
+    full = calibrate.measure(isa, "float32", shapes=[(64, 128)], formats=("int8",), kv_step=(4, 40))
+    assert not needs_measuring(full, float32=True, quantized=True)
+    assert needs_measuring(replace(full, kv_cache=None), float32=False, quantized=True)
+    calibrate.write(full, path)
+    calibrate.write(replace(full, formats={}, kv_cache=None), path)  # a float32-only run
+    kept = calibrate.read(path, key)
+    assert kept is not None and kept.formats == full.formats and kept.kv_cache == full.kv_cache

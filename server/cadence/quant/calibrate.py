@@ -182,9 +182,11 @@ def read_for_machine(path: Path, key: str) -> KernelTable | None:
 
 
 def write(table: KernelTable, path: Path) -> None:
-    """Merges `table` into the file (other machines' keys kept)."""
+    """Merges `table` into the file (other machines' keys kept; of its own key, what it
+    did not measure: a float32-only measurement keeps the formats and KV cache)."""
     data = json.loads(path.read_text()) if path.exists() else {}
-    data[table.key] = {fmt: asdict(m) for fmt, m in table.formats.items()}
+    if table.formats or table.key not in data:
+        data[table.key] = {fmt: asdict(m) for fmt, m in table.formats.items()}
     if table.kv_cache is not None:
         data.setdefault(KV_CACHE, {})[table.key] = asdict(table.kv_cache)
     if table.float32 is not None:
@@ -198,12 +200,12 @@ def measure(
     dtype_name: str,
     shapes: list[tuple[int, int]] | None = None,
     formats: tuple[str, ...] = FORMATS,
-    kv_step: tuple[int, int] = (kv_calibrate.DECODE_ROWS, kv_calibrate.CONTEXT),
+    kv_step: tuple[int, int] | None = (kv_calibrate.DECODE_ROWS, kv_calibrate.CONTEXT),
 ) -> KernelTable:
     """Times the integer product and the float copy for each of `formats` over `shapes`
     (default: SmolLM2-135M's, CALIBRATION_LAYERS layers and the head), and an int8 KV
-    cache against a float one at `kv_step` (rows, tokens of context), with the C++
-    kernels of `isa`; for float32, the float32 tiles against oneDNN first."""
+    cache against a float one at `kv_step` (rows, tokens of context; None: not), with
+    the C++ kernels of `isa`; for float32, the float32 tiles against oneDNN first."""
     import torch
 
     from cadence.kernels import cpu as cpu_kernels
@@ -226,7 +228,8 @@ def measure(
         measure_formats(table, isa, dtype, shapes or layers, formats)
     finally:
         packing.use_float_product(previous)
-    table.kv_cache = kv_calibrate.measure(dtype_name, *kv_step)
+    if kv_step is not None:
+        table.kv_cache = kv_calibrate.measure(dtype_name, *kv_step)
     return table
 
 
