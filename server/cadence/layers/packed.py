@@ -116,12 +116,17 @@ def is_tile_packing(packed: torch.Tensor) -> bool:
     return packed.dim() == 3
 
 
+def onednn_packing(weight: torch.Tensor) -> torch.Tensor:
+    """A weight [out, in] in oneDNN's blocked layout, as `_linear_pointwise` reads it."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.data.contiguous(), _PACK_HINT_ROWS)
+
+
 def packed_copy(weight: torch.Tensor) -> torch.Tensor:
     """The packed copy of a weight `packing_supported` takes: for the float32 tiles where
     they serve, else oneDNN's."""
     if weight.dtype == torch.float32 and float_tiles_serve():
         return tile_packing(weight.data)
-    return torch.ops.mkldnn._reorder_linear_weight(weight.data.contiguous(), _PACK_HINT_ROWS)
+    return onednn_packing(weight)
 
 
 def packing_supported(weight: torch.Tensor) -> bool:

@@ -66,7 +66,7 @@ def _products(shapes: Sequence[tuple[int, int]]) -> list[tuple[Callable, Callabl
     for out_features, in_features in shapes:
         w = torch.randn(out_features, in_features) * 0.05
         tiles = packing.tile_packing(w)
-        onednn = torch.ops.mkldnn._reorder_linear_weight(w, packing._PACK_HINT_ROWS)
+        onednn = packing.onednn_packing(w)
         out.append(
             (
                 lambda x, p=tiles, n=out_features: torch.ops.cadence.float_matmul(x, p, None, n),
