@@ -41,12 +41,15 @@ import time
 from dataclasses import asdict, dataclass, field
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from cadence.model_source import cache_dir
 from cadence.quant import float_calibrate, kv_calibrate
 from cadence.quant.float_calibrate import FloatMeasured
 from cadence.quant.kv_calibrate import KvMeasured
+
+if TYPE_CHECKING:  # torch is imported where it is used: the launcher keys the table without it
+    import torch
 
 FILE_NAME = "kernel_table.json"
 INTEGER, FLOAT = "integer", "float"
@@ -219,7 +222,7 @@ def measure(
     layers = timing.SMOLLM2_LAYER_SHAPES * CALIBRATION_LAYERS + [timing.SMOLLM2_HEAD]
     if dtype_name == "float32" and float_calibrate.can_measure(isa):
         rows = (DECODE_ROWS, PREFILL_ROWS)
-        table.float32 = float_calibrate.measure(isa, shapes or layers, rows, DECODE_WEIGHT)
+        table.float32 = float_calibrate.measure(isa, shapes or layers, rows, mix)
     elif dtype_name == "float32" and isa in float_calibrate.TILE_ISAS:
         table.float32 = float_calibrate.only_tiles()
     previous = packing.float_product_choice()
@@ -236,7 +239,7 @@ def measure(
 def measure_formats(
     table: KernelTable,
     isa: str,
-    dtype: Any,
+    dtype: torch.dtype,
     layers: list[tuple[int, int]],
     formats: tuple[str, ...],
 ) -> None:

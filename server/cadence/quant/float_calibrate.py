@@ -56,60 +56,48 @@ def choose(isa: str, tiles: float, onednn: float) -> str:
     return TILES if tiles * MARGIN < onednn else ONEDNN
 
 
-def _products(shapes: Sequence[tuple[int, int]]) -> list[tuple[Callable, Callable, int]]:
-    """(tiles, oneDNN, in_features) per shape, over one random weight each."""
+def _products(shapes: Sequence[tuple[int, int]]) -> tuple[list[Callable], list[Callable]]:
+    """(tiles, oneDNN) products, one per shape, over one random weight each."""
     import torch
 
     from cadence.layers import packed as packing
 
-    out = []
+    tiles, onednn = [], []
     for out_features, in_features in shapes:
         w = torch.randn(out_features, in_features) * 0.05
-        tiles = packing.tile_packing(w)
-        onednn = packing.onednn_packing(w)
-        out.append(
-            (
-                lambda x, p=tiles, n=out_features: torch.ops.cadence.float_matmul(x, p, None, n),
-                lambda x, p=onednn: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""),
-                in_features,
-            )
-        )
-    return out
+        t, o = packing.tile_packing(w), packing.onednn_packing(w)
+        tiles.append(lambda x, p=t, n=out_features: torch.ops.cadence.float_matmul(x, p, None, n))
+        onednn.append(lambda x, p=o: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""))
+    return tiles, onednn
 
 
 def time_sides(
     shapes: Sequence[tuple[int, int]], rows: Sequence[int], repeats: int = REPEATS
 ) -> tuple[dict[int, float], dict[int, float]]:
-    """(tiles, oneDNN) seconds per pass over `shapes` at each of `rows`: the sum over
-    products of each one's fastest call, the two sides' calls in turn."""
+    """(tiles, oneDNN) seconds per pass over `shapes` at each of `rows`
+    (`cadence.quant.measure.fastest_passes`: the two sides' calls in turn)."""
     import torch
 
-    products = _products(shapes)
+    from cadence.quant.measure import fastest_passes
+
+    sides = _products(shapes)
+    widths = [in_features for _, in_features in shapes]
     tiles_s, onednn_s = {}, {}
     for r in rows:
-        inputs = {k: torch.randn(r, k) for _, _, k in products}
-        best = [[float("inf")] * len(products), [float("inf")] * len(products)]
-        for _ in range(repeats + 1):  # the first pass warms up
-            for i, (tiles, onednn, k) in enumerate(products):
-                for side, fn in enumerate((tiles, onednn)):
-                    started = time.perf_counter()
-                    fn(inputs[k])
-                    best[side][i] = min(best[side][i], time.perf_counter() - started)
-        tiles_s[r], onednn_s[r] = sum(best[0]), sum(best[1])
+        tiles_s[r], onednn_s[r] = fastest_passes(sides, widths, r, torch.float32, repeats)
     return tiles_s, onednn_s
 
 
 def measure(
-    isa: str, shapes: Sequence[tuple[int, int]], rows: tuple[int, int], weight: float
+    isa: str,
+    shapes: Sequence[tuple[int, int]],
+    rows: Sequence[int],
+    mix: Callable[[dict[int, float]], float],
 ) -> FloatMeasured:
-    """Times both sides over `shapes` at `rows` (decode, prefill), the decode pass counted
-    `weight` times, with the kernels of `isa` selected."""
+    """Times both sides over `shapes` at `rows`, with the kernels of `isa` selected, and
+    chooses by `mix` (a pass's cost in the workload's proportions, from the seconds by
+    rows)."""
     tiles_s, onednn_s = time_sides(shapes, rows)
-    decode, prefill = rows
-
-    def mix(s: dict[int, float]) -> float:
-        return weight * s[decode] + s[prefill]
-
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     return FloatMeasured(choose(isa, mix(tiles_s), mix(onednn_s)), tiles_s, onednn_s, stamp)
 

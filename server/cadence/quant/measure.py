@@ -80,16 +80,31 @@ def time_rows(
     quantized alternately, pass after pass (so a weight is not still cached from its
     previous call): on a shared machine a single call is often left alone where a whole
     pass is not."""
-    inputs = {k: torch.randn(rows, k).to(dtype) for k in set(products.in_features)}
-    count = len(products.in_features)
-    best = [[float("inf")] * count, [float("inf")] * count]
-    for _ in range(repeats + 1):  # the first pass warms up (oneDNN primitives, pages)
-        for i, k in enumerate(products.in_features):
-            for side, fns in enumerate((products.float_products, products.quantized_products)):
+    sides = (products.float_products, products.quantized_products)
+    float_s, quantized_s = fastest_passes(sides, products.in_features, rows, dtype, repeats)
+    return float_s, quantized_s
+
+
+def fastest_passes(
+    sides: Sequence[Sequence[Callable[[torch.Tensor], torch.Tensor]]],
+    in_features: Sequence[int],
+    rows: int,
+    dtype: torch.dtype,
+    repeats: int,
+) -> list[float]:
+    """Seconds per pass of each side (a product per weight, `in_features` its widths) at
+    `rows` rows: the sum over its products of each one's fastest call, every side's call
+    of a weight in turn, pass after pass, the first pass a warm-up (oneDNN primitives,
+    pages)."""
+    inputs = {k: torch.randn(rows, k).to(dtype) for k in set(in_features)}
+    best = [[float("inf")] * len(in_features) for _ in sides]
+    for _ in range(repeats + 1):
+        for i, k in enumerate(in_features):
+            for side, fns in enumerate(sides):
                 started = time.perf_counter()
                 fns[i](inputs[k])
                 best[side][i] = min(best[side][i], time.perf_counter() - started)
-    return sum(best[0]), sum(best[1])
+    return [sum(times) for times in best]
 
 
 def model_shapes() -> list[tuple[int, int]]:
