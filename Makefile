@@ -13,13 +13,15 @@ export CARGO_TARGET_DIR ?= $(HOME)/.cache/cadence-target
 # The environment's scripts (cadence, maturin) come first for every recipe.
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: install venv deps proto rust-builds router router-inplace cpu-kernels model haproxy chromium test test-rust test-python test-integration lint fmt clean
+.PHONY: install venv deps proto router-release router-tests router router-inplace cpu-kernels model haproxy chromium test test-rust test-python test-integration lint fmt clean
 
-# The steps below form a graph (each names what it needs), run three at a time: cargo's
-# compilations (about 5 minutes on 2 cores when nothing is cached) go on while pip downloads
-# and installs and apt fetches, instead of after them.
+# The steps below form a graph (each names what it needs), run four at a time: cargo's
+# compilations go on while pip downloads and installs and apt fetches, instead of after
+# them. The longest chain is the router's release build (its own crate alone is minutes of
+# one core on a slow CPU), so what is not on it (the debug build `cargo test` runs, the
+# C++ kernels) runs at a lower priority and takes the cores that chain leaves idle.
 install:
-	@$(MAKE) --no-print-directory -j3 deps proto rust-builds router cpu-kernels model haproxy chromium
+	@$(MAKE) --no-print-directory -j4 deps proto router-release router-tests router cpu-kernels model haproxy chromium
 
 # Reused when it is there with pip; made anew otherwise (a `python3 -m venv` that failed for
 # want of Debian's python3-venv package leaves one without pip behind).
@@ -40,24 +42,27 @@ proto: deps
 	$(PY) -m grpc_tools.protoc -Icadence/pb=proto --python_out=server --pyi_out=server \
 		--grpc_python_out=server proto/shard.proto
 
-# The router's compilations, which need only the environment's interpreter and maturin: the
-# extension as maturin's release build makes it (the editable install below reuses every
-# artifact: same profile, features and interpreter; the wheel made here is not used) and
-# the binaries `cargo test` runs.
-rust-builds: venv
+# The router's compilations. The extension as maturin's release build makes it, which needs
+# only the environment's interpreter and maturin (the editable install below reuses every
+# artifact: same profile, features and interpreter; the wheel made here is not used).
+router-release: venv
 	$(PY) -m maturin build --quiet --release --interpreter $(PY) --compatibility off \
 		--out $(CARGO_TARGET_DIR)/prebuilt-wheels
-	cargo test --manifest-path router/Cargo.toml --no-run --quiet
+
+# The binaries `cargo test` runs: the debug profile, whose lock and artifacts are apart from
+# the release build's, so the two compile at once.
+router-tests:
+	nice -n 10 cargo test --manifest-path router/Cargo.toml --no-run --quiet
 
 # The router is compiled by maturin into the extension module cadence._router.
-router: proto rust-builds
+router: proto router-release
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 
 # The shard's C++ CPU kernels (one library per instruction set) and the torch operator
 # shim over them, compiled for this machine into ~/.cache/cadence/kernels (without a
 # compiler or torch's C++ headers the shard falls back to its torch attention backend).
 cpu-kernels: deps
-	PYTHONPATH=server $(PY) -m cadence.kernels.cpu
+	PYTHONPATH=server nice -n 10 $(PY) -m cadence.kernels.cpu
 
 # haproxy, the load balancer the integration tests put in front of two replicas
 # (integration-tests/test_load_balancer.py): Debian's package, installed when it is missing and
