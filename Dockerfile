@@ -61,7 +61,7 @@ ENV CADENCE_CACHE_DIR=/opt/cadence \
     CADENCE_KERNEL_CACHE=/opt/cadence/kernels \
     HF_HOME=/models/huggingface \
     PYTHONUNBUFFERED=1
-RUN python -m cadence convert --link && python -m cadence.kernels.cpu
+RUN python -m cadence convert --link && python -m cadence.kernels.cpu --all
 RUN useradd --create-home --uid 1000 cadence && mkdir -p /models && chown cadence /models
 VOLUME /models
 USER cadence

@@ -1,10 +1,9 @@
 """`python -m cadence.kernels.cpu`: builds the CPU kernels for every instruction set this
 CPU runs (each one the tests of its path load) and the operator shim over them, ahead of
 the first launch, in parallel. The others are not built: `selection.library` refuses an
-instruction set the CPU lacks, and on an AVX2-only CPU the two AVX-512 builds were about
-half of the kernels' compile time, beside the router's compilation on the same cores.
-`--all` builds every instruction set of this architecture (a cache shared with other
-machines)."""
+instruction set the CPU lacks, and on an AVX2-only CPU the two AVX-512 builds took cores
+from the router's compilation during a fresh install. `--all` builds every instruction set
+of this architecture (the Docker image, which runs on whatever CPU it lands on)."""
 
 from __future__ import annotations
 
