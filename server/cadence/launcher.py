@@ -210,18 +210,22 @@ def serves_quantized(cfg: LaunchConfig, model_dir: str) -> bool:
     return config.exists() and "quantization_config" in json.loads(config.read_text())
 
 
-def with_kernel_table(cfg: LaunchConfig, model_dir: str) -> LaunchConfig:
+def with_kernel_table(
+    cfg: LaunchConfig, model_dir: str, quantized: bool | None = None
+) -> LaunchConfig:
     """`cfg` with the kernel table its CPU shards read: measured here once per machine
     (`cadence calibrate`, in its own process: a few seconds) when none is cached for this
     CPU, dtype and torch; unchanged on a GPU, with a table given, or for weights it holds
     nothing for (neither quantized nor float32). A failed measurement leaves the built-in
-    defaults, with a warning."""
+    defaults, with a warning. `quantized`: `serves_quantized`'s answer, when the caller
+    has it already."""
     from cadence.quant import calibrate, float_calibrate
 
     if cfg.kernel_table or cfg.device != "cpu" or not cfg.cpu_kernels:
         return cfg
     float32 = cfg.dtype == "float32" and cfg.cpu_isa in float_calibrate.TILE_ISAS
-    quantized = serves_quantized(cfg, model_dir)
+    if quantized is None:
+        quantized = serves_quantized(cfg, model_dir)
     if not (float32 or quantized):
         return cfg
     path = calibrate.table_path()
@@ -292,7 +296,7 @@ def launch(cfg: LaunchConfig) -> int:
 
     model_dir = resolve_model(cfg.model_id)
     quantized = serves_quantized(cfg, model_dir)
-    cfg = with_measured_kv_cache(with_kernel_table(cfg, model_dir), kv_asked, quantized)
+    cfg = with_measured_kv_cache(with_kernel_table(cfg, model_dir, quantized), kv_asked, quantized)
     if cfg.draft_model_id:  # once here, not by every shard (a GGUF's folder is made once)
         cfg = replace(cfg, draft_model_id=resolve_model(cfg.draft_model_id))
     own_dir = cfg.uds_dir is None
