@@ -60,6 +60,7 @@ class CalibrateConfig:
     dtype: str = "auto"  # the activations' dtype; auto: what `launch` serves on this CPU
     output: str | None = None  # None: kernel_table.json in the cache folder
     float32_only: bool = False  # the float32 product alone (a float32 model's launch)
+    keep_measured: bool = False  # what this machine's entry holds is not measured again
     log_format: str = "text"
 
 
@@ -171,6 +172,13 @@ def _calibrate_parser(sub: Any) -> None:
         help="measure only which float32 product serves (what a float32 model's first "
         "launch needs; about 2 s), keeping the rest of this machine's entry",
     )
+    add_switch(
+        p,
+        "--keep-measured",
+        env="CADENCE_CALIBRATE_KEEP_MEASURED",
+        help="measure only what this machine's entry in the table lacks, keeping what it "
+        "holds (what a launch does: a choice made on a machine stays made)",
+    )
     add_log_format(add)
     p.set_defaults(run=_run_calibrate)
 
@@ -181,11 +189,15 @@ def _run_calibrate(args: argparse.Namespace) -> int:
 
     chosen = isa.resolve(args.cpu_isa)
     dtype = isa.default_dtype("cpu", chosen) if args.dtype == "auto" else args.dtype
-    if args.float32_only:
-        table = calibrate.measure(chosen, "float32", formats=(), kv_step=None)
-    else:
-        table = calibrate.measure(chosen, dtype)
     path = Path(args.output) if args.output else calibrate.table_path()
+    measured_dtype = "float32" if args.float32_only else dtype
+    kept = None
+    if args.keep_measured:
+        kept = calibrate.read(path, calibrate.machine_key(chosen, measured_dtype))
+    if args.float32_only:
+        table = calibrate.measure(chosen, "float32", formats=(), kv_step=None, kept=kept)
+    else:
+        table = calibrate.measure(chosen, dtype, kept=kept)
     calibrate.write(table, path)
     if table.float32 is not None:
         print(f"float32 products: {float_calibrate.describe(table.float32)}")

@@ -234,7 +234,7 @@ def with_kernel_table(
         what = "quantized" if quantized else "float32"
         logger.info(f"measuring which kernels serve {what} weights fastest here (once)")
         argv = [sys.executable, "-m", "cadence", "calibrate", "--cpu-isa", cfg.cpu_isa]
-        argv += ["--dtype", cfg.dtype, "--log-format", cfg.log_format]
+        argv += ["--dtype", cfg.dtype, "--log-format", cfg.log_format, "--keep-measured"]
         argv += [] if quantized else ["--float32-only"]
         try:
             subprocess.run(argv, check=True, timeout=cfg.startup_timeout)

@@ -134,3 +134,33 @@ def test_a_float32_launch_measures_the_float32_product_alone_and_keeps_the_rest(
     calibrate.write(replace(full, formats={}, kv_cache=None), path)  # a float32-only run
     kept = calibrate.read(path, key)
     assert kept is not None and kept.formats == full.formats and kept.kv_cache == full.kv_cache
+
+
+def test_a_launch_keeps_what_the_machine_s_entry_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A quantized launch after a float32 one measures the formats and KV cache only: the
+    float32 product chosen first stays chosen (where the two sides nearly tie a second
+    measurement may choose the other, and servers started before and after would differ);
+    `cadence calibrate --keep-measured`, as a launch runs it, measures nothing it holds."""
+    from cadence.cli import main
+
+    isa = isa_with_tiles()
+    monkeypatch.setenv("CADENCE_CACHE_DIR", str(tmp_path))
+    small = {"shapes": [(64, 128)], "formats": ("int8",), "kv_step": (4, 40)}
+    alone = calibrate.measure(isa, "float32", shapes=[(64, 128)], formats=(), kv_step=None)
+    # the side not measured faster held as chosen, so that measuring again would show
+    sides = {float_calibrate.TILES, float_calibrate.ONEDNN} - {alone.float32.choice}
+    held = replace(alone.float32, choice=sides.pop(), measured_at="earlier")
+    alone = replace(alone, float32=held)
+    rest = calibrate.measure(isa, "float32", **small, kept=alone)
+    assert rest.float32 == alone.float32
+    assert set(rest.formats) == {"int8"} and rest.kv_cache is not None
+    assert calibrate.measure(isa, "float32", **small, kept=rest) == rest  # nothing taken again
+    path = tmp_path / calibrate.FILE_NAME
+    calibrate.write(alone, path)
+    argv = ["calibrate", "--cpu-isa", isa, "--dtype", "float32", "--float32-only"]
+    assert main([*argv, "--keep-measured"]) == 0
+    assert calibrate.read(path, alone.key).float32 == alone.float32
+    assert main(argv) == 0  # on demand: measured again
+    assert calibrate.read(path, alone.key).float32.measured_at != "earlier"

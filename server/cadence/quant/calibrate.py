@@ -204,11 +204,17 @@ def measure(
     shapes: list[tuple[int, int]] | None = None,
     formats: tuple[str, ...] = FORMATS,
     kv_step: tuple[int, int] | None = (kv_calibrate.DECODE_ROWS, kv_calibrate.CONTEXT),
+    kept: KernelTable | None = None,
 ) -> KernelTable:
     """Times the integer product and the float copy for each of `formats` over `shapes`
     (default: SmolLM2-135M's, CALIBRATION_LAYERS layers and the head), and an int8 KV
     cache against a float one at `kv_step` (rows, tokens of context; None: not), with
-    the C++ kernels of `isa`; for float32, the float32 tiles against oneDNN first."""
+    the C++ kernels of `isa`; for float32, the float32 tiles against oneDNN first.
+
+    `kept`: this machine's entry as cached, whose measurements are kept instead of taken
+    again (a launch measures only what its entry lacks). A choice made on a machine then
+    stays made: where two kernels nearly tie, measuring again may choose the other, and a
+    server started after it would not answer bit for bit as one started before."""
     import torch
 
     from cadence.kernels import cpu as cpu_kernels
@@ -219,12 +225,18 @@ def measure(
     dtype = getattr(torch, dtype_name)
     torch.manual_seed(0)
     table = KernelTable(machine_key(isa, dtype_name))
+    if kept is not None:
+        table.formats = {f: m for f, m in kept.formats.items() if f in formats}
+        table.kv_cache, table.float32 = kept.kv_cache, kept.float32
+        formats = tuple(f for f in formats if f not in kept.formats)
+        kv_step = None if kept.kv_cache is not None else kv_step
     layers = timing.SMOLLM2_LAYER_SHAPES * CALIBRATION_LAYERS + [timing.SMOLLM2_HEAD]
-    if dtype_name == "float32" and float_calibrate.can_measure(isa):
-        rows = (DECODE_ROWS, PREFILL_ROWS)
-        table.float32 = float_calibrate.measure(isa, shapes or layers, rows, mix)
-    elif dtype_name == "float32" and isa in float_calibrate.TILE_ISAS:
-        table.float32 = float_calibrate.only_tiles()
+    if table.float32 is None and dtype_name == "float32":
+        if float_calibrate.can_measure(isa):
+            rows = (DECODE_ROWS, PREFILL_ROWS)
+            table.float32 = float_calibrate.measure(isa, shapes or layers, rows, mix)
+        elif isa in float_calibrate.TILE_ISAS:
+            table.float32 = float_calibrate.only_tiles()
     previous = packing.float_product_choice()
     packing.use_float_product(table.float32.choice if table.float32 else previous)
     try:
