@@ -229,18 +229,19 @@ def with_kernel_table(
     if not (float32 or quantized):
         return cfg
     path = calibrate.table_path()
-    cached = calibrate.read(path, calibrate.machine_key(cfg.cpu_isa, cfg.dtype))
-    if needs_measuring(cached, float32, quantized):
-        what = "quantized" if quantized else "float32"
-        logger.info(f"measuring which kernels serve {what} weights fastest here (once)")
-        argv = [sys.executable, "-m", "cadence", "calibrate", "--cpu-isa", cfg.cpu_isa]
-        argv += ["--dtype", cfg.dtype, "--log-format", cfg.log_format, "--keep-measured"]
-        argv += [] if quantized else ["--float32-only"]
-        try:
-            subprocess.run(argv, check=True, timeout=cfg.startup_timeout)
-        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as err:
-            logger.warning(f"kernel calibration failed ({err}); serving with the defaults")
-            return cfg
+    with calibrate.locked(path):
+        cached = calibrate.read(path, calibrate.machine_key(cfg.cpu_isa, cfg.dtype))
+        if needs_measuring(cached, float32, quantized):
+            what = "quantized" if quantized else "float32"
+            logger.info(f"measuring which kernels serve {what} weights fastest here (once)")
+            argv = [sys.executable, "-m", "cadence", "calibrate", "--cpu-isa", cfg.cpu_isa]
+            argv += ["--dtype", cfg.dtype, "--log-format", cfg.log_format, "--keep-measured"]
+            argv += [] if quantized else ["--float32-only"]
+            try:
+                subprocess.run(argv, check=True, timeout=cfg.startup_timeout)
+            except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as err:
+                logger.warning(f"kernel calibration failed ({err}); serving with the defaults")
+                return cfg
     return replace(cfg, kernel_table=str(path))
 
 

@@ -164,3 +164,30 @@ def test_a_launch_keeps_what_the_machine_s_entry_holds(
     assert calibrate.read(path, alone.key).float32 == alone.float32
     assert main(argv) == 0  # on demand: measured again
     assert calibrate.read(path, alone.key).float32.measured_at != "earlier"
+
+
+def test_launches_at_once_measure_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model_dirs
+) -> None:
+    """A launch waits for another one's measurement (the table's lock) and then reads it
+    instead of measuring again: launches started together serve the same choices."""
+    import threading
+    import time
+
+    isa = isa_with_tiles()
+    monkeypatch.setenv("CADENCE_CACHE_DIR", str(tmp_path))
+    cfg = LaunchConfig(cpu_isa=isa, dtype="float32")
+    path, model_dir = tmp_path / calibrate.FILE_NAME, str(model_dirs("llama_gqa"))
+    measured = calibrate.measure(isa, "float32", shapes=[(64, 128)], formats=(), kv_step=None)
+    measured = replace(measured, float32=replace(measured.float32, measured_at="the other's"))
+    launched: list[str] = []
+    with calibrate.locked(path):  # the other launch, measuring
+        waiting = threading.Thread(
+            target=lambda: launched.append(with_kernel_table(cfg, model_dir).kernel_table)
+        )
+        waiting.start()
+        time.sleep(0.5)  # without the lock it would have found no table and be measuring
+        calibrate.write(measured, path)
+    waiting.join()
+    assert launched == [str(path)]
+    assert calibrate.read(path, measured.key).float32.measured_at == "the other's"

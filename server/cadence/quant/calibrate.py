@@ -38,6 +38,8 @@ import functools
 import json
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from importlib.metadata import version
 from pathlib import Path
@@ -195,7 +197,23 @@ def write(table: KernelTable, path: Path) -> None:
     if table.float32 is not None:
         data.setdefault(FLOAT32, {})[table.key] = asdict(table.float32)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    # whole or not at all: a launch reading it meanwhile never sees half a file
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+@contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """Held by a launch while it reads the table at `path` and measures what it lacks:
+    launches started at once on one machine (replicas, a test suite's workers) measure
+    once, and the later ones serve the first one's choices."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(f".{path.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def measure(
