@@ -1,7 +1,7 @@
 //! Generates the gRPC client for the router ⇄ shard contract (`../proto/shard.proto`).
 //! protoc comes from `protoc-bin-vendored`, so no system protoc is needed. Also names the
 //! build for `cadence_build_info`: the git commit (`CADENCE_GIT_SHA` when set, else the
-//! checkout's, else "unknown") and the compiler's version.
+//! checkout's at the router's last compilation, else "unknown") and the compiler's version.
 
 use std::process::Command;
 
@@ -31,13 +31,14 @@ fn build_info() {
         .ok()
         .filter(|s| !s.is_empty())
         .or_else(|| output("git", &["rev-parse", "--short=12", "HEAD"]));
-    // Rebuilt when the checkout moves to another commit.
-    for path in ["HEAD", "refs/heads", "packed-refs"] {
-        if let Some(p) = output("git", &["rev-parse", "--git-path", path]) {
-            if std::path::Path::new(&p).exists() {
-                println!("cargo:rerun-if-changed={p}");
-            }
-        }
+    // Named again when the router itself is compiled again (its sources, manifest or
+    // dependencies changed), not whenever the checkout moves to another commit: a commit
+    // that changed only the Python side would recompile the whole crate for a new name
+    // (minutes of a 2-core machine, in every test run's wheel build), and the router it
+    // built would be the same. So the name is the commit checked out at the router's last
+    // compilation.
+    for path in ["src", "Cargo.toml", "../Cargo.lock"] {
+        println!("cargo:rerun-if-changed={path}");
     }
     println!(
         "cargo:rustc-env=CADENCE_GIT_SHA={}",
