@@ -191,3 +191,13 @@ def test_launches_at_once_measure_once(
     waiting.join()
     assert launched == [str(path)]
     assert calibrate.read(path, measured.key).float32.measured_at == "the other's"
+
+
+def test_a_table_where_no_lock_can_be_made_is_read_without_one(tmp_path: Path) -> None:
+    """A cache the launch cannot write (a read-only image with its table baked in; here a
+    folder that cannot be made, its name taken by a file, as even root meets it): the
+    launch reads the table, locking nothing, instead of failing."""
+    taken = tmp_path / "cache"
+    taken.write_text("not a folder")
+    with calibrate.locked(taken / calibrate.FILE_NAME):
+        assert taken.read_text() == "not a folder"

@@ -207,11 +207,18 @@ def write(table: KernelTable, path: Path) -> None:
 def locked(path: Path) -> Iterator[None]:
     """Held by a launch while it reads the table at `path` and measures what it lacks:
     launches started at once on one machine (replicas, a test suite's workers) measure
-    once, and the later ones serve the first one's choices."""
+    once, and the later ones serve the first one's choices. Where the folder cannot be
+    written (a read-only image with its table baked in), nothing is locked: such a launch
+    only reads."""
     import fcntl
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(f".{path.name}.lock"), "w") as lock:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path.with_name(f".{path.name}.lock"), "w")
+    except OSError:
+        yield
+        return
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
 
