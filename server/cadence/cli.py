@@ -190,14 +190,12 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     chosen = isa.resolve(args.cpu_isa)
     dtype = isa.default_dtype("cpu", chosen) if args.dtype == "auto" else args.dtype
     path = Path(args.output) if args.output else calibrate.table_path()
-    measured_dtype = "float32" if args.float32_only else dtype
-    kept = None
-    if args.keep_measured:
-        kept = calibrate.read(path, calibrate.machine_key(chosen, measured_dtype))
-    if args.float32_only:
-        table = calibrate.measure(chosen, "float32", formats=(), kv_step=None, kept=kept)
-    else:
-        table = calibrate.measure(chosen, dtype, kept=kept)
+    # the float32 product alone: no formats, no KV cache
+    only: dict[str, Any] = {"formats": (), "kv_step": None} if args.float32_only else {}
+    dtype = "float32" if args.float32_only else dtype
+    key = calibrate.machine_key(chosen, dtype)
+    kept = calibrate.read(path, key) if args.keep_measured else None
+    table = calibrate.measure(chosen, dtype, kept=kept, **only)
     calibrate.write(table, path)
     if table.float32 is not None:
         print(f"float32 products: {float_calibrate.describe(table.float32)}")
