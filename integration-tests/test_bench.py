@@ -47,6 +47,12 @@ def test_bench_reports_every_metric_and_the_counts_add_up(
     assert r["total_output_tokens"] == sum(q.output_len for q in reqs)
     assert r["output_throughput"] == pytest.approx(r["total_output_tokens"] / r["duration_s"])
     assert 0 < r["median_ttft_ms"] <= r["p99_e2el_ms"]
+    # cadence's own step series over the run: every token came from one of its steps
+    steps = r["steps"]
+    assert steps["steps"] >= max(q.output_len for q in reqs)
+    assert 0 < steps["mean_forward_ms"] < steps["mean_step_ms"]
+    assert 0 < steps["outside_forward_of_steps"] < steps["outside_forward_of_run"] < 1
+    assert "Outside the forward, of the run (%)" in out
 
 
 def test_bench_counts_failed_requests(smollm_server, tmp_path: Path) -> None:

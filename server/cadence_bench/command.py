@@ -405,14 +405,20 @@ def measure(cfg: RunConfig, requests: list[BenchRequest]) -> dict[str, Any]:
     from cadence_bench.machine import machine, server_kernels
     from cadence_bench.metrics import summarize
     from cadence_bench.runner import run_benchmark, warm_up
+    from cadence_bench.step_trace import read_metrics, step_trace, time_shares
 
     warm_up(cfg, BenchRequest(requests[0].prompt, requests[0].prompt_len, 2))
+    server = server_kernels(cfg.url)
+    before = read_metrics(cfg.url) if server else {}  # cadence's step series, around the run
     outputs, duration = asyncio.run(run_benchmark(cfg, requests))
     result: dict[str, Any] = summarize(outputs, duration)
     result["num_prompts"] = len(requests)
     result["errors"] = sorted({o.error for o in outputs if not o.success})[:5]
     result["machine"] = machine()
-    result["server"] = server_kernels(cfg.url)
+    result["server"] = server
+    if server:
+        trace = step_trace(before, read_metrics(cfg.url))
+        result["steps"] = trace | time_shares(trace, duration)
     return result
 
 

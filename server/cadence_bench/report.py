@@ -38,8 +38,26 @@ def table(result: dict[str, Any]) -> str:
         lines.append(_row(f"Median {upper} (ms)", result[f"median_{name}_ms"]))
         for p in PERCENTILES[1:]:
             lines.append(_row(f"P{p} {upper} (ms)", result[f"p{p}_{name}_ms"]))
+    lines += _step_rows(result.get("steps", {}))
     lines.append("=" * 60)
     return "\n".join(lines)
+
+
+def _step_rows(steps: dict[str, float]) -> list[str]:
+    """cadence's steps over the run (its /metrics), where the server has them."""
+    if not steps.get("steps"):
+        return []
+    lines = ["{:-^60}".format(" Steps (the server's /metrics) ")]
+    lines.append(_row("Steps", int(steps["steps"])))
+    lines.append(_row("Mean step, sent to answered (ms)", steps["mean_step_ms"]))
+    lines.append(_row("Mean forward and sampling (ms)", steps["mean_forward_ms"]))
+    for key, label in (
+        ("outside_forward_of_steps", "Outside the forward, of steps (%)"),
+        ("outside_forward_of_run", "Outside the forward, of the run (%)"),
+    ):
+        if key in steps:
+            lines.append(_row(label, 100.0 * steps[key]))
+    return lines
 
 
 def _row(label: str, value: float | int) -> str:

@@ -55,4 +55,22 @@ def step_trace(before: dict[str, float], after: dict[str, float]) -> dict[str, f
         "requests_per_step": _per(delta(BATCH_REQUESTS), delta(BATCHES)),
         "preemptions": delta(PREEMPTIONS),
         "step_seconds": delta(STEP_SECONDS),
+        "forward_seconds": delta(FORWARD_SECONDS),
+    }
+
+
+def time_shares(trace: dict[str, float], duration_s: float) -> dict[str, float]:
+    """Where a run's time went besides the shard's forward, as fractions (the charter's
+    "router + gRPC under 3% of a step"): of the steps' time (the router's send to its
+    answer), what lies outside the forward (gRPC both ways, the shard's diff and answer,
+    the hand-offs between threads); and of the run, what lies outside the forward
+    altogether (that, plus the loop's scheduling and applying between steps, while the
+    shard waits). Empty without steps or a duration. With asynchronous scheduling steps
+    overlap the loop's work, and the run's share can be below the steps'."""
+    steps, forward = trace.get("step_seconds", 0.0), trace.get("forward_seconds", 0.0)
+    if steps <= 0 or duration_s <= 0:
+        return {}
+    return {
+        "outside_forward_of_steps": 1.0 - forward / steps,
+        "outside_forward_of_run": 1.0 - forward / duration_s,
     }

@@ -15,7 +15,7 @@ from cadence_bench.datasets import BenchRequest
 from cadence_bench.exp_records import Record, RecordStore, fingerprint, from_json, to_json
 from cadence_bench.exp_runner import Context, Measured, Planned, Progress, Scale, run_planned
 from cadence_bench.kv import parse_metrics
-from cadence_bench.step_trace import step_trace
+from cadence_bench.step_trace import step_trace, time_shares
 
 DATA = Path(__file__).parent / "data"
 # /metrics of a launched router (embedded model), before and after two sequential
@@ -181,6 +181,18 @@ def test_step_trace_from_two_router_metrics_texts() -> None:
 def test_step_trace_of_an_idle_router_is_zero_not_a_division_error() -> None:
     trace = step_trace(parse_metrics(AFTER), parse_metrics(AFTER))
     assert trace["steps"] == 0 and trace["mean_step_ms"] == 0 and trace["tokens_per_step"] == 0
+
+
+def test_time_shares_split_a_run_around_the_forward() -> None:
+    trace = step_trace(parse_metrics(BEFORE), parse_metrics(AFTER))
+    steps, forward = 7.14773974 - 4.093636311, 7.075771198 - 4.083646392
+    shares = time_shares(trace, duration_s=4.0)
+    assert shares["outside_forward_of_steps"] == pytest.approx(1 - forward / steps)
+    assert shares["outside_forward_of_run"] == pytest.approx(1 - forward / 4.0)
+    # the run holds its steps and what lies between them
+    assert shares["outside_forward_of_run"] > shares["outside_forward_of_steps"]
+    assert time_shares(step_trace(parse_metrics(AFTER), parse_metrics(AFTER)), 4.0) == {}
+    assert time_shares(trace, 0.0) == {}
 
 
 def test_saturation_relative_rates() -> None:
