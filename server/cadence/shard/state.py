@@ -204,14 +204,19 @@ class BatchState:
         self.seeds[s] = torch.tensor(seeds, dtype=torch.long)
 
     def extend_blocks(self, continuing: list[shard_pb2.ContinuingRequest]) -> None:
-        for c in continuing:
-            if c.new_blocks:
-                slot = self.slot_of[c.id]
-                n = int(self.num_block_ids[slot])
-                end = n + len(c.new_blocks)
-                self.block_tables = _grown(self.block_tables, self.block_tables.shape[0], end)
-                self.block_tables[slot, n:end] = torch.tensor(c.new_blocks)
-                self.num_block_ids[slot] = end
+        """Appends each continuing request's new blocks to its block table (through numpy
+        views: no torch call per request)."""
+        grown = [(self.slot_of[c.id], c.new_blocks) for c in continuing if c.new_blocks]
+        if not grown:
+            return
+        counts = self.num_block_ids.numpy()
+        width = max(int(counts[slot]) + len(new) for slot, new in grown)
+        self.block_tables = _grown(self.block_tables, self.block_tables.shape[0], width)
+        tables = self.block_tables.numpy()
+        for slot, new in grown:
+            n = int(counts[slot])
+            tables[slot, n : n + len(new)] = new
+            counts[slot] = n + len(new)
 
     def append_forced(self, continuing: list[shard_pb2.ContinuingRequest]) -> None:
         """Appends each continuing request's forced tokens to its known tokens (after its

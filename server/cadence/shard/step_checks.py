@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from cadence.pb import shard_pb2
@@ -99,48 +100,62 @@ def check_step(
             plan.rows.append((r.id, r.num_compute))
     plan.joined = list(req.joined)
     cont: list[shard_pb2.ContinuingRequest] = []
+    # of each continuing request that computes: its slot, num_compute, new blocks, the
+    # tokens it adds to what it knows (forced, proposed, drafted) and whether it speculates
+    slots: list[int] = []
+    counts: list[int] = []
+    new_blocks: list[int] = []
+    added: list[int] = []
+    speculating: list[bool] = []
     joined_ids = {r.id for r in req.joined}
     continuing_ids: set[int] = set()
-    for c in req.continuing:
-        if c.id not in held or c.id in joined_ids:
+    for c in req.continuing:  # each field read once: a decode step has a few dozen
+        cid, blocks, forced = c.id, c.new_blocks, c.forced_tokens
+        proposed, drafts = c.proposed_tokens, c.num_draft_tokens
+        if cid not in held or cid in joined_ids:
             raise StepError(
-                f"continuing request {c.id} is not held", request_id=state.request_id(c.id)
+                f"continuing request {cid} is not held", request_id=state.request_id(cid)
             )
-        if c.id in continuing_ids:
+        if cid in continuing_ids:
             raise StepError(
-                f"continuing request {c.id} is listed twice", request_id=state.request_id(c.id)
+                f"continuing request {cid} is listed twice", request_id=state.request_id(cid)
             )
-        continuing_ids.add(c.id)
-        if c.new_blocks and max(c.new_blocks) >= nb:
+        continuing_ids.add(cid)
+        if blocks and max(blocks) >= nb:
             raise StepError(
-                f"request {c.id}: new block {max(c.new_blocks)} >= {nb}",
-                request_id=state.request_id(c.id),
+                f"request {cid}: new block {max(blocks)} >= {nb}",
+                request_id=state.request_id(cid),
             )
-        if c.forced_tokens and max(c.forced_tokens) >= state.vocab_size:
+        if forced and max(forced) >= state.vocab_size:
             raise StepError(
-                f"request {c.id}: forced_tokens token id {max(c.forced_tokens)} >= vocab",
-                request_id=state.request_id(c.id),
+                f"request {cid}: forced_tokens token id {max(forced)} >= vocab",
+                request_id=state.request_id(cid),
             )
-        if c.proposed_tokens or c.num_draft_tokens:
+        if proposed or drafts:
             _check_proposals(state, c, plan, draft_model)
-        if c.num_compute > 0:
-            plan.rows.append((c.id, c.num_compute))
+        num_compute = c.num_compute
+        if num_compute > 0:
+            plan.rows.append((cid, num_compute))
             cont.append(c)
+            slots.append(state.slot_of[cid])
+            counts.append(num_compute)
+            new_blocks.append(len(blocks))
+            added.append(len(forced) + len(proposed) + drafts)
+            speculating.append(bool(proposed) or drafts > 0)
     if len({i for i, _ in plan.rows}) != len(plan.rows):
         raise StepError("a request is scheduled twice")
     if cont:
-        slots = torch.tensor([state.slot_of[c.id] for c in cont])
-        n = torch.tensor([c.num_compute for c in cont])
-        blocks = torch.tensor([len(c.new_blocks) for c in cont])
-        known = state.seq_lens[slots]
-        if any(c.forced_tokens for c in cont) or plan.speculative:
-            known = known + torch.tensor(
-                [len(c.forced_tokens) + len(c.proposed_tokens) + c.num_draft_tokens for c in cont]
-            )
-        end = state.computed[slots] + n
-        bad = (end > known) | (end > (state.num_block_ids[slots] + blocks) * bs)
-        if bool(bad.any()):
-            c = cont[int(bad.nonzero()[0, 0])]
+        # numpy views of the state's (CPU) tensors: a decode step's few dozen rows are
+        # checked without torch calls, each of which would let the shard's other threads
+        # take the GIL in the middle of the step's critical path.
+        at = np.array(slots, dtype=np.int64)
+        seq_lens, computed = state.seq_lens.numpy()[at], state.computed.numpy()[at]
+        known = seq_lens + np.array(added, dtype=np.int64)
+        end = computed + np.array(counts, dtype=np.int64)
+        held_blocks = state.num_block_ids.numpy()[at] + np.array(new_blocks, dtype=np.int64)
+        bad = (end > known) | (end > held_blocks * bs)
+        if bad.any():
+            c = cont[int(bad.argmax())]
             raise StepError(
                 f"request {c.id}: num_compute {c.num_compute} exceeds its known tokens "
                 "(with its forced or proposed tokens) or its blocks",
@@ -149,12 +164,9 @@ def check_step(
         if plan.speculative:
             # proposals follow a token sampled by the request's previous step: the
             # only one it knows that is not computed
-            speculating = torch.tensor(
-                [bool(c.proposed_tokens or c.num_draft_tokens) for c in cont]
-            )
-            bad = speculating & (state.computed[slots] != state.seq_lens[slots] - 1)
-            if bool(bad.any()):
-                c = cont[int(bad.nonzero()[0, 0])]
+            bad = np.array(speculating) & (computed != seq_lens - 1)
+            if bad.any():
+                c = cont[int(bad.argmax())]
                 raise StepError(
                     f"request {c.id}: proposals need a decoding request (every known "
                     "token computed but the last sampled one)",
