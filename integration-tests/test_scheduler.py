@@ -232,17 +232,18 @@ def test_constrained_outputs_survive_preemption_and_prefix_caching(
     assert all(text.startswith('{"note": "') for text, _ in unloaded_constrained)
 
 
-def test_async_scheduling_under_3x_kv_capacity_gives_the_same_outputs(
+def test_synchronous_scheduling_under_3x_kv_capacity_gives_the_same_outputs(
     tmp_path_factory: pytest.TempPathFactory,
     tiny_llama_dir: str,
     unloaded: list[Answer],
     smollm_dir: str,
 ) -> None:
-    """Steps scheduled while the previous one runs (off by default on CPU): the same 64
-    requests, preempting when the blocks run out, with prefix caching on."""
-    server = small_cache(tmp_path_factory, tiny_llama_dir, "--async-scheduling", "on")
+    """Each step scheduled only once the previous one is applied (`--async-scheduling off`;
+    the other servers here schedule ahead, the default): the same 64 requests, preempting
+    when the blocks run out, with prefix caching on."""
+    server = small_cache(tmp_path_factory, tiny_llama_dir, "--async-scheduling", "off")
     try:
-        assert "async_scheduling=true" in server.log()
+        assert "async_scheduling=false" in server.log()
         assert_load_survives(server, unloaded, "recompute", smollm_dir)
     finally:
         assert stop(server) == 0, server.log()

@@ -393,7 +393,7 @@ impl Metrics {
             ),
             (
                 "cadence_step_duration_seconds",
-                "A step from sent to answered, as the router waits for it (the shards' forward and sampling, gRPC both ways).",
+                "A step from sent (or, sent ahead, from the previous step's answer) to answered: the shards' forward and sampling, their step handling and gRPC both ways.",
                 &self.step_time,
             ),
             (

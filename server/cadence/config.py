@@ -89,7 +89,7 @@ class LaunchConfig:
     replicas: int = 1  # independent shard groups behind the one router
     master_port: int | None = None  # torch.distributed rendezvous; None: a free port
     kv_cache_memory: int | None = None  # bytes (the router's --kv-cache-bytes)
-    async_scheduling: str = "auto"  # auto: on with a GPU, off on CPU (docs/scheduler.md)
+    async_scheduling: str = "auto"  # auto and on: on, off: off (docs/scheduler.md)
     uds_dir: str | None = None  # None: a fresh temp folder, removed at exit
     startup_timeout: float = 300.0  # seconds for each start step, the router's warm-up included
     # The router's too: the launcher waits for the router there, and for its drain on

@@ -376,9 +376,8 @@ def _add_scheduling_flags(g: Container, add: Add) -> None:
     add(
         "--async-scheduling",
         choices=("auto", "on", "off"),
-        help="Schedule and send each step while the previous one runs; auto turns it on with "
-        "a GPU and off on CPU, where the overlapped work competes with the forward for the "
-        "cores.",
+        help="Schedule and send each step while the previous one runs (auto, the default, "
+        "is on, on every device); off makes the shards wait for the router between steps.",
     )
     add(
         "--batching",

@@ -113,7 +113,8 @@ def trace_table(records: Sequence[Record], keys: Sequence[str]) -> str:
 TRACE_NOTE = (
     "Step trace: the router's /metrics read before and after each measured run; `steps` "
     "is the `cadence_step_duration_seconds` count, `mean step ms` its sum ÷ count (a step "
-    "as the router waits for it), `mean forward ms` the same of "
+    "from its send, or from the previous step's answer when it was sent ahead, to its "
+    "answer), `mean forward ms` the same of "
     "`cadence_forward_duration_seconds` (the shard's forward and sampling), `tokens/step` "
     "`cadence_step_tokens_total` ÷ steps (prefill and decode tokens computed), "
     "`requests/step` the `cadence_batch_size` mean, `preemptions` the "

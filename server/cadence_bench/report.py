@@ -49,7 +49,7 @@ def _step_rows(steps: dict[str, float]) -> list[str]:
         return []
     lines = ["{:-^60}".format(" Steps (the server's /metrics) ")]
     lines.append(_row("Steps", int(steps["steps"])))
-    lines.append(_row("Mean step, sent to answered (ms)", steps["mean_step_ms"]))
+    lines.append(_row("Mean step, start to answer (ms)", steps["mean_step_ms"]))
     lines.append(_row("Mean forward and sampling (ms)", steps["mean_forward_ms"]))
     for key, label in (
         ("outside_forward_of_steps", "Outside the forward, of steps (%)"),

@@ -61,12 +61,13 @@ def step_trace(before: dict[str, float], after: dict[str, float]) -> dict[str, f
 
 def time_shares(trace: dict[str, float], duration_s: float) -> dict[str, float]:
     """Where a run's time went besides the shard's forward, as fractions (the charter's
-    "router + gRPC under 3% of a step"): of the steps' time (the router's send to its
-    answer), what lies outside the forward (gRPC both ways, the shard's diff and answer,
-    the hand-offs between threads); and of the run, what lies outside the forward
-    altogether (that, plus the loop's scheduling and applying between steps, while the
-    shard waits). Empty without steps or a duration. With asynchronous scheduling steps
-    overlap the loop's work, and the run's share can be below the steps'."""
+    "router + gRPC under 3% of a step"): of the steps' time (from the router's send, or
+    the previous step's answer when it was sent ahead, to its answer), what lies outside
+    the forward (gRPC both ways, the shard's diff and answer, the hand-offs between
+    threads); and of the run, what lies outside the forward altogether (that, plus the
+    loop's scheduling and applying between steps when the shard waits for it). Steps do
+    not overlap, so the run's share is at least the steps'. Empty without steps or a
+    duration."""
     steps, forward = trace.get("step_seconds", 0.0), trace.get("forward_seconds", 0.0)
     if steps <= 0 or duration_s <= 0:
         return {}

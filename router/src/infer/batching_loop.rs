@@ -72,7 +72,8 @@ struct InFlight {
     /// Adapters it pages out: the shards no longer hold them once it is answered.
     adapters_out: Vec<String>,
     sent: Instant,
-    answer: JoinHandle<Result<pb::StepResponse, ShardError>>,
+    /// The shards' answer, with when it came (the loop may be busy sending the next).
+    answer: JoinHandle<(Result<pb::StepResponse, ShardError>, Instant)>,
     /// The traced requests' prefill chunks in it (`spans`), ended by its answer.
     prefill_spans: Vec<opentelemetry_sdk::trace::Span>,
 }
@@ -92,6 +93,8 @@ struct Loop<B> {
     fast_forward: bool,
     /// The oldest step sent and not yet applied.
     in_flight: Option<InFlight>,
+    /// When the last step's answer came: a step sent ahead starts on the shards then.
+    last_answered: Option<Instant>,
     /// The LoRA adapters paged in, and the registry's changes.
     adapters: Adapters,
     /// Nothing can run until an adapter's load ends (or a request arrives).
@@ -131,6 +134,7 @@ pub(super) async fn run<B: Backend>(
         mask_shape: config.mask_shape,
         fast_forward: config.grammar_fast_forward,
         in_flight: None,
+        last_answered: None,
         adapters: Adapters::new(config.adapters),
         awaiting_adapters: false,
     };
@@ -359,7 +363,7 @@ impl<B: Backend> Loop<B> {
             speculating: schedule.speculating,
             adapters_out,
             sent,
-            answer: tokio::spawn(answer),
+            answer: tokio::spawn(async move { (answer.await, Instant::now()) }),
             prefill_spans,
         })
     }
@@ -444,13 +448,20 @@ impl<B: Backend> Loop<B> {
             adapters_out,
             ..
         } = step;
-        let answer = match answer.await {
-            Ok(answer) => answer,
-            Err(e) => Err(ShardError {
-                rank: 0,
-                message: format!("the step task ended: {e}"),
-            }),
+        let (answer, answered) = match answer.await {
+            Ok(answered) => answered,
+            Err(e) => {
+                let failed = Err(ShardError {
+                    rank: 0,
+                    message: format!("the step task ended: {e}"),
+                });
+                (failed, Instant::now())
+            }
         };
+        // A step sent ahead waits on the shards behind the one before it: its own time
+        // starts when that one is answered (the forward thread's queue), not when sent.
+        let started = self.last_answered.map_or(sent, |last| last.max(sent));
+        self.last_answered = Some(answered);
         // Answered or failed, the shards no longer hold what it paged out.
         self.adapters.residency().paged_out(&adapters_out);
         drop(prefill_spans); // the chunks are computed (or failed): their spans end
@@ -460,7 +471,7 @@ impl<B: Backend> Loop<B> {
                 let router_start = Instant::now();
                 let m = &self.metrics;
                 m.step_time
-                    .observe(router_start.duration_since(sent).as_secs_f64());
+                    .observe(answered.saturating_duration_since(started).as_secs_f64());
                 m.forward_time.observe(response.forward_ns as f64 * 1e-9);
                 let expected: HashSet<RequestId> = samples.iter().copied().collect();
                 let mut sampled = HashSet::with_capacity(response.generations.len());
@@ -492,7 +503,7 @@ impl<B: Backend> Loop<B> {
                 tracing::trace!(
                     step_id,
                     tokens = num_tokens,
-                    step_us = router_start.duration_since(sent).as_micros() as u64,
+                    step_us = answered.saturating_duration_since(started).as_micros() as u64,
                     forward_us = response.forward_ns / 1000,
                     apply_us = router_start.elapsed().as_micros() as u64,
                     "step"

@@ -28,6 +28,9 @@ struct Open {
     decode: Option<Span>,
     /// Its first token came: later computations (after a preemption) are not prefill.
     decoding: bool,
+    /// Prompt tokens not yet scheduled: a step sent ahead of the prompt's last chunk's
+    /// answer computes the pending first token, which is no prefill.
+    prompt_left: usize,
 }
 
 impl RequestSpans {
@@ -48,6 +51,7 @@ impl RequestSpans {
             queue: Some(queue),
             decode: None,
             decoding: false,
+            prompt_left: prompt_tokens,
         })))
     }
 
@@ -62,7 +66,13 @@ impl RequestSpans {
     /// of them, after `cached` found in the prefix cache. `None` once it decodes.
     pub(super) fn prefill_chunk(&mut self, step_id: u64, tokens: u32, cached: u32) -> Option<Span> {
         self.scheduled();
-        let open = self.0.as_mut().filter(|open| !open.decoding)?;
+        let open = self
+            .0
+            .as_mut()
+            .filter(|open| !open.decoding && open.prompt_left > 0)?;
+        open.prompt_left = open
+            .prompt_left
+            .saturating_sub(tokens as usize + cached as usize);
         let span = open
             .tracer
             .span_builder("prefill")
