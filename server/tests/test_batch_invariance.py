@@ -253,3 +253,42 @@ def test_the_machine_key_names_what_changes_a_kernel_s_blocking(
         assert machine("avx2", torch.float32) != plain
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_kernel_alike_only_up_to_32_rows_is_split_into_32_row_products(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """oneDNN's bfloat16 product on AMX (a Sapphire Rapids) gives a row the same bits at every
+    count up to 32 rows and other bits from 33 on, where padding cannot help: the check
+    splits such a product into 32-row ones, and no range is found for a kernel that never
+    agrees with itself."""
+    from types import SimpleNamespace
+
+    from cadence.layers import linear as linear_module
+
+    # small integers: every sum exact, whatever its order, so the bits change only as told
+    def by_rows(x, weight, bias, packed, packed_max_rows):  # other bits above 32 rows
+        return x @ weight.T + (0.5 if x.shape[0] > 32 else 0.0)
+
+    monkeypatch.setattr(linear_module, "linear", by_rows)
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randint(-4, 5, (96, 256), generator=generator).float()
+    layer = SimpleNamespace(
+        weight=weight,
+        packed_weight=None,
+        packed_max_rows=None,
+        quantized=None,
+        min_rows=1,
+        max_rows=1 << 30,
+    )
+    rows = max(determinism.CHECK_ROWS) + determinism.OFFSET
+    x = torch.randint(-4, 5, (rows, 256), generator=generator).float()
+    found = determinism._agreeing_range(layer, x, determinism.CHECK_ROWS, determinism.SPLIT, 64)
+    assert found == (1, 32)
+
+    def never_alike(x, weight, bias, packed, packed_max_rows):  # each count its own bits
+        return x @ weight.T + x.shape[0]
+
+    monkeypatch.setattr(linear_module, "linear", never_alike)
+    assert determinism._agreeing_range(layer, x, determinism.CHECK_ROWS, 512, 64) is None
+    assert (layer.min_rows, layer.max_rows) == (1, 512)

@@ -15,8 +15,9 @@ with the C++ kernels that holds by construction:
   model on its own layers at its first start on a machine (the answers are kept per
   machine, threads and library versions: `determinism_cache`), and keeps each kernel to
   the row counts where it agrees with itself: products of more than `max_rows` rows are
-  split (oneDNN's bfloat16 product changes its path above ~350 rows on a Zen 4), products
-  of fewer than `min_rows` padded (its float32 one at one row with K = 1536);
+  split (oneDNN's bfloat16 product changes its path above ~350 rows on a Zen 4, and from
+  33 rows on a Sapphire Rapids, where it runs on AMX: split into 32-row products there),
+  products of fewer than `min_rows` padded (its float32 one at one row with K = 1536);
 - norms, rotary, activation and sampling: C++ kernels that compute row by row;
 - tensor parallelism: the all-reduce adds the ranks' parts in rank order
   (`cadence.layers.parallel.all_reduce_sum`).
@@ -55,6 +56,9 @@ WINDOW_ROWS = {False: 64, True: 16}  # by "is the LM head" (49152 outputs a row)
 # ISA's kernel, AMX tiles) for small products up to a few dozen rows; padding one row to
 # 64 costs little where the product reads its weight once either way
 MAX_PAD = 64
+# the splits tried, largest first, where neither padding nor a split above MAX_PAD agrees;
+# 16 rows (one AMX or vector row tile) the fewest
+SMALL_SPLITS = (256, 128, 64, 32, 16)
 SPLIT = 512  # the most rows one float kernel call takes (prefill chunks above are split)
 # The most rows one quantized product (or one of cadence's float32 tiles) takes: the integer
 # product quantizes each row by itself and sums integers exactly, and the tiles sum each
@@ -147,6 +151,13 @@ def _agreeing_range(
             if not smaller:
                 break
             module.max_rows = max(smaller)
+    # Neither converged: the kernel may still agree with itself on smaller products, the
+    # largest such split wins (oneDNN's bfloat16 product on a Sapphire Rapids' AMX: every
+    # count up to 32 rows alike, and other bits from 33 rows on).
+    for rows in SMALL_SPLITS:
+        module.min_rows, module.max_rows = 1, rows
+        if rows < split and not _rows_vary(module, x, counts, window):
+            return module.min_rows, module.max_rows
     module.min_rows, module.max_rows = 1, split
     return None
 
