@@ -4,11 +4,13 @@ with a torch profiler table of one batch of decode steps.
 
     PYTHONPATH=server python benchmarks/kernels/engine_step_profile.py [--batch 32] [--prompt 320]
         [--kv-cache-dtype int8] [--profile-prefill] [--model-id FOLDER] [--dtype float32]
-        [--float-product tiles|onednn]
+        [--float-product tiles|onednn] [--kernel-table FILE]
 
 `--float-product onednn` packs float32 weights for oneDNN where the shard would take
 cadence's float32 tiles (the `avx2` kernels): the two products of the same weights, for an
-A/B in one sitting.
+A/B in one sitting. `--kernel-table` serves the products a launch would on this machine
+(`cadence calibrate` writes the table to `~/.cache/cadence/kernel_table.json`); without it
+quantized weights take the integer product.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ def main() -> None:
     p.add_argument("--kv-cache-dtype", default=None, help="int8, bfloat16, ... (default: dtype)")
     p.add_argument("--model-id", default=None, help="a model folder (default: the embedded GGUF)")
     p.add_argument("--float-product", choices=("tiles", "onednn"), default="tiles")
+    p.add_argument("--kernel-table", default="", help="a kernel table, as a launch passes")
     a = p.parse_args()
     if a.float_product == "onednn":
         packed.float_tiles_serve = lambda: False  # read when the weights are packed
@@ -43,6 +46,7 @@ def main() -> None:
         uds_path="/unused",
         dtype=a.dtype,
         kv_cache_dtype=a.kv_cache_dtype,
+        kernel_table=a.kernel_table,
     )
     engine = Engine(cfg)
     engine.warmup(1024, 64, a.kv_mib * 1024**2, 0.1)

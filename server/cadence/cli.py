@@ -60,6 +60,7 @@ class CalibrateConfig:
     dtype: str = "auto"  # the activations' dtype; auto: what `launch` serves on this CPU
     output: str | None = None  # None: kernel_table.json in the cache folder
     float32_only: bool = False  # the float32 product alone (a float32 model's launch)
+    float_only: bool = False  # the float product of --dtype alone (a float model's launch)
     keep_measured: bool = False  # what this machine's entry holds is not measured again
     log_format: str = "text"
 
@@ -167,6 +168,14 @@ def _calibrate_parser(sub: Any) -> None:
     )
     add_switch(
         p,
+        "--float-only",
+        env="CADENCE_CALIBRATE_FLOAT_ONLY",
+        help="measure only which product serves float weights of --dtype (what a bfloat16 or "
+        "float32 model's first launch needs; a few seconds), keeping the rest of this "
+        "machine's entry",
+    )
+    add_switch(
+        p,
         "--float32-only",
         env="CADENCE_CALIBRATE_FLOAT32_ONLY",
         help="measure only which float32 product serves (what a float32 model's first "
@@ -191,7 +200,8 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     dtype = isa.default_dtype("cpu", chosen) if args.dtype == "auto" else args.dtype
     path = Path(args.output) if args.output else calibrate.table_path()
     # the float32 product alone: no formats, no KV cache
-    only: dict[str, Any] = {"formats": (), "kv_step": None} if args.float32_only else {}
+    float_only = args.float32_only or args.float_only
+    only: dict[str, Any] = {"formats": (), "kv_step": None} if float_only else {}
     dtype = "float32" if args.float32_only else dtype
     key = calibrate.machine_key(chosen, dtype)
     kept = calibrate.read(path, key) if args.keep_measured else None
@@ -199,6 +209,8 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     calibrate.write(table, path)
     if table.float32 is not None:
         print(f"float32 products: {float_calibrate.describe(table.float32)}")
+    if table.bf16 is not None:
+        print(f"bfloat16 products: {float_calibrate.describe_bf16(table.bf16)}")
     for fmt in table.formats:
         print(f"{fmt}: {calibrate.describe(table, fmt)}")
     if table.kv_cache is not None:

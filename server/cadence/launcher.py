@@ -215,7 +215,8 @@ def with_kernel_table(
     """`cfg` with the kernel table its CPU shards read: measured here once per machine
     (`cadence calibrate`, in its own process: a few seconds) when none is cached for this
     CPU, dtype and torch; unchanged on a GPU, with a table given, or for weights it holds
-    nothing for (neither quantized nor float32). A failed measurement leaves the built-in
+    nothing for (neither quantized, float32, nor bfloat16 on the avx512_bf16 kernels, whose
+    bfloat16 product may run on AMX tiles). A failed measurement leaves the built-in
     defaults, with a warning. `quantized`: `serves_quantized`'s answer, when the caller
     has it already."""
     from cadence.quant import calibrate, float_calibrate
@@ -223,19 +224,20 @@ def with_kernel_table(
     if cfg.kernel_table or cfg.device != "cpu" or not cfg.cpu_kernels:
         return cfg
     float32 = cfg.dtype == "float32" and cfg.cpu_isa in float_calibrate.TILE_ISAS
+    bf16 = cfg.dtype == "bfloat16" and cfg.cpu_isa == "avx512_bf16"
     if quantized is None:
         quantized = serves_quantized(cfg, model_dir)
-    if not (float32 or quantized):
+    if not (float32 or bf16 or quantized):
         return cfg
     path = calibrate.table_path()
     with calibrate.locked(path):
         cached = calibrate.read(path, calibrate.machine_key(cfg.cpu_isa, cfg.dtype))
-        if needs_measuring(cached, float32, quantized):
-            what = "quantized" if quantized else "float32"
+        if needs_measuring(cached, float32, quantized, bf16):
+            what = "quantized" if quantized else cfg.dtype
             logger.info(f"measuring which kernels serve {what} weights fastest here (once)")
             argv = [sys.executable, "-m", "cadence", "calibrate", "--cpu-isa", cfg.cpu_isa]
             argv += ["--dtype", cfg.dtype, "--log-format", cfg.log_format, "--keep-measured"]
-            argv += [] if quantized else ["--float32-only"]
+            argv += [] if quantized else ["--float-only"]
             try:
                 subprocess.run(argv, check=True, timeout=cfg.startup_timeout)
             except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as err:
@@ -244,15 +246,18 @@ def with_kernel_table(
     return replace(cfg, kernel_table=str(path))
 
 
-def needs_measuring(cached: KernelTable | None, float32: bool, quantized: bool) -> bool:
+def needs_measuring(
+    cached: KernelTable | None, float32: bool, quantized: bool, bf16: bool = False
+) -> bool:
     """What the launch serves is not in the table for this machine: for quantized weights
     the formats and KV cache (a table from before the KV cache's measurement, or one
-    holding only a float32 launch's), for float32 weights the float32 product's."""
+    holding only a float launch's), for float32 weights the float32 product's, for
+    bfloat16 ones on the avx512_bf16 kernels the bfloat16 product's."""
     if cached is None:
         return True
     if quantized and (cached.kv_cache is None or not cached.formats):
         return True
-    return float32 and cached.float32 is None
+    return (float32 and cached.float32 is None) or (bf16 and cached.bf16 is None)
 
 
 def with_measured_kv_cache(

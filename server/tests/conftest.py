@@ -4,7 +4,7 @@ and saved as safetensors, and a small driver that plays the router's part."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -164,3 +164,17 @@ def make_engine(
 @pytest.fixture(scope="session")
 def engine_for() -> Callable[..., Engine]:
     return make_engine
+
+
+@pytest.fixture(scope="module")
+def avx512_bf16() -> Iterator[None]:
+    """The avx512_bf16 kernels selected: the only ones with the AMX products
+    (test_quant_amx_kernel.py, test_bf16_amx_kernel.py)."""
+    from cadence.kernels import cpu
+    from cadence.kernels.cpu import amx_check
+
+    why_not = cpu.not_selectable(amx_check.ISA)
+    if why_not:
+        pytest.skip(why_not)
+    with cpu.selected(amx_check.ISA):
+        yield

@@ -56,7 +56,8 @@ def test_the_measurement_times_both_sides_and_is_kept_per_machine(tmp_path: Path
     assert packing.float_product_choice() is None  # measuring leaves the default serving
     path = tmp_path / calibrate.FILE_NAME
     calibrate.write(measured, path)
-    assert set(json.loads(path.read_text())) == {measured.key, *calibrate.SECTIONS}
+    sections = {calibrate.KV_CACHE, calibrate.FLOAT32}  # no bfloat16 product for float32
+    assert set(json.loads(path.read_text())) == {measured.key, *sections}
     again = calibrate.read(path, measured.key)
     assert again is not None and again.float32 == m
     bf16 = calibrate.measure(isa, "bfloat16", shapes=[(64, 128)], formats=(), kv_step=(4, 40))
@@ -105,14 +106,15 @@ def test_a_float32_launch_measures_the_float32_product_alone_and_keeps_the_rest(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model_dirs
 ) -> None:
     """float32 weights on kernels with the tiles get the table without quantized weights
-    (bfloat16 ones need none): the first launch measures the float32 product alone
-    (`cadence calibrate --float32-only`), later ones read it; a quantized launch on that
-    key measures the rest, and a float32-only measurement keeps what was there."""
+    (bfloat16 ones need none below the avx512_bf16 kernels): the first launch measures the
+    float32 product alone (`cadence calibrate --float-only`), later ones read it; a
+    quantized launch on that key measures the rest, and a float32-only measurement keeps
+    what was there."""
     isa = isa_with_tiles()
     monkeypatch.setenv("CADENCE_CACHE_DIR", str(tmp_path))
     float_dir = str(model_dirs("llama_gqa"))
     cfg = LaunchConfig(cpu_isa=isa, dtype="float32")
-    if isa != "avx2":  # the bf16 products are the AVX-512 kernels' only
+    if isa == "avx512":  # bfloat16 products: oneDNN's alone (no AMX-BF16 tiles)
         assert with_kernel_table(replace(cfg, dtype="bfloat16"), float_dir).kernel_table == ""
     path = tmp_path / calibrate.FILE_NAME
     assert with_kernel_table(cfg, float_dir).kernel_table == str(path)

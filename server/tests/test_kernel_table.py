@@ -154,14 +154,15 @@ def test_launch_measures_once_per_machine_and_hands_the_table_over(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model_dirs
 ) -> None:
     """A quantized model on CPU: the first launch measures (`cadence calibrate`, its own
-    process), later ones read the cache; a bfloat16 model or a GPU needs none."""
+    process), later ones read the cache; a GPU needs none, nor a bfloat16 model below the
+    avx512_bf16 kernels (on them its product is measured: AMX-BF16 tiles or oneDNN)."""
     monkeypatch.setenv("CADENCE_CACHE_DIR", str(tmp_path))
     isa = cpu_isa.resolve("auto")
     # float32 where the float32 product is measured too, so that one measurement covers both
     dtype = "float32" if float_calibrate.can_measure(isa) else cpu_isa.default_dtype("cpu", isa)
     cfg = LaunchConfig(cpu_isa=isa, dtype=dtype, quantize="int4")
     float_dir = str(model_dirs("llama_gqa"))
-    bf16 = replace(cfg, quantize=None, dtype="bfloat16")  # float32 has its product measured
+    bf16 = replace(cfg, quantize=None, dtype="bfloat16", cpu_isa="avx512")
     assert with_kernel_table(bf16, float_dir).kernel_table == ""
     assert with_kernel_table(replace(cfg, device="cuda"), float_dir).kernel_table == ""
     measured = with_kernel_table(cfg, float_dir)
@@ -173,6 +174,14 @@ def test_launch_measures_once_per_machine_and_hands_the_table_over(
     stamp = Path(measured.kernel_table).stat().st_mtime_ns
     assert with_kernel_table(cfg, float_dir).kernel_table == measured.kernel_table
     assert Path(measured.kernel_table).stat().st_mtime_ns == stamp  # read, not measured again
+    if isa == "avx512_bf16":
+        float_bf16 = with_kernel_table(replace(bf16, cpu_isa=isa), float_dir)
+        key = calibrate.machine_key(isa, "bfloat16")
+        entry = calibrate.read(Path(float_bf16.kernel_table), key)
+        assert entry is not None and entry.bf16 is not None, entry
+        assert entry.bf16.choice in (float_calibrate.AMX_BF16, float_calibrate.ONEDNN)
+        timed = bool(entry.bf16.tiles_s)  # where the AMX-BF16 tiles can serve
+        assert timed == ("amx_bf16" in cpu_isa.cpu_flags())
 
 
 @pytest.mark.parametrize("measured", ["int8", "bfloat16"])

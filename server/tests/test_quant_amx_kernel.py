@@ -9,8 +9,6 @@ launcher's self-test (`amx_check.usable`) saying why."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from cadence import cpu_isa
@@ -22,18 +20,6 @@ from test_quant_integer_kernel import ROWS, WEIGHTS, _input, _weight
 HARDWARE, EMULATED = 1, 2
 # AMX's tiles take 16 rows: one tile exactly, one and a row, two, three
 AMX_ROWS = (*ROWS, 16, 17, 32, 48)
-
-
-@pytest.fixture(scope="module")
-def avx512_bf16() -> Iterator[None]:
-    """The avx512_bf16 kernels selected: the only ones with the AMX product."""
-    from cadence.kernels import cpu
-
-    why_not = cpu.not_selectable(amx_check.ISA)
-    if why_not:
-        pytest.skip(why_not)
-    with cpu.selected(amx_check.ISA):
-        yield
 
 
 @pytest.fixture(scope="module")

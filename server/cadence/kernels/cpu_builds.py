@@ -39,6 +39,7 @@ SOURCES = tuple(
         "lora_kernels.cpp",
         "quant_kernels.cpp",
         "float_kernels.cpp",
+        "bf16_kernels.cpp",
     )
 )
 OPS_SOURCE = _HERE / "cpu_ops.cpp"

@@ -22,6 +22,13 @@ row's bits do not depend on the other rows. The AVX-512 builds have the same til
 default to oneDNN, whose float32 product has AVX-512; on every build the kernel table
 measured on the machine decides where it has measured (`cadence.quant.float_calibrate`).
 
+On a CPU with AMX-BF16 (a Sapphire Rapids), bfloat16 weights may be packed instead as AMX's
+B tiles for cadence's own product (`torch.ops.cadence.bf16_matmul_tiles`, bf16_kernels.cpp),
+where the kernel table measured it faster than oneDNN's (`cadence.quant.calibrate`): each
+output one tdpbf16ps chain over the inputs in order, so a row's bits do not depend on the
+other rows, and batch-invariant serving need not split its products (oneDNN's, on AMX
+there, give a row other bits from 33 rows on).
+
 Batch-invariant serving (`every_row_count`) multiplies bfloat16 through the packed weight
 at every row count too: oneDNN's prepacked product gives each row the same bits whatever
 the number of rows (`cadence.shard.determinism` checks it at start), `F.linear` does not.
@@ -39,12 +46,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from cadence.kernels import cpu as cpu_kernels
-from cadence.quant.float_calibrate import ONEDNN, TILE_ISAS, TILES
+from cadence.quant.float_calibrate import AMX_BF16, ONEDNN, TILE_ISAS, TILES
 
 BF16_PACKED_MAX_ROWS = 320  # bf16 rows up to which the packed weight is used
 EVERY_ROW_COUNT = 1 << 30
 _PACK_HINT_ROWS = 32  # the batch size oneDNN chooses the blocked layout for
 TILE_COLS = 16  # output columns per panel of the float32 tiles (float_kernels.cpp)
+AMX_COLS, AMX_K = 16, 32  # a packed AMX-BF16 tile: 16 channels x 32 inputs
+HARDWARE_TILES = 1  # bf16_matmul_tiles' tiles: the AMX instructions
 
 
 @cache
@@ -92,6 +101,54 @@ def default_float_product(isa: str | None) -> str:
     return TILES if isa == "avx2" else ONEDNN
 
 
+# Where bfloat16 products go: AMX_BF16 (cadence's AMX-BF16 tiles) where a kernel table
+# measured here chose them, else oneDNN (set by the shard before it packs).
+_bf16_product: str | None = None
+
+
+def use_bf16_product(kind: str | None) -> None:
+    """Serves bfloat16 products by `kind` (AMX_BF16 or ONEDNN; None: oneDNN). Call before the
+    weights are packed."""
+    global _bf16_product
+    if kind not in (AMX_BF16, ONEDNN, None):
+        raise ValueError(f"bfloat16 product {kind!r}: expected {AMX_BF16!r} or {ONEDNN!r}")
+    _bf16_product = kind
+
+
+def bf16_product_choice() -> str | None:
+    """What `use_bf16_product` set last (None: oneDNN)."""
+    return _bf16_product
+
+
+def amx_bf16_usable() -> bool:
+    """Whether this process may run the AMX-BF16 product: the avx512_bf16 kernels are
+    selected (the only ones with it), the CPU has AMX-BF16 and Linux granted it."""
+    if not cpu_kernels.available() or cpu_kernels.selected_isa() != "avx512_bf16":
+        return False
+    return bool(torch.ops.cadence.amx_bf16_available())
+
+
+def amx_bf16_serves() -> bool:
+    """Whether bfloat16 products go through cadence's AMX-BF16 tiles."""
+    return _bf16_product == AMX_BF16 and amx_bf16_usable()
+
+
+def amx_bf16_packing(weight: torch.Tensor) -> torch.Tensor:
+    """A bfloat16 weight [out, in] as `bf16_matmul_tiles` reads it: AMX's B tiles [n16,
+    k32, 16, 32], tile (b, k) row p holding channel 16 b + c's inputs 32 k + 2p and
+    32 k + 2p + 1 at elements 2c, 2c + 1 (zero past `out` and `in`)."""
+    out, width = weight.shape
+    n16, k32 = -(-out // AMX_COLS), -(-width // AMX_K)
+    padded = F.pad(weight.to(torch.bfloat16), (0, k32 * AMX_K - width, 0, n16 * AMX_COLS - out))
+    tiles = padded.view(n16, AMX_COLS, k32, AMX_K // 2, 2).permute(0, 2, 3, 1, 4)
+    return tiles.reshape(n16, k32, AMX_K // 2, 2 * AMX_COLS).contiguous()
+
+
+def is_amx_packing(packed: torch.Tensor) -> bool:
+    """Whether a packed copy is for the AMX-BF16 tiles ([n16, k32, 16, 32])."""
+    return packed.dim() == 4
+
+
 def float_tiles_serve() -> bool:
     """Whether float32 products go through cadence's tiles instead of oneDNN: the selected
     kernels have them and the measured choice (or else the default) is them."""
@@ -126,6 +183,8 @@ def packed_copy(weight: torch.Tensor) -> torch.Tensor:
     they serve, else oneDNN's."""
     if weight.dtype == torch.float32 and float_tiles_serve():
         return tile_packing(weight.data)
+    if weight.dtype == torch.bfloat16 and amx_bf16_serves():
+        return amx_bf16_packing(weight.data)
     return onednn_packing(weight)
 
 
@@ -134,6 +193,8 @@ def packing_supported(weight: torch.Tensor) -> bool:
         return False
     if weight.dtype == torch.float32:
         return float_tiles_serve() or onednn_packs(torch.float32)
+    if weight.dtype == torch.bfloat16 and amx_bf16_serves():
+        return True
     return (
         weight.dtype == torch.bfloat16
         and cpu_kernels.available()
@@ -162,10 +223,10 @@ def pack_linear_weights(
         if quantized is not None and quantized.serves_every_row_count:
             continue  # a float kept only as a tied table: no product reads it
         module.packed_weight = packed = packed_copy(weight)
-        every = every_row_count or weight.dtype is torch.float32
+        own = is_tile_packing(packed) or is_amx_packing(packed)  # cadence's own products
+        every = every_row_count or weight.dtype is torch.float32 or own
         module.packed_max_rows = EVERY_ROW_COUNT if every else BF16_PACKED_MAX_ROWS
-        tiles = is_tile_packing(packed)
-        added += packed.nbytes if tiles else weight.numel() * weight.element_size()
+        added += packed.nbytes if own else weight.numel() * weight.element_size()
     return added
 
 
@@ -178,7 +239,10 @@ def linear(
 ) -> torch.Tensor:
     """F.linear, through the packed weight when there is one and `x` has at most
     `packed_max_rows` rows (None: every row count for float32, BF16_PACKED_MAX_ROWS for
-    bfloat16): by cadence's float32 tiles or oneDNN, whichever it was packed for."""
+    bfloat16): by cadence's float32 or AMX-BF16 tiles or oneDNN, whichever it was packed
+    for (the AMX tiles at every row count)."""
+    if packed is not None and is_amx_packing(packed) and x.dim() == 2:
+        return torch.ops.cadence.bf16_matmul_tiles(x, packed, bias, weight.shape[0], HARDWARE_TILES)
     if packed_max_rows is None:
         every = x.dtype is torch.float32
         packed_max_rows = EVERY_ROW_COUNT if every else BF16_PACKED_MAX_ROWS

@@ -60,7 +60,8 @@ VECTOR, AMX = "vector", "amx"  # the integer product's tiles: VNNI/AVX2 vectors,
 # section of their own, so that a cadence from before them still reads the file).
 KV_CACHE = "kv_cache"
 FLOAT32 = "float32_products"  # the same for the float32 product's measurements
-SECTIONS = (KV_CACHE, FLOAT32)
+BF16 = "bfloat16_products"  # and the bfloat16 one's (AMX-BF16 tiles or oneDNN)
+SECTIONS = (KV_CACHE, FLOAT32, BF16)
 DECODE_ROWS, PREFILL_ROWS = 32, 320
 DECODE_WEIGHT = 4.5  # decode steps per prefill chunk in the charter workload
 FLOAT_MARGIN = 1.05  # the float copy must be this much faster to be chosen
@@ -117,6 +118,7 @@ class KernelTable:
     formats: dict[str, Measured] = field(default_factory=dict)
     kv_cache: KvMeasured | None = None
     float32: FloatMeasured | None = None
+    bf16: FloatMeasured | None = None  # for a bfloat16 key on the avx512_bf16 kernels
 
     def kernel(self, fmt: str) -> str | None:
         measured = self.formats.get(fmt)
@@ -152,6 +154,7 @@ def read(path: Path, key: str) -> KernelTable | None:
         return None
     kv = data.get(KV_CACHE, {}).get(key)
     float32 = data.get(FLOAT32, {}).get(key)
+    bf16 = data.get(BF16, {}).get(key)
     formats = {
         fmt: Measured(
             m["kernel"],
@@ -165,15 +168,18 @@ def read(path: Path, key: str) -> KernelTable | None:
         for fmt, m in entry.items()
     }
     kv_cache = KvMeasured(**kv) if kv else None
-    float_products = None
-    if float32:
-        float_products = FloatMeasured(
-            float32["choice"],
-            {int(r): s for r, s in float32["tiles_s"].items()},
-            {int(r): s for r, s in float32["onednn_s"].items()},
-            float32.get("measured_at", ""),
-        )
-    return KernelTable(key, formats, kv_cache, float_products)
+    return KernelTable(key, formats, kv_cache, _float_measured(float32), _float_measured(bf16))
+
+
+def _float_measured(entry: dict | None) -> FloatMeasured | None:
+    if not entry:
+        return None
+    return FloatMeasured(
+        entry["choice"],
+        {int(r): s for r, s in entry["tiles_s"].items()},
+        {int(r): s for r, s in entry["onednn_s"].items()},
+        entry.get("measured_at", ""),
+    )
 
 
 def read_for_machine(path: Path, key: str) -> KernelTable | None:
@@ -196,6 +202,8 @@ def write(table: KernelTable, path: Path) -> None:
         data.setdefault(KV_CACHE, {})[table.key] = asdict(table.kv_cache)
     if table.float32 is not None:
         data.setdefault(FLOAT32, {})[table.key] = asdict(table.float32)
+    if table.bf16 is not None:
+        data.setdefault(BF16, {})[table.key] = asdict(table.bf16)
     path.parent.mkdir(parents=True, exist_ok=True)
     # whole or not at all: a launch reading it meanwhile never sees half a file
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -252,7 +260,7 @@ def measure(
     table = KernelTable(machine_key(isa, dtype_name))
     if kept is not None:
         table.formats = {f: m for f, m in kept.formats.items() if f in formats}
-        table.kv_cache, table.float32 = kept.kv_cache, kept.float32
+        table.kv_cache, table.float32, table.bf16 = kept.kv_cache, kept.float32, kept.bf16
         formats = tuple(f for f in formats if f not in kept.formats)
         kv_step = None if kept.kv_cache is not None else kv_step
     layers = timing.SMOLLM2_LAYER_SHAPES * CALIBRATION_LAYERS + [timing.SMOLLM2_HEAD]
@@ -262,12 +270,34 @@ def measure(
             table.float32 = float_calibrate.measure(isa, shapes or layers, rows, mix)
         elif isa in float_calibrate.TILE_ISAS:
             table.float32 = float_calibrate.only_tiles()
-    previous = packing.float_product_choice()
-    packing.use_float_product(table.float32.choice if table.float32 else previous)
+    amx = amx_usable(isa) if formats or (table.bf16 is None and dtype_name == "bfloat16") else None
+    # oneDNN's bfloat16 product as batch-invariant serving splits it (in 32-row products on
+    # a Sapphire Rapids' AMX), so that it is timed as it serves
+    split = 0
+    if dtype_name == "bfloat16" and packing.onednn_packs(dtype):
+        from cadence.shard.determinism import SPLIT, packed_split
+
+        split = packed_split(dtype)
+        split = 0 if split >= SPLIT else split  # whole prefill chunks in one call
+    if table.bf16 is None and dtype_name == "bfloat16" and isa == "avx512_bf16":
+        usable = amx is not None and amx[0] and packing.amx_bf16_usable()
+        rows = (DECODE_ROWS, PREFILL_ROWS)
+        table.bf16 = (
+            float_calibrate.measure_bf16(shapes or layers, rows, mix, split)
+            if usable
+            else float_calibrate.bf16_not_timed()
+        )
+    previous = packing.float_product_choice(), packing.bf16_product_choice()
+    packing.use_float_product(table.float32.choice if table.float32 else previous[0])
+    packing.use_bf16_product(table.bf16.choice if table.bf16 else previous[1])
     try:
-        measure_formats(table, isa, dtype, shapes or layers, formats)
+        if formats:
+            on_amx = packing.amx_bf16_serves()  # the float copy's own product: no split
+            float_split = 0 if on_amx else split
+            measure_formats(table, isa, dtype, shapes or layers, formats, amx, float_split)
     finally:
-        packing.use_float_product(previous)
+        packing.use_float_product(previous[0])
+        packing.use_bf16_product(previous[1])
     if kv_step is not None:
         table.kv_cache = kv_calibrate.measure(dtype_name, *kv_step)
     return table
@@ -279,18 +309,25 @@ def measure_formats(
     dtype: torch.dtype,
     layers: list[tuple[int, int]],
     formats: tuple[str, ...],
+    amx_check: tuple[bool, str] | None = None,
+    float_split: int = 0,
 ) -> None:
-    """The integer product against the float copy for each of `formats`, into `table`."""
+    """The integer product against the float copy for each of `formats`, into `table`;
+    `amx_check`: `amx_usable(isa)`'s answer, where it was already asked; `float_split`: the
+    rows per call batch invariance keeps the float copy's products to (0: one call)."""
     import torch
 
     from cadence.quant import cpu_gemm
     from cadence.quant import measure as timing
 
-    amx, amx_note = amx_usable(isa)
+    amx, amx_note = amx_check or amx_usable(isa)
     if amx and not torch.ops.cadence.amx_available():  # the self-test's process had it
         amx, amx_note = False, "AMX tiles not timed: the kernel refused AMX permission"
     for fmt in formats:
         products = timing.build(layers, fmt, 32, dtype)
+        products.float_products = [
+            float_calibrate.split_calls(f, float_split) for f in products.float_products
+        ]
         float_s, integer_s, amx_s = {}, {}, {}
         for rows in (DECODE_ROWS, PREFILL_ROWS):
             float_s[rows], integer_s[rows] = timing.time_rows(products, rows, dtype, REPEATS)

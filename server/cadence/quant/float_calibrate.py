@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 # torch is imported where it is used: the launcher reads the table without it.
 TILES, ONEDNN = "tiles", "onednn"  # where cadence.layers.packed sends float32 products
+AMX_BF16 = "amx"  # and bfloat16 ones, beside ONEDNN: cadence's AMX-BF16 tiles
 TILE_ISAS = ("avx2", "avx512", "avx512_bf16")  # the kernel builds with the AVX2+FMA tiles
 MARGIN = 1.05
 REPEATS = 2  # timed passes per side and row count, after one to warm up
@@ -106,6 +107,85 @@ def only_tiles() -> FloatMeasured:
     """The entry for kernels with the tiles where oneDNN cannot prepack float32: nothing
     to time, and a table that holds it is not measured again at every launch."""
     return FloatMeasured(TILES, {}, {}, time.strftime("%Y-%m-%d %H:%M:%S"))
+
+
+def split_calls(product: Callable, rows: int) -> Callable:
+    """`product` as batch-invariant serving calls it: in products of at most `rows` rows,
+    joined (`cadence.layers.linear`; 0: in one call)."""
+    import torch
+
+    if not rows:
+        return product
+    return lambda x: (
+        product(x)
+        if len(x) <= rows
+        else torch.cat([product(x[i : i + rows]) for i in range(0, len(x), rows)])
+    )
+
+
+def time_bf16_sides(
+    shapes: Sequence[tuple[int, int]],
+    rows: Sequence[int],
+    onednn_split: int,
+    repeats: int = REPEATS,
+) -> tuple[dict[int, float], dict[int, float]]:
+    """(AMX-BF16 tiles, oneDNN) seconds per pass over bfloat16 weights of `shapes` at each of
+    `rows`, the two sides' calls in turn; oneDNN's in products of at most `onednn_split`
+    rows, as batch invariance serves it (0: in one call)."""
+    import torch
+
+    from cadence.layers import packed as packing
+    from cadence.quant.measure import fastest_passes
+
+    amx, onednn = [], []
+    for out_features, in_features in shapes:
+        w = (torch.randn(out_features, in_features) * 0.05).to(torch.bfloat16)
+        t, o = packing.amx_bf16_packing(w), packing.onednn_packing(w)
+        amx.append(
+            lambda x, p=t, n=out_features: torch.ops.cadence.bf16_matmul_tiles(
+                x, p, None, n, packing.HARDWARE_TILES
+            )
+        )
+        one = lambda x, p=o: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")  # noqa: E731
+        onednn.append(split_calls(one, onednn_split))
+    widths = [in_features for _, in_features in shapes]
+    amx_s, onednn_s = {}, {}
+    for r in rows:
+        amx_s[r], onednn_s[r] = fastest_passes((amx, onednn), widths, r, torch.bfloat16, repeats)
+    return amx_s, onednn_s
+
+
+def measure_bf16(
+    shapes: Sequence[tuple[int, int]],
+    rows: Sequence[int],
+    mix: Callable[[dict[int, float]], float],
+    onednn_split: int,
+) -> FloatMeasured:
+    """AMX-BF16 tiles against oneDNN for bfloat16 weights (the avx512_bf16 kernels selected,
+    AMX-BF16 usable here), oneDNN's split as batch invariance serves it: oneDNN is the
+    default, the tiles serve only when they win by MARGIN."""
+    amx_s, onednn_s = time_bf16_sides(shapes, rows, onednn_split)
+    choice = AMX_BF16 if mix(amx_s) * MARGIN < mix(onednn_s) else ONEDNN
+    return FloatMeasured(choice, amx_s, onednn_s, time.strftime("%Y-%m-%d %H:%M:%S"))
+
+
+def bf16_not_timed() -> FloatMeasured:
+    """The bfloat16 entry where the AMX-BF16 tiles cannot serve: oneDNN, nothing timed, and
+    not measured again at every launch."""
+    return FloatMeasured(ONEDNN, {}, {}, time.strftime("%Y-%m-%d %H:%M:%S"))
+
+
+def describe_bf16(m: FloatMeasured) -> str:
+    """ "cadence's AMX-BF16 tiles (AMX 5.6 / oneDNN 7.7 ms at 32 rows, ...; measured ...)"."""
+    name = {AMX_BF16: "cadence's AMX-BF16 tiles", ONEDNN: "oneDNN prepacked"}[m.choice]
+    if not m.tiles_s:
+        return f"{name} (AMX-BF16 tiles not usable here; {m.measured_at})"
+    decode, prefill = sorted(m.tiles_s)
+    return (
+        f"{name} (AMX {m.tiles_s[decode] * 1e3:.1f} / oneDNN {m.onednn_s[decode] * 1e3:.1f} ms"
+        f" at {decode} rows, {m.tiles_s[prefill] * 1e3:.1f} / {m.onednn_s[prefill] * 1e3:.1f}"
+        f" ms at {prefill}; measured {m.measured_at})"
+    )
 
 
 def describe(m: FloatMeasured) -> str:

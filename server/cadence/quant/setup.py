@@ -116,6 +116,31 @@ def use_measured_tiles(table: calibrate.KernelTable) -> None:
             )
 
 
+def use_measured_bf16_product(kernel_table: str, device: torch.device) -> str:
+    """Serves bfloat16 products on cadence's AMX-BF16 tiles where the table measured them
+    faster than oneDNN on this machine and this process may run them (oneDNN otherwise,
+    with one line saying why), and returns what /info says of it ("" without a bfloat16
+    measurement here)."""
+    from cadence.layers import packed as packing
+    from cadence.quant import float_calibrate
+
+    packing.use_bf16_product(None)
+    if not kernel_table or device.type != "cpu":
+        return ""
+    key = calibrate.machine_key(isa_name(device), "bfloat16")
+    table = calibrate.read_for_machine(Path(kernel_table), key)
+    if table is None or table.bf16 is None:
+        return ""
+    if table.bf16.choice == float_calibrate.AMX_BF16 and not packing.amx_bf16_usable():
+        logger.warning(
+            "the kernel table chose AMX-BF16 tiles for bfloat16 products but this process may "
+            "not use them (no AMX-BF16, or the kernel refused it): oneDNN serves"
+        )
+        return ""
+    packing.use_bf16_product(table.bf16.choice)
+    return float_calibrate.describe_bf16(table.bf16)
+
+
 def use_measured_float_product(kernel_table: str, device: torch.device) -> str:
     """Serves float32 products by the kernel the table measured faster on this machine
     (cadence's tiles or oneDNN, `cadence.quant.float_calibrate`), and returns what /info

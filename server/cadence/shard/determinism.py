@@ -39,7 +39,7 @@ from cadence.attention_backends.cpu_paged import CpuAttention
 from cadence.config import ShardConfig
 from cadence.kernels.cpu.selection import selected_isa
 from cadence.layers.linear import product
-from cadence.layers.packed import is_tile_packing
+from cadence.layers.packed import EVERY_ROW_COUNT, is_amx_packing, is_tile_packing
 from cadence.shard.determinism_cache import CheckCache, default_cache
 
 # Row counts the start-up check multiplies: one row, small batches, a vector or block tail
@@ -115,6 +115,8 @@ def _path(module: nn.Module, rows: int) -> str:
     packed = getattr(module, "packed_weight", None)
     if packed is None:
         return "torch"
+    if is_amx_packing(packed):
+        return "amx bf16 tiles"
     return "float tiles" if is_tile_packing(packed) else "packed"
 
 
@@ -162,6 +164,31 @@ def _agreeing_range(
     return None
 
 
+def packed_split(dtype: torch.dtype, shape: tuple[int, int] = (960, 576)) -> int:
+    """The most rows per call under which oneDNN's prepacked product of `dtype` gives a row
+    the same bits whatever the other rows, as the start-up check finds it for a weight of
+    `shape` (out, in): the split batch-invariant serving applies to it. SPLIT where it agrees
+    at every count checked, 0 where no split does (the shard then serves it unsplit, not
+    batch-invariant)."""
+    from types import SimpleNamespace
+
+    from cadence.layers.packed import onednn_packing
+
+    generator = torch.Generator().manual_seed(0)
+    weight = (torch.randn(*shape, generator=generator) * 0.05).to(dtype)
+    stand_in = SimpleNamespace(
+        weight=weight,
+        packed_weight=onednn_packing(weight),
+        packed_max_rows=EVERY_ROW_COUNT,
+        quantized=None,
+        min_rows=1,
+        max_rows=SPLIT,
+    )
+    x = torch.randn(max(CHECK_ROWS) + OFFSET, shape[1], generator=generator).to(dtype)
+    found = _agreeing_range(stand_in, x, CHECK_ROWS, SPLIT, WINDOW_ROWS[False])
+    return found[1] if found else 0
+
+
 def varying_product(model: nn.Module, dtype: torch.dtype, known: CheckCache | None = None) -> str:
     """Multiplies random rows through each distinct product of `model` (kernel, shape) at
     the row counts of CHECK_ROWS, padding the products of a kernel that needs it (its
@@ -178,7 +205,8 @@ def varying_product(model: nn.Module, dtype: torch.dtype, known: CheckCache | No
             continue
         head = not hasattr(module, "in_features")
         path = _path(module, 1)  # every row count's: crossover_reason ruled switching out
-        own = path.startswith(("quantized", "float tiles"))  # a row's bits fixed by construction
+        # a row's bits fixed by construction
+        own = path.startswith(("quantized", "float tiles", "amx bf16 tiles"))
         split = HEAD_SPLIT if head else QUANTIZED_SPLIT if own else SPLIT
         counts = tuple(m for m in CHECK_ROWS if m <= HEAD_ROWS) if head else CHECK_ROWS
         counts += (split,) if split > max(counts) else ()

@@ -28,7 +28,12 @@ from cadence.models import load_model, read_config, to_dtype
 from cadence.pb import shard_pb2
 from cadence.quant.crossover import rows_text
 from cadence.quant.product import ProductKernels
-from cadence.quant.setup import QuantizeConfig, measured_kv_cache, use_measured_float_product
+from cadence.quant.setup import (
+    QuantizeConfig,
+    measured_kv_cache,
+    use_measured_bf16_product,
+    use_measured_float_product,
+)
 from cadence.runners import ModelRunner
 from cadence.sampling import SamplingBatch
 from cadence.shard import backends, determinism
@@ -107,6 +112,8 @@ class Engine:
         # before the weights are packed: where float32 products go, as measured here
         float32_table = cfg.kernel_table if self.dtype == torch.float32 else ""
         self.float_product_measured = use_measured_float_product(float32_table, self.device)
+        bf16_table = cfg.kernel_table if self.dtype == torch.bfloat16 else ""
+        self.bf16_product_measured = use_measured_bf16_product(bf16_table, self.device)
         self.model = load_model(cfg.model_dir, self.dtype, self.device, quantize)
         # what is quantized: source, formats, crossover, float kept ({} for none)
         self.quantization: dict[str, Any] = self.model.quantization
@@ -168,7 +175,7 @@ class Engine:
         self.kernels = kernel_paths(
             self.device, self.dtype, self.attention_backend, self.ops, self.runner,
             self.packed_bytes, self.quantization, packed_every_row=cfg.deterministic,
-            float_measured=self.float_product_measured,
+            float_measured=self.float_product_measured or self.bf16_product_measured,
         )  # fmt: skip
         self.determinism = determinism.decide(
             cfg, self.device, self.attention_backend, self.model, self.dtype

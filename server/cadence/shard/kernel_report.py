@@ -27,7 +27,7 @@ def kernel_paths(
     float_measured: str = "",
 ) -> dict[str, str]:
     """{"isa", "attention", "products", "norms", "sampling", "runner"} -> what serves each;
-    `float_measured`: what the kernel table measured of the float32 products here."""
+    `float_measured`: what the kernel table measured of the float products here."""
     isa = ""
     if device.type == "cpu":
         isa = cpu_kernels.selected_isa() or (
@@ -40,7 +40,9 @@ def kernel_paths(
         products = f"oneDNN {_name(dtype)} prepacked{rows}"
         if dtype == torch.float32 and packing.float_tiles_serve():
             products = f"C++ {isa} float32 tiles"
-        if dtype == torch.float32 and float_measured:
+        if dtype == torch.bfloat16 and packing.amx_bf16_serves():
+            products = f"C++ {isa} AMX-BF16 tiles"
+        if float_measured:
             products += f", measured here: {float_measured}"
     if quantization:
         products = _quantized_products(quantization, products)

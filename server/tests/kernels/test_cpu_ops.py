@@ -215,6 +215,7 @@ def _cases() -> list[Any]:
     if _has_amx_kernel():  # the emulated AMX tiles: what any CPU running these kernels runs
         tiles = [{**args, "tiles": 2} for args in _quant_args()]
         cases += [(OPS.quant_matmul_tiles.default, args) for args in tiles]
+        cases += [(OPS.bf16_matmul_tiles.default, args) for args in _bf16_args()]
     cases += [(OPS.float_matmul.default, args) for args in _float_args()]
     return [pytest.param(op, args, id=f"{op}-{_dtypes(args)}") for op, args in cases]
 
@@ -260,6 +261,21 @@ def _float_args() -> list[dict[str, Any]]:
     ]
 
 
+def _bf16_args() -> list[dict[str, Any]]:
+    """bf16_matmul_tiles on the emulated tiles, with and without a bias, on rows packed and
+    strided, the input width not a multiple of 32 (the packing is cadence.layers.packed's)."""
+    from cadence.layers.packed import amx_bf16_packing
+
+    w = torch.randn(40, 72, generator=_generator()).to(BF16)
+    x = torch.randn(3, 144, generator=_generator()).to(BF16)
+    bias = torch.randn(40, generator=_generator()).to(BF16)
+    packed = amx_bf16_packing(w)
+    return [
+        {"x": x[:, :72], "packed": packed, "bias": None, "out_features": 40, "tiles": 2},
+        {"x": x[:, ::2], "packed": packed, "bias": bias, "out_features": 40, "tiles": 2},
+    ]
+
+
 def _has_amx_kernel() -> bool:
     """Whether the selected kernels have quant_matmul_tiles' AMX product (avx512_bf16's)."""
     return cpu.selected_isa() == "avx512_bf16"
@@ -296,8 +312,9 @@ def test_every_operator_has_an_opcheck_case():
         if not s.name.startswith("cadence::_")  # the shim's own: which library it calls
         and any("Tensor" in str(a.type) for a in s.arguments)  # amx_available: nothing to check
     }
-    if not _has_amx_kernel():  # its only case needs the AMX kernel (test_quant_amx_kernel)
+    if not _has_amx_kernel():  # their cases need the AMX kernels (test_quant_amx_kernel)
         defined.discard("quant_matmul_tiles.default")
+        defined.discard("bf16_matmul_tiles.default")
     assert {_name(case.values[0]) for case in _cases()} == defined
 
 

@@ -1,9 +1,11 @@
 """`python -m cadence.kernels.cpu.amx_check`: whether the AMX-INT8 product of quantized
 weights (`torch.ops.cadence.quant_matmul_tiles` with tiles 1, `quant_amx.h`) runs on this
 machine and gives the VNNI product's bits (`quant_matmul` of the same avx512_bf16
-kernels). It runs in a process of its own because a CPU, kernel or hypervisor that
-mishandles AMX kills the process (SIGILL) rather than raising: exit 0 and one line when
-every case matches, 1 and the reason otherwise.
+kernels), and, where the CPU has AMX-BF16, whether the bfloat16 product on its tiles
+(`bf16_matmul_tiles`, bf16_kernels.cpp) is within rounding of float32's and gives a row the
+same bits whatever the other rows. It runs in a process of its own because a CPU, kernel
+or hypervisor that mishandles AMX kills the process (SIGILL) rather than raising: exit 0
+and one line when every case matches, 1 and the reason otherwise.
 
 `usable()` runs it as a subprocess, for the launcher to decide on AMX before any shard
 starts (what it computes with stays out of the launcher's process; importing this module
@@ -16,8 +18,12 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+from typing import TYPE_CHECKING
 
 from cadence import cpu_isa
+
+if TYPE_CHECKING:  # torch is imported where it is used: the launcher imports this module
+    import torch
 
 MODULE = "cadence.kernels.cpu.amx_check"
 AMX_FLAGS = frozenset({"amx_tile", "amx_int8"})  # /proc/cpuinfo's names
@@ -75,7 +81,44 @@ def check() -> str:
                         f"(by up to {off:g})"
                     )
                 cases += 1
-    return f"AMX-INT8 product equals VNNI's bit for bit ({cases} cases)"
+    line = f"AMX-INT8 product equals VNNI's bit for bit ({cases} cases)"
+    if op.amx_bf16_available():
+        line += f"; {check_bf16(g)}"
+    return line
+
+
+def check_bf16(g: torch.Generator) -> str:
+    """The AMX-BF16 product against float32's on a few weights and row counts: within a
+    bfloat16 rounding of the result and float32's rounding of the sums, and every row's
+    bits those it has alone. Raises AmxUnusable where either fails."""
+    import torch
+
+    from cadence.layers.packed import HARDWARE_TILES, amx_bf16_packing
+
+    op = torch.ops.cadence
+    cases = 0
+    for out_features, in_features in ((40, 96), (40, 100), (300, 576)):
+        w = torch.randn(out_features, in_features, generator=g).to(torch.bfloat16)
+        packed = amx_bf16_packing(w)
+        x = torch.randn(max(ROWS), in_features, generator=g).to(torch.bfloat16)
+        whole = op.bf16_matmul_tiles(x, packed, None, out_features, HARDWARE_TILES)
+        want = x.float() @ w.float().T
+        bound = want.abs() / 128 + (x.float().abs() @ w.float().abs().T) * 1e-5
+        if not bool(((whole.float() - want).abs() <= bound).all()):
+            off = float((whole.float() - want).abs().max())
+            raise AmxUnusable(
+                f"{out_features} x {in_features} bfloat16: the AMX-BF16 product is off "
+                f"float32's by up to {off:g}"
+            )
+        for rows in ROWS:
+            got = op.bf16_matmul_tiles(x[:rows], packed, None, out_features, HARDWARE_TILES)
+            if not torch.equal(got, whole[:rows]):
+                raise AmxUnusable(
+                    f"{out_features} x {in_features} bfloat16: a row's AMX-BF16 product "
+                    f"changes between {rows} and {max(ROWS)} rows"
+                )
+            cases += 1
+    return f"AMX-BF16 product within rounding of float32's, rows alike at any count ({cases} cases)"
 
 
 def main() -> int:

@@ -11,12 +11,15 @@
 //   store<T>(base, stride)  tilestored
 //   zero<T>()               tilezero
 //   dpbsud<C, A, B>()       tdpbsud: C[m][n] += sum over k, i of s8(A[m][4k+i]) * u8(B[k][4n+i])
+//   dpbf16ps<C, A, B>()     tdpbf16ps: C[m][n] (fp32) += A[m][2k] * B[k][2n] (bf16 pairs), then
+//                           += A[m][2k+1] * B[k][2n+1], k ascending
 //   ok()                    false once an instruction the hardware refuses (#UD, #GP) ran
 //                           since configure() (the emulation's record: the hardware faults)
 // and request_permission(): whether this process may run the hardware's.
 
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -27,15 +30,19 @@
 
 namespace cadence_amx {
 
-// Whether this process may run AMX-INT8: the CPU has it (CPUID leaf 7, sub-leaf 0: EDX bit
-// 24 AMX-TILE, bit 25 AMX-INT8) and Linux grants the tile data state. Since Linux 5.16 a
-// process must ask (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) before its first
-// tile instruction, which is otherwise killed by SIGILL; the grant covers all its threads.
-// Never faults: a CPU, kernel or hypervisor without AMX answers false.
-inline bool request_permission() {
+// CPUID leaf 7, sub-leaf 0, EDX: the AMX features.
+constexpr unsigned AMX_BF16 = 1u << 22, AMX_TILE = 1u << 24, AMX_INT8 = 1u << 25;
+
+// Whether this process may run AMX-TILE and the `features` (AMX-INT8 by default): the CPU
+// has them and Linux grants the tile data state. Since Linux 5.16 a process must ask
+// (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) before its first tile instruction,
+// which is otherwise killed by SIGILL; the grant covers all its threads and every AMX
+// feature. Never faults: a CPU, kernel or hypervisor without AMX answers false.
+inline bool request_permission(unsigned features = AMX_INT8) {
     unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
     if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-    if (!((edx >> 24) & 1u) || !((edx >> 25) & 1u)) return false;
+    const unsigned needed = AMX_TILE | features;
+    if ((edx & needed) != needed) return false;
 #if defined(__linux__) && defined(SYS_arch_prctl)
     constexpr long GET_PERM = 0x1022, REQUEST_PERM = 0x1023, XTILEDATA = 18;
     if (syscall(SYS_arch_prctl, REQUEST_PERM, XTILEDATA) != 0) return false;
@@ -69,6 +76,7 @@ constexpr int TILES = 8, MAX_ROWS = 16, MAX_COLSB = 64;
 // its instruction set's flags and still loads (and runs everything else) on CPUs without
 // AMX. Anything that inlines a HardwareTiles function needs the same attribute.
 #define CADENCE_AMX_TARGET __attribute__((target("amx-tile,amx-int8")))
+#define CADENCE_AMX_BF16_TARGET __attribute__((target("amx-tile,amx-bf16")))
 
 // The instructions, in inline assembly rather than GCC's _tile_* macros: those paste their
 // tile argument as text (`%%tmm"#dst"`), so a template parameter cannot be one, and their
@@ -100,6 +108,11 @@ struct HardwareTiles {
     template <int C, int A, int B>
     CADENCE_AMX_TARGET static void dpbsud() {
         asm volatile("{tdpbsud %%tmm%c2, %%tmm%c1, %%tmm%c0|tdpbsud tmm%c0, tmm%c1, tmm%c2}" ::
+                         "i"(C), "i"(A), "i"(B));
+    }
+    template <int C, int A, int B>
+    CADENCE_AMX_BF16_TARGET static void dpbf16ps() {
+        asm volatile("{tdpbf16ps %%tmm%c2, %%tmm%c1, %%tmm%c0|tdpbf16ps tmm%c0, tmm%c1, tmm%c2}" ::
                          "i"(C), "i"(A), "i"(B));
     }
     static bool ok() { return true; }
@@ -170,14 +183,8 @@ struct EmulatedTiles {
         static_assert(0 <= C && C < TILES && 0 <= A && A < TILES && 0 <= B && B < TILES);
         static_assert(C != A && C != B && A != B, "#UD: the three tiles must differ");
         State& s = state();
-        if (!usable(s, C) || !usable(s, A) || !usable(s, B)) return;
+        if (!chained(s, C, A, B)) return;
         const int m_rows = s.rows[C], n = s.colsb[C] / 4, k = s.colsb[A] / 4;
-        // #UD unless the shapes chain: C is A's rows x B's columns, A's dwords B's rows
-        if (s.colsb[C] % 4 || s.colsb[A] % 4 || s.rows[A] != m_rows ||
-            s.colsb[B] != s.colsb[C] || s.rows[B] != k) {
-            s.fault = true;
-            return;
-        }
         for (int m = 0; m < m_rows; ++m) {
             uint8_t* c = s.data[C][m];
             for (int j = 0; j < n; ++j) {
@@ -198,9 +205,54 @@ struct EmulatedTiles {
         }
         for (int m = m_rows; m < MAX_ROWS; ++m) std::memset(s.data[C][m], 0, MAX_COLSB);
     }
+    template <int C, int A, int B>
+    static void dpbf16ps() {
+        static_assert(0 <= C && C < TILES && 0 <= A && A < TILES && 0 <= B && B < TILES);
+        static_assert(C != A && C != B && A != B, "#UD: the three tiles must differ");
+        State& s = state();
+        if (!chained(s, C, A, B)) return;
+        const int m_rows = s.rows[C], n = s.colsb[C] / 4, k = s.colsb[A] / 4;
+        for (int m = 0; m < m_rows; ++m) {
+            uint8_t* c = s.data[C][m];
+            for (int j = 0; j < n; ++j) {
+                float acc;
+                std::memcpy(&acc, c + 4 * j, 4);
+                for (int kk = 0; kk < k; ++kk)
+                    for (int i = 0; i < 2; ++i) {
+                        const float a = bf16(s.data[A][m] + 4 * kk + 2 * i);
+                        const float b = bf16(s.data[B][kk] + 4 * j + 2 * i);
+                        acc = flush(acc + a * b);  // a bf16 product is exact in fp32
+                    }
+                std::memcpy(c + 4 * j, &acc, 4);
+            }
+            std::memset(c + 4 * n, 0, MAX_COLSB - 4 * n);
+        }
+        for (int m = m_rows; m < MAX_ROWS; ++m) std::memset(s.data[C][m], 0, MAX_COLSB);
+    }
     static bool ok() { return !state().fault; }
 
    private:
+    // tdpbf16ps reads denormal bf16 inputs as zero and flushes denormal results to zero
+    static float flush(float v) { return std::fabs(v) < 1.17549435e-38f ? 0.0f * v : v; }
+    static float bf16(const uint8_t* p) {
+        uint16_t bits;
+        std::memcpy(&bits, p, 2);
+        const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+        float v;
+        std::memcpy(&v, &wide, 4);
+        return flush(v);
+    }
+    // A dot product's tiles: each usable, and (#UD otherwise) their shapes chain: C is A's
+    // rows x B's columns, A's dwords B's rows.
+    static bool chained(State& s, int c, int a, int b) {
+        if (!usable(s, c) || !usable(s, a) || !usable(s, b)) return false;
+        if (s.colsb[c] % 4 || s.colsb[a] % 4 || s.rows[a] != s.rows[c] ||
+            s.colsb[b] != s.colsb[c] || s.rows[b] != s.colsb[a] / 4) {
+            s.fault = true;
+            return false;
+        }
+        return true;
+    }
     static bool usable(State& s, int t) {  // #UD: no configuration, or an unused tile
         const bool on = s.configured && s.rows[t] != 0;
         s.fault = s.fault || !on;

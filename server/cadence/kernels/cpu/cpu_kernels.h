@@ -9,7 +9,8 @@
 // attention_kernels.cpp (paged decode attention), rotary_kernels.cpp (the rotary, and with
 // it the KV-cache write), elementwise_kernels.cpp (RMSNorm, SwiGLU), sampling_kernels.cpp
 // (greedy with log-probabilities), lora_kernels.cpp, quant_kernels.cpp and
-// float_kernels.cpp (float32 products on prepacked weights). Their vector
+// float_kernels.cpp (float32 products on prepacked weights), bf16_kernels.cpp (bfloat16
+// products on AMX-BF16 tiles). Their vector
 // paths are chosen at compile time by what that build's -march enables
 // (CADENCE_AVX512_BF16, CADENCE_AVX2, else portable: cpu_elements.h). Python calls them
 // only through the torch operators of the shim (torch.ops.cadence.*), which checks every
@@ -151,6 +152,19 @@ int cadence_float_matmul(const float* x, int64_t x_stride, int64_t m, int64_t k,
 // the tile data state), else 0; asked once, the answer kept. 0 from every library but
 // avx512_bf16's, which alone has the AMX kernel.
 int cadence_amx_request(void);
+
+// 1 when this process may run AMX-BF16 (the CPU has AMX-TILE and AMX-BF16 and Linux granted
+// the tile data permission; asked once, the answer kept); 0 otherwise, and from every
+// library but avx512_bf16's.
+int cadence_amx_bf16_request(void);
+
+// y[m, n] = x[m, k] @ W.T, bfloat16 in and out, on AMX-BF16 tiles (bf16_kernels.cpp): W
+// packed [n16][k32][16][32] as AMX's B tiles; `tiles` TILES_AMX (NO_AMX unless
+// cadence_amx_bf16_request granted it) or TILES_EMULATED. Each output one tdpbf16ps chain
+// over k ascending: a row's bits do not depend on the call's other rows.
+int cadence_bf16_matmul_tiles(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k,
+                              const uint16_t* packed, int64_t n, uint16_t* y, int64_t y_stride,
+                              int num_threads, int tiles);
 
 // cadence_quant_matmul with AMX-INT8 tiles (quant_amx.h): `tiles` TILES_AMX (NO_AMX unless
 // cadence_amx_request granted AMX in this process) or TILES_EMULATED. Bitwise equal to

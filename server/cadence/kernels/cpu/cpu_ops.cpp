@@ -35,6 +35,8 @@
 //     quant_matmul_tiles(x, packed, scales, out_features, format, tiles) -> y
 //     amx_available() -> bool
 //     float_matmul(x, packed, bias, out_features) -> y
+//     bf16_matmul_tiles(x, packed, bias, out_features, tiles) -> y
+//     amx_bf16_available() -> bool
 //
 // The LoRA pair covers some rows of a step (rows[i], or first_row + i when rows is None;
 // row_adapter[i] their adapters, -1 none), reading the adapters' rows in place in the KV
@@ -53,6 +55,12 @@
 // FMA chain over the input columns in order: the same bits in every library, and for a row
 // whatever the other rows.
 //
+// bf16_matmul_tiles multiplies bfloat16 rows by a bfloat16 weight packed as AMX's B tiles by
+// cadence/layers/packed.py (bf16_kernels.cpp; bf16_checks.h) on AMX-BF16 tiles: 1 the
+// hardware's (where amx_bf16_available()), 2 their emulation (any CPU running the
+// avx512_bf16 kernels, the only ones with the kernel). Each output one tdpbf16ps chain over
+// the input columns in order: a row's bits whatever the other rows.
+//
 // k_scale/v_scale: an int8 or fp8 cache's scales (cadence/kv_format.py), None for a float
 // cache.
 //
@@ -66,6 +74,7 @@
 
 #include "cpu_kernels.h"
 #include "cpu_ops_checks.h"
+#include "bf16_checks.h"
 #include "float_checks.h"
 #include "lora_checks.h"
 #include "quant_checks.h"
@@ -113,6 +122,8 @@ struct Kernels {
     decltype(&cadence_amx_request) amx_request;
     decltype(&cadence_quant_matmul_tiles) quant_matmul_tiles;
     decltype(&cadence_float_matmul) float_matmul;
+    decltype(&cadence_amx_bf16_request) amx_bf16_request;
+    decltype(&cadence_bf16_matmul_tiles) bf16_matmul_tiles;
 };
 
 // Every call reads the table through one atomic pointer; a selection swaps it. Tables are
@@ -153,6 +164,8 @@ void select_kernels(c10::string_view isa, c10::string_view path_view) {
         resolve(library, path, "cadence_amx_request", fresh->amx_request);
         resolve(library, path, "cadence_quant_matmul_tiles", fresh->quant_matmul_tiles);
         resolve(library, path, "cadence_float_matmul", fresh->float_matmul);
+        resolve(library, path, "cadence_amx_bf16_request", fresh->amx_bf16_request);
+        resolve(library, path, "cadence_bf16_matmul_tiles", fresh->bf16_matmul_tiles);
         table = std::move(fresh);
     }
     selected.store(table.get(), std::memory_order_release);
@@ -183,8 +196,9 @@ void check_status(const Kernels& table, int status, const char* entry_point) {
         status == BAD_HEADS ? "the query heads are not a multiple of the KV heads"
         : status == BAD_DTYPE ? "no kernel for the dtypes"
         : status == NO_AMX
-            ? "AMX-INT8 is not usable in this process (the CPU lacks it, or Linux refused "
-              "the tile data permission: amx_available() is False)"
+            ? "AMX is not usable in this process (the CPU lacks AMX-INT8 or AMX-BF16, or Linux "
+              "refused the tile data permission: amx_available() or amx_bf16_available() is "
+              "False)"
         : status == NO_AMX_KERNEL ? "these kernels have no AMX kernel (only avx512_bf16's do)"
         : status == BAD_TILES ? "tiles must be 1 (AMX) or 2 (emulated AMX)"
         : status == TILE_FAULT
@@ -713,6 +727,41 @@ Tensor float_matmul(const Tensor& x, const Tensor& packed, const std::optional<T
     return y;
 }
 
+// ---- bfloat16 weights on AMX tiles -------------------------------------------------------
+
+// Whether the selected kernels may run AMX-BF16 in this process (they ask once).
+bool amx_bf16_available() { return kernels().amx_bf16_request() == 1; }
+
+template <Impl I>
+Tensor bf16_matmul_tiles(const Tensor& x, const Tensor& packed, const std::optional<Tensor>& bias,
+                         int64_t out_features, int64_t tiles) {
+    constexpr const char* op = "bf16_matmul_tiles";
+    if constexpr (I == Impl::Meta) {
+        on_cpu(op, {{"x", &x}, {"packed", &packed}});
+    }
+    const auto sizes = bf16_checks::bf16_matmul(op, x, packed, bias, out_features);
+    if (tiles != cadence_kernels::TILES_AMX && tiles != cadence_kernels::TILES_EMULATED) {
+        checks::fail(op, "tiles must be 1 (AMX) or 2 (emulated AMX), got ", tiles);
+    }
+    Tensor y = at::empty_symint({sizes.rows, SymInt(out_features)}, x.options());
+    if constexpr (I == Impl::CPU) {
+        const int64_t rows = as_int(sizes.rows), in = as_int(sizes.in);
+        const Kernels& k = kernels();
+        if (tiles == cadence_kernels::TILES_AMX) k.amx_bf16_request();  // asked once, kept
+        const auto x_rows = packed_columns(x);
+        const auto* xp = static_cast<const uint16_t*>(x_rows->const_data_ptr());
+        const auto* wp = static_cast<const uint16_t*>(packed.const_data_ptr());
+        // even with no rows: tiles 1 without AMX fails whatever the input
+        const int status =
+            k.bf16_matmul_tiles(xp, x_rows->stride(0), rows, in, wp, out_features,
+                                static_cast<uint16_t*>(y.mutable_data_ptr()), out_features,
+                                threads(), static_cast<int>(tiles));
+        check_status(k, status, "cadence_bf16_matmul_tiles");
+        if (bias.has_value()) y.add_(*bias);
+    }
+    return y;
+}
+
 }  // namespace
 }  // namespace cadence_ops
 
@@ -767,6 +816,10 @@ TORCH_LIBRARY_FRAGMENT(cadence, m) {
         "int format, int tiles) -> Tensor");
     m.def("float_matmul(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
     m.def("amx_available() -> bool", TORCH_FN(cadence_ops::amx_available));
+    m.def(
+        "bf16_matmul_tiles(Tensor x, Tensor packed, Tensor? bias, int out_features, int tiles) "
+        "-> Tensor");
+    m.def("amx_bf16_available() -> bool", TORCH_FN(cadence_ops::amx_bf16_available));
     // No tensors: these run whatever the dispatch keys (a catch-all kernel).
     m.def("_select_kernels(str isa, str path) -> ()", TORCH_FN(cadence_ops::select_kernels));
     m.def("_selected_kernels() -> str", TORCH_FN(cadence_ops::selected_kernels));
@@ -790,7 +843,8 @@ TORCH_LIBRARY_FRAGMENT(cadence, m) {
     m.impl("lora_expand_rows_", TORCH_FN(cadence_ops::lora_expand_rows_<I>));                 \
     m.impl("quant_matmul", TORCH_FN(cadence_ops::quant_matmul<I>));                           \
     m.impl("quant_matmul_tiles", TORCH_FN(cadence_ops::quant_matmul_tiles<I>));                 \
-    m.impl("float_matmul", TORCH_FN(cadence_ops::float_matmul<I>));
+    m.impl("float_matmul", TORCH_FN(cadence_ops::float_matmul<I>));                           \
+    m.impl("bf16_matmul_tiles", TORCH_FN(cadence_ops::bf16_matmul_tiles<I>));
 
 TORCH_LIBRARY_IMPL(cadence, CPU, m) { CADENCE_IMPLS(m, cadence_ops::Impl::CPU) }
 TORCH_LIBRARY_IMPL(cadence, Meta, m) { CADENCE_IMPLS(m, cadence_ops::Impl::Meta) }

@@ -1,0 +1,227 @@
+// bfloat16 products on AMX-BF16 tiles: y = x @ W.T, x and y bfloat16, W prepacked as AMX's
+// B tiles (cadence/layers/packed.py, `amx_bf16_packing`): packed [n16][k32][16][32], tile
+// (nb, kb) row p holding, for each of channels 16 nb .. 16 nb + 15, its inputs
+// 32 kb + 2p and 32 kb + 2p + 1 (zero past n and k).
+//
+// Why: on a Sapphire Rapids oneDNN's bfloat16 product runs on these tiles too, but a row's
+// bits change with the number of rows from 33 on, so batch-invariant serving splits it
+// into 32-row products and joins them with a copy (half its speed at a 320-row prefill
+// chunk). Here every output is one tdpbf16ps chain over k ascending from +0, whatever the
+// call: which rows go with it, where it sits in its tile, which thread computes it. So a
+// row's bits never depend on the others' -- batch invariance by construction
+// (cadence/shard/determinism.py still checks it at start) -- and the product takes every
+// row count in one call.
+//
+// Tiles: C[a][v] = 2a + v (16 rows x 16 fp32), A[a] = 4 + a (16 rows x 32 bf16 of x),
+// B[v] = 6 + v (one packed tile): 32 rows x 32 channels at a time, all 8 tile registers.
+// Threads take contiguous runs of column blocks (each weight tile streams once per call);
+// a thread passes every row group over a pair of column blocks while its 2 x k32 tiles
+// are in cache. Rows come from x in place where k is a multiple of 32 and a whole A tile
+// is there; the last partial tile (and every tile where k is not) is copied into a
+// zero-padded strip first.
+
+#include "cpu_kernels.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+
+#include "amx_tiles.h"
+#define CADENCE_BF16_AMX 1
+#endif
+
+namespace {
+
+using cadence_kernels::OK;
+
+#ifdef CADENCE_BF16_AMX
+using cadence_amx::TileConfig;
+using cadence_kernels::BAD_TILES;
+using cadence_kernels::NO_AMX;
+using cadence_kernels::TILE_FAULT;
+using cadence_kernels::TILES_AMX;
+using cadence_kernels::TILES_EMULATED;
+
+constexpr int64_t ROWS = 16;   // rows of an A (and C) tile
+constexpr int64_t COLS = 16;   // channels of a B (and C) tile
+constexpr int64_t K_STEP = 32;  // inputs of one A row (64 bytes of bf16)
+constexpr int64_t TILE_ELEMS = 16 * 32;  // bf16 elements of a packed B tile
+constexpr int A0 = 4, A1 = 5, B0 = 6, B1 = 7;
+
+std::atomic<bool> amx_bf16_granted{false};
+
+TileConfig tile_config() {
+    TileConfig cfg;
+    for (int c = 0; c < 4; ++c) cfg.shape(c, ROWS, 64);
+    cfg.shape(A0, ROWS, 64);
+    cfg.shape(A1, ROWS, 64);
+    cfg.shape(B0, K_STEP / 2, 64);
+    cfg.shape(B1, K_STEP / 2, 64);
+    return cfg;
+}
+
+// Where the A tiles of rows r0 .. r0 + 16 na read from: x itself (k a multiple of 32), or a
+// zero-padded copy in `strip` when the tiles would read rows past m.
+struct RowSource {
+    const uint16_t* base;
+    int64_t stride;  // elements between rows
+};
+
+RowSource rows_at(const uint16_t* x, int64_t xs, int64_t m, int64_t k, int64_t k32, int64_t r0,
+                  int64_t na, std::vector<uint16_t>& strip) {
+    if (r0 + na * ROWS <= m) return {x + r0 * xs, xs};
+    const int64_t width = k32 * K_STEP;
+    strip.assign(na * ROWS * width, 0);
+    for (int64_t r = r0; r < std::min(m, r0 + na * ROWS); ++r)
+        std::memcpy(strip.data() + (r - r0) * width, x + r * xs, k * sizeof(uint16_t));
+    return {strip.data(), width};
+}
+
+// NA A tiles x NV column blocks over every input block into `acc` [16 NA][16 NV] fp32.
+template <class Tiles, int NA, int NV>
+CADENCE_AMX_BF16_TARGET void row_group(RowSource a, const uint16_t* w0, const uint16_t* w1,
+                                       int64_t k32, float* acc) {
+    Tiles::template zero<0>();
+    if constexpr (NV == 2) Tiles::template zero<1>();
+    if constexpr (NA == 2) Tiles::template zero<2>();
+    if constexpr (NA == 2 && NV == 2) Tiles::template zero<3>();
+    const int64_t a_stride = a.stride * 2;  // bytes
+    for (int64_t kb = 0; kb < k32; ++kb) {
+        const uint16_t* x = a.base + kb * K_STEP;
+        Tiles::template load<A0>(x, a_stride);
+        if constexpr (NA == 2) Tiles::template load<A1>(x + ROWS * a.stride, a_stride);
+        Tiles::template load<B0>(w0 + kb * TILE_ELEMS, 64);
+        if constexpr (NV == 2) Tiles::template load<B1>(w1 + kb * TILE_ELEMS, 64);
+        Tiles::template dpbf16ps<0, A0, B0>();
+        if constexpr (NV == 2) Tiles::template dpbf16ps<1, A0, B1>();
+        if constexpr (NA == 2) Tiles::template dpbf16ps<2, A1, B0>();
+        if constexpr (NA == 2 && NV == 2) Tiles::template dpbf16ps<3, A1, B1>();
+    }
+    constexpr int64_t STRIDE = NV * COLS * 4;  // acc's row, in bytes
+    Tiles::template store<0>(acc, STRIDE);
+    if constexpr (NV == 2) Tiles::template store<1>(acc + COLS, STRIDE);
+    if constexpr (NA == 2) Tiles::template store<2>(acc + ROWS * NV * COLS, STRIDE);
+    if constexpr (NA == 2 && NV == 2) Tiles::template store<3>(acc + ROWS * NV * COLS + COLS, STRIDE);
+}
+
+template <class Tiles>
+CADENCE_AMX_BF16_TARGET void row_group(int na, int nv, RowSource a, const uint16_t* w0,
+                                       const uint16_t* w1, int64_t k32, float* acc) {
+    if (na == 2 && nv == 2) row_group<Tiles, 2, 2>(a, w0, w1, k32, acc);
+    else if (na == 2) row_group<Tiles, 2, 1>(a, w0, w1, k32, acc);
+    else if (nv == 2) row_group<Tiles, 1, 2>(a, w0, w1, k32, acc);
+    else row_group<Tiles, 1, 1>(a, w0, w1, k32, acc);
+}
+
+// fp32 sums to bfloat16 (round to nearest even), the first `cols` of a row.
+void store_row(const float* v, int64_t cols, uint16_t* out) {
+    int64_t c = 0;
+    for (; c + 16 <= cols; c += 16) {
+        const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(v + c));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c), reinterpret_cast<const __m256i&>(h));
+    }
+    if (c < cols) {
+        const __mmask16 keep = static_cast<__mmask16>((1u << (cols - c)) - 1);
+        const __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(keep, v + c));
+        _mm256_mask_storeu_epi16(out + c, keep, reinterpret_cast<const __m256i&>(h));
+    }
+}
+
+// One thread's column blocks [nb0, nb1) of every row; configures its tiles and releases them.
+template <class Tiles>
+CADENCE_AMX_BF16_TARGET bool column_blocks(const uint16_t* x, int64_t xs, int64_t m, int64_t k,
+                                           const uint16_t* w, int64_t n, uint16_t* y,
+                                           int64_t ys, int64_t nb0, int64_t nb1) {
+    const int64_t k32 = (k + K_STEP - 1) / K_STEP;
+    static thread_local std::vector<uint16_t> strip;
+    alignas(64) float acc[2 * ROWS * 2 * COLS];
+    Tiles::configure(tile_config());
+    for (int64_t nb = nb0; nb < nb1; nb += 2) {
+        const int nv = static_cast<int>(std::min<int64_t>(2, nb1 - nb));
+        const uint16_t* w0 = w + nb * k32 * TILE_ELEMS;
+        const uint16_t* w1 = w0 + (nv == 2 ? k32 * TILE_ELEMS : 0);
+        const int64_t col0 = nb * COLS, cols = std::min<int64_t>(nv * COLS, n - col0);
+        for (int64_t r0 = 0; r0 < m; r0 += 2 * ROWS) {
+            const int na = m - r0 > ROWS ? 2 : 1;
+            const RowSource a = rows_at(x, xs, m, k, k32, r0, na, strip);
+            row_group<Tiles>(na, nv, a, w0, w1, k32, acc);
+            const int64_t rows = std::min<int64_t>(2 * ROWS, m - r0);
+            for (int64_t r = 0; r < rows; ++r)
+                store_row(acc + r * nv * COLS, cols, y + (r0 + r) * ys + col0);
+        }
+    }
+    const bool ok = Tiles::ok();
+    Tiles::release();
+    return ok;
+}
+
+template <class Tiles>
+int product(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const uint16_t* w, int64_t n,
+            uint16_t* y, int64_t ys, int num_threads) {
+    std::vector<uint16_t> padded;  // x with k made a multiple of 32, once for every thread
+    if (k % K_STEP != 0) {
+        const int64_t width = (k + K_STEP - 1) / K_STEP * K_STEP;
+        padded.assign(m * width, 0);
+        for (int64_t r = 0; r < m; ++r)
+            std::memcpy(padded.data() + r * width, x + r * xs, k * sizeof(uint16_t));
+        x = padded.data(), xs = width, k = width;
+    }
+    const int64_t blocks = (n + COLS - 1) / COLS;
+    const int threads =
+        static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, blocks)));
+    std::atomic<bool> faulted{false};
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
+        // runs of whole block pairs, so no thread's run but the last ends on a lone block
+        const int64_t pairs = (blocks + 1) / 2;
+        const int64_t nb0 = std::min(blocks, 2 * (pairs * t / count));
+        const int64_t nb1 = std::min(blocks, 2 * (pairs * (t + 1) / count));
+        if (nb0 < nb1 && !column_blocks<Tiles>(x, xs, m, k, w, n, y, ys, nb0, nb1))
+            faulted = true;
+    }
+    return faulted ? TILE_FAULT : OK;
+}
+#endif  // CADENCE_BF16_AMX
+
+}  // namespace
+
+extern "C" {
+
+int cadence_amx_bf16_request(void) {
+#ifdef CADENCE_BF16_AMX
+    static const bool granted = cadence_amx::request_permission(cadence_amx::AMX_BF16);
+    amx_bf16_granted = granted;
+    return granted ? 1 : 0;
+#else
+    return 0;
+#endif
+}
+
+int cadence_bf16_matmul_tiles(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k,
+                              const uint16_t* packed, int64_t n, uint16_t* y, int64_t y_stride,
+                              int num_threads, int tiles) {
+#ifdef CADENCE_BF16_AMX
+    if (tiles != TILES_AMX && tiles != TILES_EMULATED) return BAD_TILES;
+    if (tiles == TILES_AMX && !amx_bf16_granted) return NO_AMX;
+    if (m == 0 || n == 0) return OK;
+    return tiles == TILES_AMX
+               ? product<cadence_amx::HardwareTiles>(x, x_stride, m, k, packed, n, y, y_stride,
+                                                     num_threads)
+               : product<cadence_amx::EmulatedTiles>(x, x_stride, m, k, packed, n, y, y_stride,
+                                                     num_threads);
+#else
+    (void)x, (void)x_stride, (void)m, (void)k, (void)packed, (void)n, (void)y, (void)y_stride;
+    (void)num_threads, (void)tiles;
+    return cadence_kernels::NO_AMX_KERNEL;
+#endif
+}
+
+}  // extern "C"
