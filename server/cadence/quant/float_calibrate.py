@@ -131,27 +131,35 @@ def time_bf16_sides(
 ) -> tuple[dict[int, float], dict[int, float]]:
     """(AMX-BF16 tiles, oneDNN) seconds per pass over bfloat16 weights of `shapes` at each of
     `rows`, the two sides' calls in turn; oneDNN's in products of at most `onednn_split`
-    rows, as batch invariance serves it (0: in one call)."""
+    rows, as batch invariance serves it (0: in one call). oneDNN's side is {} where it
+    cannot prepack bfloat16 (oneDNN held below AVX-512)."""
     import torch
 
     from cadence.layers import packed as packing
     from cadence.quant.measure import fastest_passes
 
+    with_onednn = packing.onednn_packs(torch.bfloat16)
     amx, onednn = [], []
     for out_features, in_features in shapes:
         w = (torch.randn(out_features, in_features) * 0.05).to(torch.bfloat16)
-        t, o = packing.amx_bf16_packing(w), packing.onednn_packing(w)
+        t = packing.amx_bf16_packing(w)
         amx.append(
             lambda x, p=t, n=out_features: torch.ops.cadence.bf16_matmul_tiles(
                 x, p, None, n, packing.HARDWARE_TILES
             )
         )
-        one = lambda x, p=o: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")  # noqa: E731
-        onednn.append(split_calls(one, onednn_split))
+        if with_onednn:
+            o = packing.onednn_packing(w)
+            one = lambda x, p=o: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")  # noqa: E731
+            onednn.append(split_calls(one, onednn_split))
     widths = [in_features for _, in_features in shapes]
+    sides = (amx, onednn) if with_onednn else (amx,)
     amx_s, onednn_s = {}, {}
     for r in rows:
-        amx_s[r], onednn_s[r] = fastest_passes((amx, onednn), widths, r, torch.bfloat16, repeats)
+        times = fastest_passes(sides, widths, r, torch.bfloat16, repeats)
+        amx_s[r] = times[0]
+        if with_onednn:
+            onednn_s[r] = times[1]
     return amx_s, onednn_s
 
 
@@ -165,7 +173,7 @@ def measure_bf16(
     AMX-BF16 usable here), oneDNN's split as batch invariance serves it: oneDNN is the
     default, the tiles serve only when they win by MARGIN."""
     amx_s, onednn_s = time_bf16_sides(shapes, rows, onednn_split)
-    choice = AMX_BF16 if mix(amx_s) * MARGIN < mix(onednn_s) else ONEDNN
+    choice = AMX_BF16 if not onednn_s or mix(amx_s) * MARGIN < mix(onednn_s) else ONEDNN
     return FloatMeasured(choice, amx_s, onednn_s, time.strftime("%Y-%m-%d %H:%M:%S"))
 
 
@@ -181,6 +189,12 @@ def describe_bf16(m: FloatMeasured) -> str:
     if not m.tiles_s:
         return f"{name} (AMX-BF16 tiles not usable here; {m.measured_at})"
     decode, prefill = sorted(m.tiles_s)
+    if not m.onednn_s:
+        return (
+            f"{name} (AMX {m.tiles_s[decode] * 1e3:.1f} ms at {decode} rows, "
+            f"{m.tiles_s[prefill] * 1e3:.1f} at {prefill}; oneDNN cannot prepack bfloat16 "
+            f"here; measured {m.measured_at})"
+        )
     return (
         f"{name} (AMX {m.tiles_s[decode] * 1e3:.1f} / oneDNN {m.onednn_s[decode] * 1e3:.1f} ms"
         f" at {decode} rows, {m.tiles_s[prefill] * 1e3:.1f} / {m.onednn_s[prefill] * 1e3:.1f}"
