@@ -26,6 +26,12 @@ in a process of its own, `cadence.kernels.cpu.amx_check`), the integer product i
 second time on AMX's tiles, and the faster tiles serve it: both give the same bits, so
 this choice needs no margin.
 
+Where bfloat16 weights serve on the avx512_bf16 kernels of a CPU with AMX-BF16 (a
+bfloat16 model, a quantized model's float copy), the table holds which bfloat16 product
+serves them, cadence's AMX-BF16 tiles or oneDNN's (`float_calibrate.measure_bf16`), oneDNN
+timed in the products batch invariance splits it into (`cadence.shard.determinism`:
+32-row products on a Sapphire Rapids), measured first for the same reason as below.
+
 Where float32 weights serve (`--dtype float32`, and every float weight on the avx2
 kernels), the table also holds which float32 product serves them, cadence's tiles or
 oneDNN's (`cadence.quant.float_calibrate`), measured first, so that the float copy is
