@@ -68,7 +68,7 @@ TileConfig tile_config() {
 }
 
 // Where the A tiles of rows r0 .. r0 + 16 na read from: x itself (k a multiple of 32), or a
-// zero-padded copy in `strip` when the tiles would read rows past m.
+// zero-padded copy in `strip` when the tiles would read rows past m (the last row group's).
 struct RowSource {
     const uint16_t* base;
     int64_t stride;  // elements between rows
@@ -141,6 +141,10 @@ CADENCE_AMX_BF16_TARGET bool column_blocks(const uint16_t* x, int64_t xs, int64_
                                            int64_t ys, int64_t nb0, int64_t nb1) {
     const int64_t k32 = (k + K_STEP - 1) / K_STEP;
     static thread_local std::vector<uint16_t> strip;
+    // the last row group's source, copied (where it must be) once for every column block
+    const int64_t last0 = (m - 1) / (2 * ROWS) * (2 * ROWS);
+    const int last_na = m - last0 > ROWS ? 2 : 1;
+    const RowSource last = rows_at(x, xs, m, k, k32, last0, last_na, strip);
     alignas(64) float acc[2 * ROWS * 2 * COLS];
     Tiles::configure(tile_config());
     for (int64_t nb = nb0; nb < nb1; nb += 2) {
@@ -150,7 +154,7 @@ CADENCE_AMX_BF16_TARGET bool column_blocks(const uint16_t* x, int64_t xs, int64_
         const int64_t col0 = nb * COLS, cols = std::min<int64_t>(nv * COLS, n - col0);
         for (int64_t r0 = 0; r0 < m; r0 += 2 * ROWS) {
             const int na = m - r0 > ROWS ? 2 : 1;
-            const RowSource a = rows_at(x, xs, m, k, k32, r0, na, strip);
+            const RowSource a = r0 == last0 ? last : RowSource{x + r0 * xs, xs};
             row_group<Tiles>(na, nv, a, w0, w1, k32, acc);
             const int64_t rows = std::min<int64_t>(2 * ROWS, m - r0);
             for (int64_t r = 0; r < rows; ++r)
