@@ -116,6 +116,16 @@ def use_measured_tiles(table: calibrate.KernelTable) -> None:
             )
 
 
+def _machine_table(
+    kernel_table: str, device: torch.device, dtype: str
+) -> calibrate.KernelTable | None:
+    """This machine's entry for `dtype` in the table file (None: no file, not a CPU)."""
+    if not kernel_table or device.type != "cpu":
+        return None
+    key = calibrate.machine_key(isa_name(device), dtype)
+    return calibrate.read_for_machine(Path(kernel_table), key)
+
+
 def use_measured_bf16_product(kernel_table: str, device: torch.device) -> str:
     """Serves bfloat16 products on cadence's AMX-BF16 tiles where the table measured them
     faster than oneDNN on this machine and this process may run them (oneDNN otherwise,
@@ -125,10 +135,7 @@ def use_measured_bf16_product(kernel_table: str, device: torch.device) -> str:
     from cadence.quant import float_calibrate
 
     packing.use_bf16_product(None)
-    if not kernel_table or device.type != "cpu":
-        return ""
-    key = calibrate.machine_key(isa_name(device), "bfloat16")
-    table = calibrate.read_for_machine(Path(kernel_table), key)
+    table = _machine_table(kernel_table, device, "bfloat16")
     if table is None or table.bf16 is None:
         return ""
     if table.bf16.choice == float_calibrate.AMX_BF16 and not packing.amx_bf16_usable():
@@ -149,10 +156,7 @@ def use_measured_float_product(kernel_table: str, device: torch.device) -> str:
     from cadence.quant import float_calibrate
 
     packing.use_float_product(None)
-    if not kernel_table or device.type != "cpu":
-        return ""
-    key = calibrate.machine_key(isa_name(device), "float32")
-    table = calibrate.read_for_machine(Path(kernel_table), key)
+    table = _machine_table(kernel_table, device, "float32")
     if table is None or table.float32 is None:
         return ""
     packing.use_float_product(table.float32.choice)
@@ -162,10 +166,7 @@ def use_measured_float_product(kernel_table: str, device: torch.device) -> str:
 def measured_kv_cache(kernel_table: str, device: torch.device, dtype_name: str) -> str:
     """What the kernel table measured of the KV cache here (`kv_calibrate.describe`), for
     /info; "" without a table or a measurement."""
-    if not kernel_table or device.type != "cpu":
-        return ""
-    key = calibrate.machine_key(isa_name(device), dtype_name)
-    table = calibrate.read_for_machine(Path(kernel_table), key)
+    table = _machine_table(kernel_table, device, dtype_name)
     if table is None or table.kv_cache is None:
         return ""
     return kv_calibrate.describe(table.kv_cache)

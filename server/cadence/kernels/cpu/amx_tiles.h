@@ -180,58 +180,54 @@ struct EmulatedTiles {
     }
     template <int C, int A, int B>
     static void dpbsud() {
-        static_assert(0 <= C && C < TILES && 0 <= A && A < TILES && 0 <= B && B < TILES);
-        static_assert(C != A && C != B && A != B, "#UD: the three tiles must differ");
-        State& s = state();
-        if (!chained(s, C, A, B)) return;
-        const int m_rows = s.rows[C], n = s.colsb[C] / 4, k = s.colsb[A] / 4;
-        for (int m = 0; m < m_rows; ++m) {
-            uint8_t* c = s.data[C][m];
-            for (int j = 0; j < n; ++j) {
-                uint32_t acc;  // int32 arithmetic wraps: add as uint32
-                std::memcpy(&acc, c + 4 * j, 4);
-                for (int kk = 0; kk < k; ++kk) {
-                    uint32_t dot = 0;
-                    for (int i = 0; i < 4; ++i) {
-                        const int32_t a = static_cast<int8_t>(s.data[A][m][4 * kk + i]);
-                        const int32_t b = s.data[B][kk][4 * j + i];
-                        dot += static_cast<uint32_t>(a * b);
-                    }
-                    acc += dot;
-                }
-                std::memcpy(c + 4 * j, &acc, 4);
+        each_output<C, A, B>([](const uint8_t* a, const uint8_t* const* b, int j, int k,
+                                uint8_t* c) {
+            uint32_t acc;  // int32 arithmetic wraps: add as uint32
+            std::memcpy(&acc, c, 4);
+            for (int kk = 0; kk < k; ++kk) {
+                uint32_t dot = 0;
+                for (int i = 0; i < 4; ++i)
+                    dot += static_cast<uint32_t>(static_cast<int8_t>(a[4 * kk + i]) *
+                                                 static_cast<int32_t>(b[kk][4 * j + i]));
+                acc += dot;
             }
-            std::memset(c + 4 * n, 0, MAX_COLSB - 4 * n);  // the row past colsb is zeroed
-        }
-        for (int m = m_rows; m < MAX_ROWS; ++m) std::memset(s.data[C][m], 0, MAX_COLSB);
+            std::memcpy(c, &acc, 4);
+        });
     }
     template <int C, int A, int B>
     static void dpbf16ps() {
-        static_assert(0 <= C && C < TILES && 0 <= A && A < TILES && 0 <= B && B < TILES);
-        static_assert(C != A && C != B && A != B, "#UD: the three tiles must differ");
-        State& s = state();
-        if (!chained(s, C, A, B)) return;
-        const int m_rows = s.rows[C], n = s.colsb[C] / 4, k = s.colsb[A] / 4;
-        for (int m = 0; m < m_rows; ++m) {
-            uint8_t* c = s.data[C][m];
-            for (int j = 0; j < n; ++j) {
-                float acc;
-                std::memcpy(&acc, c + 4 * j, 4);
-                for (int kk = 0; kk < k; ++kk)
-                    for (int i = 0; i < 2; ++i) {
-                        const float a = bf16(s.data[A][m] + 4 * kk + 2 * i);
-                        const float b = bf16(s.data[B][kk] + 4 * j + 2 * i);
-                        acc = flush(acc + a * b);  // a bf16 product is exact in fp32
-                    }
-                std::memcpy(c + 4 * j, &acc, 4);
-            }
-            std::memset(c + 4 * n, 0, MAX_COLSB - 4 * n);
-        }
-        for (int m = m_rows; m < MAX_ROWS; ++m) std::memset(s.data[C][m], 0, MAX_COLSB);
+        each_output<C, A, B>([](const uint8_t* a, const uint8_t* const* b, int j, int k,
+                                uint8_t* c) {
+            float acc;
+            std::memcpy(&acc, c, 4);
+            for (int kk = 0; kk < k; ++kk)
+                for (int i = 0; i < 2; ++i)  // a bf16 product is exact in fp32
+                    acc = flush(acc + bf16(a + 4 * kk + 2 * i) * bf16(b[kk] + 4 * j + 2 * i));
+            std::memcpy(c, &acc, 4);
+        });
     }
     static bool ok() { return !state().fault; }
 
    private:
+    // A dot product instruction's frame: the tiles checked (#UD otherwise), then
+    // dot(A's row m, B's rows, column j, A's dwords, C[m]'s dword j) for every output, the
+    // rest of C's rows and columns zeroed as the hardware zeroes them.
+    template <int C, int A, int B, class Dot>
+    static void each_output(Dot dot) {
+        static_assert(0 <= C && C < TILES && 0 <= A && A < TILES && 0 <= B && B < TILES);
+        static_assert(C != A && C != B && A != B, "#UD: the three tiles must differ");
+        State& s = state();
+        if (!chained(s, C, A, B)) return;
+        const int m_rows = s.rows[C], n = s.colsb[C] / 4, k = s.colsb[A] / 4;
+        const uint8_t* b[MAX_ROWS];
+        for (int kk = 0; kk < k; ++kk) b[kk] = s.data[B][kk];
+        for (int m = 0; m < m_rows; ++m) {
+            uint8_t* c = s.data[C][m];
+            for (int j = 0; j < n; ++j) dot(s.data[A][m], b, j, k, c + 4 * j);
+            std::memset(c + 4 * n, 0, MAX_COLSB - 4 * n);  // the row past colsb is zeroed
+        }
+        for (int m = m_rows; m < MAX_ROWS; ++m) std::memset(s.data[C][m], 0, MAX_COLSB);
+    }
     // tdpbf16ps reads denormal bf16 inputs as zero and flushes denormal results to zero
     static float flush(float v) { return std::fabs(v) < 1.17549435e-38f ? 0.0f * v : v; }
     static float bf16(const uint8_t* p) {
