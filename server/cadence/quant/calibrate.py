@@ -305,7 +305,9 @@ def measure(
         packing.use_float_product(previous[0])
         packing.use_bf16_product(previous[1])
     if kv_step is not None:
-        table.kv_cache = kv_calibrate.measure(dtype_name, *kv_step)
+        if amx is None and isa == "avx512_bf16":
+            amx = amx_usable(isa)
+        table.kv_cache = kv_calibrate.measure(dtype_name, *kv_step, amx=amx)
     return table
 
 

@@ -126,6 +126,31 @@ def _machine_table(
     return calibrate.read_for_machine(Path(kernel_table), key)
 
 
+def use_measured_attention_tiles(
+    kernel_table: str, device: torch.device, dtype_name: str, kv_cache_dtype: str
+) -> str:
+    """Runs an int8 cache's attention on AMX-INT8 tiles for the calls the table measured
+    them faster in here (bitwise the vector kernel's answers either way), where this
+    process may run them (the vector kernel otherwise, with one line saying why); returns
+    what /info says of it ("" where the tiles serve nothing)."""
+    table = _machine_table(kernel_table, device, dtype_name)
+    if device.type != "cpu" or isa_name(device) != "avx512_bf16":
+        return ""  # only these kernels have the tiles (and the operator to ask)
+    torch.ops.cadence.use_attention_tiles(kv_calibrate.VECTOR_TILES, 1)
+    kv = table.kv_cache if table is not None else None
+    if kv is None or kv_cache_dtype != kv_calibrate.INT8 or kv.tiles_min_rows == 0:
+        return ""
+    if not amx_available():
+        logger.warning(
+            "the kernel table chose AMX tiles for the int8 KV cache's attention but this "
+            "process may not use them (no AMX-INT8, or the kernel refused it): the vector "
+            "kernel serves, same answers"
+        )
+        return ""
+    torch.ops.cadence.use_attention_tiles(kv_calibrate.AMX_TILES, kv.tiles_min_rows)
+    return kv_calibrate.tiles_text(kv)
+
+
 def use_measured_bf16_product(kernel_table: str, device: torch.device) -> str:
     """Serves bfloat16 products on cadence's AMX-BF16 tiles where the table measured them
     faster than oneDNN on this machine and this process may run them (oneDNN otherwise,

@@ -31,6 +31,7 @@ from cadence.quant.product import ProductKernels
 from cadence.quant.setup import (
     QuantizeConfig,
     measured_kv_cache,
+    use_measured_attention_tiles,
     use_measured_bf16_product,
     use_measured_float_product,
 )
@@ -114,6 +115,14 @@ class Engine:
         self.float_product_measured = use_measured_float_product(float32_table, self.device)
         bf16_table = cfg.kernel_table if self.dtype == torch.bfloat16 else ""
         self.bf16_product_measured = use_measured_bf16_product(bf16_table, self.device)
+        # an int8 cache's attention on AMX tiles where measured faster (the same bits)
+        self.attention_tiles_measured = (
+            use_measured_attention_tiles(
+                cfg.kernel_table, self.device, cfg.dtype, self.kv_format.name
+            )
+            if cfg.cpu_kernels
+            else ""
+        )
         self.model = load_model(cfg.model_dir, self.dtype, self.device, quantize)
         # what is quantized: source, formats, crossover, float kept ({} for none)
         self.quantization: dict[str, Any] = self.model.quantization
@@ -240,6 +249,8 @@ class Engine:
             "weights": self.cfg.dtype,
             "kv_cache_dtype": self.cfg.kv_cache_dtype or self.cfg.dtype,
         }
+        if self.attention_tiles_measured:
+            fields["kv_cache_attention"] = self.attention_tiles_measured
         q = self.quantization
         if q:
             fields["weights"] = ", ".join(sorted(q["formats"]))

@@ -11,6 +11,8 @@
 //   store<T>(base, stride)  tilestored
 //   zero<T>()               tilezero
 //   dpbsud<C, A, B>()       tdpbsud: C[m][n] += sum over k, i of s8(A[m][4k+i]) * u8(B[k][4n+i])
+//   dpbusd<C, A, B>()       tdpbusd: the same of u8(A) * s8(B)
+//   dpbssd<C, A, B>()       tdpbssd: the same of s8(A) * s8(B)
 //   dpbf16ps<C, A, B>()     tdpbf16ps: C[m][n] (fp32) += A[m][2k] * B[k][2n] (bf16 pairs), then
 //                           += A[m][2k+1] * B[k][2n+1], k ascending
 //   ok()                    false once an instruction the hardware refuses (#UD, #GP) ran
@@ -111,6 +113,16 @@ struct HardwareTiles {
                          "i"(C), "i"(A), "i"(B));
     }
     template <int C, int A, int B>
+    CADENCE_AMX_TARGET static void dpbusd() {
+        asm volatile("{tdpbusd %%tmm%c2, %%tmm%c1, %%tmm%c0|tdpbusd tmm%c0, tmm%c1, tmm%c2}" ::
+                         "i"(C), "i"(A), "i"(B));
+    }
+    template <int C, int A, int B>
+    CADENCE_AMX_TARGET static void dpbssd() {
+        asm volatile("{tdpbssd %%tmm%c2, %%tmm%c1, %%tmm%c0|tdpbssd tmm%c0, tmm%c1, tmm%c2}" ::
+                         "i"(C), "i"(A), "i"(B));
+    }
+    template <int C, int A, int B>
     CADENCE_AMX_BF16_TARGET static void dpbf16ps() {
         asm volatile("{tdpbf16ps %%tmm%c2, %%tmm%c1, %%tmm%c0|tdpbf16ps tmm%c0, tmm%c1, tmm%c2}" ::
                          "i"(C), "i"(A), "i"(B));
@@ -180,19 +192,15 @@ struct EmulatedTiles {
     }
     template <int C, int A, int B>
     static void dpbsud() {
-        each_output<C, A, B>([](const uint8_t* a, const uint8_t* const* b, int j, int k,
-                                uint8_t* c) {
-            uint32_t acc;  // int32 arithmetic wraps: add as uint32
-            std::memcpy(&acc, c, 4);
-            for (int kk = 0; kk < k; ++kk) {
-                uint32_t dot = 0;
-                for (int i = 0; i < 4; ++i)
-                    dot += static_cast<uint32_t>(static_cast<int8_t>(a[4 * kk + i]) *
-                                                 static_cast<int32_t>(b[kk][4 * j + i]));
-                acc += dot;
-            }
-            std::memcpy(c, &acc, 4);
-        });
+        int8_dots<C, A, B, true, false>();
+    }
+    template <int C, int A, int B>
+    static void dpbusd() {
+        int8_dots<C, A, B, false, true>();
+    }
+    template <int C, int A, int B>
+    static void dpbssd() {
+        int8_dots<C, A, B, true, true>();
     }
     template <int C, int A, int B>
     static void dpbf16ps() {
@@ -209,6 +217,27 @@ struct EmulatedTiles {
     static bool ok() { return !state().fault; }
 
    private:
+    // tdpb[su][su]d: A's and B's bytes signed or unsigned as the instruction's letters say
+    template <int C, int A, int B, bool A_SIGNED, bool B_SIGNED>
+    static void int8_dots() {
+        each_output<C, A, B>([](const uint8_t* a, const uint8_t* const* b, int j, int k,
+                                uint8_t* c) {
+            uint32_t acc;  // int32 arithmetic wraps: add as uint32
+            std::memcpy(&acc, c, 4);
+            for (int kk = 0; kk < k; ++kk) {
+                uint32_t dot = 0;
+                for (int i = 0; i < 4; ++i)
+                    dot += static_cast<uint32_t>(byte<A_SIGNED>(a[4 * kk + i]) *
+                                                 byte<B_SIGNED>(b[kk][4 * j + i]));
+                acc += dot;
+            }
+            std::memcpy(c, &acc, 4);
+        });
+    }
+    template <bool SIGNED>
+    static int32_t byte(uint8_t v) {
+        return SIGNED ? static_cast<int32_t>(static_cast<int8_t>(v)) : static_cast<int32_t>(v);
+    }
     // A dot product instruction's frame: the tiles checked (#UD otherwise), then
     // dot(A's row m, B's rows, column j, A's dwords, C[m]'s dword j) for every output, the
     // rest of C's rows and columns zeroed as the hardware zeroes them.

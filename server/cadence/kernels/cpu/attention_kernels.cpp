@@ -10,6 +10,7 @@
 
 #include "attention_avx2.h"
 #include "attention_avx512_bf16.h"
+#include "attention_int8_amx.h"
 #include "attention_int8_avx512.h"
 #include "cache_rows.h"
 #include "cpu_elements.h"
@@ -18,6 +19,7 @@
 #include "fast_exp.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -25,6 +27,12 @@
 namespace {
 
 using namespace cadence_kernels;  // DType, Status
+
+// Which tiles an int8 cache's kernel runs on (cadence_attention_tiles): 0 the VNNI vector
+// code, TILES_AMX or TILES_EMULATED attention_int8_amx.h's, bitwise equal to it; the tiles
+// take the calls of at least attention_tiles_min_rows rows (a prompt chunk's tokens).
+std::atomic<int> attention_tiles{0};
+std::atomic<int> attention_tiles_min_rows{1};
 
 // One (sequence, KV head) pair: its G query heads against every visible key. QT is the
 // element type of the query and output, KT the cache's (they differ with --kv-cache-dtype).
@@ -125,18 +133,27 @@ inline bool same_table(const int64_t* a, const int64_t* b, int64_t blocks) {
     return std::equal(a, a + blocks, b);
 }
 
-// fn (a kernel of several rows over one table) over every sequence, consecutive rows
-// that one call can take (contexts one longer each, the same table, no sliding window) in
-// groups of up to max_rows, the groups in parallel, each thread with a scratch of
-// shared_floats plus row_floats per row of the largest group.
-inline void decode_row_groups(DecodeRowsFn fn, int64_t shared_floats, int64_t row_floats,
-                              int max_rows, const void* q,
-                              void* out, const void* k_cache, const void* v_cache,
-                              const float* k_scale, const float* v_scale,
+// A kernel of several rows over one table (DecodeRowsFn) with its scratch: shared_floats
+// per call, row_floats per row, at most max_rows rows a call.
+struct RowsKernel {
+    DecodeRowsFn fn = nullptr;
+    int64_t shared_floats = 0, row_floats = 0;
+    int max_rows = 1;
+};
+
+// Every sequence through `vnni` or `tiles` (bitwise equal kernels; tiles.fn null: none):
+// consecutive rows that one call can take (contexts one longer each, the same table, no
+// sliding window) in groups of up to the larger max_rows, the groups in parallel; a group
+// of at least tiles_min_rows rows on the tiles, any other on the vnni kernel (in pieces
+// of its max_rows). Each thread has the scratch of the largest group.
+inline void decode_row_groups(const RowsKernel& vnni, const RowsKernel& tiles,
+                              int tiles_min_rows, const void* q, void* out, const void* k_cache,
+                              const void* v_cache, const float* k_scale, const float* v_scale,
                               const int64_t* block_tables, int64_t table_stride,
                               const int64_t* context_lens, int64_t num_seqs, int num_heads,
                               int num_kv_heads, int block_size, float scale, int64_t window,
                               int num_threads) {
+    const int max_rows = tiles.fn ? std::max(vnni.max_rows, tiles.max_rows) : vnni.max_rows;
     std::vector<int64_t> starts;
     int64_t widest = 1;
     for (int64_t s = 0; s < num_seqs;) {
@@ -152,15 +169,22 @@ inline void decode_row_groups(DecodeRowsFn fn, int64_t shared_floats, int64_t ro
     }
     starts.push_back(num_seqs);
     const auto groups = static_cast<int64_t>(starts.size()) - 1;
+    int64_t floats =
+        vnni.shared_floats + std::min<int64_t>(widest, vnni.max_rows) * vnni.row_floats;
+    if (tiles.fn) floats = std::max(floats, tiles.shared_floats + widest * tiles.row_floats);
 #pragma omp parallel num_threads(num_threads)
     {
-        std::vector<float> scratch(shared_floats + widest * row_floats);
+        std::vector<float> scratch(floats);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < groups; ++i) {
-            const int64_t s = starts[i];
-            fn(q, out, k_cache, v_cache, k_scale, v_scale, block_tables + s * table_stride,
-               context_lens + s, s, static_cast<int>(starts[i + 1] - s), num_heads,
-               num_kv_heads, block_size, scale, window, scratch.data());
+            const int64_t s = starts[i], n = starts[i + 1] - s;
+            const bool on_tiles = tiles.fn && n >= tiles_min_rows;
+            const RowsKernel& k = on_tiles ? tiles : vnni;
+            for (int64_t r = 0; r < n; r += k.max_rows)
+                k.fn(q, out, k_cache, v_cache, k_scale, v_scale,
+                     block_tables + (s + r) * table_stride, context_lens + s + r, s + r,
+                     static_cast<int>(std::min<int64_t>(k.max_rows, n - r)), num_heads,
+                     num_kv_heads, block_size, scale, window, scratch.data());
         }
     }
 }
@@ -174,12 +198,25 @@ void decode_all(const void* q, void* out, const void* k_cache, const void* v_cac
     int64_t scratch_floats = 0;
 #ifdef CADENCE_AVX512_BF16
     if constexpr (KT == I8 && QT != F32) {  // a float32 query keeps dpbf16's exact pieces
-        if (DecodeRowsFn rows_fn = pick_int8<QT>(head_dim, block_size))
-            return decode_row_groups(rows_fn, int8_shared_floats(head_dim),
-                                     Int8Scratch::floats(num_heads, num_kv_heads, head_dim),
-                                     INT8_GROUP_ROWS, q, out, k_cache, v_cache, k_scale, v_scale,
-                                     block_tables, table_stride, context_lens, num_seqs, num_heads,
-                                     num_kv_heads, block_size, scale, window, num_threads);
+        const int tiles = attention_tiles.load(std::memory_order_relaxed);
+        const int G = num_heads / num_kv_heads;
+        const int64_t row_floats = Int8Scratch::floats(num_heads, num_kv_heads, head_dim);
+        RowsKernel amx;
+        amx.fn = tiles == TILES_AMX
+                     ? pick_int8_amx<cadence_amx::HardwareTiles, QT>(head_dim, block_size)
+                 : tiles == TILES_EMULATED
+                     ? pick_int8_amx<cadence_amx::EmulatedTiles, QT>(head_dim, block_size)
+                     : nullptr;
+        amx.shared_floats = amx_shared_floats(num_kv_heads, head_dim, G);
+        amx.row_floats = row_floats;
+        amx.max_rows = AMX_GROUP_ROWS;
+        RowsKernel vnni{pick_int8<QT>(head_dim, block_size), int8_shared_floats(head_dim),
+                        row_floats, INT8_GROUP_ROWS};
+        if (vnni.fn != nullptr)
+            return decode_row_groups(vnni, amx, attention_tiles_min_rows.load(), q, out, k_cache,
+                                     v_cache, k_scale, v_scale, block_tables, table_stride,
+                                     context_lens, num_seqs, num_heads, num_kv_heads, block_size,
+                                     scale, window, num_threads);
     }
     if (fn == nullptr) if constexpr (dpbf16_serves<QT, KT>()) {
         fn = pick_dpbf16<QT, KT>(head_dim);
@@ -215,9 +252,38 @@ void decode_all(const void* q, void* out, const void* k_cache, const void* v_cac
     }
 }
 
+// Whether the emulated tiles faulted since the last call (and forget it).
+inline bool tile_fault() {
+#ifdef CADENCE_AVX512_BF16
+    return amx_attention_fault.exchange(false, std::memory_order_relaxed);
+#else
+    return false;
+#endif
+}
+
 }  // namespace
 
 extern "C" {
+
+int cadence_attention_tiles(int tiles, int min_rows, int* previous, int* previous_min_rows) {
+    *previous = attention_tiles.load();
+    *previous_min_rows = attention_tiles_min_rows.load();
+    if (min_rows < 1) return BAD_TILES;
+    if (tiles == 0) {
+        attention_tiles.store(0);
+        attention_tiles_min_rows.store(min_rows);
+        return OK;
+    }
+    if (tiles != TILES_AMX && tiles != TILES_EMULATED) return BAD_TILES;
+#ifdef CADENCE_AVX512_BF16
+    if (tiles == TILES_AMX && cadence_amx_request() != 1) return NO_AMX;
+    attention_tiles_min_rows.store(min_rows);
+    attention_tiles.store(tiles);
+    return OK;
+#else
+    return NO_AMX_KERNEL;
+#endif
+}
 
 // q, out: [num_seqs, num_heads, head_dim] of q_dtype; caches of kv_dtype: [num_blocks, block_size, num_kv_heads,
 // head_dim]; block_tables: [num_seqs, table_stride] int64; context_lens: [num_seqs]
@@ -235,7 +301,7 @@ int cadence_paged_decode_attention(const void* q, void* out, const void* k_cache
         decode_all<QT, KT>(q, out, k_cache, v_cache, k_scale, v_scale, block_tables,        \
                            table_stride, context_lens, num_seqs, num_heads, num_kv_heads,   \
                            head_dim, block_size, scale, window, num_threads);               \
-        return OK;                                                                          \
+        return tile_fault() ? TILE_FAULT : OK;                                              \
     }
     CADENCE_DECODE(F32, F32)
     CADENCE_DECODE(BF16, BF16)

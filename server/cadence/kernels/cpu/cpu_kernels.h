@@ -111,6 +111,16 @@ int cadence_decode_layer_attention(const void* qkv, int64_t x_stride, const void
                                    int num_kv_heads, int head_dim, int block_size, float scale,
                                    int64_t window, int dtype, int kv_dtype, int num_threads);
 
+// The tiles an int8 KV cache's attention under bfloat16 or float16 queries runs on, from
+// now on in this process: 0 the VNNI vector code; TILES_AMX (NO_AMX unless
+// cadence_amx_request grants AMX) or TILES_EMULATED the AMX-INT8 kernel
+// (attention_int8_amx.h, head_dim 64, 128 or 256; others keep the vector code) for the
+// calls of at least min_rows query rows over one table (a prompt chunk's consecutive
+// tokens; 1: every call), bitwise equal to the vector code. NO_AMX_KERNEL from the builds
+// other than avx512_bf16's; BAD_TILES for min_rows < 1. *previous, *previous_min_rows:
+// the setting before the call, whatever the status.
+int cadence_attention_tiles(int tiles, int min_rows, int* previous, int* previous_min_rows);
+
 // LoRA (lora_kernels.cpp) over n rows of a step: row i is rows[i], or first_row + i when
 // rows is null; row_adapter[i] its adapter (-1: none). The pool's rows: rows_in [N, in],
 // rows_out [N, out] of dtype, each row packed, row i starting rows_stride elements after

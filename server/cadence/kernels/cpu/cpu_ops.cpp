@@ -37,6 +37,7 @@
 //     float_matmul(x, packed, bias, out_features) -> y
 //     bf16_matmul_tiles(x, packed, bias, out_features, tiles) -> y
 //     amx_bf16_available() -> bool
+//     use_attention_tiles(tiles, min_rows=1) -> (previous tiles, previous min_rows)
 //
 // The LoRA pair covers some rows of a step (rows[i], or first_row + i when rows is None;
 // row_adapter[i] their adapters, -1 none), reading the adapters' rows in place in the KV
@@ -60,6 +61,12 @@
 // hardware's (where amx_bf16_available()), 2 their emulation (any CPU running the
 // avx512_bf16 kernels, the only ones with the kernel). Each output one tdpbf16ps chain over
 // the input columns in order: a row's bits whatever the other rows.
+//
+// use_attention_tiles sets, for this process and the selected kernels, the tiles an int8 KV
+// cache's attention runs on under bfloat16 or float16 queries: 0 the VNNI vector code, 1 AMX
+// (asks for it, as quant_matmul_tiles does), 2 emulated AMX, for the calls of at least
+// min_rows rows over one table (a prompt chunk's tokens; 1: all); the AMX-INT8 kernel gives
+// the vector code's bits. Returns the setting it replaced.
 //
 // k_scale/v_scale: an int8 or fp8 cache's scales (cadence/kv_format.py), None for a float
 // cache.
@@ -91,6 +98,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <tuple>
 #include <string>
 #include <tuple>
 
@@ -124,6 +132,7 @@ struct Kernels {
     decltype(&cadence_float_matmul) float_matmul;
     decltype(&cadence_amx_bf16_request) amx_bf16_request;
     decltype(&cadence_bf16_matmul_tiles) bf16_matmul_tiles;
+    decltype(&cadence_attention_tiles) attention_tiles;
 };
 
 // Every call reads the table through one atomic pointer; a selection swaps it. Tables are
@@ -166,6 +175,7 @@ void select_kernels(c10::string_view isa, c10::string_view path_view) {
         resolve(library, path, "cadence_float_matmul", fresh->float_matmul);
         resolve(library, path, "cadence_amx_bf16_request", fresh->amx_bf16_request);
         resolve(library, path, "cadence_bf16_matmul_tiles", fresh->bf16_matmul_tiles);
+        resolve(library, path, "cadence_attention_tiles", fresh->attention_tiles);
         table = std::move(fresh);
     }
     selected.store(table.get(), std::memory_order_release);
@@ -762,6 +772,25 @@ Tensor bf16_matmul_tiles(const Tensor& x, const Tensor& packed, const std::optio
     return y;
 }
 
+// ---- the int8 cache's attention on AMX tiles ---------------------------------------------
+
+std::tuple<int64_t, int64_t> use_attention_tiles(int64_t tiles, int64_t min_rows) {
+    if (tiles != 0 && tiles != cadence_kernels::TILES_AMX &&
+        tiles != cadence_kernels::TILES_EMULATED) {
+        checks::fail("use_attention_tiles",
+                     "tiles must be 0 (vector), 1 (AMX) or 2 (emulated AMX), got ", tiles);
+    }
+    if (min_rows < 1 || min_rows > 1 << 20) {
+        checks::fail("use_attention_tiles", "min_rows must be at least 1, got ", min_rows);
+    }
+    const Kernels& k = kernels();
+    int previous = 0, previous_min_rows = 1;
+    const int status = k.attention_tiles(static_cast<int>(tiles), static_cast<int>(min_rows),
+                                         &previous, &previous_min_rows);
+    check_status(k, status, "cadence_attention_tiles");
+    return {previous, previous_min_rows};
+}
+
 }  // namespace
 }  // namespace cadence_ops
 
@@ -820,6 +849,8 @@ TORCH_LIBRARY_FRAGMENT(cadence, m) {
         "bf16_matmul_tiles(Tensor x, Tensor packed, Tensor? bias, int out_features, int tiles) "
         "-> Tensor");
     m.def("amx_bf16_available() -> bool", TORCH_FN(cadence_ops::amx_bf16_available));
+    m.def("use_attention_tiles(int tiles, int min_rows=1) -> (int, int)",
+          TORCH_FN(cadence_ops::use_attention_tiles));
     // No tensors: these run whatever the dispatch keys (a catch-all kernel).
     m.def("_select_kernels(str isa, str path) -> ()", TORCH_FN(cadence_ops::select_kernels));
     m.def("_selected_kernels() -> str", TORCH_FN(cadence_ops::selected_kernels));
