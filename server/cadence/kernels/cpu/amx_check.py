@@ -1,9 +1,11 @@
 """`python -m cadence.kernels.cpu.amx_check`: whether the AMX-INT8 product of quantized
 weights (`torch.ops.cadence.quant_matmul_tiles` with tiles 1, `quant_amx.h`) runs on this
 machine and gives the VNNI product's bits (`quant_matmul` of the same avx512_bf16
-kernels), and, where the CPU has AMX-BF16, whether the bfloat16 product on its tiles
-(`bf16_matmul_tiles`, bf16_kernels.cpp) is within rounding of float32's and gives a row the
-same bits whatever the other rows. It runs in a process of its own because a CPU, kernel
+kernels), whether attention over an int8 KV cache on AMX-INT8 tiles
+(`use_attention_tiles`, attention_int8_amx.h) gives the vector kernel's bits, and, where
+the CPU has AMX-BF16, whether the bfloat16 product on its tiles (`bf16_matmul_tiles`,
+bf16_kernels.cpp) is within rounding of float32's and gives a row the same bits whatever
+the other rows. It runs in a process of its own because a CPU, kernel
 or hypervisor that mishandles AMX kills the process (SIGILL) rather than raising: exit 0
 and one line when every case matches, 1 and the reason otherwise.
 
@@ -81,10 +83,51 @@ def check() -> str:
                         f"(by up to {off:g})"
                     )
                 cases += 1
-    line = f"AMX-INT8 product equals VNNI's bit for bit ({cases} cases)"
+    line = f"AMX-INT8 product equals VNNI's bit for bit ({cases} cases); {check_attention(g)}"
     if op.amx_bf16_available():
         line += f"; {check_bf16(g)}"
     return line
+
+
+def check_attention(g: torch.Generator) -> str:
+    """Attention over a random int8 cache on the AMX-INT8 tiles against the vector kernel:
+    decode rows of several lengths and a prompt's tokens (one block table, consecutive
+    rows), bit for bit. Raises AmxUnusable where a result differs."""
+    import torch
+
+    from cadence.kernels import cpu
+
+    op = torch.ops.cadence
+    heads, kv_heads, dim, block = 9, 3, 64, 16
+    blocks = 64
+    k = torch.randint(-127, 128, (blocks, block, kv_heads, dim), dtype=torch.int8, generator=g)
+    v = torch.randint(-127, 128, (blocks, block, kv_heads, dim), dtype=torch.int8, generator=g)
+    k_scale = torch.rand(blocks, block, kv_heads, generator=g) * 0.04 + 0.01
+    v_scale = torch.rand(blocks, block, kv_heads, generator=g) * 0.04 + 0.01
+    order = torch.randperm(blocks, generator=g)[:20]
+    cases = (  # (tables, context lengths): decode rows, then a prompt of 40 tokens
+        (order.view(4, 5), torch.tensor([1, 17, 64, 80])),
+        (order[:3].repeat(40, 1), torch.arange(1, 41)),
+    )
+    for tables, lens in cases:
+        q = torch.randn(len(lens), heads, dim, generator=g).to(torch.bfloat16)
+        outs = []
+        for tiles in (0, HARDWARE):
+            op.use_attention_tiles(tiles, 1)
+            try:
+                outs.append(
+                    cpu.paged_decode_attention(
+                        q, k, v, tables, lens, dim**-0.5, None, k_scale=k_scale, v_scale=v_scale
+                    )
+                )
+            finally:
+                op.use_attention_tiles(0, 1)
+        if not torch.equal(outs[0], outs[1]):
+            raise AmxUnusable(
+                f"attention over an int8 cache ({len(lens)} rows): the AMX-INT8 tiles differ "
+                "from the vector kernel"
+            )
+    return f"int8 attention on AMX-INT8 tiles equals the vector kernel's ({len(cases)} cases)"
 
 
 def check_bf16(g: torch.Generator) -> str:
