@@ -178,3 +178,19 @@ def avx512_bf16() -> Iterator[None]:
         pytest.skip(why_not)
     with cpu.selected(amx_check.ISA):
         yield
+
+
+@pytest.fixture(scope="module")
+def amx_int8_hardware(avx512_bf16: None) -> None:
+    """AMX-INT8's instructions run in this process only once the self-test has run them in
+    a process of its own: a CPU or hypervisor that mishandles AMX kills that one (a failure
+    here naming why), not the test session (test_quant_amx_kernel.py,
+    test_attention_amx_kernel.py)."""
+    import torch
+    from cadence.kernels.cpu import amx_check
+
+    if not torch.ops.cadence.amx_available():
+        pytest.skip(amx_check.no_amx_reason())
+    ok, why = amx_check.usable(timeout_s=600)
+    if not ok:
+        pytest.fail(f"this CPU grants AMX-INT8 but the AMX products fail their self-test: {why}")

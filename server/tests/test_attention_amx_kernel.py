@@ -21,21 +21,10 @@ from cadence.quant import calibrate, kv_calibrate, setup
 VECTOR, HARDWARE, EMULATED = 0, 1, 2
 
 
-@pytest.fixture(scope="module")
-def hardware_tiles(avx512_bf16: None) -> None:
-    """AMX's instructions run in this process only once the self-test has run them in a
-    process of its own (a CPU or hypervisor that mishandles AMX kills that one)."""
-    if not torch.ops.cadence.amx_available():
-        pytest.skip("this CPU has no AMX-INT8, or the kernel refused AMX permission")
-    ok, why = amx_check.usable(timeout_s=600)
-    if not ok:
-        pytest.fail(f"this CPU grants AMX-INT8 but the AMX products fail their self-test: {why}")
-
-
 @pytest.fixture(params=[EMULATED, HARDWARE], ids=["emulated", "hardware"])
 def tiles(request: pytest.FixtureRequest, avx512_bf16: None) -> int:
     if request.param == HARDWARE:
-        request.getfixturevalue("hardware_tiles")
+        request.getfixturevalue("amx_int8_hardware")
     return request.param
 
 

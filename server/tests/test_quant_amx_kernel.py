@@ -22,22 +22,10 @@ HARDWARE, EMULATED = 1, 2
 AMX_ROWS = (*ROWS, 16, 17, 32, 48)
 
 
-@pytest.fixture(scope="module")
-def hardware_tiles(avx512_bf16: None) -> None:
-    """AMX's instructions run in this process only once the self-test has run them in a
-    process of its own: a CPU or hypervisor that mishandles AMX kills that one (a failure
-    here naming why), not the test session."""
-    if not torch.ops.cadence.amx_available():
-        pytest.skip(amx_check.no_amx_reason())
-    ok, why = amx_check.usable(timeout_s=600)
-    if not ok:
-        pytest.fail(f"this CPU grants AMX-INT8 but the AMX product fails its self-test: {why}")
-
-
 @pytest.fixture(params=[EMULATED, HARDWARE], ids=["emulated", "hardware"])
 def tiles(request: pytest.FixtureRequest, avx512_bf16: None) -> int:
     if request.param == HARDWARE:
-        request.getfixturevalue("hardware_tiles")
+        request.getfixturevalue("amx_int8_hardware")
     return request.param
 
 

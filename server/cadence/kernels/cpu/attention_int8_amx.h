@@ -155,6 +155,12 @@ inline void interleave_values(const int8_t* rows, int64_t row_stride, int block_
     }
 }
 
+// Row m of the stored C halves (16 int32 each) as one sum: 256 hi + lo, exact in int32.
+inline __m512i c_row(const int32_t* c_lo, const int32_t* c_hi, int m) {
+    return _mm512_add_epi32(_mm512_slli_epi32(_mm512_loadu_si512(c_hi + 16 * m), 8),
+                            _mm512_loadu_si512(c_lo + 16 * m));
+}
+
 // The bits of a block's 16 rows r0.. that a query row sees: those in [lo, hi).
 inline __mmask16 seen_mask(int r0, int64_t lo, int64_t hi) {
     const int64_t a = std::clamp<int64_t>(lo - r0, 0, 16), b = std::clamp<int64_t>(hi - r0, 0, 16);
@@ -190,16 +196,12 @@ CADENCE_AMX_TARGET void decode_rows_int8_amx(const void* q, void* out, const voi
     }
     for (int r = 0; r < rows; ++r) {
         Int8Scratch& w = ws[r] = Int8Scratch(row_scratch + r * per_row, num_heads, num_kv_heads, D);
-        for (int h = 0; h < num_heads; ++h) {
-            load_row<QT>(q, ((seq0 + r) * num_heads + h) * D, w.row, D);
-            w.qs[h] = quantize_i16(w.row, D, w.q16 + h * D) * scale;
+        num_blocks[r] = start_row<QT>(w, q, seq0 + r, num_heads, D, scale, context_lens[r],
+                                      block_size);
+        for (int h = 0; h < num_heads; ++h) {  // the query heads' bytes, in their A tiles
             const int kh = h / G, at = (kh * MP + r * G + h % G) * D;
             split_i16(w.q16 + h * D, D, q_lo + at, q_hi + at);
         }
-        std::fill(w.acc, w.acc + num_heads * D, 0.0f);
-        std::fill(w.m, w.m + num_heads, NEG_INF);
-        std::fill(w.l, w.l + num_heads, 0.0f);
-        num_blocks[r] = (context_lens[r] + block_size - 1) / block_size;
         num_blocks_all = std::max(num_blocks_all, num_blocks[r]);
     }
     cadence_amx::TileConfig cfg;
@@ -279,9 +281,7 @@ CADENCE_AMX_TARGET void decode_rows_int8_amx(const void* q, void* out, const voi
                             const int j = tile * AMX_HEAD_TILE + m, r = j / G;
                             if (b >= num_blocks[r]) continue;
                             const int h = kh * G + j % G;
-                            const __m512i dot = _mm512_add_epi32(
-                                _mm512_slli_epi32(_mm512_loadu_si512(c_hi + 16 * m), 8),
-                                _mm512_loadu_si512(c_lo + 16 * m));
+                            const __m512i dot = c_row(c_lo, c_hi, m);
                             const __m512 kscale = _mm512_maskz_mov_ps(seen[r], ks);
                             const __m512 sc = _mm512_mul_ps(
                                 _mm512_mul_ps(_mm512_cvtepi32_ps(dot), kscale),
@@ -338,9 +338,7 @@ CADENCE_AMX_TARGET void decode_rows_int8_amx(const void* q, void* out, const voi
                         const int j = tile * AMX_HEAD_TILE + m, r = j / G;
                         if (b0 >= num_blocks[r]) continue;
                         const int h = kh * G + j % G;
-                        const __m512i sum = _mm512_add_epi32(
-                            _mm512_slli_epi32(_mm512_loadu_si512(c_hi + 16 * m), 8),
-                            _mm512_loadu_si512(c_lo + 16 * m));
+                        const __m512i sum = c_row(c_lo, c_hi, m);
                         float* acc = ws[r].acc + h * D + vt * 16;
                         const __m512 corr = _mm512_set1_ps(ws[r].corr[h]);
                         const __m512 ps = _mm512_set1_ps(ws[r].ps[h]);
@@ -353,14 +351,8 @@ CADENCE_AMX_TARGET void decode_rows_int8_amx(const void* q, void* out, const voi
     }
     if (!Tiles::ok()) amx_attention_fault.store(true, std::memory_order_relaxed);
     Tiles::release();
-    for (int r = 0; r < rows; ++r) {
-        Int8Scratch& w = ws[r];
-        for (int h = 0; h < num_heads; ++h) {
-            const float inv = w.l[h] > 0.0f ? 1.0f / w.l[h] : 0.0f;  // no visible key: zeros
-            for (int d = 0; d < D; ++d) w.row[d] = w.acc[h * D + amx_value_index(d)];
-            store_row<QT>(out, ((seq0 + r) * num_heads + h) * D, w.row, inv, D);
-        }
-    }
+    for (int r = 0; r < rows; ++r)
+        finish_row<QT>(ws[r], out, seq0 + r, num_heads, D, amx_value_index);
 }
 
 template <class Tiles, int QT>

@@ -210,6 +210,33 @@ struct Int8Scratch {
     }
 };
 
+// A query row's start: its heads quantized to int16 (scales times `scale`), the
+// accumulators, running max and sum cleared. Returns how many blocks it reads.
+template <int QT>
+inline int64_t start_row(Int8Scratch& w, const void* q, int64_t row, int num_heads, int D,
+                         float scale, int64_t context_len, int block_size) {
+    for (int h = 0; h < num_heads; ++h) {
+        load_row<QT>(q, (row * num_heads + h) * D, w.row, D);
+        w.qs[h] = quantize_i16(w.row, D, w.q16 + h * D) * scale;
+    }
+    std::fill(w.acc, w.acc + num_heads * D, 0.0f);
+    std::fill(w.m, w.m + num_heads, NEG_INF);
+    std::fill(w.l, w.l + num_heads, 0.0f);
+    return (context_len + block_size - 1) / block_size;
+}
+
+// A query row's end: each head's accumulators (dimension d at acc[index(d)]) over its
+// softmax sum, into the output row.
+template <int QT, class Index>
+inline void finish_row(Int8Scratch& w, void* out, int64_t row, int num_heads, int D,
+                       Index index) {
+    for (int h = 0; h < num_heads; ++h) {
+        const float inv = w.l[h] > 0.0f ? 1.0f / w.l[h] : 0.0f;  // no visible key: zeros
+        for (int d = 0; d < D; ++d) w.row[d] = w.acc[h * D + index(d)];
+        store_row<QT>(out, (row * num_heads + h) * D, w.row, inv, D);
+    }
+}
+
 // One query row's G heads of KV head kh against 16 key rows (int16 in `keys`, the block's
 // rows r0.. at slot0): scores into w.s at `at`, -inf where the row does not see the key
 // (outside [lo, hi) of the block); the keys' value scales into w.vsc (0 where unseen).
@@ -292,15 +319,9 @@ void decode_rows_int8(const void* q, void* out, const void* k_cache, const void*
     int64_t num_blocks[INT8_GROUP_ROWS];
     int64_t num_blocks_all = 0;
     for (int r = 0; r < rows; ++r) {
-        Int8Scratch& w = ws[r] = Int8Scratch(row_scratch + r * per_row, num_heads, num_kv_heads, D);
-        for (int h = 0; h < num_heads; ++h) {
-            load_row<QT>(q, ((seq0 + r) * num_heads + h) * D, w.row, D);
-            w.qs[h] = quantize_i16(w.row, D, w.q16 + h * D) * scale;
-        }
-        std::fill(w.acc, w.acc + num_heads * D, 0.0f);
-        std::fill(w.m, w.m + num_heads, NEG_INF);
-        std::fill(w.l, w.l + num_heads, 0.0f);
-        num_blocks[r] = (context_lens[r] + block_size - 1) / block_size;
+        ws[r] = Int8Scratch(row_scratch + r * per_row, num_heads, num_kv_heads, D);
+        num_blocks[r] = start_row<QT>(ws[r], q, seq0 + r, num_heads, D, scale, context_lens[r],
+                                      block_size);
         num_blocks_all = std::max(num_blocks_all, num_blocks[r]);
     }
     const auto* k8 = static_cast<const int8_t*>(k_cache);
@@ -370,14 +391,8 @@ void decode_rows_int8(const void* q, void* out, const void* k_cache, const void*
                             acc, n);
         }
     }
-    for (int r = 0; r < rows; ++r) {
-        Int8Scratch& w = ws[r];
-        for (int h = 0; h < num_heads; ++h) {
-            const float inv = w.l[h] > 0.0f ? 1.0f / w.l[h] : 0.0f;  // no visible key: zeros
-            for (int d = 0; d < D; ++d) w.row[d] = w.acc[h * D + value_dim_order(d)];
-            store_row<QT>(out, ((seq0 + r) * num_heads + h) * D, w.row, inv, D);
-        }
-    }
+    for (int r = 0; r < rows; ++r)
+        finish_row<QT>(ws[r], out, seq0 + r, num_heads, D, value_dim_order);
 }
 
 template <int QT>
