@@ -148,7 +148,7 @@ def test_hardware_tiles_without_amx_are_an_error_not_a_crash(avx512_bf16):
         pytest.skip("this CPU and Linux allow AMX: the hardware tiles run")
     w = cpu_gemm.pack_int8(Int8Weight(torch.ones(16, 32, dtype=torch.int8), torch.ones(16)))
     for rows in (3, 0):
-        with pytest.raises(RuntimeError, match="AMX-INT8 is not usable in this process"):
+        with pytest.raises(RuntimeError, match="AMX is not usable in this process"):
             torch.ops.cadence.quant_matmul_tiles(
                 torch.randn(rows, 32), w.packed, w.scales, 16, w.fmt, HARDWARE
             )
