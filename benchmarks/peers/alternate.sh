@@ -23,7 +23,9 @@
 #   LLAMA_GGUF    its weights (default: the GGUF cadence serves by default)
 #   LLAMA_ARGS    its flags (-np 32 -c 32768 -t <cores>: 1024 tokens for each of 32 slots)
 #   SERVERS       which servers, comma-separated, in the order of odd rounds
-#                 (cadence-default,cadence-bf16,vllm-cpu,llama-server; also cadence-float32)
+#                 (cadence-default,cadence-bf16,vllm-cpu,llama-server; also cadence-float32,
+#                 and vllm-cpu-all-cores: vLLM's model on every core, none reserved for its
+#                 API server, where its default `auto` binding reserves one)
 #   VLLM_ARGS     more flags for vLLM's server (`--dtype float32` replaces bfloat16)
 #   AS_AVX2       1: every server held to AVX2 as on an AVX2-only CPU (torch, oneDNN,
 #                 MKL and cadence's kernels by their environment variables, vLLM's own
@@ -86,15 +88,20 @@ run_one() {
     cadence-default) bench "$name" "$round" ;;
     cadence-bf16) bench "$name" "$round" --server-args "--model-id $(printf %q "$FOLDER")" ;;
     cadence-float32) bench "$name" "$round" --server-args "--model-id $(printf %q "$FOLDER32")" ;;
-    vllm-cpu)
-        local pythonpath=${PYTHONPATH:-}
+    vllm-cpu | vllm-cpu-all-cores)
+        local pythonpath=${PYTHONPATH:-} bind=${VLLM_CPU_OMP_THREADS_BIND:-auto}
+        local reserved=${VLLM_CPU_NUM_OF_RESERVED_CPU:-}
+        if [[ $name == vllm-cpu-all-cores ]]; then
+            bind=0-$(($(nproc) - 1)) reserved=0
+        fi
         if [[ ${AS_AVX2:-0} == 1 ]]; then
             pythonpath=$here/as_avx2${pythonpath:+:$pythonpath}
         fi
-        # shellcheck disable=SC2086 # VLLM_ARGS is a list of flags
-        if ! server_pid=$(PORT=$VLLM_PORT VLLM_LOG=$OUT/round$round-$name.server.log \
-            PYTHONPATH=$pythonpath "$here/serve_vllm_cpu.sh" "$VLLM_VENV" "$FOLDER" \
-            ${VLLM_ARGS:-}); then
+        # shellcheck disable=SC2086 # VLLM_ARGS and the reserved cores are lists of words
+        if ! server_pid=$(env PORT="$VLLM_PORT" VLLM_LOG="$OUT/round$round-$name.server.log" \
+            PYTHONPATH="$pythonpath" VLLM_CPU_OMP_THREADS_BIND="$bind" \
+            ${reserved:+VLLM_CPU_NUM_OF_RESERVED_CPU=$reserved} \
+            "$here/serve_vllm_cpu.sh" "$VLLM_VENV" "$FOLDER" ${VLLM_ARGS:-}); then
             echo "  vLLM did not start; see $OUT/round$round-$name.server.log" >&2
             server_pid=""
             return 0
@@ -123,7 +130,7 @@ IFS=, read -r -a wanted <<<"$SERVERS"
 servers=()
 for name in "${wanted[@]}"; do
     case $name in
-    vllm-cpu)
+    vllm-cpu | vllm-cpu-all-cores)
         if [[ -z ${VLLM_VENV:-} || ! -x ${VLLM_VENV:-}/bin/python ]]; then
             echo "skipping vLLM: set VLLM_VENV to a venv from install_vllm_cpu.sh" >&2
             continue
