@@ -22,10 +22,12 @@
 #   LLAMA_SERVER  llama.cpp's llama-server binary; skipped without it
 #   LLAMA_GGUF    its weights (default: the GGUF cadence serves by default)
 #   LLAMA_ARGS    its flags (-np 32 -c 32768 -t <cores>: 1024 tokens for each of 32 slots)
-#   SERVERS       which servers, comma-separated, in the order of odd rounds
-#                 (cadence-default,cadence-bf16,vllm-cpu,llama-server; also cadence-float32,
-#                 and vllm-cpu-all-cores: vLLM's model on every core, none reserved for its
-#                 API server, where its default `auto` binding reserves one)
+#   SERVERS       which servers, comma-separated, in the order of odd rounds (default
+#                 cadence-default,cadence-bf16,vllm-cpu,vllm-cpu-all-cores,llama-server;
+#                 also cadence-float32). vllm-cpu is vLLM as its documented command starts
+#                 it: its `auto` thread binding reserves one core for its API server, so on
+#                 2 cores its model runs on one; vllm-cpu-all-cores runs its model on every
+#                 core with none reserved, as cadence's shard does
 #   VLLM_ARGS     more flags for vLLM's server (`--dtype float32` replaces bfloat16)
 #   AS_AVX2       1: every server held to AVX2 as on an AVX2-only CPU (torch, oneDNN,
 #                 MKL and cadence's kernels by their environment variables, vLLM's own
@@ -36,7 +38,7 @@ set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 ROUNDS=${ROUNDS:-2}
 OUT=${OUT:-peers-$(date -u +%Y%m%dT%H%M%SZ)}
-SERVERS=${SERVERS:-cadence-default,cadence-bf16,vllm-cpu,llama-server}
+SERVERS=${SERVERS:-cadence-default,cadence-bf16,vllm-cpu,vllm-cpu-all-cores,llama-server}
 LLAMA_ARGS=${LLAMA_ARGS:-"-np 32 -c 32768 -t $(nproc)"}
 VLLM_PORT=${VLLM_PORT:-8082}
 LLAMA_PORT=${LLAMA_PORT:-8081}
