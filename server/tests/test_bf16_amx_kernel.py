@@ -172,3 +172,73 @@ def test_a_table_choosing_amx_bf16_serves_bfloat16_weights_on_the_tiles_only_whe
         assert torch.allclose(got, want, atol=0.1, rtol=0.02), float((got - want).abs().max())
     finally:
         packing.use_bf16_product(None)
+
+
+SWIGLU_SHAPES = ((16, 32), (48, 100), (1536, 576))  # (inter, hidden): one block, a k tail, SmolLM2
+
+
+@pytest.mark.parametrize("shape", SWIGLU_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_the_fused_swiglu_is_the_product_then_silu_mul_bit_for_bit(shape, tiles):
+    """bf16_matmul_tiles_swiglu against its two steps: the gate/up product on the same tiles,
+    then silu_mul, at row counts of one tile, a tail and several row groups."""
+    inter, hidden = shape
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(2 * inter, hidden, generator=g) * 0.1).to(torch.bfloat16)
+    packed = packing.amx_bf16_packing(w)
+    for rows in (1, 16, 17, 33, 70):
+        x = (torch.randn(rows, hidden, generator=g) * 3).to(torch.bfloat16)
+        product = torch.ops.cadence.bf16_matmul_tiles(x, packed, None, 2 * inter, tiles)
+        want = torch.ops.cadence.silu_mul(product)
+        got = torch.ops.cadence.bf16_matmul_tiles_swiglu(x, packed, inter, tiles)
+        assert got.shape == (rows, inter) and torch.equal(got, want), rows
+
+
+def test_the_fused_swiglu_checks_its_arguments(avx512_bf16):
+    w, x = _case(64, 96)
+    packed = packing.amx_bf16_packing(w)
+    op = torch.ops.cadence.bf16_matmul_tiles_swiglu
+    with pytest.raises(ValueError, match="inter must be a positive multiple of 16"):
+        op(x, packed, 24, EMULATED)
+    with pytest.raises(ValueError, match="out_features 32 does not fill"):
+        op(x, packed, 16, EMULATED)  # 64 channels: 4 blocks hold 2 x 32, not 2 x 16
+    assert op(x, packed, 32, EMULATED).shape == (len(x), 32)
+    with pytest.raises(ValueError, match="x"):
+        op(x.float(), packed, 32, EMULATED)
+    with pytest.raises(ValueError, match="tiles"):
+        op(x, packed, 32, 0)
+
+
+def test_the_flat_step_fuses_swiglu_on_the_tiles_with_the_unfused_bits(
+    avx512_bf16, hardware_tiles, model_dirs, engine_for, tmp_path: Path, monkeypatch
+) -> None:
+    """A bfloat16 Llama whose products the table puts on the AMX-BF16 tiles: every layer's
+    SwiGLU runs in its gate/up product's call, and the logits are those of the same engine
+    with the fusion off, bit for bit."""
+    from cadence.runners import llama_cpu_flat
+    from shard_helpers import prefill_then_decode_logits
+
+    tokens = [5, 17, 42, 9, 77, 3, 120, 64, 8, 33]
+    seconds = {calibrate.DECODE_ROWS: 1.0, calibrate.PREFILL_ROWS: 1.0}
+    key = calibrate.machine_key(amx_check.ISA, "bfloat16")
+    entry = FloatMeasured(float_calibrate.AMX_BF16, seconds, seconds, "now")
+    path = tmp_path / "table.json"
+    calibrate.write(calibrate.KernelTable(key, bf16=entry), path)
+    fused_calls: list[int] = []
+    original = llama_cpu_flat._fused_swiglu
+
+    def counted(layer, x):
+        y = original(layer, x)
+        fused_calls.append(y is not None)
+        return y
+
+    try:
+        model_dir = model_dirs("llama_gqa")
+        engines = [engine_for(model_dir, dtype="bfloat16", kernel_table=str(path)) for _ in "ab"]
+        monkeypatch.setattr(llama_cpu_flat, "_fused_swiglu", counted)
+        fused = prefill_then_decode_logits(engines[0], tokens, 4)
+        assert fused_calls and all(fused_calls), fused_calls
+        monkeypatch.setattr(llama_cpu_flat, "_fused_swiglu", lambda layer, x: None)
+        unfused = prefill_then_decode_logits(engines[1], tokens, 4)
+        assert torch.equal(fused, unfused), float((fused.float() - unfused.float()).abs().max())
+    finally:
+        packing.use_bf16_product(None)

@@ -8,7 +8,8 @@ arithmetic. `forward_step` does per layer four matrix products and a few C++ ope
 (`torch.ops.cadence`) -- RMSNorm with the residual add; the rotary, cache write and
 attention (for a decode-only step all in one call; otherwise rotary + cache write for
 every token in one, the decode rows' paged attention, and the prefill rows through the
-torch backend's `attend_prefill`); RMSNorm; SwiGLU -- with the norms and the attention
+torch backend's `attend_prefill`); RMSNorm; SwiGLU (in the gate/up product's own call where
+that product runs on cadence's AMX-BF16 tiles) -- with the norms and the attention
 writing into buffers reused by every layer. Every operation rounds as the model's forward
 does, so both give the same bits (`server/tests/test_llama_cpu_flat.py`); tensor
 parallelism all-reduces after the two row-parallel products as the layers do.
@@ -23,6 +24,7 @@ from cadence.attention_backends.cpu_paged import CpuAttention, CpuMetadata
 from cadence.attention_backends.torch_sdpa import attend_prefill
 from cadence.heartbeat import HEARTBEAT
 from cadence.layers.linear import LinearBase, product
+from cadence.layers.packed import HARDWARE_TILES, is_amx_packing
 from cadence.layers.parallel import all_reduce_sum
 from cadence.models.llama import LlamaAttention, LlamaForCausalLM, LlamaModel
 from cadence.runners.generic import ModelRunner
@@ -55,6 +57,29 @@ def _row_parallel(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
     if layer.tp_size > 1:
         all_reduce_sum(y)
     return y
+
+
+def _fused_swiglu(layer: LinearBase, x: torch.Tensor) -> torch.Tensor | None:
+    """SwiGLU of the gate/up product in one call where its float weight serves these rows
+    on cadence's AMX-BF16 tiles (`bf16_matmul_tiles_swiglu`: the bits of the product and
+    silu_mul, without writing the product's rows out and reading them back); None where
+    another path serves it (a quantized or oneDNN product, a bias, a LoRA delta, a split)."""
+    packed = layer.packed_weight
+    rows = x.shape[0]
+    inter = layer.out_features // 2
+    if (
+        packed is None
+        or not is_amx_packing(packed)
+        or layer.bias is not None
+        or inter % 16
+        or not layer.min_rows <= rows <= layer.max_rows
+        or (layer.quantized is not None and layer.quantized.serves(rows))
+    ):
+        return None
+    hook = getattr(layer, "lora", None)
+    if hook is not None and hook.context.step is not None:
+        return None
+    return torch.ops.cadence.bf16_matmul_tiles_swiglu(x, packed, inter, HARDWARE_TILES)
 
 
 def _norm_heads(attn: LlamaAttention, qkv: torch.Tensor) -> None:
@@ -126,11 +151,13 @@ def forward_step(
             attend_prefill(cache, q_heads[d:], ctx.prefill, attended_heads[d:])
         x = _row_parallel(attn.o_proj, attended)
         norm(layer.post_attention_layernorm.weight, x, True, normed)
-        gate_up = _linear(layer.mlp.gate_up_proj, normed)
-        if act is None:
-            act = torch.empty(tokens, gate_up.shape[1] // 2, dtype=dtype)
-        ops.silu_mul.out(gate_up, act)
-        x = _row_parallel(layer.mlp.down_proj, act)
+        fused = _fused_swiglu(layer.mlp.gate_up_proj, normed)
+        if fused is None:
+            gate_up = _linear(layer.mlp.gate_up_proj, normed)
+            if act is None:
+                act = torch.empty(tokens, gate_up.shape[1] // 2, dtype=dtype)
+            ops.silu_mul.out(gate_up, act)
+        x = _row_parallel(layer.mlp.down_proj, act if fused is None else fused)
     out = torch.empty_like(x)
     norm(model.norm.weight, x, True, out)
     return out

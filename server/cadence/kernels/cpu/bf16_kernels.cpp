@@ -16,7 +16,9 @@
 // B[v] = 6 + v (one packed tile): 32 rows x 32 channels at a time, all 8 tile registers.
 // Threads take contiguous runs of column blocks (each weight tile streams once per call);
 // a thread passes every row group over a pair of column blocks while its 2 x k32 tiles
-// are in cache. Rows come from x in place where k is a multiple of 32 and a whole A tile
+// are in cache. cadence_bf16_matmul_tiles_swiglu multiplies a fused gate/up weight the same
+// way, gate block j and up block j as one pair, and writes SwiGLU of the pair's rounded sums
+// (silu_mul's arithmetic) instead of the sums. Rows come from x in place where k is a multiple of 32 and a whole A tile
 // is there; the last partial tile (and every tile where k is not) is copied into a
 // zero-padded strip first.
 
@@ -34,6 +36,7 @@
 #include <immintrin.h>
 
 #include "amx_tiles.h"
+#include "fast_exp.h"  // silu_mul16
 #define CADENCE_BF16_AMX 1
 #endif
 
@@ -134,6 +137,14 @@ void store_row(const float* v, int64_t cols, uint16_t* out) {
     }
 }
 
+// 16 float32 sums rounded to bfloat16 as store_row rounds them, held as float32 (what
+// silu_mul reads back from the stored product).
+inline __m512 as_stored(const float* v) {
+    const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(v));
+    const __m256i bits = reinterpret_cast<const __m256i&>(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
 // One thread's column blocks [nb0, nb1) of every row; configures its tiles and releases them.
 template <class Tiles>
 CADENCE_AMX_BF16_TARGET bool column_blocks(const uint16_t* x, int64_t xs, int64_t m, int64_t k,
@@ -166,6 +177,42 @@ CADENCE_AMX_BF16_TARGET bool column_blocks(const uint16_t* x, int64_t xs, int64_
     return ok;
 }
 
+// The fused gate/up product's SwiGLU, for one thread's channel blocks [j0, j1) of `inter`:
+// block j's gate (packed block j) and up (block inter / 16 + j) multiplied as one column
+// pair, each sum rounded to bfloat16 as store_row rounds it, then silu_mul's arithmetic
+// (fast_exp.h): the bits of the product followed by cadence_silu_mul, without writing the
+// gate/up rows out and reading them back.
+template <class Tiles>
+CADENCE_AMX_BF16_TARGET bool swiglu_blocks(const uint16_t* x, int64_t xs, int64_t m, int64_t k,
+                                           const uint16_t* w, int64_t inter, uint16_t* y,
+                                           int64_t ys, int64_t j0, int64_t j1) {
+    const int64_t k32 = (k + K_STEP - 1) / K_STEP, half = inter / COLS;
+    static thread_local std::vector<uint16_t> strip;
+    const int64_t last0 = (m - 1) / (2 * ROWS) * (2 * ROWS);
+    const int last_na = m - last0 > ROWS ? 2 : 1;
+    const RowSource last = rows_at(x, xs, m, k, k32, last0, last_na, strip);
+    alignas(64) float acc[2 * ROWS * 2 * COLS];
+    Tiles::configure(tile_config());
+    for (int64_t j = j0; j < j1; ++j) {
+        const uint16_t* gate = w + j * k32 * TILE_ELEMS;
+        const uint16_t* up = w + (half + j) * k32 * TILE_ELEMS;
+        for (int64_t r0 = 0; r0 < m; r0 += 2 * ROWS) {
+            const int na = m - r0 > ROWS ? 2 : 1;
+            const RowSource a = r0 == last0 ? last : RowSource{x + r0 * xs, xs};
+            row_group<Tiles>(na, 2, a, gate, up, k32, acc);
+            const int64_t rows = std::min<int64_t>(2 * ROWS, m - r0);
+            for (int64_t r = 0; r < rows; ++r) {
+                const float* sums = acc + r * 2 * COLS;
+                const __m512 act = silu_mul16(as_stored(sums), as_stored(sums + COLS));
+                bf16x16_store(y + (r0 + r) * ys + j * COLS, act);
+            }
+        }
+    }
+    const bool ok = Tiles::ok();
+    Tiles::release();
+    return ok;
+}
+
 template <class Tiles>
 int product(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const uint16_t* w, int64_t n,
             uint16_t* y, int64_t ys, int num_threads) {
@@ -189,6 +236,30 @@ int product(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const uint16_t*
         const int64_t nb0 = std::min(blocks, 2 * (pairs * t / count));
         const int64_t nb1 = std::min(blocks, 2 * (pairs * (t + 1) / count));
         if (nb0 < nb1 && !column_blocks<Tiles>(x, xs, m, k, w, n, y, ys, nb0, nb1))
+            faulted = true;
+    }
+    return faulted ? TILE_FAULT : OK;
+}
+template <class Tiles>
+int swiglu_product(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const uint16_t* w,
+                   int64_t inter, uint16_t* y, int64_t ys, int num_threads) {
+    std::vector<uint16_t> padded;  // as product's
+    if (k % K_STEP != 0) {
+        const int64_t width = (k + K_STEP - 1) / K_STEP * K_STEP;
+        padded.assign(m * width, 0);
+        for (int64_t r = 0; r < m; ++r)
+            std::memcpy(padded.data() + r * width, x + r * xs, k * sizeof(uint16_t));
+        x = padded.data(), xs = width, k = width;
+    }
+    const int64_t blocks = inter / COLS;
+    const int threads =
+        static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, blocks)));
+    std::atomic<bool> faulted{false};
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
+        const int64_t j0 = blocks * t / count, j1 = blocks * (t + 1) / count;
+        if (j0 < j1 && !swiglu_blocks<Tiles>(x, xs, m, k, w, inter, y, ys, j0, j1))
             faulted = true;
     }
     return faulted ? TILE_FAULT : OK;
@@ -224,6 +295,25 @@ int cadence_bf16_matmul_tiles(const uint16_t* x, int64_t x_stride, int64_t m, in
 #else
     (void)x, (void)x_stride, (void)m, (void)k, (void)packed, (void)n, (void)y, (void)y_stride;
     (void)num_threads, (void)tiles;
+    return cadence_kernels::NO_AMX_KERNEL;
+#endif
+}
+
+int cadence_bf16_matmul_tiles_swiglu(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k,
+                                     const uint16_t* packed, int64_t inter, uint16_t* y,
+                                     int64_t y_stride, int num_threads, int tiles) {
+#ifdef CADENCE_BF16_AMX
+    if (tiles != TILES_AMX && tiles != TILES_EMULATED) return BAD_TILES;
+    if (tiles == TILES_AMX && !amx_bf16_granted) return NO_AMX;
+    if (m == 0 || inter == 0) return OK;
+    return tiles == TILES_AMX
+               ? swiglu_product<cadence_amx::HardwareTiles>(x, x_stride, m, k, packed, inter, y,
+                                                            y_stride, num_threads)
+               : swiglu_product<cadence_amx::EmulatedTiles>(x, x_stride, m, k, packed, inter, y,
+                                                            y_stride, num_threads);
+#else
+    (void)x, (void)x_stride, (void)m, (void)k, (void)packed, (void)inter, (void)y;
+    (void)y_stride, (void)num_threads, (void)tiles;
     return cadence_kernels::NO_AMX_KERNEL;
 #endif
 }

@@ -176,6 +176,13 @@ int cadence_bf16_matmul_tiles(const uint16_t* x, int64_t x_stride, int64_t m, in
                               const uint16_t* packed, int64_t n, uint16_t* y, int64_t y_stride,
                               int num_threads, int tiles);
 
+// SwiGLU over a fused gate/up projection on the same tiles: W packed as above with 2 inter
+// channels (gate, then up; inter a multiple of 16), y[m, inter] = silu_mul(x @ W.T) with
+// the bits of cadence_bf16_matmul_tiles followed by cadence_silu_mul.
+int cadence_bf16_matmul_tiles_swiglu(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k,
+                                     const uint16_t* packed, int64_t inter, uint16_t* y,
+                                     int64_t y_stride, int num_threads, int tiles);
+
 // cadence_quant_matmul with AMX-INT8 tiles (quant_amx.h): `tiles` TILES_AMX (NO_AMX unless
 // cadence_amx_request granted AMX in this process) or TILES_EMULATED. Bitwise equal to
 // cadence_quant_matmul of the same library (avx512_bf16's; NO_AMX_KERNEL from the others).

@@ -36,6 +36,7 @@
 //     amx_available() -> bool
 //     float_matmul(x, packed, bias, out_features) -> y
 //     bf16_matmul_tiles(x, packed, bias, out_features, tiles) -> y
+//     bf16_matmul_tiles_swiglu(x, packed, inter, tiles) -> y
 //     amx_bf16_available() -> bool
 //     use_attention_tiles(tiles, min_rows=1) -> (previous tiles, previous min_rows)
 //
@@ -61,6 +62,9 @@
 // hardware's (where amx_bf16_available()), 2 their emulation (any CPU running the
 // avx512_bf16 kernels, the only ones with the kernel). Each output one tdpbf16ps chain over
 // the input columns in order: a row's bits whatever the other rows.
+// bf16_matmul_tiles_swiglu multiplies by a fused gate/up weight (2 inter output features,
+// gate then up) the same way and returns SwiGLU of the product, [rows, inter]: the bits of
+// bf16_matmul_tiles followed by silu_mul, without the product's rows in between.
 //
 // use_attention_tiles sets, for this process and the selected kernels, the tiles an int8 KV
 // cache's attention runs on under bfloat16 or float16 queries: 0 the VNNI vector code, 1 AMX
@@ -132,6 +136,7 @@ struct Kernels {
     decltype(&cadence_float_matmul) float_matmul;
     decltype(&cadence_amx_bf16_request) amx_bf16_request;
     decltype(&cadence_bf16_matmul_tiles) bf16_matmul_tiles;
+    decltype(&cadence_bf16_matmul_tiles_swiglu) bf16_matmul_tiles_swiglu;
     decltype(&cadence_attention_tiles) attention_tiles;
 };
 
@@ -175,6 +180,7 @@ void select_kernels(c10::string_view isa, c10::string_view path_view) {
         resolve(library, path, "cadence_float_matmul", fresh->float_matmul);
         resolve(library, path, "cadence_amx_bf16_request", fresh->amx_bf16_request);
         resolve(library, path, "cadence_bf16_matmul_tiles", fresh->bf16_matmul_tiles);
+        resolve(library, path, "cadence_bf16_matmul_tiles_swiglu", fresh->bf16_matmul_tiles_swiglu);
         resolve(library, path, "cadence_attention_tiles", fresh->attention_tiles);
         table = std::move(fresh);
     }
@@ -772,6 +778,36 @@ Tensor bf16_matmul_tiles(const Tensor& x, const Tensor& packed, const std::optio
     return y;
 }
 
+template <Impl I>
+Tensor bf16_matmul_tiles_swiglu(const Tensor& x, const Tensor& packed, int64_t inter,
+                                int64_t tiles) {
+    constexpr const char* op = "bf16_matmul_tiles_swiglu";
+    if constexpr (I == Impl::Meta) {
+        on_cpu(op, {{"x", &x}, {"packed", &packed}});
+    }
+    if (inter <= 0 || inter % bf16_checks::COLS != 0) {
+        checks::fail(op, "inter must be a positive multiple of 16, got ", inter);
+    }
+    const auto sizes = bf16_checks::bf16_matmul(op, x, packed, std::nullopt, 2 * inter);
+    if (tiles != cadence_kernels::TILES_AMX && tiles != cadence_kernels::TILES_EMULATED) {
+        checks::fail(op, "tiles must be 1 (AMX) or 2 (emulated AMX), got ", tiles);
+    }
+    Tensor y = at::empty_symint({sizes.rows, SymInt(inter)}, x.options());
+    if constexpr (I == Impl::CPU) {
+        const int64_t rows = as_int(sizes.rows), in = as_int(sizes.in);
+        const Kernels& k = kernels();
+        if (tiles == cadence_kernels::TILES_AMX) k.amx_bf16_request();  // asked once, kept
+        const auto x_rows = packed_columns(x);
+        const int status = k.bf16_matmul_tiles_swiglu(
+            static_cast<const uint16_t*>(x_rows->const_data_ptr()), x_rows->stride(0), rows, in,
+            static_cast<const uint16_t*>(packed.const_data_ptr()), inter,
+            static_cast<uint16_t*>(y.mutable_data_ptr()), inter, threads(),
+            static_cast<int>(tiles));
+        check_status(k, status, "cadence_bf16_matmul_tiles_swiglu");
+    }
+    return y;
+}
+
 // ---- the int8 cache's attention on AMX tiles ---------------------------------------------
 
 std::tuple<int64_t, int64_t> use_attention_tiles(int64_t tiles, int64_t min_rows) {
@@ -848,6 +884,7 @@ TORCH_LIBRARY_FRAGMENT(cadence, m) {
     m.def(
         "bf16_matmul_tiles(Tensor x, Tensor packed, Tensor? bias, int out_features, int tiles) "
         "-> Tensor");
+    m.def("bf16_matmul_tiles_swiglu(Tensor x, Tensor packed, int inter, int tiles) -> Tensor");
     m.def("amx_bf16_available() -> bool", TORCH_FN(cadence_ops::amx_bf16_available));
     m.def("use_attention_tiles(int tiles, int min_rows=1) -> (int, int)",
           TORCH_FN(cadence_ops::use_attention_tiles));
@@ -875,7 +912,8 @@ TORCH_LIBRARY_FRAGMENT(cadence, m) {
     m.impl("quant_matmul", TORCH_FN(cadence_ops::quant_matmul<I>));                           \
     m.impl("quant_matmul_tiles", TORCH_FN(cadence_ops::quant_matmul_tiles<I>));                 \
     m.impl("float_matmul", TORCH_FN(cadence_ops::float_matmul<I>));                           \
-    m.impl("bf16_matmul_tiles", TORCH_FN(cadence_ops::bf16_matmul_tiles<I>));
+    m.impl("bf16_matmul_tiles", TORCH_FN(cadence_ops::bf16_matmul_tiles<I>));                 \
+    m.impl("bf16_matmul_tiles_swiglu", TORCH_FN(cadence_ops::bf16_matmul_tiles_swiglu<I>));
 
 TORCH_LIBRARY_IMPL(cadence, CPU, m) { CADENCE_IMPLS(m, cadence_ops::Impl::CPU) }
 TORCH_LIBRARY_IMPL(cadence, Meta, m) { CADENCE_IMPLS(m, cadence_ops::Impl::Meta) }

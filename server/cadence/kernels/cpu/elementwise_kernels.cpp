@@ -42,13 +42,8 @@ inline void rms_norm_row_bf16(const uint16_t* x, const uint16_t* residual, const
 // silu_mul_all's arithmetic for one bfloat16 row, inter % 16 == 0.
 inline void silu_mul_row_bf16(const uint16_t* gate, const uint16_t* up, uint16_t* out,
                               int64_t inter) {
-    const __m512 one = _mm512_set1_ps(1.0f);
-    for (int64_t i = 0; i < inter; i += 16) {
-        const __m512 g = bf16x16_load(gate + i);
-        const __m512 e = exp16(negate16(g));
-        const __m512 silu = bf16x16_round(_mm512_div_ps(g, _mm512_add_ps(one, e)));
-        bf16x16_store(out + i, bf16x16_round(_mm512_mul_ps(silu, bf16x16_load(up + i))));
-    }
+    for (int64_t i = 0; i < inter; i += 16)
+        bf16x16_store(out + i, silu_mul16(bf16x16_load(gate + i), bf16x16_load(up + i)));
 }
 #endif
 

@@ -81,6 +81,14 @@ inline __m512 exp16(__m512 x) {
 }
 
 inline __m512 negate16(__m512 x) { return _mm512_xor_ps(x, _mm512_set1_ps(-0.0f)); }
+
+// SwiGLU of 16 lanes of bfloat16 values (held as float32): round(round(silu(gate)) * up),
+// rounded to bfloat16 as torch's layer rounds (silu_mul and the fused gate/up product alike).
+inline __m512 silu_mul16(__m512 gate, __m512 up) {
+    const __m512 e = exp16(negate16(gate));
+    const __m512 silu = bf16x16_round(_mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+    return bf16x16_round(_mm512_mul_ps(silu, up));
+}
 #endif
 
 }  // namespace
