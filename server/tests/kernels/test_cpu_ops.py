@@ -216,6 +216,7 @@ def _cases() -> list[Any]:
         tiles = [{**args, "tiles": 2} for args in _quant_args()]
         cases += [(OPS.quant_matmul_tiles.default, args) for args in tiles]
         cases += [(OPS.bf16_matmul_tiles.default, args) for args in _bf16_args()]
+        cases += [(OPS.bf16_matmul_tiles_swiglu.default, args) for args in _swiglu_args()]
     cases += [(OPS.float_matmul.default, args) for args in _float_args()]
     return [pytest.param(op, args, id=f"{op}-{_dtypes(args)}") for op, args in cases]
 
@@ -276,6 +277,19 @@ def _bf16_args() -> list[dict[str, Any]]:
     ]
 
 
+def _swiglu_args() -> list[dict[str, Any]]:
+    """bf16_matmul_tiles_swiglu on the emulated tiles, on rows packed and strided, the input
+    width not a multiple of 32."""
+    from cadence.layers.packed import amx_bf16_packing
+
+    packed = amx_bf16_packing(torch.randn(64, 72, generator=_generator()).to(BF16))
+    x = torch.randn(3, 144, generator=_generator()).to(BF16)
+    return [
+        {"x": x[:, :72], "packed": packed, "inter": 32, "tiles": 2},
+        {"x": x[:, ::2], "packed": packed, "inter": 32, "tiles": 2},
+    ]
+
+
 def _has_amx_kernel() -> bool:
     """Whether the selected kernels have quant_matmul_tiles' AMX product (avx512_bf16's)."""
     return cpu.selected_isa() == "avx512_bf16"
@@ -315,6 +329,7 @@ def test_every_operator_has_an_opcheck_case():
     if not _has_amx_kernel():  # their cases need the AMX kernels (test_quant_amx_kernel)
         defined.discard("quant_matmul_tiles.default")
         defined.discard("bf16_matmul_tiles.default")
+        defined.discard("bf16_matmul_tiles_swiglu.default")
     assert {_name(case.values[0]) for case in _cases()} == defined
 
 

@@ -145,31 +145,35 @@ inline __m512 as_stored(const float* v) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
-// One thread's column blocks [nb0, nb1) of every row; configures its tiles and releases them.
-template <class Tiles>
-CADENCE_AMX_BF16_TARGET bool column_blocks(const uint16_t* x, int64_t xs, int64_t m, int64_t k,
-                                           const uint16_t* w, int64_t n, uint16_t* y,
-                                           int64_t ys, int64_t nb0, int64_t nb1) {
+// A pair of column blocks as the tiles read it: its packed weights and how many of the two
+// there are (the last pair of an odd count has one).
+struct ColumnPair {
+    const uint16_t* w0;
+    const uint16_t* w1;
+    int nv;
+};
+
+// One thread's pairs [p0, p1) over every row: `pair(i)` names pair i's blocks, `emit(i, r0,
+// rows, nv, acc)` writes what rows r0 .. r0 + rows make of its sums (acc [32][16 nv] fp32).
+// Configures the thread's tiles and releases them.
+template <class Tiles, class Pair, class Emit>
+CADENCE_AMX_BF16_TARGET bool pairs_over_rows(const uint16_t* x, int64_t xs, int64_t m, int64_t k,
+                                             int64_t p0, int64_t p1, Pair pair, Emit emit) {
     const int64_t k32 = (k + K_STEP - 1) / K_STEP;
     static thread_local std::vector<uint16_t> strip;
-    // the last row group's source, copied (where it must be) once for every column block
+    // the last row group's source, copied (where it must be) once for every pair
     const int64_t last0 = (m - 1) / (2 * ROWS) * (2 * ROWS);
     const int last_na = m - last0 > ROWS ? 2 : 1;
     const RowSource last = rows_at(x, xs, m, k, k32, last0, last_na, strip);
     alignas(64) float acc[2 * ROWS * 2 * COLS];
     Tiles::configure(tile_config());
-    for (int64_t nb = nb0; nb < nb1; nb += 2) {
-        const int nv = static_cast<int>(std::min<int64_t>(2, nb1 - nb));
-        const uint16_t* w0 = w + nb * k32 * TILE_ELEMS;
-        const uint16_t* w1 = w0 + (nv == 2 ? k32 * TILE_ELEMS : 0);
-        const int64_t col0 = nb * COLS, cols = std::min<int64_t>(nv * COLS, n - col0);
+    for (int64_t i = p0; i < p1; ++i) {
+        const ColumnPair c = pair(i);
         for (int64_t r0 = 0; r0 < m; r0 += 2 * ROWS) {
             const int na = m - r0 > ROWS ? 2 : 1;
             const RowSource a = r0 == last0 ? last : RowSource{x + r0 * xs, xs};
-            row_group<Tiles>(na, nv, a, w0, w1, k32, acc);
-            const int64_t rows = std::min<int64_t>(2 * ROWS, m - r0);
-            for (int64_t r = 0; r < rows; ++r)
-                store_row(acc + r * nv * COLS, cols, y + (r0 + r) * ys + col0);
+            row_group<Tiles>(na, c.nv, a, c.w0, c.w1, k32, acc);
+            emit(i, r0, std::min<int64_t>(2 * ROWS, m - r0), c.nv, acc);
         }
     }
     const bool ok = Tiles::ok();
@@ -177,92 +181,77 @@ CADENCE_AMX_BF16_TARGET bool column_blocks(const uint16_t* x, int64_t xs, int64_
     return ok;
 }
 
-// The fused gate/up product's SwiGLU, for one thread's channel blocks [j0, j1) of `inter`:
-// block j's gate (packed block j) and up (block inter / 16 + j) multiplied as one column
-// pair, each sum rounded to bfloat16 as store_row rounds it, then silu_mul's arithmetic
-// (fast_exp.h): the bits of the product followed by cadence_silu_mul, without writing the
-// gate/up rows out and reading them back.
-template <class Tiles>
-CADENCE_AMX_BF16_TARGET bool swiglu_blocks(const uint16_t* x, int64_t xs, int64_t m, int64_t k,
-                                           const uint16_t* w, int64_t inter, uint16_t* y,
-                                           int64_t ys, int64_t j0, int64_t j1) {
-    const int64_t k32 = (k + K_STEP - 1) / K_STEP, half = inter / COLS;
-    static thread_local std::vector<uint16_t> strip;
-    const int64_t last0 = (m - 1) / (2 * ROWS) * (2 * ROWS);
-    const int last_na = m - last0 > ROWS ? 2 : 1;
-    const RowSource last = rows_at(x, xs, m, k, k32, last0, last_na, strip);
-    alignas(64) float acc[2 * ROWS * 2 * COLS];
-    Tiles::configure(tile_config());
-    for (int64_t j = j0; j < j1; ++j) {
-        const uint16_t* gate = w + j * k32 * TILE_ELEMS;
-        const uint16_t* up = w + (half + j) * k32 * TILE_ELEMS;
-        for (int64_t r0 = 0; r0 < m; r0 += 2 * ROWS) {
-            const int na = m - r0 > ROWS ? 2 : 1;
-            const RowSource a = r0 == last0 ? last : RowSource{x + r0 * xs, xs};
-            row_group<Tiles>(na, 2, a, gate, up, k32, acc);
-            const int64_t rows = std::min<int64_t>(2 * ROWS, m - r0);
-            for (int64_t r = 0; r < rows; ++r) {
-                const float* sums = acc + r * 2 * COLS;
-                const __m512 act = silu_mul16(as_stored(sums), as_stored(sums + COLS));
-                bf16x16_store(y + (r0 + r) * ys + j * COLS, act);
-            }
-        }
+// `units` pairs split into contiguous runs over the call's threads, thread t running
+// `run(x, xs, k, first, end)` with x's k made a multiple of 32 (copied zero-padded once for
+// every thread where it is not); TILE_FAULT if a thread's tiles faulted.
+template <class Run>
+int on_threads(const uint16_t* x, int64_t xs, int64_t m, int64_t k, int64_t units,
+               int num_threads, Run run) {
+    std::vector<uint16_t> padded;
+    if (k % K_STEP != 0) {
+        const int64_t width = (k + K_STEP - 1) / K_STEP * K_STEP;
+        padded.assign(m * width, 0);
+        for (int64_t r = 0; r < m; ++r)
+            std::memcpy(padded.data() + r * width, x + r * xs, k * sizeof(uint16_t));
+        x = padded.data(), xs = width, k = width;
     }
-    const bool ok = Tiles::ok();
-    Tiles::release();
-    return ok;
+    const int threads =
+        static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, units)));
+    std::atomic<bool> faulted{false};
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
+        const int64_t first = units * t / count, end = units * (t + 1) / count;
+        if (first < end && !run(x, xs, k, first, end)) faulted = true;
+    }
+    return faulted ? TILE_FAULT : OK;
 }
 
+// y = x @ W.T: pair i is column blocks 2i and 2i + 1 (a thread's run of whole pairs, so only
+// the last run can end on a lone block), each weight tile streamed once per call while a
+// thread passes every row group over it.
 template <class Tiles>
 int product(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const uint16_t* w, int64_t n,
             uint16_t* y, int64_t ys, int num_threads) {
-    std::vector<uint16_t> padded;  // x with k made a multiple of 32, once for every thread
-    if (k % K_STEP != 0) {
-        const int64_t width = (k + K_STEP - 1) / K_STEP * K_STEP;
-        padded.assign(m * width, 0);
-        for (int64_t r = 0; r < m; ++r)
-            std::memcpy(padded.data() + r * width, x + r * xs, k * sizeof(uint16_t));
-        x = padded.data(), xs = width, k = width;
-    }
-    const int64_t blocks = (n + COLS - 1) / COLS;
-    const int threads =
-        static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, blocks)));
-    std::atomic<bool> faulted{false};
-#pragma omp parallel num_threads(threads)
-    {
-        const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
-        // runs of whole block pairs, so no thread's run but the last ends on a lone block
-        const int64_t pairs = (blocks + 1) / 2;
-        const int64_t nb0 = std::min(blocks, 2 * (pairs * t / count));
-        const int64_t nb1 = std::min(blocks, 2 * (pairs * (t + 1) / count));
-        if (nb0 < nb1 && !column_blocks<Tiles>(x, xs, m, k, w, n, y, ys, nb0, nb1))
-            faulted = true;
-    }
-    return faulted ? TILE_FAULT : OK;
+    const int64_t blocks = (n + COLS - 1) / COLS, k32 = (k + K_STEP - 1) / K_STEP;
+    auto pair = [=](int64_t i) {
+        const int nv = static_cast<int>(std::min<int64_t>(2, blocks - 2 * i));
+        const uint16_t* w0 = w + 2 * i * k32 * TILE_ELEMS;
+        return ColumnPair{w0, w0 + (nv == 2 ? k32 * TILE_ELEMS : 0), nv};
+    };
+    auto emit = [=](int64_t i, int64_t r0, int64_t rows, int nv, const float* acc) {
+        const int64_t col0 = 2 * i * COLS, cols = std::min<int64_t>(nv * COLS, n - col0);
+        for (int64_t r = 0; r < rows; ++r)
+            store_row(acc + r * nv * COLS, cols, y + (r0 + r) * ys + col0);
+    };
+    return on_threads(x, xs, m, k, (blocks + 1) / 2, num_threads,
+                      [&](const uint16_t* xp, int64_t xps, int64_t kp, int64_t first, int64_t end) {
+                          return pairs_over_rows<Tiles>(xp, xps, m, kp, first, end, pair, emit);
+                      });
 }
+
+// The fused gate/up product's SwiGLU, y [m, inter]: pair j is gate block j (packed block j)
+// and up block j (block inter / 16 + j); each sum rounded to bfloat16 as store_row rounds
+// it, then silu_mul's arithmetic (fast_exp.h): the bits of the product followed by
+// cadence_silu_mul, without writing the gate/up rows out and reading them back.
 template <class Tiles>
 int swiglu_product(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const uint16_t* w,
                    int64_t inter, uint16_t* y, int64_t ys, int num_threads) {
-    std::vector<uint16_t> padded;  // as product's
-    if (k % K_STEP != 0) {
-        const int64_t width = (k + K_STEP - 1) / K_STEP * K_STEP;
-        padded.assign(m * width, 0);
-        for (int64_t r = 0; r < m; ++r)
-            std::memcpy(padded.data() + r * width, x + r * xs, k * sizeof(uint16_t));
-        x = padded.data(), xs = width, k = width;
-    }
-    const int64_t blocks = inter / COLS;
-    const int threads =
-        static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, blocks)));
-    std::atomic<bool> faulted{false};
-#pragma omp parallel num_threads(threads)
-    {
-        const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
-        const int64_t j0 = blocks * t / count, j1 = blocks * (t + 1) / count;
-        if (j0 < j1 && !swiglu_blocks<Tiles>(x, xs, m, k, w, inter, y, ys, j0, j1))
-            faulted = true;
-    }
-    return faulted ? TILE_FAULT : OK;
+    const int64_t half = inter / COLS, k32 = (k + K_STEP - 1) / K_STEP;
+    auto pair = [=](int64_t j) {
+        return ColumnPair{w + j * k32 * TILE_ELEMS, w + (half + j) * k32 * TILE_ELEMS, 2};
+    };
+    auto emit = [=](int64_t j, int64_t r0, int64_t rows, int /*nv*/, const float* acc) {
+        for (int64_t r = 0; r < rows; ++r) {
+            const float* sums = acc + r * 2 * COLS;
+            const __m512 act = silu_mul16(as_stored(sums), as_stored(sums + COLS));
+            bf16x16_store(y + (r0 + r) * ys + j * COLS, act);
+        }
+    };
+    return on_threads(x, xs, m, k, half, num_threads,
+                      [&](const uint16_t* xp, int64_t xps, int64_t kp, int64_t first, int64_t end) {
+                          return pairs_over_rows<Tiles>(xp, xps, m, kp, first, end, pair, emit);
+                      });
 }
 #endif  // CADENCE_BF16_AMX
 
