@@ -149,7 +149,7 @@ for name in "${wanted[@]}"; do
     esac
     servers+=("$name")
 done
-if [[ " ${servers[*]} " =~ \ (cadence-bf16|vllm-cpu)\  ]]; then
+if [[ " ${servers[*]} " =~ \ (cadence-bf16|vllm-cpu|vllm-cpu-all-cores)\  ]]; then
     FOLDER=${FOLDER:-$(cadence convert --dtype bfloat16 2>/dev/null | tail -n 1)}
 fi
 if [[ " ${servers[*]} " =~ \ cadence-float32\  ]]; then
