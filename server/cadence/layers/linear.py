@@ -225,10 +225,27 @@ def _base_product(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) 
         return torch.cat(parts)
     if rows < layer.min_rows:
         return _base_product(layer, F.pad(x, (0, 0, 0, layer.min_rows - rows)), bias)[:rows]
-    quantized = layer.quantized
-    if quantized is not None and quantized.serves(rows):
-        return quantized(x, bias)
+    if _quantized_serves(layer, rows):
+        return layer.quantized(x, bias)
     return linear(x, layer.weight, bias, layer.packed_weight, layer.packed_max_rows)
+
+
+def _quantized_serves(layer: nn.Module, rows: int) -> bool:
+    quantized = layer.quantized
+    return quantized is not None and quantized.serves(rows)
+
+
+def one_float_call(layer: nn.Module, rows: int) -> bool:
+    """Whether `layer`'s product of `rows` rows is one call on its float weight (packed or
+    not): within its row range, no quantized kernel serving them. What a kernel that fuses
+    more into that call (`cadence.runners.llama_cpu_flat`) may replace."""
+    return layer.min_rows <= rows <= layer.max_rows and not _quantized_serves(layer, rows)
+
+
+def lora_delta_due(layer: nn.Module) -> Any:
+    """`layer`'s LoRA hook where this step adds a delta to its product, else None."""
+    hook = getattr(layer, "lora", None)
+    return hook if hook is not None and hook.context.step is not None else None
 
 
 def product(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -238,8 +255,8 @@ def product(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> tor
     this layer when it has some (`cadence.lora.apply`; a row-parallel layer's partial
     output gets its part of it, before the all-reduce)."""
     y = _base_product(layer, x, bias)
-    hook = getattr(layer, "lora", None)
-    if hook is not None and hook.context.step is not None:
+    hook = lora_delta_due(layer)
+    if hook is not None:
         hook.add_delta_(x, y)
     return y
 

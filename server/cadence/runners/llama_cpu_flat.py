@@ -23,7 +23,7 @@ from cadence.attention_backends import StepLayout
 from cadence.attention_backends.cpu_paged import CpuAttention, CpuMetadata
 from cadence.attention_backends.torch_sdpa import attend_prefill
 from cadence.heartbeat import HEARTBEAT
-from cadence.layers.linear import LinearBase, product
+from cadence.layers.linear import LinearBase, lora_delta_due, one_float_call, product
 from cadence.layers.packed import HARDWARE_TILES, is_amx_packing
 from cadence.layers.parallel import all_reduce_sum
 from cadence.models.llama import LlamaAttention, LlamaForCausalLM, LlamaModel
@@ -65,19 +65,15 @@ def _fused_swiglu(layer: LinearBase, x: torch.Tensor) -> torch.Tensor | None:
     silu_mul, without writing the product's rows out and reading them back); None where
     another path serves it (a quantized or oneDNN product, a bias, a LoRA delta, a split)."""
     packed = layer.packed_weight
-    rows = x.shape[0]
     inter = layer.out_features // 2
     if (
         packed is None
         or not is_amx_packing(packed)
         or layer.bias is not None
         or inter % 16
-        or not layer.min_rows <= rows <= layer.max_rows
-        or (layer.quantized is not None and layer.quantized.serves(rows))
+        or not one_float_call(layer, x.shape[0])
+        or lora_delta_due(layer) is not None
     ):
-        return None
-    hook = getattr(layer, "lora", None)
-    if hook is not None and hook.context.step is not None:
         return None
     return torch.ops.cadence.bf16_matmul_tiles_swiglu(x, packed, inter, HARDWARE_TILES)
 

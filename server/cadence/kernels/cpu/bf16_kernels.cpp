@@ -16,11 +16,11 @@
 // B[v] = 6 + v (one packed tile): 32 rows x 32 channels at a time, all 8 tile registers.
 // Threads take contiguous runs of column blocks (each weight tile streams once per call);
 // a thread passes every row group over a pair of column blocks while its 2 x k32 tiles
-// are in cache. cadence_bf16_matmul_tiles_swiglu multiplies a fused gate/up weight the same
-// way, gate block j and up block j as one pair, and writes SwiGLU of the pair's rounded sums
-// (silu_mul's arithmetic) instead of the sums. Rows come from x in place where k is a multiple of 32 and a whole A tile
+// are in cache. Rows come from x in place where k is a multiple of 32 and a whole A tile
 // is there; the last partial tile (and every tile where k is not) is copied into a
-// zero-padded strip first.
+// zero-padded strip first. cadence_bf16_matmul_tiles_swiglu multiplies a fused gate/up
+// weight the same way, gate block j and up block j as one pair, and writes SwiGLU of the
+// pair's rounded sums (silu_mul's arithmetic) instead of the sums.
 
 #include "cpu_kernels.h"
 
@@ -253,6 +253,17 @@ int swiglu_product(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const ui
                           return pairs_over_rows<Tiles>(xp, xps, m, kp, first, end, pair, emit);
                       });
 }
+
+// An entry point's checks of `tiles` and the grant, then `run` on the tiles it names (an
+// instance of HardwareTiles or EmulatedTiles; `empty`: nothing to multiply).
+template <class Run>
+int with_tiles(int tiles, bool empty, Run run) {
+    if (tiles != TILES_AMX && tiles != TILES_EMULATED) return BAD_TILES;
+    if (tiles == TILES_AMX && !amx_bf16_granted) return NO_AMX;
+    if (empty) return OK;
+    return tiles == TILES_AMX ? run(cadence_amx::HardwareTiles{})
+                              : run(cadence_amx::EmulatedTiles{});
+}
 #endif  // CADENCE_BF16_AMX
 
 }  // namespace
@@ -273,14 +284,9 @@ int cadence_bf16_matmul_tiles(const uint16_t* x, int64_t x_stride, int64_t m, in
                               const uint16_t* packed, int64_t n, uint16_t* y, int64_t y_stride,
                               int num_threads, int tiles) {
 #ifdef CADENCE_BF16_AMX
-    if (tiles != TILES_AMX && tiles != TILES_EMULATED) return BAD_TILES;
-    if (tiles == TILES_AMX && !amx_bf16_granted) return NO_AMX;
-    if (m == 0 || n == 0) return OK;
-    return tiles == TILES_AMX
-               ? product<cadence_amx::HardwareTiles>(x, x_stride, m, k, packed, n, y, y_stride,
-                                                     num_threads)
-               : product<cadence_amx::EmulatedTiles>(x, x_stride, m, k, packed, n, y, y_stride,
-                                                     num_threads);
+    return with_tiles(tiles, m == 0 || n == 0, [&](auto t) {
+        return product<decltype(t)>(x, x_stride, m, k, packed, n, y, y_stride, num_threads);
+    });
 #else
     (void)x, (void)x_stride, (void)m, (void)k, (void)packed, (void)n, (void)y, (void)y_stride;
     (void)num_threads, (void)tiles;
@@ -292,14 +298,10 @@ int cadence_bf16_matmul_tiles_swiglu(const uint16_t* x, int64_t x_stride, int64_
                                      const uint16_t* packed, int64_t inter, uint16_t* y,
                                      int64_t y_stride, int num_threads, int tiles) {
 #ifdef CADENCE_BF16_AMX
-    if (tiles != TILES_AMX && tiles != TILES_EMULATED) return BAD_TILES;
-    if (tiles == TILES_AMX && !amx_bf16_granted) return NO_AMX;
-    if (m == 0 || inter == 0) return OK;
-    return tiles == TILES_AMX
-               ? swiglu_product<cadence_amx::HardwareTiles>(x, x_stride, m, k, packed, inter, y,
-                                                            y_stride, num_threads)
-               : swiglu_product<cadence_amx::EmulatedTiles>(x, x_stride, m, k, packed, inter, y,
-                                                            y_stride, num_threads);
+    return with_tiles(tiles, m == 0 || inter == 0, [&](auto t) {
+        return swiglu_product<decltype(t)>(x, x_stride, m, k, packed, inter, y, y_stride,
+                                           num_threads);
+    });
 #else
     (void)x, (void)x_stride, (void)m, (void)k, (void)packed, (void)inter, (void)y;
     (void)y_stride, (void)num_threads, (void)tiles;

@@ -748,6 +748,13 @@ Tensor float_matmul(const Tensor& x, const Tensor& packed, const std::optional<T
 // Whether the selected kernels may run AMX-BF16 in this process (they ask once).
 bool amx_bf16_available() { return kernels().amx_bf16_request() == 1; }
 
+// The AMX products' `tiles`: 1 the hardware's, 2 their emulation.
+void check_tiles(const char* op, int64_t tiles) {
+    if (tiles != cadence_kernels::TILES_AMX && tiles != cadence_kernels::TILES_EMULATED) {
+        checks::fail(op, "tiles must be 1 (AMX) or 2 (emulated AMX), got ", tiles);
+    }
+}
+
 template <Impl I>
 Tensor bf16_matmul_tiles(const Tensor& x, const Tensor& packed, const std::optional<Tensor>& bias,
                          int64_t out_features, int64_t tiles) {
@@ -756,9 +763,7 @@ Tensor bf16_matmul_tiles(const Tensor& x, const Tensor& packed, const std::optio
         on_cpu(op, {{"x", &x}, {"packed", &packed}});
     }
     const auto sizes = bf16_checks::bf16_matmul(op, x, packed, bias, out_features);
-    if (tiles != cadence_kernels::TILES_AMX && tiles != cadence_kernels::TILES_EMULATED) {
-        checks::fail(op, "tiles must be 1 (AMX) or 2 (emulated AMX), got ", tiles);
-    }
+    check_tiles(op, tiles);
     Tensor y = at::empty_symint({sizes.rows, SymInt(out_features)}, x.options());
     if constexpr (I == Impl::CPU) {
         const int64_t rows = as_int(sizes.rows), in = as_int(sizes.in);
@@ -789,9 +794,7 @@ Tensor bf16_matmul_tiles_swiglu(const Tensor& x, const Tensor& packed, int64_t i
         checks::fail(op, "inter must be a positive multiple of 16, got ", inter);
     }
     const auto sizes = bf16_checks::bf16_matmul(op, x, packed, std::nullopt, 2 * inter);
-    if (tiles != cadence_kernels::TILES_AMX && tiles != cadence_kernels::TILES_EMULATED) {
-        checks::fail(op, "tiles must be 1 (AMX) or 2 (emulated AMX), got ", tiles);
-    }
+    check_tiles(op, tiles);
     Tensor y = at::empty_symint({sizes.rows, SymInt(inter)}, x.options());
     if constexpr (I == Impl::CPU) {
         const int64_t rows = as_int(sizes.rows), in = as_int(sizes.in);
