@@ -161,14 +161,6 @@ inline __m512i c_row(const int32_t* c_lo, const int32_t* c_hi, int m) {
                             _mm512_loadu_si512(c_lo + 16 * m));
 }
 
-// The bits of a block's 16 rows r0.. that a query row sees: those in [lo, hi).
-inline __mmask16 seen_mask(int r0, int64_t lo, int64_t hi) {
-    const int64_t a = std::clamp<int64_t>(lo - r0, 0, 16), b = std::clamp<int64_t>(hi - r0, 0, 16);
-    if (b <= a) return 0;
-    const uint32_t upto = b >= 16 ? 0xFFFFu : (1u << b) - 1u;
-    return static_cast<__mmask16>(upto & ~((1u << a) - 1u));
-}
-
 // decode_rows_int8 on tiles: the same arguments, the same result bit for bit, up to
 // AMX_GROUP_ROWS rows (the scratch: amx_shared_floats, then Int8Scratch::floats per row).
 template <class Tiles, int QT, int D>
@@ -221,8 +213,7 @@ CADENCE_AMX_TARGET void decode_rows_int8_amx(const void* q, void* out, const voi
     const int64_t first_key = window > 0 ? std::max<int64_t>(0, context_lens[0] - window) : 0;
     const int chunk_blocks = INT8_CHUNK / block_size;
     const int64_t first_block = first_key / block_size;
-    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i scale_index = _mm512_mullo_epi32(iota, _mm512_set1_epi32(num_kv_heads));
+    const __m512i scale_index = scale_gather_index(num_kv_heads);
     uint8_t* p_lo = sh.p;
     uint8_t* p_hi = sh.p + int64_t{MP} * INT8_CHUNK;
     for (int64_t b0 = first_block; b0 < num_blocks_all; b0 += chunk_blocks) {

@@ -89,6 +89,14 @@ inline void rows_i16(const int8_t* rows, int64_t row_stride, int16_t* dst) {
         }
 }
 
+// One KV head's D bytes of 16 cache rows (row_stride bytes apart), asked for into L2.
+template <int D>
+inline void prefetch_head_rows(const int8_t* rows, int64_t row_stride) {
+    for (int t = 0; t < 16; ++t)
+        for (int c = 0; c < D; c += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(rows + t * row_stride + c), _MM_HINT_T1);
+}
+
 // The int32 dot products of one head's int16 query with 16 int16 key rows (D apart).
 template <int D>
 inline __m512i dots16(const int16_t* q16, const int16_t* keys) {
@@ -225,36 +233,45 @@ inline int64_t start_row(Int8Scratch& w, const void* q, int64_t row, int num_hea
     return (context_len + block_size - 1) / block_size;
 }
 
-// A query row's end: each head's accumulators (dimension d at acc[index(d)]) over its
-// softmax sum, into the output row.
+// A query row's end: each head's accumulators (dimension d at acc[index(d)], gathered 16 at
+// a time from a table of index made once) over its softmax sum, into the output row.
 template <int QT, class Index>
 inline void finish_row(Int8Scratch& w, void* out, int64_t row, int num_heads, int D,
                        Index index) {
+    alignas(64) int32_t at[256];  // D <= 256
+    for (int d = 0; d < D; ++d) at[d] = index(d);
     for (int h = 0; h < num_heads; ++h) {
         const float inv = w.l[h] > 0.0f ? 1.0f / w.l[h] : 0.0f;  // no visible key: zeros
-        for (int d = 0; d < D; ++d) w.row[d] = w.acc[h * D + index(d)];
+        for (int d = 0; d < D; d += 16)
+            _mm512_storeu_ps(w.row + d, _mm512_i32gather_ps(_mm512_load_si512(at + d),
+                                                            w.acc + h * D, 4));
         store_row<QT>(out, (row * num_heads + h) * D, w.row, inv, D);
     }
 }
 
-// One query row's G heads of KV head kh against 16 key rows (int16 in `keys`, the block's
-// rows r0.. at slot0): scores into w.s at `at`, -inf where the row does not see the key
-// (outside [lo, hi) of the block); the keys' value scales into w.vsc (0 where unseen).
+// The bits of a block's 16 rows r0.. that a query row sees: those in [lo, hi).
+inline __mmask16 seen_mask(int r0, int64_t lo, int64_t hi) {
+    const int64_t a = std::clamp<int64_t>(lo - r0, 0, 16), b = std::clamp<int64_t>(hi - r0, 0, 16);
+    if (b <= a) return 0;
+    const uint32_t upto = b >= 16 ? 0xFFFFu : (1u << b) - 1u;
+    return static_cast<__mmask16>(upto & ~((1u << a) - 1u));
+}
+
+// The offsets of 16 consecutive slots' scales of one KV head ([slot, KV head] floats).
+inline __m512i scale_gather_index(int num_kv_heads) {
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return _mm512_mullo_epi32(iota, _mm512_set1_epi32(num_kv_heads));
+}
+
+// One query row's G heads of KV head kh against 16 key rows (int16 in `keys`): scores into
+// w.s at `at`, -inf where the row does not see the key (bits of `seen`); the keys' value
+// scales into w.vsc (0 where unseen). ks, vs: the 16 keys' scales, gathered where any row
+// of the call sees them (a row's unseen lanes, which may hold anything, are masked off).
 template <int D>
-[[gnu::always_inline]] inline void score16(Int8Scratch& w, const int16_t* keys,
-                                           const float* k_scale, const float* v_scale,
-                                           int64_t slot0, int r0, int64_t lo, int64_t hi,
-                                           int kh, int G, int num_kv_heads, int at) {
-    alignas(64) float ks[16];
-    __mmask16 seen = 0;
-    for (int t = 0; t < 16; ++t) {
-        const bool valid = r0 + t >= lo && r0 + t < hi;
-        const int64_t k = (slot0 + t) * num_kv_heads + kh;
-        ks[t] = valid ? k_scale[k] : 0.0f;
-        w.vsc[kh * INT8_CHUNK + at + t] = valid ? v_scale[k] : 0.0f;
-        seen |= static_cast<__mmask16>(valid) << t;
-    }
-    const __m512 kscale = _mm512_load_ps(ks);
+[[gnu::always_inline]] inline void score16(Int8Scratch& w, const int16_t* keys, __m512 ks,
+                                           __m512 vs, __mmask16 seen, int kh, int G, int at) {
+    _mm512_storeu_ps(w.vsc + kh * INT8_CHUNK + at, _mm512_maskz_mov_ps(seen, vs));
+    const __m512 kscale = _mm512_maskz_mov_ps(seen, ks);
     for (int g = 0; g < G; ++g) {
         const int h = kh * G + g;
         const __m512 dot = _mm512_cvtepi32_ps(dots16<D>(w.q16 + h * D, keys));
@@ -331,35 +348,59 @@ void decode_rows_int8(const void* q, void* out, const void* k_cache, const void*
     const int64_t first_key = window > 0 ? std::max<int64_t>(0, context_lens[0] - window) : 0;
     const int chunk_blocks = INT8_CHUNK / block_size;
     const int64_t first_block = first_key / block_size;
+    const __m512i scale_index = scale_gather_index(num_kv_heads);
     constexpr int HEADS = 64;  // value passes' heads gathered at once (rows x their heads)
     const int16_t* p[HEADS];
     float* acc[HEADS];
     float corr[HEADS], ps[HEADS];
+    const int64_t first_ahead = std::min(num_blocks_all, first_block + PREFETCH_BLOCKS);
+    for (int64_t b = first_block; b < first_ahead; ++b) {  // the first blocks, asked for at once
+        const int64_t slot = table[b] * block_size;
+        prefetch_block(k8 + slot * row_stride, block_bytes);
+        prefetch_block(v8 + slot * row_stride, block_bytes);
+        prefetch_block(k_scale + slot * num_kv_heads, block_size * num_kv_heads * 4);
+        prefetch_block(v_scale + slot * num_kv_heads, block_size * num_kv_heads * 4);
+    }
     for (int64_t b0 = first_block; b0 < num_blocks_all; b0 += chunk_blocks) {
         const int blocks = static_cast<int>(std::min<int64_t>(chunk_blocks, num_blocks_all - b0));
         // pass 1: every block's scores, block by block (its keys read front to back once)
         for (int i = 0; i < blocks; ++i) {
             const int64_t b = b0 + i;
             bases[i] = table[b] * block_size;
-            if (b + PREFETCH_BLOCKS < num_blocks_all) {  // its keys, values (for pass 2), scales
-                const int64_t ahead = table[b + PREFETCH_BLOCKS] * block_size;
-                prefetch_block(k8 + ahead * row_stride, block_bytes);
-                prefetch_block(v8 + ahead * row_stride, block_bytes);
+            // the block PREFETCH_BLOCKS ahead: its scales now, its keys and values (for pass
+            // 2) a KV head's rows at a time beside this block's work on that head
+            const int64_t ahead =
+                b + PREFETCH_BLOCKS < num_blocks_all ? table[b + PREFETCH_BLOCKS] * block_size : -1;
+            if (ahead >= 0) {
                 prefetch_block(k_scale + ahead * num_kv_heads, block_size * num_kv_heads * 4);
                 prefetch_block(v_scale + ahead * num_kv_heads, block_size * num_kv_heads * 4);
             }
             const int64_t lo = std::max<int64_t>(0, first_key - b * block_size);
-            for (int kh = 0; kh < num_kv_heads; ++kh) {
-                for (int r0 = 0; r0 < block_size; r0 += 16) {
-                    const int64_t slot0 = bases[i] + r0;
-                    rows_i16<D>(k8 + slot0 * row_stride + kh * D, row_stride, keys);
-                    for (int r = 0; r < rows; ++r) {
-                        if (b >= num_blocks[r]) continue;
-                        const int64_t hi =
-                            std::min<int64_t>(block_size, context_lens[r] - b * block_size);
-                        score16<D>(ws[r], keys, k_scale, v_scale, slot0, r0, lo, hi, kh, G,
-                                   num_kv_heads, i * block_size + r0);
+            for (int r0 = 0; r0 < block_size; r0 += 16) {
+                __mmask16 seen[INT8_GROUP_ROWS], any = 0;
+                for (int r = 0; r < rows; ++r) {
+                    const int64_t hi =
+                        std::min<int64_t>(block_size, context_lens[r] - b * block_size);
+                    seen[r] = b < num_blocks[r] ? seen_mask(r0, lo, hi) : 0;
+                    any |= seen[r];
+                }
+                const int64_t slot0 = bases[i] + r0;
+                for (int kh = 0; kh < num_kv_heads; ++kh) {
+                    // the keys' scales, read only where some row sees the key
+                    const __m512 zero = _mm512_setzero_ps();
+                    const __m512 ks = _mm512_mask_i32gather_ps(
+                        zero, any, scale_index, k_scale + slot0 * num_kv_heads + kh, 4);
+                    const __m512 vs = _mm512_mask_i32gather_ps(
+                        zero, any, scale_index, v_scale + slot0 * num_kv_heads + kh, 4);
+                    if (ahead >= 0) {
+                        const int64_t at = (ahead + r0) * row_stride + kh * D;
+                        prefetch_head_rows<D>(k8 + at, row_stride);
+                        prefetch_head_rows<D>(v8 + at, row_stride);
                     }
+                    rows_i16<D>(k8 + slot0 * row_stride + kh * D, row_stride, keys);
+                    for (int r = 0; r < rows; ++r)
+                        if (b < num_blocks[r])
+                            score16<D>(ws[r], keys, ks, vs, seen[r], kh, G, i * block_size + r0);
                 }
             }
         }
