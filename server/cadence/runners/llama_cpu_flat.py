@@ -17,7 +17,10 @@ parallelism all-reduces after the two row-parallel products as the layers do.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+from torch import nn
 
 from cadence.attention_backends import StepLayout
 from cadence.attention_backends.cpu_paged import CpuAttention, CpuMetadata
@@ -47,8 +50,21 @@ class LlamaCpuFlatRunner(ModelRunner):
 
 def _linear(layer: LinearBase, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
     """The layer's product without its module call (its quantized weight or its
-    prepacked one, as the layer's forward would choose)."""
-    return product(layer, x, layer.bias if with_bias else None)
+    prepacked one, as the layer's forward would choose). Where that is one call of
+    cadence's AMX-BF16 product (the weight packed for it, the rows within the layer's
+    range, no quantized kernel serving them, no LoRA delta this step), the call itself:
+    `product`'s own path to it costs a decode step about a millisecond of Python."""
+    bias = layer.bias if with_bias else None
+    packed = layer.packed_weight
+    if (
+        packed is not None
+        and is_amx_packing(packed)
+        and lora_delta_due(layer) is None
+        and one_float_call(layer, x.shape[0])
+    ):
+        amx = torch.ops.cadence.bf16_matmul_tiles
+        return amx(x, packed, bias, layer.out_features, HARDWARE_TILES)
+    return product(layer, x, bias)
 
 
 def _row_parallel(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
@@ -89,6 +105,42 @@ def _norm_heads(attn: LlamaAttention, qkv: torch.Tensor) -> None:
         part.copy_(norm(part.reshape(-1, attn.head_dim)).view_as(part))
 
 
+class _LayerParts(NamedTuple):
+    """A decoder layer's submodules as the flat step reads them, looked up once per model:
+    each lookup of a submodule goes through nn.Module.__getattr__, and a decode step made
+    about 600 of them."""
+
+    attn: LlamaAttention
+    cache: nn.Module  # attn.attn: the layer's KV cache and its attention's settings
+    qkv: LinearBase
+    o_proj: LinearBase
+    gate_up: LinearBase
+    down: LinearBase
+    input_norm: nn.Module
+    post_norm: nn.Module
+
+
+def _layer_parts(model: LlamaModel) -> list[_LayerParts]:
+    """`model`'s layers' parts, kept on the model (its modules never change once built)."""
+    parts = model.__dict__.get("_flat_layer_parts")
+    if parts is None:
+        parts = [
+            _LayerParts(
+                attn=layer.self_attn,
+                cache=layer.self_attn.attn,
+                qkv=layer.self_attn.qkv_proj,
+                o_proj=layer.self_attn.o_proj,
+                gate_up=layer.mlp.gate_up_proj,
+                down=layer.mlp.down_proj,
+                input_norm=layer.input_layernorm,
+                post_norm=layer.post_attention_layernorm,
+            )
+            for layer in model.layers
+        ]
+        model.__dict__["_flat_layer_parts"] = parts
+    return parts
+
+
 def forward_step(
     model: LlamaModel, input_ids: torch.Tensor, positions: torch.Tensor, ctx: CpuMetadata
 ) -> torch.Tensor:
@@ -118,14 +170,14 @@ def forward_step(
         else:
             ops.rms_norm.out(src, weight, eps, out)
 
-    for i, layer in enumerate(model.layers):
+    for i, layer in enumerate(_layer_parts(model)):
         HEARTBEAT.beat()  # a layer's worth of progress, seen by Health
-        attn = layer.self_attn
-        norm(layer.input_layernorm.weight, x, i > 0, normed)
-        qkv = _linear(attn.qkv_proj, normed)
+        attn = layer.attn
+        norm(layer.input_norm.weight, x, i > 0, normed)
+        qkv = _linear(layer.qkv, normed)
         if attn.q_norm is not None:
             _norm_heads(attn, qkv)
-        cache = attn.attn
+        cache = layer.cache
         k_cache, v_cache = cache.k_cache, cache.v_cache
         k_scale, v_scale = cache.k_scale, cache.v_scale  # a quantized cache's, else None
         window = cache.sliding_window
@@ -145,15 +197,15 @@ def forward_step(
                     attended_heads[:d], k_scale, v_scale,
                 )  # fmt: skip
             attend_prefill(cache, q_heads[d:], ctx.prefill, attended_heads[d:])
-        x = _row_parallel(attn.o_proj, attended)
-        norm(layer.post_attention_layernorm.weight, x, True, normed)
-        fused = _fused_swiglu(layer.mlp.gate_up_proj, normed)
+        x = _row_parallel(layer.o_proj, attended)
+        norm(layer.post_norm.weight, x, True, normed)
+        fused = _fused_swiglu(layer.gate_up, normed)
         if fused is None:
-            gate_up = _linear(layer.mlp.gate_up_proj, normed)
+            gate_up = _linear(layer.gate_up, normed)
             if act is None:
                 act = torch.empty(tokens, gate_up.shape[1] // 2, dtype=dtype)
             ops.silu_mul.out(gate_up, act)
-        x = _row_parallel(layer.mlp.down_proj, act if fused is None else fused)
+        x = _row_parallel(layer.down, act if fused is None else fused)
     out = torch.empty_like(x)
     norm(model.norm.weight, x, True, out)
     return out
