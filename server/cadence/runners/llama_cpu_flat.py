@@ -48,23 +48,33 @@ class LlamaCpuFlatRunner(ModelRunner):
         return forward_step(self.llama, input_ids, positions, meta)
 
 
-def _linear(layer: LinearBase, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
-    """The layer's product without its module call (its quantized weight or its
-    prepacked one, as the layer's forward would choose). Where that is one call of
-    cadence's AMX-BF16 product (the weight packed for it, the rows within the layer's
-    range, no quantized kernel serving them, no LoRA delta this step), the call itself:
-    `product`'s own path to it costs a decode step about a millisecond of Python."""
-    bias = layer.bias if with_bias else None
+def _amx_weight(layer: LinearBase, rows: int) -> torch.Tensor | None:
+    """`layer`'s weight packed for cadence's AMX-BF16 tiles where its product of `rows`
+    rows is one call on them (within the layer's row range, no quantized kernel serving
+    them, no LoRA delta this step), else None: where the flat step may call the tiles
+    itself, or fuse more into that call."""
     packed = layer.packed_weight
     if (
-        packed is not None
-        and is_amx_packing(packed)
-        and lora_delta_due(layer) is None
-        and one_float_call(layer, x.shape[0])
+        packed is None
+        or not is_amx_packing(packed)
+        or not one_float_call(layer, rows)
+        or lora_delta_due(layer) is not None
     ):
-        amx = torch.ops.cadence.bf16_matmul_tiles
-        return amx(x, packed, bias, layer.out_features, HARDWARE_TILES)
-    return product(layer, x, bias)
+        return None
+    return packed
+
+
+def _linear(layer: LinearBase, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
+    """The layer's product without its module call (its quantized weight or its
+    prepacked one, as the layer's forward would choose). Where that is one AMX-BF16 call,
+    the call itself: `product`'s own path to it costs a decode step about a millisecond
+    of Python."""
+    bias = layer.bias if with_bias else None
+    packed = _amx_weight(layer, x.shape[0])
+    if packed is None:
+        return product(layer, x, bias)
+    amx = torch.ops.cadence.bf16_matmul_tiles
+    return amx(x, packed, bias, layer.out_features, HARDWARE_TILES)
 
 
 def _row_parallel(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
@@ -80,16 +90,11 @@ def _fused_swiglu(layer: LinearBase, x: torch.Tensor) -> torch.Tensor | None:
     on cadence's AMX-BF16 tiles (`bf16_matmul_tiles_swiglu`: the bits of the product and
     silu_mul, without writing the product's rows out and reading them back); None where
     another path serves it (a quantized or oneDNN product, a bias, a LoRA delta, a split)."""
-    packed = layer.packed_weight
     inter = layer.out_features // 2
-    if (
-        packed is None
-        or not is_amx_packing(packed)
-        or layer.bias is not None
-        or inter % 16
-        or not one_float_call(layer, x.shape[0])
-        or lora_delta_due(layer) is not None
-    ):
+    if layer.bias is not None or inter % 16:
+        return None
+    packed = _amx_weight(layer, x.shape[0])
+    if packed is None:
         return None
     return torch.ops.cadence.bf16_matmul_tiles_swiglu(x, packed, inter, HARDWARE_TILES)
 

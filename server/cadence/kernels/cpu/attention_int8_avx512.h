@@ -353,13 +353,16 @@ void decode_rows_int8(const void* q, void* out, const void* k_cache, const void*
     const int16_t* p[HEADS];
     float* acc[HEADS];
     float corr[HEADS], ps[HEADS];
+    auto prefetch_scales = [&](int64_t slot) {  // a block's key and value scales
+        prefetch_block(k_scale + slot * num_kv_heads, block_size * num_kv_heads * 4);
+        prefetch_block(v_scale + slot * num_kv_heads, block_size * num_kv_heads * 4);
+    };
     const int64_t first_ahead = std::min(num_blocks_all, first_block + PREFETCH_BLOCKS);
     for (int64_t b = first_block; b < first_ahead; ++b) {  // the first blocks, asked for at once
         const int64_t slot = table[b] * block_size;
         prefetch_block(k8 + slot * row_stride, block_bytes);
         prefetch_block(v8 + slot * row_stride, block_bytes);
-        prefetch_block(k_scale + slot * num_kv_heads, block_size * num_kv_heads * 4);
-        prefetch_block(v_scale + slot * num_kv_heads, block_size * num_kv_heads * 4);
+        prefetch_scales(slot);
     }
     for (int64_t b0 = first_block; b0 < num_blocks_all; b0 += chunk_blocks) {
         const int blocks = static_cast<int>(std::min<int64_t>(chunk_blocks, num_blocks_all - b0));
@@ -371,10 +374,7 @@ void decode_rows_int8(const void* q, void* out, const void* k_cache, const void*
             // 2) a KV head's rows at a time beside this block's work on that head
             const int64_t ahead =
                 b + PREFETCH_BLOCKS < num_blocks_all ? table[b + PREFETCH_BLOCKS] * block_size : -1;
-            if (ahead >= 0) {
-                prefetch_block(k_scale + ahead * num_kv_heads, block_size * num_kv_heads * 4);
-                prefetch_block(v_scale + ahead * num_kv_heads, block_size * num_kv_heads * 4);
-            }
+            if (ahead >= 0) prefetch_scales(ahead);
             const int64_t lo = std::max<int64_t>(0, first_key - b * block_size);
             for (int r0 = 0; r0 < block_size; r0 += 16) {
                 __mmask16 seen[INT8_GROUP_ROWS], any = 0;
