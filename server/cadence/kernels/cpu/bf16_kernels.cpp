@@ -14,17 +14,18 @@
 //
 // Tiles: C[a][v] = 2a + v (16 rows x 16 fp32), A[a] = 4 + a (16 rows x 32 bf16 of x),
 // B[v] = 6 + v (one packed tile): 32 rows x 32 channels at a time, all 8 tile registers.
-// Threads take contiguous runs of column blocks (each weight tile streams once per call);
-// a thread passes every row group over a pair of column blocks while its 2 x k32 tiles
-// are in cache; the first row group asks for the tiles PREFETCH_TILES input blocks ahead
-// (the hardware's stream prefetch alone left a 32-row decode product at two thirds of the
-// memory's read speed). Rows come from x in place where k is a multiple of 32 and a whole A tile
+// Threads claim runs of column-block pairs from a shared queue (work_queue.h: each weight
+// tile streams once per call, a slowed core takes fewer); a thread passes every row group
+// over a pair of column blocks while its 2 x k32 tiles are in cache; the first row group
+// asks for the tiles PREFETCH_TILES input blocks ahead (the hardware's stream prefetch
+// alone left a 32-row decode product at two thirds of the memory's read speed). Rows come from x in place where k is a multiple of 32 and a whole A tile
 // is there; the last partial tile (and every tile where k is not) is copied into a
 // zero-padded strip first. cadence_bf16_matmul_tiles_swiglu multiplies a fused gate/up
 // weight the same way, gate block j and up block j as one pair, and writes SwiGLU of the
 // pair's rounded sums (silu_mul's arithmetic) instead of the sums.
 
 #include "cpu_kernels.h"
+#include "work_queue.h"
 
 #include <omp.h>
 
@@ -45,6 +46,7 @@
 namespace {
 
 using cadence_kernels::OK;
+using cadence_kernels::WorkQueue;
 
 #ifdef CADENCE_BF16_AMX
 using cadence_amx::TileConfig;
@@ -168,12 +170,12 @@ struct ColumnPair {
     int nv;
 };
 
-// One thread's pairs [p0, p1) over every row: `pair(i)` names pair i's blocks, `emit(i, r0,
-// rows, nv, acc)` writes what rows r0 .. r0 + rows make of its sums (acc [32][16 nv] fp32).
-// Configures the thread's tiles and releases them.
+// One thread's share of the pairs over every row, run by run from `queue`: `pair(i)` names
+// pair i's blocks, `emit(i, r0, rows, nv, acc)` writes what rows r0 .. r0 + rows make of
+// its sums (acc [32][16 nv] fp32). Configures the thread's tiles and releases them.
 template <class Tiles, class Pair, class Emit>
 CADENCE_AMX_BF16_TARGET bool pairs_over_rows(const uint16_t* x, int64_t xs, int64_t m, int64_t k,
-                                             int64_t p0, int64_t p1, Pair pair, Emit emit) {
+                                             WorkQueue& queue, Pair pair, Emit emit) {
     const int64_t k32 = (k + K_STEP - 1) / K_STEP;
     static thread_local std::vector<uint16_t> strip;
     // the last row group's source, copied (where it must be) once for every pair
@@ -182,14 +184,17 @@ CADENCE_AMX_BF16_TARGET bool pairs_over_rows(const uint16_t* x, int64_t xs, int6
     const RowSource last = rows_at(x, xs, m, k, k32, last0, last_na, strip);
     alignas(64) float acc[2 * ROWS * 2 * COLS];
     Tiles::configure(tile_config());
-    for (int64_t i = p0; i < p1; ++i) {
-        const ColumnPair c = pair(i);
-        for (int64_t r0 = 0; r0 < m; r0 += 2 * ROWS) {
-            const int na = m - r0 > ROWS ? 2 : 1;
-            const RowSource a = r0 == last0 ? last : RowSource{x + r0 * xs, xs};
-            if (r0 == 0) row_group<Tiles, true>(na, c.nv, a, c.w0, c.w1, k32, acc);
-            else row_group<Tiles, false>(na, c.nv, a, c.w0, c.w1, k32, acc);
-            emit(i, r0, std::min<int64_t>(2 * ROWS, m - r0), c.nv, acc);
+    int64_t p0 = 0, p1 = 0;
+    while (queue.claim(p0, p1)) {
+        for (int64_t i = p0; i < p1; ++i) {
+            const ColumnPair c = pair(i);
+            for (int64_t r0 = 0; r0 < m; r0 += 2 * ROWS) {
+                const int na = m - r0 > ROWS ? 2 : 1;
+                const RowSource a = r0 == last0 ? last : RowSource{x + r0 * xs, xs};
+                if (r0 == 0) row_group<Tiles, true>(na, c.nv, a, c.w0, c.w1, k32, acc);
+                else row_group<Tiles, false>(na, c.nv, a, c.w0, c.w1, k32, acc);
+                emit(i, r0, std::min<int64_t>(2 * ROWS, m - r0), c.nv, acc);
+            }
         }
     }
     const bool ok = Tiles::ok();
@@ -197,9 +202,9 @@ CADENCE_AMX_BF16_TARGET bool pairs_over_rows(const uint16_t* x, int64_t xs, int6
     return ok;
 }
 
-// `units` pairs split into contiguous runs over the call's threads, thread t running
-// `run(x, xs, k, first, end)` with x's k made a multiple of 32 (copied zero-padded once for
-// every thread where it is not); TILE_FAULT if a thread's tiles faulted.
+// `units` pairs run over the call's threads from one WorkQueue (work_queue.h), each thread
+// running `run(x, xs, k, queue)` with x's k made a multiple of 32 (copied zero-padded once
+// for every thread where it is not); TILE_FAULT if a thread's tiles faulted.
 template <class Run>
 int on_threads(const uint16_t* x, int64_t xs, int64_t m, int64_t k, int64_t units,
                int num_threads, Run run) {
@@ -213,12 +218,11 @@ int on_threads(const uint16_t* x, int64_t xs, int64_t m, int64_t k, int64_t unit
     }
     const int threads =
         static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, units)));
+    WorkQueue queue(units, threads);
     std::atomic<bool> faulted{false};
 #pragma omp parallel num_threads(threads)
     {
-        const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
-        const int64_t first = units * t / count, end = units * (t + 1) / count;
-        if (first < end && !run(x, xs, k, first, end)) faulted = true;
+        if (!run(x, xs, k, queue)) faulted = true;
     }
     return faulted ? TILE_FAULT : OK;
 }
@@ -241,8 +245,8 @@ int product(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const uint16_t*
             store_row(acc + r * nv * COLS, cols, y + (r0 + r) * ys + col0);
     };
     return on_threads(x, xs, m, k, (blocks + 1) / 2, num_threads,
-                      [&](const uint16_t* xp, int64_t xps, int64_t kp, int64_t first, int64_t end) {
-                          return pairs_over_rows<Tiles>(xp, xps, m, kp, first, end, pair, emit);
+                      [&](const uint16_t* xp, int64_t xps, int64_t kp, WorkQueue& queue) {
+                          return pairs_over_rows<Tiles>(xp, xps, m, kp, queue, pair, emit);
                       });
 }
 
@@ -265,8 +269,8 @@ int swiglu_product(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const ui
         }
     };
     return on_threads(x, xs, m, k, half, num_threads,
-                      [&](const uint16_t* xp, int64_t xps, int64_t kp, int64_t first, int64_t end) {
-                          return pairs_over_rows<Tiles>(xp, xps, m, kp, first, end, pair, emit);
+                      [&](const uint16_t* xp, int64_t xps, int64_t kp, WorkQueue& queue) {
+                          return pairs_over_rows<Tiles>(xp, xps, m, kp, queue, pair, emit);
                       });
 }
 

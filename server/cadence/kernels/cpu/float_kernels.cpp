@@ -12,13 +12,14 @@
 // row sits, which tile or thread computes it -- can change a row's result: batch
 // invariance by construction (cadence/shard/determinism.py still checks it at start).
 //
-// Fewer than LARGE rows read x in place: each thread takes a contiguous run of panels, in
-// groups of GROUP panels; every row block passes over a group while it is in cache, and the
+// Fewer than LARGE rows read x in place: the threads claim runs of panels from a queue
+// (work_queue.h), in groups of GROUP panels; every row block passes over a group while it is in cache, and the
 // first row block prefetches the next group. From LARGE rows x is first copied into strips
 // of ROW_BLOCK rows, k-major (a tile's broadcasts then read one cache line per k step), and
 // the threads take panels one at a time (a thread that loses its core holds up one panel).
 
 #include "cpu_kernels.h"
+#include "work_queue.h"
 
 #include <omp.h>
 
@@ -52,19 +53,21 @@ void small_product(const float* x, int64_t xs, int64_t m, int64_t k, const float
     const int64_t panels = (n + COLS - 1) / COLS;
     const int64_t blocks = (m + ROW_BLOCK - 1) / ROW_BLOCK;
     const int64_t next_group = GROUP * k * COLS * static_cast<int64_t>(sizeof(float));
+    cadence_kernels::WorkQueue queue(panels, threads, GROUP);  // runs of panels, claimed
 #pragma omp parallel num_threads(threads)
     {
-        const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
-        const int64_t p0 = panels * t / count, p1 = panels * (t + 1) / count;
-        for (int64_t g = p0; g < p1; g += GROUP) {
-            const int64_t g1 = std::min(p1, g + GROUP);
-            for (int64_t b = 0; b < blocks; ++b) {
-                const int64_t r0 = block_start(m, blocks, b);
-                const int rows = static_cast<int>(block_start(m, blocks, b + 1) - r0);
-                // one row alone: the hardware prefetcher keeps up with four streams
-                const int64_t ahead = b == 0 && blocks > 1 ? next_group : 0;
-                cadence_float::row_block(rows, x + r0 * xs, xs, 1, w, k, n, g, g1, y + r0 * ys, ys,
-                                         ahead);
+        int64_t p0 = 0, p1 = 0;
+        while (queue.claim(p0, p1)) {
+            for (int64_t g = p0; g < p1; g += GROUP) {
+                const int64_t g1 = std::min(p1, g + GROUP);
+                for (int64_t b = 0; b < blocks; ++b) {
+                    const int64_t r0 = block_start(m, blocks, b);
+                    const int rows = static_cast<int>(block_start(m, blocks, b + 1) - r0);
+                    // one row alone: the hardware prefetcher keeps up with four streams
+                    const int64_t ahead = b == 0 && blocks > 1 ? next_group : 0;
+                    cadence_float::row_block(rows, x + r0 * xs, xs, 1, w, k, n, g, g1,
+                                             y + r0 * ys, ys, ahead);
+                }
             }
         }
     }

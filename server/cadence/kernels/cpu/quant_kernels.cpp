@@ -45,6 +45,7 @@
 #include <omp.h>
 
 #include "quant_rows.h"
+#include "work_queue.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include "quant_tiles_avx512.h"
@@ -276,8 +277,8 @@ void pad_rows(QuantizedRows& a, int64_t m) {
     std::fill(a.correction.begin() + m, a.correction.end(), 0.0f);
 }
 
-// cadence_quant_matmul's product on AMX tiles: the same quantized rows, the same split of
-// column blocks between threads, each thread configuring its own tiles.
+// cadence_quant_matmul's product on AMX tiles: the same quantized rows, the same queue of
+// column blocks, each run configuring its thread's tiles.
 template <class Tiles>
 int amx_matmul(const void* x, int64_t x_stride, int64_t m, int64_t k, const uint8_t* w,
                const float* scales, int64_t n, int format, void* y, int64_t y_stride, int dtype,
@@ -290,13 +291,14 @@ int amx_matmul(const void* x, int64_t x_stride, int64_t m, int64_t k, const uint
     const auto store = [=](int64_t r, int64_t col0, int64_t cols, const float* v) {
         store_row(y, y_stride, r, col0, cols, v, dtype);
     };
+    WorkQueue queue(blocks, threads, amx::GROUP_TILES);
     std::atomic<bool> faulted{false};
 #pragma omp parallel num_threads(threads)
     {
-        const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
-        if (!amx::column_blocks<Tiles>(format, w, scales, blocks * t / count,
-                                       blocks * (t + 1) / count, a, m, n, store))
-            faulted = true;
+        int64_t b0 = 0, b1 = 0;
+        while (queue.claim(b0, b1))
+            if (!amx::column_blocks<Tiles>(format, w, scales, b0, b1, a, m, n, store))
+                faulted = true;
     }
     return faulted ? TILE_FAULT : OK;
 }
@@ -316,13 +318,14 @@ int cadence_quant_matmul(const void* x, int64_t x_stride, int64_t m, int64_t k,
     const QuantizedRows& a = quantize_rows(x, x_stride, m, k, dtype, num_threads);
     const int64_t blocks = (n + COLS - 1) / COLS;
     const uint8_t* w = static_cast<const uint8_t*>(packed);
-    // each thread one contiguous run of column blocks (its weights stream once)
+    // runs of column blocks claimed from a queue (work_queue.h; each run's weights stream once)
     const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, blocks)));
+    WorkQueue queue(blocks, threads, TILE_BLOCKS);
 #pragma omp parallel num_threads(threads)
     {
-        const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
-        column_blocks(format, w, scales, blocks * t / count, blocks * (t + 1) / count, a, m, n, y,
-                      y_stride, dtype);
+        int64_t b0 = 0, b1 = 0;
+        while (queue.claim(b0, b1))
+            column_blocks(format, w, scales, b0, b1, a, m, n, y, y_stride, dtype);
     }
     return OK;
 }
