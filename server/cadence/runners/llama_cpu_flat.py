@@ -13,6 +13,12 @@ that product runs on cadence's AMX-BF16 tiles) -- with the norms and the attenti
 writing into buffers reused by every layer. Every operation rounds as the model's forward
 does, so both give the same bits (`server/tests/test_llama_cpu_flat.py`); tensor
 parallelism all-reduces after the two row-parallel products as the layers do.
+
+Where every row of a step attends over the cache (decode rows; with batch invariance, the
+prompts' tokens too) and every product is one AMX-BF16 call, the whole loop is one C++
+call (`decode_layers_bf16`, cpu_ops.cpp): the same operators in the same order, without
+a Python frame and seven dispatches per layer (about 2 ms of a 32-row decode step of
+SmolLM2; `server/tests/test_bf16_amx_kernel.py` holds its bits to the loop's).
 """
 
 from __future__ import annotations
@@ -146,6 +152,97 @@ def _layer_parts(model: LlamaModel) -> list[_LayerParts]:
     return parts
 
 
+class _Bf16Stack(NamedTuple):
+    """What `decode_layers_bf16` reads of a model whose every layer's products are
+    single AMX-BF16 calls (no bias, no Qwen3 head norms, one shard): per layer the input
+    norm, QKV, O, gate/up and down packed weights and the post-attention norm, their
+    output features (the SwiGLU's for gate/up) and the sliding window (0: none). Those
+    products stay single calls from `rows_from` to `rows_to` rows, and with no LoRA delta
+    due in `lora_contexts`."""
+
+    weights: list[torch.Tensor]
+    sizes: list[int]
+    windows: list[int]
+    scale: float
+    rows_from: int
+    rows_to: int
+    lora_contexts: list[object]
+
+
+def _stack_of(model: LlamaModel, parts: list[_LayerParts]) -> _Bf16Stack | None:
+    """The model's `_Bf16Stack` where it has one, else None."""
+    weights: list[torch.Tensor] = []
+    sizes: list[int] = []
+    rows_from, rows_to = 1, 1 << 62
+    contexts: dict[int, object] = {}
+    for part in parts:
+        products = (part.qkv, part.o_proj, part.gate_up, part.down)
+        if part.attn.q_norm is not None or part.cache.scale != parts[0].cache.scale:
+            return None
+        for layer in products:
+            packed, quantized = layer.packed_weight, layer.quantized
+            if packed is None or not is_amx_packing(packed) or layer.bias is not None:
+                return None
+            if layer.tp_size != 1 or (quantized is not None and not quantized.float_kept):
+                return None
+            below = quantized.crossover + 1 if quantized is not None else 1
+            rows_from = max(rows_from, layer.min_rows, below)
+            rows_to = min(rows_to, layer.max_rows)
+            hook = getattr(layer, "lora", None)
+            if hook is not None:
+                contexts[id(hook.context)] = hook.context
+        inter = part.gate_up.out_features // 2
+        if inter % 16:
+            return None
+        weights += [part.input_norm.weight, part.qkv.packed_weight, part.o_proj.packed_weight]
+        weights += [part.gate_up.packed_weight, part.down.packed_weight, part.post_norm.weight]
+        sizes += [part.qkv.out_features, part.o_proj.out_features, inter, part.down.out_features]
+    windows = [part.cache.sliding_window or 0 for part in parts]
+    scale = parts[0].cache.scale
+    return _Bf16Stack(weights, sizes, windows, scale, rows_from, rows_to, list(contexts.values()))
+
+
+def _bf16_stack(model: LlamaModel, rows: int) -> _Bf16Stack | None:
+    """The model's `_Bf16Stack` where a decode step of `rows` rows may run in one
+    `decode_layers_bf16` call, else None (found once per model: its packed weights are
+    fixed once it is loaded)."""
+    if "_flat_bf16_stack" not in model.__dict__:
+        model.__dict__["_flat_bf16_stack"] = _stack_of(model, _layer_parts(model))
+    stack = model.__dict__["_flat_bf16_stack"]
+    if stack is None or not stack.rows_from <= rows <= stack.rows_to:
+        return None
+    if any(context.step is not None for context in stack.lora_contexts):
+        return None
+    return stack
+
+
+def _decode_layers(
+    model: LlamaModel, stack: _Bf16Stack, residual: torch.Tensor, ctx: CpuMetadata,
+    cos: torch.Tensor, sin: torch.Tensor,
+) -> torch.Tensor | None:  # fmt: skip
+    """The layers of a decode-only step in one C++ call (`decode_layers_bf16`): the
+    per-layer loop of `forward_step` without its Python, the same bits. None where the
+    caches' scales are not all there or all absent."""
+    caches: list[torch.Tensor] = []
+    scales: list[torch.Tensor] = []
+    for part in _layer_parts(model):
+        cache = part.cache
+        caches += [cache.k_cache, cache.v_cache]
+        if cache.k_scale is not None:
+            scales += [cache.k_scale, cache.v_scale]
+    if scales and len(scales) != len(caches):
+        return None
+    first = model.layers[0].self_attn
+    HEARTBEAT.beat()
+    x = torch.ops.cadence.decode_layers_bf16(
+        residual, stack.weights, caches, scales, stack.sizes, stack.windows, cos, sin,
+        ctx.slot_mapping, ctx.decode_tables, ctx.decode_lens, first.num_heads,
+        first.num_kv_heads, stack.scale, model.norm.eps, HARDWARE_TILES,
+    )  # fmt: skip
+    HEARTBEAT.beat()
+    return x
+
+
 def forward_step(
     model: LlamaModel, input_ids: torch.Tensor, positions: torch.Tensor, ctx: CpuMetadata
 ) -> torch.Tensor:
@@ -175,6 +272,12 @@ def forward_step(
         else:
             ops.rms_norm.out(src, weight, eps, out)
 
+    stack = _bf16_stack(model, tokens) if d == tokens else None
+    x_last = _decode_layers(model, stack, residual, ctx, cos, sin) if stack else None
+    if x_last is not None:
+        out = torch.empty_like(x_last)
+        norm(model.norm.weight, x_last, True, out)
+        return out
     for i, layer in enumerate(_layer_parts(model)):
         HEARTBEAT.beat()  # a layer's worth of progress, seen by Health
         attn = layer.attn

@@ -217,6 +217,7 @@ def _cases() -> list[Any]:
         cases += [(OPS.quant_matmul_tiles.default, args) for args in tiles]
         cases += [(OPS.bf16_matmul_tiles.default, args) for args in _bf16_args()]
         cases += [(OPS.bf16_matmul_tiles_swiglu.default, args) for args in _swiglu_args()]
+        cases += [(OPS.decode_layers_bf16.default, args) for args in _decode_layers_args()]
     cases += [(OPS.float_matmul.default, args) for args in _float_args()]
     return [pytest.param(op, args, id=f"{op}-{_dtypes(args)}") for op, args in cases]
 
@@ -290,6 +291,46 @@ def _swiglu_args() -> list[dict[str, Any]]:
     ]
 
 
+def _decode_layers_args() -> list[dict[str, Any]]:
+    """decode_layers_bf16 on the emulated tiles: two layers of hidden 64 (HEADS query heads
+    over KV_HEADS of HEAD_DIM, SwiGLU of 32) over a bfloat16 and an int8 cache, the second
+    layer with a sliding window."""
+    from cadence.layers.packed import amx_bf16_packing
+
+    g = _generator()
+    hidden, width, inter = 64, (HEADS + 2 * KV_HEADS) * HEAD_DIM, 32
+    shapes = [(width, hidden), (hidden, HEADS * HEAD_DIM), (2 * inter, hidden), (hidden, inter)]
+    cases = []
+    for kv_dtype in (BF16, I8):
+        args = _decode_layer_args(BF16, kv_dtype)
+        weights, caches, scales = [], [], []
+        for _ in range(2):
+            norms = [(torch.rand(hidden, generator=g) + 0.5).to(BF16) for _ in "io"]
+            w = [amx_bf16_packing(torch.randn(*s, generator=g).to(BF16) * 0.1) for s in shapes]
+            weights += [norms[0], *w, norms[1]]
+            caches += [args["k_cache"].clone(), args["v_cache"].clone()]
+            if "k_scale" in args:
+                scales += [args["k_scale"].clone(), args["v_scale"].clone()]
+        cases.append(
+            {
+                "residual": torch.randn(len(LENS), hidden, generator=g).to(BF16),
+                "weights": weights,
+                "caches": caches,
+                "scales": scales,
+                "sizes": [width, hidden, inter, hidden] * 2,
+                "windows": [0, 4],
+                **{k: args[k] for k in ("cos", "sin", "slot_mapping", "block_tables")},
+                "context_lens": args["context_lens"],
+                "heads": HEADS,
+                "kv_heads": KV_HEADS,
+                "scale": HEAD_DIM**-0.5,
+                "eps": 1e-5,
+                "tiles": 2,
+            }
+        )
+    return cases
+
+
 def _has_amx_kernel() -> bool:
     """Whether the selected kernels have quant_matmul_tiles' AMX product (avx512_bf16's)."""
     return cpu.selected_isa() == "avx512_bf16"
@@ -330,6 +371,7 @@ def test_every_operator_has_an_opcheck_case():
         defined.discard("quant_matmul_tiles.default")
         defined.discard("bf16_matmul_tiles.default")
         defined.discard("bf16_matmul_tiles_swiglu.default")
+        defined.discard("decode_layers_bf16.default")
     assert {_name(case.values[0]) for case in _cases()} == defined
 
 
