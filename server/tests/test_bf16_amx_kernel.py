@@ -257,20 +257,28 @@ def _amx_table(tmp_path: Path) -> str:
 
 
 @pytest.mark.parametrize(
-    ("name", "kv"),
-    [("llama_9_heads_3_kv", "int8"), ("llama_9_heads_3_kv", None), ("mistral_window", None)],
+    ("name", "kv", "row_layers"),
+    [
+        ("llama_9_heads_3_kv", "int8", 8192),
+        ("llama_9_heads_3_kv", None, 8192),
+        ("mistral_window", None, 8192),
+        ("llama_9_heads_3_kv", "int8", 1),  # a call per layer, each after the last
+    ],
 )
 def test_a_step_runs_its_layers_in_one_call_with_the_loops_bits(
-    name, kv, avx512_bf16, hardware_tiles, model_dirs, engine_for, tmp_path: Path, monkeypatch
-) -> None:
+    name, kv, row_layers, avx512_bf16, hardware_tiles, model_dirs, engine_for, tmp_path: Path,
+    monkeypatch,
+) -> None:  # fmt: skip
     """Steps of a bfloat16 Llama on the AMX-BF16 tiles whose rows all attend over the cache
-    (decode rows; with batch invariance, the prompts' tokens too) run every layer in one
-    `decode_layers_bf16` call, and give the logits and cache contents of the per-layer
-    Python loop bit for bit: three prompts, then decode steps of sequences of different
-    lengths across block boundaries and (mistral_window) past the sliding window."""
+    (decode rows; with batch invariance, the prompts' tokens too) run their layers in
+    `decode_layers_bf16` calls (one for all of them where rows x layers are at most
+    `row_layers`), and give the logits and cache contents of the per-layer Python loop bit
+    for bit: three prompts, then decode steps of sequences of different lengths across
+    block boundaries and (mistral_window) past the sliding window."""
     from cadence.runners import llama_cpu_flat
     from shard_helpers import MiniRouter
 
+    monkeypatch.setattr(llama_cpu_flat, "ROW_LAYERS_PER_CALL", row_layers)
     table = _amx_table(tmp_path)
     calls: list[bool] = []
     original = llama_cpu_flat._decode_layers
@@ -318,5 +326,5 @@ def test_decode_layers_checks_its_lists(avx512_bf16) -> None:
     x = torch.zeros(2, 64, dtype=torch.bfloat16)
     idx = torch.zeros(2, dtype=torch.int64)
     with pytest.raises((RuntimeError, ValueError), match="decode_layers_bf16"):
-        op(x, [x] * 5, [x, x], [], [64, 64, 64, 64], [0], x, x, idx, idx.view(2, 1), idx, 1, 1,
-           1.0, 1e-5, HARDWARE)  # fmt: skip
+        op(x, None, [x] * 5, [x, x], [], [64, 64, 64, 64], [0], x, x, idx, idx.view(2, 1), idx,
+           1, 1, 1.0, 1e-5, HARDWARE)  # fmt: skip

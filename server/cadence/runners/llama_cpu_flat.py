@@ -216,13 +216,19 @@ def _bf16_stack(model: LlamaModel, rows: int) -> _Bf16Stack | None:
     return stack
 
 
+# Rows times layers per decode_layers_bf16 call: a long step's layers go in several calls,
+# the heartbeat bumped between them, so the router still sees a long prefill move.
+ROW_LAYERS_PER_CALL = 8192
+
+
 def _decode_layers(
     model: LlamaModel, stack: _Bf16Stack, residual: torch.Tensor, ctx: CpuMetadata,
     cos: torch.Tensor, sin: torch.Tensor,
 ) -> torch.Tensor | None:  # fmt: skip
-    """The layers of a decode-only step in one C++ call (`decode_layers_bf16`): the
-    per-layer loop of `forward_step` without its Python, the same bits. None where the
-    caches' scales are not all there or all absent."""
+    """The layers of a step whose rows all attend over the cache in C++ calls
+    (`decode_layers_bf16`: all of them in one for a decode step, ROW_LAYERS_PER_CALL rows x
+    layers a call for more rows): the per-layer loop of `forward_step` without its Python,
+    the same bits. None where the caches' scales are not all there or all absent."""
     caches: list[torch.Tensor] = []
     scales: list[torch.Tensor] = []
     for part in _layer_parts(model):
@@ -233,12 +239,18 @@ def _decode_layers(
     if scales and len(scales) != len(caches):
         return None
     first = model.layers[0].self_attn
-    HEARTBEAT.beat()
-    x = torch.ops.cadence.decode_layers_bf16(
-        residual, stack.weights, caches, scales, stack.sizes, stack.windows, cos, sin,
-        ctx.slot_mapping, ctx.decode_tables, ctx.decode_lens, first.num_heads,
-        first.num_kv_heads, stack.scale, model.norm.eps, HARDWARE_TILES,
-    )  # fmt: skip
+    layers = len(stack.windows)
+    per_call = max(1, ROW_LAYERS_PER_CALL // residual.shape[0])
+    x = None
+    for a in range(0, layers, per_call):
+        b = min(layers, a + per_call)
+        HEARTBEAT.beat()
+        x = torch.ops.cadence.decode_layers_bf16(
+            residual, x, stack.weights[6 * a : 6 * b], caches[2 * a : 2 * b],
+            scales[2 * a : 2 * b], stack.sizes[4 * a : 4 * b], stack.windows[a:b], cos, sin,
+            ctx.slot_mapping, ctx.decode_tables, ctx.decode_lens, first.num_heads,
+            first.num_kv_heads, stack.scale, model.norm.eps, HARDWARE_TILES,
+        )  # fmt: skip
     HEARTBEAT.beat()
     return x
 

@@ -314,6 +314,7 @@ def _decode_layers_args() -> list[dict[str, Any]]:
         cases.append(
             {
                 "residual": torch.randn(len(LENS), hidden, generator=g).to(BF16),
+                "x": None if kv_dtype is BF16 else torch.randn(len(LENS), hidden).to(BF16),
                 "weights": weights,
                 "caches": caches,
                 "scales": scales,

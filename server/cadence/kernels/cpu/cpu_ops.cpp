@@ -821,10 +821,13 @@ Tensor bf16_matmul_tiles_swiglu(const Tensor& x, const Tensor& packed, int64_t i
 // (about 2 ms of a 32-row decode step of SmolLM2). Per layer: `weights` the input norm,
 // QKV, O, gate/up and down packed weights and the post-attention norm; `caches` K and V;
 // `scales` K's and V's (an int8 cache) or none; `sizes` QKV's, O's, the SwiGLU's and the
-// down product's output features; `windows` the sliding window (0: none). `residual` is
-// updated in place; returns the last layer's output (the final norm's input).
+// down product's output features; `windows` the sliding window (0: none). `x`: the
+// previous layer's output, None where the first layer is the model's (its input norm
+// then reads `residual`, the embedding, without an add). `residual` is updated in place;
+// returns the last layer's output (the next layer's `x`, or the final norm's input).
 template <Impl I>
-Tensor decode_layers_bf16(const Tensor& residual, at::TensorList weights, at::TensorList caches,
+Tensor decode_layers_bf16(const Tensor& residual, const std::optional<Tensor>& x_in,
+                          at::TensorList weights, at::TensorList caches,
                           at::TensorList scales, at::IntArrayRef sizes, at::IntArrayRef windows,
                           const Tensor& cos, const Tensor& sin, const Tensor& slot_mapping,
                           const Tensor& block_tables, const Tensor& context_lens, int64_t heads,
@@ -851,11 +854,11 @@ Tensor decode_layers_bf16(const Tensor& residual, at::TensorList weights, at::Te
         const Tensor normed = at::empty_like(residual, at::MemoryFormat::Contiguous);
         const Tensor q_out = at::empty({tokens, heads, head_dim}, residual.options());
         const Tensor attended = at::empty({tokens, heads, head_dim}, residual.options());
-        Tensor x = residual;
+        Tensor x = x_in.has_value() ? *x_in : residual;
         for (int64_t l = 0; l < layers; ++l) {
             const Tensor* w = weights.data() + 6 * l;
             const int64_t* n = sizes.data() + 4 * l;
-            if (l == 0) rms_norm_out<I>(x, w[0], eps, normed);
+            if (l == 0 && !x_in.has_value()) rms_norm_out<I>(x, w[0], eps, normed);
             else add_rms_norm_<I>(residual, x, w[0], eps, normed);
             const Tensor qkv = bf16_matmul_tiles<I>(normed, w[1], std::nullopt, n[0], tiles);
             const Scale k_scale = scales.empty() ? Scale{} : Scale{scales[2 * l]};
@@ -954,7 +957,8 @@ TORCH_LIBRARY_FRAGMENT(cadence, m) {
         "-> Tensor");
     m.def("bf16_matmul_tiles_swiglu(Tensor x, Tensor packed, int inter, int tiles) -> Tensor");
     m.def(
-        "decode_layers_bf16(Tensor(a!) residual, Tensor[] weights, Tensor(b!)[] caches, "
+        "decode_layers_bf16(Tensor(a!) residual, Tensor? x, Tensor[] weights, "
+        "Tensor(b!)[] caches, "
         "Tensor(c!)[] scales, int[] sizes, int[] windows, Tensor cos, Tensor sin, "
         "Tensor slot_mapping, Tensor block_tables, Tensor context_lens, int heads, "
         "int kv_heads, float scale, float eps, int tiles) -> Tensor");
