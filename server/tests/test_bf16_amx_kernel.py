@@ -235,7 +235,7 @@ def test_the_flat_step_fuses_swiglu_on_the_tiles_with_the_unfused_bits(
         model_dir = model_dirs("llama_gqa")
         engines = [engine_for(model_dir, dtype="bfloat16", kernel_table=str(path)) for _ in "ab"]
         # the per-layer loop's fusion (not the one call of a step's layers, which has its own)
-        monkeypatch.setattr(llama_cpu_flat, "_bf16_stack", lambda model, rows: None)
+        monkeypatch.setattr(llama_cpu_flat, "_layer_stack", lambda model, rows: None)
         monkeypatch.setattr(llama_cpu_flat, "_fused_swiglu", counted)
         fused = prefill_then_decode_logits(engines[0], tokens, 4)
         assert fused_calls and all(fused_calls), fused_calls
@@ -244,87 +244,3 @@ def test_the_flat_step_fuses_swiglu_on_the_tiles_with_the_unfused_bits(
         assert torch.equal(fused, unfused), float((fused.float() - unfused.float()).abs().max())
     finally:
         packing.use_bf16_product(None)
-
-
-def _amx_table(tmp_path: Path) -> str:
-    """A kernel table that puts bfloat16 products on the AMX-BF16 tiles."""
-    seconds = {calibrate.DECODE_ROWS: 1.0, calibrate.PREFILL_ROWS: 1.0}
-    key = calibrate.machine_key(amx_check.ISA, "bfloat16")
-    entry = FloatMeasured(float_calibrate.AMX_BF16, seconds, seconds, "now")
-    path = tmp_path / "table.json"
-    calibrate.write(calibrate.KernelTable(key, bf16=entry), path)
-    return str(path)
-
-
-@pytest.mark.parametrize(
-    ("name", "kv", "row_layers"),
-    [
-        ("llama_9_heads_3_kv", "int8", 8192),
-        ("llama_9_heads_3_kv", None, 8192),
-        ("mistral_window", None, 8192),
-        ("llama_9_heads_3_kv", "int8", 1),  # a call per layer, each after the last
-    ],
-)
-def test_a_step_runs_its_layers_in_one_call_with_the_loops_bits(
-    name, kv, row_layers, avx512_bf16, hardware_tiles, model_dirs, engine_for, tmp_path: Path,
-    monkeypatch,
-) -> None:  # fmt: skip
-    """Steps of a bfloat16 Llama on the AMX-BF16 tiles whose rows all attend over the cache
-    (decode rows; with batch invariance, the prompts' tokens too) run their layers in
-    `decode_layers_bf16` calls (one for all of them where rows x layers are at most
-    `row_layers`), and give the logits and cache contents of the per-layer Python loop bit
-    for bit: three prompts, then decode steps of sequences of different lengths across
-    block boundaries and (mistral_window) past the sliding window."""
-    from cadence.runners import llama_cpu_flat
-    from shard_helpers import MiniRouter
-
-    monkeypatch.setattr(llama_cpu_flat, "ROW_LAYERS_PER_CALL", row_layers)
-    table = _amx_table(tmp_path)
-    calls: list[bool] = []
-    original = llama_cpu_flat._decode_layers
-
-    def counted(*args):
-        y = original(*args)
-        calls.append(y is not None)
-        return y
-
-    try:
-        model_dir = model_dirs(name)
-        engines = [
-            engine_for(model_dir, dtype="bfloat16", kernel_table=table, kv_cache_dtype=kv)
-            for _ in "ab"
-        ]
-        prompts = [[5, 17, 42, 9, 77, 3], [120, 64, 8, 33, 2, 11, 90, 14, 7, 60, 21], [44, 45]]
-        steps: list[list[dict[int, torch.Tensor]]] = [[], []]
-        for n, engine in enumerate(engines):
-            if n == 0:
-                monkeypatch.setattr(llama_cpu_flat, "_decode_layers", counted)
-            else:
-                monkeypatch.setattr(llama_cpu_flat, "_bf16_stack", lambda model, rows: None)
-            router = MiniRouter(engine)
-            joined = [router.join(i, p) for i, p in enumerate(prompts)]
-            forced = {i: 10 + i for i in range(3)}
-            steps[n].append(router.logits_step(joined=joined, forced=forced))
-            for t in range(12):
-                cont = [router.cont(i) for i in range(3)]
-                forced = {i: (37 * t + 11 * i) % 200 + 3 for i in range(3)}
-                steps[n].append(router.logits_step(continuing=cont, forced=forced))
-        assert calls == [True] * 13, calls  # the prompts' step and every decode step
-        for a, b in zip(*steps, strict=True):
-            assert all(torch.equal(a[i], b[i]) for i in range(3))
-        caches = [[(c.k_cache, c.v_cache) for c in e.model.attention_layers()] for e in engines]
-        for (ka, va), (kb, vb) in zip(*caches, strict=True):
-            assert torch.equal(ka.view(torch.uint8), kb.view(torch.uint8))
-            assert torch.equal(va.view(torch.uint8), vb.view(torch.uint8))
-    finally:
-        packing.use_bf16_product(None)
-
-
-def test_decode_layers_checks_its_lists(avx512_bf16) -> None:
-    """A layer count the lists disagree on is a clear error naming the operator."""
-    op = torch.ops.cadence.decode_layers_bf16
-    x = torch.zeros(2, 64, dtype=torch.bfloat16)
-    idx = torch.zeros(2, dtype=torch.int64)
-    with pytest.raises((RuntimeError, ValueError), match="decode_layers_bf16"):
-        op(x, None, [x] * 5, [x, x], [], [64, 64, 64, 64], [0], x, x, idx, idx.view(2, 1), idx,
-           1, 1, 1.0, 1e-5, HARDWARE)  # fmt: skip

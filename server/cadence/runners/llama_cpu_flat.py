@@ -15,10 +15,11 @@ does, so both give the same bits (`server/tests/test_llama_cpu_flat.py`); tensor
 parallelism all-reduces after the two row-parallel products as the layers do.
 
 Where every row of a step attends over the cache (decode rows; with batch invariance, the
-prompts' tokens too) and every product is one AMX-BF16 call, the whole loop is one C++
-call (`decode_layers_bf16`, cpu_ops.cpp): the same operators in the same order, without
-a Python frame and seven dispatches per layer (about 2 ms of a 32-row decode step of
-SmolLM2; `server/tests/test_bf16_amx_kernel.py` holds its bits to the loop's).
+prompts' tokens too) and every product is one call of a C++ kernel (cadence's AMX-BF16 or
+float32 tiles, the integer product), the whole loop is one C++ call (`decode_layers`,
+cpu_ops.cpp): the same operators in the same order, without a Python frame and seven
+dispatches per layer (about 2 ms of a 32-row decode step of SmolLM2;
+`server/tests/test_decode_layers.py` holds its bits to the loop's).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from cadence.attention_backends.cpu_paged import CpuAttention, CpuMetadata
 from cadence.attention_backends.torch_sdpa import attend_prefill
 from cadence.heartbeat import HEARTBEAT
 from cadence.layers.linear import LinearBase, lora_delta_due, one_float_call, product
-from cadence.layers.packed import HARDWARE_TILES, is_amx_packing
+from cadence.layers.packed import HARDWARE_TILES, is_amx_packing, is_tile_packing
 from cadence.layers.parallel import all_reduce_sum
 from cadence.models.llama import LlamaAttention, LlamaForCausalLM, LlamaModel
 from cadence.runners.generic import ModelRunner
@@ -152,63 +153,103 @@ def _layer_parts(model: LlamaModel) -> list[_LayerParts]:
     return parts
 
 
-class _Bf16Stack(NamedTuple):
-    """What `decode_layers_bf16` reads of a model whose every layer's products are
-    single AMX-BF16 calls (no bias, no Qwen3 head norms, one shard): per layer the input
-    norm, QKV, O, gate/up and down packed weights and the post-attention norm, their
-    output features (the SwiGLU's for gate/up) and the sliding window (0: none). Those
-    products stay single calls from `rows_from` to `rows_to` rows, and with no LoRA delta
-    due in `lora_contexts`."""
+# decode_layers' product kinds (cpu_ops.cpp's LayerProduct)
+AMX_BF16, INTEGER, FLOAT_TILES = 0, 1, 2
+
+
+class _LayerStack(NamedTuple):
+    """What `decode_layers` reads of a model whose every layer's products are single calls
+    of a kernel it knows (no bias, no Qwen3 head norms, one shard): per layer the two norms
+    and each product's packed weight and scales (`weights`), each product's (kind,
+    out_features, format, tiles) (`specs`) and the sliding window (0: none). Those products
+    stay single calls from `rows_from` to `rows_to` rows, with the integer product's tiles
+    as `integer_tiles` chose them, and with no LoRA delta due in `lora_contexts`."""
 
     weights: list[torch.Tensor]
-    sizes: list[int]
+    specs: list[int]
     windows: list[int]
     scale: float
     rows_from: int
     rows_to: int
+    integer_tiles: tuple[tuple[int, int], ...]
     lora_contexts: list[object]
 
 
-def _stack_of(model: LlamaModel, parts: list[_LayerParts]) -> _Bf16Stack | None:
-    """The model's `_Bf16Stack` where it has one, else None."""
+def _product_of(
+    layer: LinearBase, dtype: torch.dtype
+) -> tuple[list[torch.Tensor], list[int], int, int] | None:
+    """`layer`'s product as `decode_layers` calls it -- its (packed, scales) tensors, (kind,
+    out_features, format, tiles) and the fewest and most rows it serves that way -- or None
+    where its Python path is not one call of a kernel `decode_layers` knows."""
+    from cadence.quant import cpu_gemm
+
+    packed, quantized = layer.packed_weight, layer.quantized
+    if layer.bias is not None or layer.tp_size != 1:
+        return None
+    n = layer.out_features
+    if quantized is not None and not quantized.float_kept:  # the quantized kernel, always
+        kernels = quantized.kernels
+        if len(kernels) != 1 or not isinstance(kernels[0], cpu_gemm.IntegerCpuKernel):
+            return None
+        kernel = kernels[0]
+        if kernel.perm is not None or dtype not in (torch.float32, torch.bfloat16):
+            return None
+        w = kernel.weight
+        tiles = cpu_gemm._tiles.get(w.fmt, cpu_gemm.VECTOR_TILES)
+        return [w.packed, w.scales], [INTEGER, n, w.fmt, tiles], layer.min_rows, layer.max_rows
+    # the float copy serves the rows the quantized kernel does not (past its crossover)
+    fewest = max(layer.min_rows, quantized.crossover + 1 if quantized is not None else 1)
+    if packed is not None and is_amx_packing(packed):
+        return [packed, packed], [AMX_BF16, n, 0, HARDWARE_TILES], fewest, layer.max_rows
+    if packed is not None and is_tile_packing(packed) and dtype is torch.float32:
+        most = min(layer.max_rows, layer.packed_max_rows or layer.max_rows)  # then F.linear
+        return [packed, packed], [FLOAT_TILES, n, 0, 0], fewest, most
+    return None
+
+
+def _stack_of(model: LlamaModel, parts: list[_LayerParts]) -> _LayerStack | None:
+    """The model's `_LayerStack` where it has one, else None."""
+    from cadence.quant import cpu_gemm
+
+    dtype = model.embed_tokens.weight.dtype
     weights: list[torch.Tensor] = []
-    sizes: list[int] = []
+    specs: list[int] = []
     rows_from, rows_to = 1, 1 << 62
     contexts: dict[int, object] = {}
     for part in parts:
-        products = (part.qkv, part.o_proj, part.gate_up, part.down)
         if part.attn.q_norm is not None or part.cache.scale != parts[0].cache.scale:
             return None
-        for layer in products:
-            packed, quantized = layer.packed_weight, layer.quantized
-            if packed is None or not is_amx_packing(packed) or layer.bias is not None:
+        weights += [part.input_norm.weight, part.post_norm.weight]
+        for layer in (part.qkv, part.o_proj, part.gate_up, part.down):
+            found = _product_of(layer, dtype)
+            if found is None:
                 return None
-            if layer.tp_size != 1 or (quantized is not None and not quantized.float_kept):
-                return None
-            below = quantized.crossover + 1 if quantized is not None else 1
-            rows_from = max(rows_from, layer.min_rows, below)
-            rows_to = min(rows_to, layer.max_rows)
+            tensors, spec, fewest, most = found
+            weights += tensors
+            specs += spec
+            rows_from, rows_to = max(rows_from, fewest), min(rows_to, most)
             hook = getattr(layer, "lora", None)
             if hook is not None:
                 contexts[id(hook.context)] = hook.context
-        inter = part.gate_up.out_features // 2
-        if inter % 16:
-            return None
-        weights += [part.input_norm.weight, part.qkv.packed_weight, part.o_proj.packed_weight]
-        weights += [part.gate_up.packed_weight, part.down.packed_weight, part.post_norm.weight]
-        sizes += [part.qkv.out_features, part.o_proj.out_features, inter, part.down.out_features]
+        if specs[-8] == AMX_BF16 and (part.gate_up.out_features // 2) % 16:
+            return None  # the fused SwiGLU's blocks
     windows = [part.cache.sliding_window or 0 for part in parts]
+    tiles = tuple(sorted(cpu_gemm._tiles.items()))
     scale = parts[0].cache.scale
-    return _Bf16Stack(weights, sizes, windows, scale, rows_from, rows_to, list(contexts.values()))
+    return _LayerStack(
+        weights, specs, windows, scale, rows_from, rows_to, tiles, list(contexts.values())
+    )
 
 
-def _bf16_stack(model: LlamaModel, rows: int) -> _Bf16Stack | None:
-    """The model's `_Bf16Stack` where a decode step of `rows` rows may run in one
-    `decode_layers_bf16` call, else None (found once per model: its packed weights are
-    fixed once it is loaded)."""
-    if "_flat_bf16_stack" not in model.__dict__:
-        model.__dict__["_flat_bf16_stack"] = _stack_of(model, _layer_parts(model))
-    stack = model.__dict__["_flat_bf16_stack"]
+def _layer_stack(model: LlamaModel, rows: int) -> _LayerStack | None:
+    """The model's `_LayerStack` where a step of `rows` rows may run its layers in
+    `decode_layers` calls, else None (found once per model, and again if the integer
+    product's tiles were chosen anew: its packed weights are fixed once it is loaded)."""
+    from cadence.quant import cpu_gemm
+
+    stack = model.__dict__.get("_flat_layer_stack", False)
+    if stack is False or (stack and stack.integer_tiles != tuple(sorted(cpu_gemm._tiles.items()))):
+        stack = model.__dict__["_flat_layer_stack"] = _stack_of(model, _layer_parts(model))
     if stack is None or not stack.rows_from <= rows <= stack.rows_to:
         return None
     if any(context.step is not None for context in stack.lora_contexts):
@@ -216,17 +257,17 @@ def _bf16_stack(model: LlamaModel, rows: int) -> _Bf16Stack | None:
     return stack
 
 
-# Rows times layers per decode_layers_bf16 call: a long step's layers go in several calls,
-# the heartbeat bumped between them, so the router still sees a long prefill move.
+# Rows times layers per decode_layers call: a long step's layers go in several calls, the
+# heartbeat bumped between them, so the router still sees a long prefill move.
 ROW_LAYERS_PER_CALL = 8192
 
 
 def _decode_layers(
-    model: LlamaModel, stack: _Bf16Stack, residual: torch.Tensor, ctx: CpuMetadata,
+    model: LlamaModel, stack: _LayerStack, residual: torch.Tensor, ctx: CpuMetadata,
     cos: torch.Tensor, sin: torch.Tensor,
 ) -> torch.Tensor | None:  # fmt: skip
     """The layers of a step whose rows all attend over the cache in C++ calls
-    (`decode_layers_bf16`: all of them in one for a decode step, ROW_LAYERS_PER_CALL rows x
+    (`decode_layers`: all of them in one for a decode step, ROW_LAYERS_PER_CALL rows x
     layers a call for more rows): the per-layer loop of `forward_step` without its Python,
     the same bits. None where the caches' scales are not all there or all absent."""
     caches: list[torch.Tensor] = []
@@ -245,11 +286,11 @@ def _decode_layers(
     for a in range(0, layers, per_call):
         b = min(layers, a + per_call)
         HEARTBEAT.beat()
-        x = torch.ops.cadence.decode_layers_bf16(
-            residual, x, stack.weights[6 * a : 6 * b], caches[2 * a : 2 * b],
-            scales[2 * a : 2 * b], stack.sizes[4 * a : 4 * b], stack.windows[a:b], cos, sin,
+        x = torch.ops.cadence.decode_layers(
+            residual, x, stack.weights[10 * a : 10 * b], stack.specs[16 * a : 16 * b],
+            caches[2 * a : 2 * b], scales[2 * a : 2 * b], stack.windows[a:b], cos, sin,
             ctx.slot_mapping, ctx.decode_tables, ctx.decode_lens, first.num_heads,
-            first.num_kv_heads, stack.scale, model.norm.eps, HARDWARE_TILES,
+            first.num_kv_heads, stack.scale, model.norm.eps,
         )  # fmt: skip
     HEARTBEAT.beat()
     return x
@@ -284,7 +325,7 @@ def forward_step(
         else:
             ops.rms_norm.out(src, weight, eps, out)
 
-    stack = _bf16_stack(model, tokens) if d == tokens else None
+    stack = _layer_stack(model, tokens) if d == tokens else None
     x_last = _decode_layers(model, stack, residual, ctx, cos, sin) if stack else None
     if x_last is not None:
         out = torch.empty_like(x_last)

@@ -217,8 +217,9 @@ def _cases() -> list[Any]:
         cases += [(OPS.quant_matmul_tiles.default, args) for args in tiles]
         cases += [(OPS.bf16_matmul_tiles.default, args) for args in _bf16_args()]
         cases += [(OPS.bf16_matmul_tiles_swiglu.default, args) for args in _swiglu_args()]
-        cases += [(OPS.decode_layers_bf16.default, args) for args in _decode_layers_args()]
+        cases += [(OPS.decode_layers.default, args) for args in _decode_layers_args(True)]
     cases += [(OPS.float_matmul.default, args) for args in _float_args()]
+    cases += [(OPS.decode_layers.default, args) for args in _decode_layers_args(False)]
     return [pytest.param(op, args, id=f"{op}-{_dtypes(args)}") for op, args in cases]
 
 
@@ -291,44 +292,57 @@ def _swiglu_args() -> list[dict[str, Any]]:
     ]
 
 
-def _decode_layers_args() -> list[dict[str, Any]]:
-    """decode_layers_bf16 on the emulated tiles: two layers of hidden 64 (HEADS query heads
-    over KV_HEADS of HEAD_DIM, SwiGLU of 32) over a bfloat16 and an int8 cache, the second
-    layer with a sliding window."""
+def _decode_layers_args(amx: bool) -> list[dict[str, Any]]:
+    """decode_layers over two layers of hidden 64 (HEADS query heads over KV_HEADS of
+    HEAD_DIM, SwiGLU of 32), the second with a sliding window: on the emulated AMX-BF16
+    tiles over a bfloat16 and an int8 cache (`amx`), or on the integer product (int4,
+    float32 activations and cache), the first layer's or a later one's call."""
     from cadence.layers.packed import amx_bf16_packing
+    from cadence.quant import cpu_gemm
+    from cadence.quant.quantize import quantize_int4
 
     g = _generator()
     hidden, width, inter = 64, (HEADS + 2 * KV_HEADS) * HEAD_DIM, 32
     shapes = [(width, hidden), (hidden, HEADS * HEAD_DIM), (2 * inter, hidden), (hidden, inter)]
+    dtype = BF16 if amx else F32
     cases = []
-    for kv_dtype in (BF16, I8):
-        args = _decode_layer_args(BF16, kv_dtype)
-        weights, caches, scales = [], [], []
-        for _ in range(2):
-            norms = [(torch.rand(hidden, generator=g) + 0.5).to(BF16) for _ in "io"]
-            w = [amx_bf16_packing(torch.randn(*s, generator=g).to(BF16) * 0.1) for s in shapes]
-            weights += [norms[0], *w, norms[1]]
-            caches += [args["k_cache"].clone(), args["v_cache"].clone()]
-            if "k_scale" in args:
-                scales += [args["k_scale"].clone(), args["v_scale"].clone()]
-        cases.append(
-            {
-                "residual": torch.randn(len(LENS), hidden, generator=g).to(BF16),
-                "x": None if kv_dtype is BF16 else torch.randn(len(LENS), hidden).to(BF16),
-                "weights": weights,
-                "caches": caches,
-                "scales": scales,
-                "sizes": [width, hidden, inter, hidden] * 2,
-                "windows": [0, 4],
-                **{k: args[k] for k in ("cos", "sin", "slot_mapping", "block_tables")},
-                "context_lens": args["context_lens"],
-                "heads": HEADS,
-                "kv_heads": KV_HEADS,
-                "scale": HEAD_DIM**-0.5,
-                "eps": 1e-5,
-                "tiles": 2,
-            }
-        )
+    for kv_dtype in (BF16, I8) if amx else (F32,):
+        for later in (False, True):
+            args = _decode_layer_args(dtype, kv_dtype)
+            weights, specs, caches, scales = [], [], [], []
+            for _ in range(2):
+                weights += [(torch.rand(hidden, generator=g) + 0.5).to(dtype) for _ in "io"]
+                for shape in shapes:
+                    w = torch.randn(*shape, generator=g) * 0.1
+                    if amx:
+                        packed = amx_bf16_packing(w.to(BF16))
+                        weights += [packed, packed]
+                        specs += [0, shape[0], 0, 2]
+                    else:
+                        q = cpu_gemm.pack_int4(quantize_int4(w, 32))
+                        weights += [q.packed, q.scales]
+                        specs += [1, shape[0], q.fmt, 0]
+                caches += [args["k_cache"].clone(), args["v_cache"].clone()]
+                if "k_scale" in args:
+                    scales += [args["k_scale"].clone(), args["v_scale"].clone()]
+            rows = len(LENS)
+            cases.append(
+                {
+                    "residual": torch.randn(rows, hidden, generator=g).to(dtype),
+                    "x": torch.randn(rows, hidden, generator=g).to(dtype) if later else None,
+                    "weights": weights,
+                    "specs": specs,
+                    "caches": caches,
+                    "scales": scales,
+                    "windows": [0, 4],
+                    **{k: args[k] for k in ("cos", "sin", "slot_mapping", "block_tables")},
+                    "context_lens": args["context_lens"],
+                    "heads": HEADS,
+                    "kv_heads": KV_HEADS,
+                    "scale": HEAD_DIM**-0.5,
+                    "eps": 1e-5,
+                }
+            )
     return cases
 
 
@@ -372,7 +386,6 @@ def test_every_operator_has_an_opcheck_case():
         defined.discard("quant_matmul_tiles.default")
         defined.discard("bf16_matmul_tiles.default")
         defined.discard("bf16_matmul_tiles_swiglu.default")
-        defined.discard("decode_layers_bf16.default")
     assert {_name(case.values[0]) for case in _cases()} == defined
 
 

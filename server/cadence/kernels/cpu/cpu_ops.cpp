@@ -811,36 +811,61 @@ Tensor bf16_matmul_tiles_swiglu(const Tensor& x, const Tensor& packed, int64_t i
     return y;
 }
 
-// ---- a decode step's layers in one call --------------------------------------------------
+// ---- a step's layers in one call ---------------------------------------------------------
 
-// The Llama layers of a decode-only step whose products are each one AMX-BF16 call: what
-// cadence.runners.llama_cpu_flat does per layer (RMSNorm with the residual add, the QKV
-// product, rotary + cache write + attention, the O product, RMSNorm, the fused gate/up
-// SwiGLU, the down product), the same operators in the same order on the same buffers,
-// so the same bits -- without a Python frame and seven operator dispatches per layer
-// (about 2 ms of a 32-row decode step of SmolLM2). Per layer: `weights` the input norm,
-// QKV, O, gate/up and down packed weights and the post-attention norm; `caches` K and V;
-// `scales` K's and V's (an int8 cache) or none; `sizes` QKV's, O's, the SwiGLU's and the
-// down product's output features; `windows` the sliding window (0: none). `x`: the
-// previous layer's output, None where the first layer is the model's (its input norm
-// then reads `residual`, the embedding, without an add). `residual` is updated in place;
-// returns the last layer's output (the next layer's `x`, or the final norm's input).
+// How decode_layers multiplies by one of a layer's weights: the kernel its Python loop
+// would call (cadence.runners.llama_cpu_flat), by code.
+enum LayerProduct : int64_t { AMX_BF16 = 0, INTEGER = 1, FLOAT_TILES = 2 };
+constexpr int64_t LAYER_TENSORS = 10;  // two norms, then a (packed, scales) pair per product
+constexpr int64_t LAYER_SPECS = 16;    // (kind, out_features, format, tiles) per product
+
+// x @ W.T by the product `spec` (kind, out_features, format, tiles) names: cadence's
+// AMX-BF16 tiles, the integer product (quant_matmul, or quant_matmul_tiles on AMX-INT8),
+// or cadence's float32 tiles -- each its operator's own checks and call.
 template <Impl I>
-Tensor decode_layers_bf16(const Tensor& residual, const std::optional<Tensor>& x_in,
-                          at::TensorList weights, at::TensorList caches,
-                          at::TensorList scales, at::IntArrayRef sizes, at::IntArrayRef windows,
-                          const Tensor& cos, const Tensor& sin, const Tensor& slot_mapping,
-                          const Tensor& block_tables, const Tensor& context_lens, int64_t heads,
-                          int64_t kv_heads, double scale, double eps, int64_t tiles) {
-    constexpr const char* op = "decode_layers_bf16";
+Tensor layer_product(const Tensor& x, const Tensor& packed, const Tensor& scales,
+                     const int64_t* spec) {
+    switch (spec[0]) {
+        case AMX_BF16: return bf16_matmul_tiles<I>(x, packed, std::nullopt, spec[1], spec[3]);
+        case INTEGER:
+            return spec[3] == 0 ? quant_matmul<I>(x, packed, scales, spec[1], spec[2])
+                                : quant_matmul_tiles<I>(x, packed, scales, spec[1], spec[2], spec[3]);
+        case FLOAT_TILES: return float_matmul<I>(x, packed, std::nullopt, spec[1]);
+        default: checks::fail("decode_layers", "product kind must be 0, 1 or 2, got ", spec[0]);
+    }
+}
+
+// The Llama layers of a step whose rows all attend over the cache (decode rows; with batch
+// invariance, a prompt's tokens too), each product one call of a kernel here: what
+// cadence.runners.llama_cpu_flat does per layer (RMSNorm with the residual add, the QKV
+// product, rotary + cache write + attention, the O product, RMSNorm, the gate/up product
+// and SwiGLU -- fused on the AMX-BF16 tiles -- the down product), the same operators in
+// the same order on the same kind of buffers, so the same bits, without a Python frame and
+// seven operator dispatches per layer (about 2 ms of a 32-row decode step of SmolLM2). Per
+// layer: `weights` the input and post-attention norms, then QKV's, O's, gate/up's and
+// down's packed weight and scales (any tensor where the product has none); `specs` each
+// product's (kind, out_features, format, tiles); `caches` K and V; `scales` K's and V's
+// (an int8 cache) or none; `windows` the sliding window (0: none). `x`: the previous
+// layer's output, None where the first layer is the model's (its input norm then reads
+// `residual`, the embedding, without an add). `residual` is updated in place; returns the
+// last layer's output (the next call's `x`, or the final norm's input).
+template <Impl I>
+Tensor decode_layers(const Tensor& residual, const std::optional<Tensor>& x_in,
+                     at::TensorList weights, at::IntArrayRef specs, at::TensorList caches,
+                     at::TensorList scales, at::IntArrayRef windows, const Tensor& cos,
+                     const Tensor& sin, const Tensor& slot_mapping, const Tensor& block_tables,
+                     const Tensor& context_lens, int64_t heads, int64_t kv_heads, double scale,
+                     double eps) {
+    constexpr const char* op = "decode_layers";
     const int64_t layers = static_cast<int64_t>(windows.size());
-    if (layers == 0 || static_cast<int64_t>(weights.size()) != 6 * layers ||
+    if (layers == 0 || static_cast<int64_t>(weights.size()) != LAYER_TENSORS * layers ||
+        static_cast<int64_t>(specs.size()) != LAYER_SPECS * layers ||
         static_cast<int64_t>(caches.size()) != 2 * layers ||
-        (!scales.empty() && static_cast<int64_t>(scales.size()) != 2 * layers) ||
-        static_cast<int64_t>(sizes.size()) != 4 * layers) {
-        checks::fail(op, "for ", layers, " layers (windows, at least 1) expected 6 weights, ",
-                     "2 caches, 0 or 2 scales and 4 sizes each, got ", weights.size(), ", ",
-                     caches.size(), ", ", scales.size(), ", ", sizes.size());
+        (!scales.empty() && static_cast<int64_t>(scales.size()) != 2 * layers)) {
+        checks::fail(op, "for ", layers, " layers (windows, at least 1) expected ",
+                     LAYER_TENSORS, " weights, ", LAYER_SPECS, " specs, 2 caches and 0 or 2 ",
+                     "scales each, got ", weights.size(), ", ", specs.size(), ", ",
+                     caches.size(), ", ", scales.size());
     }
     if (residual.dim() != 2 || heads <= 0 || kv_heads <= 0) {
         checks::fail(op, "residual must be [tokens, hidden] and heads, kv_heads positive");
@@ -849,18 +874,19 @@ Tensor decode_layers_bf16(const Tensor& residual, const std::optional<Tensor>& x
         return at::empty_like(residual, at::MemoryFormat::Contiguous);
     } else {
         const int64_t tokens = residual.size(0);
-        const int64_t head_dim = sizes[0] / (heads + 2 * kv_heads);
+        const int64_t head_dim = specs[1] / (heads + 2 * kv_heads);
         // the buffers every layer reuses, as the Python loop's
         const Tensor normed = at::empty_like(residual, at::MemoryFormat::Contiguous);
         const Tensor q_out = at::empty({tokens, heads, head_dim}, residual.options());
         const Tensor attended = at::empty({tokens, heads, head_dim}, residual.options());
+        Tensor act;  // the SwiGLU of an unfused gate/up product
         Tensor x = x_in.has_value() ? *x_in : residual;
         for (int64_t l = 0; l < layers; ++l) {
-            const Tensor* w = weights.data() + 6 * l;
-            const int64_t* n = sizes.data() + 4 * l;
+            const Tensor* w = weights.data() + LAYER_TENSORS * l;
+            const int64_t* spec = specs.data() + LAYER_SPECS * l;  // qkv, o, gate/up, down
             if (l == 0 && !x_in.has_value()) rms_norm_out<I>(x, w[0], eps, normed);
             else add_rms_norm_<I>(residual, x, w[0], eps, normed);
-            const Tensor qkv = bf16_matmul_tiles<I>(normed, w[1], std::nullopt, n[0], tiles);
+            const Tensor qkv = layer_product<I>(normed, w[2], w[3], spec);
             const Scale k_scale = scales.empty() ? Scale{} : Scale{scales[2 * l]};
             const Scale v_scale = scales.empty() ? Scale{} : Scale{scales[2 * l + 1]};
             const std::optional<int64_t> window =
@@ -869,11 +895,19 @@ Tensor decode_layers_bf16(const Tensor& residual, const std::optional<Tensor>& x
                                           caches[2 * l + 1], slot_mapping, block_tables,
                                           context_lens, scale, window, q_out, attended, k_scale,
                                           v_scale);
-            x = bf16_matmul_tiles<I>(attended.view({tokens, heads * head_dim}), w[2],
-                                     std::nullopt, n[1], tiles);
-            add_rms_norm_<I>(residual, x, w[5], eps, normed);
-            const Tensor act = bf16_matmul_tiles_swiglu<I>(normed, w[3], n[2], tiles);
-            x = bf16_matmul_tiles<I>(act, w[4], std::nullopt, n[3], tiles);
+            x = layer_product<I>(attended.view({tokens, heads * head_dim}), w[4], w[5], spec + 4);
+            add_rms_norm_<I>(residual, x, w[1], eps, normed);
+            const int64_t* gate_up = spec + 8;
+            Tensor swiglu;
+            if (gate_up[0] == AMX_BF16) {
+                swiglu = bf16_matmul_tiles_swiglu<I>(normed, w[6], gate_up[1] / 2, gate_up[3]);
+            } else {
+                const Tensor both = layer_product<I>(normed, w[6], w[7], gate_up);
+                if (!act.defined()) act = at::empty({tokens, gate_up[1] / 2}, residual.options());
+                silu_mul_out<I>(both, act);
+                swiglu = act;
+            }
+            x = layer_product<I>(swiglu, w[8], w[9], spec + 12);
         }
         return x;
     }
@@ -957,11 +991,10 @@ TORCH_LIBRARY_FRAGMENT(cadence, m) {
         "-> Tensor");
     m.def("bf16_matmul_tiles_swiglu(Tensor x, Tensor packed, int inter, int tiles) -> Tensor");
     m.def(
-        "decode_layers_bf16(Tensor(a!) residual, Tensor? x, Tensor[] weights, "
-        "Tensor(b!)[] caches, "
-        "Tensor(c!)[] scales, int[] sizes, int[] windows, Tensor cos, Tensor sin, "
+        "decode_layers(Tensor(a!) residual, Tensor? x, Tensor[] weights, int[] specs, "
+        "Tensor(b!)[] caches, Tensor(c!)[] scales, int[] windows, Tensor cos, Tensor sin, "
         "Tensor slot_mapping, Tensor block_tables, Tensor context_lens, int heads, "
-        "int kv_heads, float scale, float eps, int tiles) -> Tensor");
+        "int kv_heads, float scale, float eps) -> Tensor");
     m.def("amx_bf16_available() -> bool", TORCH_FN(cadence_ops::amx_bf16_available));
     m.def("use_attention_tiles(int tiles, int min_rows=1) -> (int, int)",
           TORCH_FN(cadence_ops::use_attention_tiles));
@@ -991,7 +1024,7 @@ TORCH_LIBRARY_FRAGMENT(cadence, m) {
     m.impl("float_matmul", TORCH_FN(cadence_ops::float_matmul<I>));                           \
     m.impl("bf16_matmul_tiles", TORCH_FN(cadence_ops::bf16_matmul_tiles<I>));                 \
     m.impl("bf16_matmul_tiles_swiglu", TORCH_FN(cadence_ops::bf16_matmul_tiles_swiglu<I>));   \
-    m.impl("decode_layers_bf16", TORCH_FN(cadence_ops::decode_layers_bf16<I>));
+    m.impl("decode_layers", TORCH_FN(cadence_ops::decode_layers<I>));
 
 TORCH_LIBRARY_IMPL(cadence, CPU, m) { CADENCE_IMPLS(m, cadence_ops::Impl::CPU) }
 TORCH_LIBRARY_IMPL(cadence, Meta, m) { CADENCE_IMPLS(m, cadence_ops::Impl::Meta) }
