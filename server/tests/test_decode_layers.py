@@ -65,14 +65,19 @@ def _compare(make_engine, monkeypatch) -> list[bool]:
     return calls
 
 
-@pytest.fixture
-def amx_bf16_table(avx512_bf16, tmp_path: Path):
-    """A kernel table putting bfloat16 products on the AMX-BF16 tiles (skipped where the
-    CPU has none)."""
+@pytest.fixture(scope="module")
+def amx_bf16(avx512_bf16) -> None:
+    """The AMX-BF16 tiles, once their self-test passed in a process of its own (skipped
+    where the CPU has none)."""
     if not torch.ops.cadence.amx_bf16_available():
         pytest.skip("this CPU has no AMX-BF16, or the kernel refused AMX permission")
     ok, why = amx_check.usable(timeout_s=600)
     assert ok, f"this CPU grants AMX-BF16 but the AMX products fail their self-test: {why}"
+
+
+@pytest.fixture
+def amx_bf16_table(amx_bf16, tmp_path: Path):
+    """A kernel table putting bfloat16 products on the AMX-BF16 tiles."""
     seconds = {calibrate.DECODE_ROWS: 1.0, calibrate.PREFILL_ROWS: 1.0}
     key = calibrate.machine_key(amx_check.ISA, "bfloat16")
     path = tmp_path / "table.json"
