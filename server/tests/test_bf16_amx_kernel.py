@@ -235,7 +235,7 @@ def test_the_flat_step_fuses_swiglu_on_the_tiles_with_the_unfused_bits(
         model_dir = model_dirs("llama_gqa")
         engines = [engine_for(model_dir, dtype="bfloat16", kernel_table=str(path)) for _ in "ab"]
         # the per-layer loop's fusion (not the one call of a step's layers, which has its own)
-        monkeypatch.setattr(llama_cpu_flat, "_layer_stack", lambda model, rows: None)
+        monkeypatch.setattr(llama_cpu_flat, "_layer_stack", lambda model, rows, dtype: None)
         monkeypatch.setattr(llama_cpu_flat, "_fused_swiglu", counted)
         fused = prefill_then_decode_logits(engines[0], tokens, 4)
         assert fused_calls and all(fused_calls), fused_calls

@@ -54,7 +54,7 @@ def _compare(make_engine, monkeypatch) -> list[bool]:
         m.setattr(llama_cpu_flat, "_decode_layers", counted)
         stacked = _steps(engines[0])
     with monkeypatch.context() as m:
-        m.setattr(llama_cpu_flat, "_layer_stack", lambda model, rows: None)
+        m.setattr(llama_cpu_flat, "_layer_stack", lambda model, rows, dtype: None)
         looped = _steps(engines[1])
     for n, (a, b) in enumerate(zip(stacked, looped, strict=True)):
         assert all(torch.equal(a[i], b[i]) for i in range(3)), f"step {n}"

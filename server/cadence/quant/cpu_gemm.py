@@ -60,6 +60,17 @@ def tiles_of(fmt: str) -> int:
     return _tiles.get(FORMAT_CODES[fmt][0], VECTOR_TILES)
 
 
+def tiles_for_code(code: int) -> int:
+    """The tiles products of packed format `code` (`PackedWeight.fmt`) compute on."""
+    return _tiles.get(code, VECTOR_TILES)
+
+
+def tiles_chosen() -> tuple[tuple[int, int], ...]:
+    """Every format code's tiles that are not the vector ones, in order: what changes
+    when `use_tiles` chooses anew."""
+    return tuple(sorted(_tiles.items()))
+
+
 @dataclass(slots=True)
 class PackedWeight:
     packed: torch.Tensor  # uint8, the layout of `fmt`
@@ -184,7 +195,7 @@ class IntegerCpuKernel:
         if self.perm is not None:
             flat = flat.index_select(1, self.perm)
         w = self.weight
-        tiles = _tiles.get(w.fmt, VECTOR_TILES)
+        tiles = tiles_for_code(w.fmt)
         if tiles == VECTOR_TILES:
             y = torch.ops.cadence.quant_matmul(flat, w.packed, w.scales, w.out_features, w.fmt)
         else:

@@ -162,8 +162,9 @@ class _LayerStack(NamedTuple):
     of a kernel it knows (no bias, no Qwen3 head norms, one shard): per layer the two norms
     and each product's packed weight and scales (`weights`), each product's (kind,
     out_features, format, tiles) (`specs`) and the sliding window (0: none). Those products
-    stay single calls from `rows_from` to `rows_to` rows, with the integer product's tiles
-    as `integer_tiles` chose them, and with no LoRA delta due in `lora_contexts`."""
+    stay single calls from `rows_from` to `rows_to` rows of `dtype` activations, with the
+    integer product's tiles as `integer_tiles` chose them, and with no LoRA delta due in
+    `lora_contexts`."""
 
     weights: list[torch.Tensor]
     specs: list[int]
@@ -171,6 +172,7 @@ class _LayerStack(NamedTuple):
     scale: float
     rows_from: int
     rows_to: int
+    dtype: torch.dtype  # the activations' the kinds were chosen for
     integer_tiles: tuple[tuple[int, int], ...]
     lora_contexts: list[object]
 
@@ -195,7 +197,7 @@ def _product_of(
         if kernel.perm is not None or dtype not in (torch.float32, torch.bfloat16):
             return None
         w = kernel.weight
-        tiles = cpu_gemm._tiles.get(w.fmt, cpu_gemm.VECTOR_TILES)
+        tiles = cpu_gemm.tiles_for_code(w.fmt)
         return [w.packed, w.scales], [INTEGER, n, w.fmt, tiles], layer.min_rows, layer.max_rows
     # the float copy serves the rows the quantized kernel does not (past its crossover)
     fewest = max(layer.min_rows, quantized.crossover + 1 if quantized is not None else 1)
@@ -207,11 +209,12 @@ def _product_of(
     return None
 
 
-def _stack_of(model: LlamaModel, parts: list[_LayerParts]) -> _LayerStack | None:
-    """The model's `_LayerStack` where it has one, else None."""
+def _stack_of(
+    model: LlamaModel, parts: list[_LayerParts], dtype: torch.dtype
+) -> _LayerStack | None:
+    """The model's `_LayerStack` for `dtype` activations where it has one, else None."""
     from cadence.quant import cpu_gemm
 
-    dtype = model.embed_tokens.weight.dtype
     weights: list[torch.Tensor] = []
     specs: list[int] = []
     rows_from, rows_to = 1, 1 << 62
@@ -234,22 +237,24 @@ def _stack_of(model: LlamaModel, parts: list[_LayerParts]) -> _LayerStack | None
         if specs[-8] == AMX_BF16 and (part.gate_up.out_features // 2) % 16:
             return None  # the fused SwiGLU's blocks
     windows = [part.cache.sliding_window or 0 for part in parts]
-    tiles = tuple(sorted(cpu_gemm._tiles.items()))
+    tiles = cpu_gemm.tiles_chosen()
     scale = parts[0].cache.scale
     return _LayerStack(
-        weights, specs, windows, scale, rows_from, rows_to, tiles, list(contexts.values())
+        weights, specs, windows, scale, rows_from, rows_to, dtype, tiles, list(contexts.values())
     )
 
 
-def _layer_stack(model: LlamaModel, rows: int) -> _LayerStack | None:
-    """The model's `_LayerStack` where a step of `rows` rows may run its layers in
-    `decode_layers` calls, else None (found once per model, and again if the integer
-    product's tiles were chosen anew: its packed weights are fixed once it is loaded)."""
+def _layer_stack(model: LlamaModel, rows: int, dtype: torch.dtype) -> _LayerStack | None:
+    """The model's `_LayerStack` where a step of `rows` rows of `dtype` activations may run
+    its layers in `decode_layers` calls, else None (found once per model and dtype, and
+    again if the integer product's tiles were chosen anew: its packed weights are fixed
+    once it is loaded)."""
     from cadence.quant import cpu_gemm
 
-    stack = model.__dict__.get("_flat_layer_stack", False)
-    if stack is False or (stack and stack.integer_tiles != tuple(sorted(cpu_gemm._tiles.items()))):
-        stack = model.__dict__["_flat_layer_stack"] = _stack_of(model, _layer_parts(model))
+    found = model.__dict__.setdefault("_flat_layer_stacks", {})
+    stack = found.get(dtype, False)
+    if stack is False or (stack and stack.integer_tiles != cpu_gemm.tiles_chosen()):
+        stack = found[dtype] = _stack_of(model, _layer_parts(model), dtype)
     if stack is None or not stack.rows_from <= rows <= stack.rows_to:
         return None
     if any(context.step is not None for context in stack.lora_contexts):
@@ -325,7 +330,7 @@ def forward_step(
         else:
             ops.rms_norm.out(src, weight, eps, out)
 
-    stack = _layer_stack(model, tokens) if d == tokens else None
+    stack = _layer_stack(model, tokens, dtype) if d == tokens else None
     x_last = _decode_layers(model, stack, residual, ctx, cos, sin) if stack else None
     if x_last is not None:
         out = torch.empty_like(x_last)
