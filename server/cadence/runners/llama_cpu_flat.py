@@ -97,13 +97,20 @@ def _fused_swiglu(layer: LinearBase, x: torch.Tensor) -> torch.Tensor | None:
     on cadence's AMX-BF16 tiles (`bf16_matmul_tiles_swiglu`: the bits of the product and
     silu_mul, without writing the product's rows out and reading them back); None where
     another path serves it (a quantized or oneDNN product, a bias, a LoRA delta, a split)."""
-    inter = layer.out_features // 2
-    if layer.bias is not None or inter % 16:
+    inter = _fusable_inter(layer)
+    if inter is None:
         return None
     packed = _amx_weight(layer, x.shape[0])
     if packed is None:
         return None
     return torch.ops.cadence.bf16_matmul_tiles_swiglu(x, packed, inter, HARDWARE_TILES)
+
+
+def _fusable_inter(gate_up: LinearBase) -> int | None:
+    """The SwiGLU width of a fused gate/up layer whose SwiGLU can join its AMX-BF16 call
+    (no bias, whole 16-channel blocks of each half), else None."""
+    inter = gate_up.out_features // 2
+    return inter if gate_up.bias is None and inter % 16 == 0 else None
 
 
 def _norm_heads(attn: LlamaAttention, qkv: torch.Tensor) -> None:
@@ -234,8 +241,8 @@ def _stack_of(
             hook = getattr(layer, "lora", None)
             if hook is not None:
                 contexts[id(hook.context)] = hook.context
-        if specs[-8] == AMX_BF16 and (part.gate_up.out_features // 2) % 16:
-            return None  # the fused SwiGLU's blocks
+        if specs[-8] == AMX_BF16 and _fusable_inter(part.gate_up) is None:
+            return None  # the C++ loop fuses SwiGLU into an AMX-BF16 gate/up product
     windows = [part.cache.sliding_window or 0 for part in parts]
     tiles = cpu_gemm.tiles_chosen()
     scale = parts[0].cache.scale
@@ -306,17 +313,32 @@ def forward_step(
 ) -> torch.Tensor:
     """The hidden states after the final norm [T, hidden], as `LlamaModel.forward`
     computes them; rows ordered as the context's (decode rows first)."""
-    ops = torch.ops.cadence  # the C++ kernels (loaded when the engine selected them)
-    x = model.embed_tokens(input_ids)
-    tokens = x.shape[0]
-    dtype = x.dtype
+    residual = model.embed_tokens(input_ids)  # its own tensor, updated in place from here on
+    tokens, dtype = residual.shape[0], residual.dtype
     cos, sin = model.rotary.cos_sin(positions, dtype)  # [T, 1, head_dim], contiguous
+    stack = _layer_stack(model, tokens, dtype) if ctx.num_decode == tokens else None
+    last = _decode_layers(model, stack, residual, ctx, cos, sin) if stack else None
+    if last is None:
+        last = _python_layers(model, residual, ctx, cos, sin)
+    out = torch.empty_like(last)
+    torch.ops.cadence.add_rms_norm_(residual, last, model.norm.weight, model.norm.eps, out)
+    return out
+
+
+def _python_layers(
+    model: LlamaModel, residual: torch.Tensor, ctx: CpuMetadata, cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """The layers one by one from the embedding `residual` (updated in place): the last
+    layer's output, the final norm's input."""
+    ops = torch.ops.cadence  # the C++ kernels (loaded when the engine selected them)
+    x = residual
+    tokens, dtype = x.shape[0], x.dtype
     first = model.layers[0].self_attn
     heads, kv_heads, head_dim = first.num_heads, first.num_kv_heads, first.head_dim
     d = ctx.num_decode
     tables, lens, slots = ctx.decode_tables, ctx.decode_lens, ctx.slot_mapping
     normed = torch.empty_like(x)
-    residual = x  # the embedding's own tensor, updated in place from here on
     q_rotated = torch.empty(tokens, heads * head_dim, dtype=dtype)
     attended = torch.empty(tokens, heads * head_dim, dtype=dtype)
     q_heads = q_rotated.view(tokens, heads, head_dim)  # both as the kernels write them
@@ -330,12 +352,6 @@ def forward_step(
         else:
             ops.rms_norm.out(src, weight, eps, out)
 
-    stack = _layer_stack(model, tokens, dtype) if d == tokens else None
-    x_last = _decode_layers(model, stack, residual, ctx, cos, sin) if stack else None
-    if x_last is not None:
-        out = torch.empty_like(x_last)
-        norm(model.norm.weight, x_last, True, out)
-        return out
     for i, layer in enumerate(_layer_parts(model)):
         HEARTBEAT.beat()  # a layer's worth of progress, seen by Health
         attn = layer.attn
@@ -372,6 +388,4 @@ def forward_step(
                 act = torch.empty(tokens, gate_up.shape[1] // 2, dtype=dtype)
             ops.silu_mul.out(gate_up, act)
         x = _row_parallel(layer.down, act if fused is None else fused)
-    out = torch.empty_like(x)
-    norm(model.norm.weight, x, True, out)
-    return out
+    return x

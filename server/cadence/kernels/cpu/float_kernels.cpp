@@ -13,8 +13,8 @@
 // invariance by construction (cadence/shard/determinism.py still checks it at start).
 //
 // Fewer than LARGE rows read x in place: the threads claim runs of panels from a queue
-// (work_queue.h), in groups of GROUP panels; every row block passes over a group while it is in cache, and the
-// first row block prefetches the next group. From LARGE rows x is first copied into strips
+// (work_queue.h), in groups of GROUP panels; every row block passes over a group while it
+// is in cache, and the first row block prefetches the next group. From LARGE rows x is first copied into strips
 // of ROW_BLOCK rows, k-major (a tile's broadcasts then read one cache line per k step), and
 // the threads take panels one at a time (a thread that loses its core holds up one panel).
 
