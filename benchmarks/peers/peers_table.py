@@ -40,10 +40,15 @@ def _cell(result: dict | None) -> str:
     return text + (f", {result['failed']} failed" if result.get("failed") else "")
 
 
+def ordered(runs: dict[str, dict[int, dict]], order: list[str]) -> list[str]:
+    """The servers that ran: those of `order` first, in its order, then the rest by name."""
+    return [n for n in order if n in runs] + sorted(set(runs) - set(order))
+
+
 def table(runs: dict[str, dict[int, dict]], order: list[str]) -> str:
     """Markdown: each cell is output tok/s (mean TTFT / p99 TTFT in ms)."""
     rounds = sorted({r for by_round in runs.values() for r in by_round})
-    names = [n for n in order if n in runs] + sorted(set(runs) - set(order))
+    names = ordered(runs, order)
     head = ["server", *(f"round {r}" for r in rounds)]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for name in names:
@@ -61,7 +66,7 @@ def against(runs: dict[str, dict[int, dict]], order: list[str], base: str = BASE
     `base`'s p99 TTFT was lower. Empty without `base`."""
     if base not in runs:
         return ""
-    names = [n for n in order if n in runs] + sorted(set(runs) - set(order))
+    names = ordered(runs, order)
     lines = []
     for name in names:
         if name == base:
