@@ -381,6 +381,8 @@ void decode_rows_int8(const void* q, void* out, const void* k_cache, const void*
             const int64_t ahead =
                 b + PREFETCH_BLOCKS < num_blocks_all ? table[b + PREFETCH_BLOCKS] * block_size : -1;
             if (ahead >= 0) prefetch_scales(ahead);
+            const int8_t* k_ahead = ahead >= 0 ? k8 + ahead * row_stride : nullptr;
+            const int8_t* v_ahead = ahead >= 0 ? v8 + ahead * row_stride : nullptr;
             const int64_t lo = std::max<int64_t>(0, first_key - b * block_size);
             for (int r0 = 0; r0 < block_size; r0 += 16) {
                 __mmask16 seen[INT8_GROUP_ROWS], any = 0;
@@ -398,9 +400,9 @@ void decode_rows_int8(const void* q, void* out, const void* k_cache, const void*
                         zero, any, scale_index, k_scale + slot0 * num_kv_heads + kh, 4);
                     const __m512 vs = _mm512_mask_i32gather_ps(
                         zero, any, scale_index, v_scale + slot0 * num_kv_heads + kh, 4);
-                    const int64_t at = (ahead + r0) * row_stride + kh * D;  // read if ahead >= 0
+                    const int64_t at = r0 * row_stride + kh * D;  // in the block ahead
                     rows_i16<D>(k8 + slot0 * row_stride + kh * D, row_stride, keys,
-                                ahead >= 0 ? k8 + at : nullptr, ahead >= 0 ? v8 + at : nullptr);
+                                k_ahead ? k_ahead + at : nullptr, v_ahead ? v_ahead + at : nullptr);
                     for (int r = 0; r < rows; ++r)
                         if (b < num_blocks[r])
                             score16<D>(ws[r], keys, ks, vs, seen[r], kh, G, i * block_size + r0);
