@@ -39,6 +39,7 @@ class ShardConfig:
     cpu_isa: str = "auto"  # the C++ kernels' instruction set: "auto" or one of isa.ISAS
     attention_backend: str = "auto"  # one of shard.backends.ATTENTION_BACKENDS
     cpu_kernels: bool = True  # the C++ CPU kernels serve what they cover (False: torch)
+    huge_pages: bool = True  # on CPU, the KV cache and packed weights on 2 MB pages
     # a request's logits independent of its step's other rows, chunking, cache hits and
     # preemption (cadence.shard.determinism); honoured on CPU with the C++ kernels
     deterministic: bool = True
@@ -106,6 +107,7 @@ class LaunchConfig:
     block_size: int = _shard("block_size")
     attention_backend: str = _shard("attention_backend")
     cpu_kernels: bool = _shard("cpu_kernels")
+    huge_pages: bool = _shard("huge_pages")
     deterministic: bool = _shard("deterministic")
     quantize: str | None = _shard("quantize")
     quantize_group_size: int = _shard("quantize_group_size")

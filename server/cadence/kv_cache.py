@@ -12,7 +12,18 @@ from __future__ import annotations
 
 import torch
 
+from cadence import huge_pages
 from cadence.kv_format import KVFormat, kv_format
+
+
+def _zeros(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, huge: bool
+) -> torch.Tensor:
+    """A pool tensor of zeros; on CPU where `huge`, on 2 MB pages (`cadence.huge_pages`): a
+    step reads its blocks scattered over the whole pool."""
+    if huge and torch.device(device).type == "cpu":
+        return huge_pages.zeros(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def _format(fmt: KVFormat | torch.dtype) -> KVFormat:
@@ -43,9 +54,10 @@ class KVCache:
         fmt: KVFormat | torch.dtype,
         device: torch.device | str,
         layer_scales: torch.Tensor | None = None,
+        on_huge_pages: bool = False,
     ) -> None:
         """`layer_scales` [layers, 2] float32: an fp8 cache's key and value scales (1.0
-        when not given)."""
+        when not given); `on_huge_pages`: the pool on 2 MB pages (CPU only)."""
         self.format = fmt = _format(fmt)
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -53,15 +65,14 @@ class KVCache:
         self.bytes_per_block = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, fmt)
         # zeros, not empty: padded block-table entries are read (then masked), and
         # masked garbage that happens to be NaN would poison the attention output.
-        self.blocks = torch.zeros(
-            num_layers, 2, num_blocks, *self.block_shape, dtype=fmt.storage, device=device
-        )
+        shape = (num_layers, 2, num_blocks, *self.block_shape)
+        self.blocks = _zeros(shape, fmt.storage, device, on_huge_pages)
         self.host = torch.empty(num_layers, 2, 0, *self.block_shape, dtype=fmt.storage)
         self.token_scales: torch.Tensor | None = None
         self.host_scales: torch.Tensor | None = None
         if fmt.scales == "token":
             shape = (num_layers, 2, num_blocks, block_size, num_kv_heads)
-            self.token_scales = torch.zeros(shape, dtype=torch.float32, device=device)
+            self.token_scales = _zeros(shape, torch.float32, device, on_huge_pages)
             self.host_scales = torch.empty(*shape[:2], 0, *shape[3:], dtype=torch.float32)
         self.layer_scales: torch.Tensor | None = None
         if fmt.scales == "layer":

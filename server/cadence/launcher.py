@@ -97,6 +97,7 @@ def shard_argv(cfg: LaunchConfig, model_dir: str, slot: ShardSlot) -> list[str]:
         *("--dtype", cfg.dtype, "--device", cfg.device, "--block-size", str(cfg.block_size)),
         *("--cpu-isa", cfg.cpu_isa, "--attention-backend", cfg.attention_backend),
         "--cpu-kernels" if cfg.cpu_kernels else "--no-cpu-kernels",
+        "--huge-pages" if cfg.huge_pages else "--no-huge-pages",
         "--deterministic" if cfg.deterministic else "--no-deterministic",
         *("--rank", str(slot.rank), "--world-size", str(cfg.num_shard)),
         *(("--master-port", str(slot.master_port)) if slot.master_port else ()),

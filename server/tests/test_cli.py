@@ -206,6 +206,21 @@ def test_shard_kernel_choices_have_environment_twins_and_flags_win(
     assert cfg.cpu_kernels is False
 
 
+def test_huge_pages_is_on_unless_turned_off_and_reaches_the_shards(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    serve = ["serve", "--model-id", "/m", "--uds-path", "/s"]
+    assert config_from(build_parser().parse_args(serve), ShardConfig, model_dir="/m").huge_pages
+    monkeypatch.setenv("CADENCE_HUGE_PAGES", "0")
+    cfg = config_from(build_parser().parse_args(serve), ShardConfig, model_dir="/m")
+    assert cfg.huge_pages is False
+    monkeypatch.delenv("CADENCE_HUGE_PAGES")
+    launch = config_from(build_parser().parse_args(["launch", "--no-huge-pages"]), LaunchConfig)
+    slot = shard_slots(launch, Path("/tmp"))[0]
+    args = build_parser().parse_args(shard_argv(launch, "/m", slot)[3:])
+    assert args.huge_pages is False
+
+
 @pytest.mark.parametrize(
     ("name", "value"), [("CADENCE_ATTENTION_BACKEND", "flash"), ("CADENCE_CPU_KERNELS", "maybe")]
 )

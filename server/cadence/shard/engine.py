@@ -16,6 +16,7 @@ from loguru import logger
 
 from cadence import cpu_isa as cpu_isa
 from cadence.config import ShardConfig
+from cadence.huge_pages import place_packed_weights
 from cadence.kernels import cpu as cpu_kernels
 from cadence.kv_cache import KVCache, bytes_per_block
 from cadence.kv_dtypes import check_kv_cache_choice
@@ -136,6 +137,10 @@ class Engine:
             self.model, enabled=cfg.cpu_kernels, every_row_count=cfg.deterministic
         )
         self.weight_bytes += self.packed_bytes
+        # 2 MB pages: fewer TLB misses in every step (the KV cache's too, in _allocate)
+        self.packed_on_huge_pages = (
+            place_packed_weights(self.model) if cfg.huge_pages and self.device.type == "cpu" else 0
+        )
         self.block_size = cfg.block_size
         first = self.attention[0]
         self.bytes_per_block = bytes_per_block(
@@ -374,6 +379,7 @@ class Engine:
             fmt or self.kv_format,
             self.device,
             layer_scales=self.kv_layer_scales,
+            on_huge_pages=self.cfg.huge_pages,
         )
         for i, layer in enumerate(self.attention):
             layer.k_cache, layer.v_cache = self.kv.layer(i)
