@@ -217,3 +217,29 @@ def test_the_launcher_keys_the_table_without_importing_torch() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
+
+
+def test_a_table_without_this_machines_entry_is_said_once_and_the_defaults_serve(
+    tmp_path: Path,
+) -> None:
+    """A table file holding other machines', dtypes' or kernel builds' entries but not this
+    one's: the defaults serve, and the shard says why once (an edit of the kernels changes
+    the key, so a table measured before it no longer applies)."""
+    from cadence.quant import setup
+    from loguru import logger
+
+    seconds = {calibrate.DECODE_ROWS: 1.0, calibrate.PREFILL_ROWS: 10.0}
+    measured = calibrate.Measured(calibrate.FLOAT, seconds, seconds, "now")
+    path = tmp_path / "table.json"
+    for key in ("machine-a", "machine-b"):
+        calibrate.write(calibrate.KernelTable(key, {"int4": measured}), path)
+    said: list[str] = []
+    sink = logger.add(lambda m: said.append(m.record["message"]), level="WARNING")
+    try:
+        assert setup.read_table(str(path), "machine-c") is None
+        assert setup.read_table(str(path), "machine-c") is None
+        found = setup.read_table(str(path), "machine-a")
+    finally:
+        logger.remove(sink)
+    assert found is not None and found.formats["int4"].kernel == calibrate.FLOAT
+    assert len(said) == 1 and "machine-c" in said[0] and str(path) in said[0]

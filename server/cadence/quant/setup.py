@@ -79,7 +79,7 @@ def measured_kernels(
     if not cfg.kernel_table or device.type != "cpu" or cfg.products is ProductKernels.TRITON:
         return {}
     key = calibrate.machine_key(isa, dtype_name)
-    table = calibrate.read_for_machine(Path(cfg.kernel_table), key)
+    table = read_table(cfg.kernel_table, key)
     if table is None:
         return {}
     use_measured_tiles(table)
@@ -116,14 +116,33 @@ def use_measured_tiles(table: calibrate.KernelTable) -> None:
             )
 
 
+# (file, key) pairs already said to have no entry: each read of a start says it once
+_UNMATCHED: set[tuple[str, str]] = set()
+
+
+def read_table(kernel_table: str, key: str) -> calibrate.KernelTable | None:
+    """The file's table for `key` (else its only one: handed over from another machine).
+    Where the file holds tables but none of them for `key` (other machines, dtypes or
+    kernel builds: an edit of the kernels' sources changes the key), says so once, for the
+    built-in defaults serve instead of anything measured."""
+    path = Path(kernel_table)
+    table = calibrate.read_for_machine(path, key)
+    if table is None and path.exists() and (str(path), key) not in _UNMATCHED:
+        _UNMATCHED.add((str(path), key))
+        logger.warning(
+            f"the kernel table {path} holds no measurement for {key!r}: the built-in "
+            "defaults serve (`cadence calibrate --output FILE` measures this machine)"
+        )
+    return table
+
+
 def _machine_table(
     kernel_table: str, device: torch.device, dtype: str
 ) -> calibrate.KernelTable | None:
     """This machine's entry for `dtype` in the table file (None: no file, not a CPU)."""
     if not kernel_table or device.type != "cpu":
         return None
-    key = calibrate.machine_key(isa_name(device), dtype)
-    return calibrate.read_for_machine(Path(kernel_table), key)
+    return read_table(kernel_table, calibrate.machine_key(isa_name(device), dtype))
 
 
 def use_measured_attention_tiles(
