@@ -64,6 +64,16 @@ def _mapping(nbytes: int) -> tuple[mmap.mmap, int]:
     return region, (-view.data_ptr()) % HUGE_PAGE
 
 
+def _tensor_at(
+    region: mmap.mmap, offset: int, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype
+) -> torch.Tensor:
+    """A tensor of `shape` and `dtype` over the mapping's bytes from `offset` (its
+    storage holds the mapping alive)."""
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
+    flat = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=offset)
+    return flat.view(dtype).view(shape)
+
+
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """`torch.zeros(shape, dtype=dtype)` on 2 MB pages where `supported()`, touched now so
     the pages are taken at start, not in the first steps."""
@@ -72,9 +82,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     if not supported() or nbytes < HUGE_PAGE:
         return torch.zeros(shape, dtype=dtype)
     region, offset = _mapping(nbytes)
-    # frombuffer holds the mapping (the tensor's storage keeps it alive)
-    flat = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=offset)
-    out = flat.view(dtype).view(shape)
+    out = _tensor_at(region, offset, shape, dtype)
     out.zero_()  # already zero: this only takes the pages
     return out
 
@@ -133,8 +141,7 @@ def place_packed_weights(model: torch.nn.Module, min_bytes: int = HUGE_PAGE) -> 
     region, offset = _mapping(total)
     for slot, start in zip(slots, starts, strict=True):
         t = slot.tensor
-        flat = torch.frombuffer(region, dtype=torch.uint8, count=t.nbytes, offset=offset + start)
-        moved = flat.view(t.dtype).view(t.shape)
+        moved = _tensor_at(region, offset + start, t.shape, t.dtype)
         moved.copy_(t)
         setattr(slot.owner, slot.attr, moved)
     logger.info(
@@ -142,15 +149,3 @@ def place_packed_weights(model: torch.nn.Module, min_bytes: int = HUGE_PAGE) -> 
         f"(transparent huge pages: {thp_mode()})"
     )
     return total
-
-
-def huge_page_bytes() -> int:
-    """This process's anonymous memory on transparent huge pages (0 where unreadable)."""
-    try:
-        with open("/proc/self/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("AnonHugePages:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0

@@ -109,50 +109,32 @@ CADENCE_AMX_BF16_TARGET void row_group(RowSource a, const uint16_t* w0, const ui
     if constexpr (NA == 2) Tiles::template zero<2>();
     if constexpr (NA == 2 && NV == 2) Tiles::template zero<3>();
     const int64_t a_stride = a.stride * 2;  // bytes
-    if constexpr (NA == 2 && NV == 2) {
-        // Tile registers are not renamed: a load into one waits for every product reading
-        // it. So each next input block's tile is loaded right after the last product that
-        // reads its register, not all four at the top, where A1's load waited on the last
-        // product and held the others behind it (2-8% of a 30-layer product at 32-960
-        // rows on an Emerald Rapids). Each C tile's chain over kb is unchanged: same bits.
-        const uint16_t* x1 = a.base + ROWS * a.stride;
-        Tiles::template load<A0>(a.base, a_stride);
-        Tiles::template load<B0>(w0, 64);
-        Tiles::template load<B1>(w1, 64);
-        Tiles::template load<A1>(x1, a_stride);
-        for (int64_t kb = 0; kb < k32; ++kb) {
-            if constexpr (STREAM) {
-                prefetch_tile(w0 + (kb + PREFETCH_TILES) * TILE_ELEMS);
-                prefetch_tile(w1 + (kb + PREFETCH_TILES) * TILE_ELEMS);
-            }
-            const bool more = kb + 1 < k32;
-            const int64_t next = (kb + 1) * K_STEP;
-            Tiles::template dpbf16ps<0, A0, B0>();
-            Tiles::template dpbf16ps<1, A0, B1>();
-            if (more) Tiles::template load<A0>(a.base + next, a_stride);
-            Tiles::template dpbf16ps<2, A1, B0>();
-            if (more) Tiles::template load<B0>(w0 + (kb + 1) * TILE_ELEMS, 64);
-            Tiles::template dpbf16ps<3, A1, B1>();
-            if (more) {
-                Tiles::template load<B1>(w1 + (kb + 1) * TILE_ELEMS, 64);
-                Tiles::template load<A1>(x1 + next, a_stride);
-            }
+    // Tile registers are not renamed: a load into one waits for every product reading it.
+    // So each next input block's tile is loaded right after the last product that reads
+    // its register, not all at the top of the step, where (2 x 2) A1's load waited on the
+    // last product and held the others behind it (2-8% of a 30-layer product at 32-960
+    // rows on an Emerald Rapids). Each C tile's chain over kb is unchanged: same bits.
+    const uint16_t* x1 = NA == 2 ? a.base + ROWS * a.stride : a.base;
+    Tiles::template load<A0>(a.base, a_stride);
+    if constexpr (NA == 2) Tiles::template load<A1>(x1, a_stride);
+    Tiles::template load<B0>(w0, 64);
+    if constexpr (NV == 2) Tiles::template load<B1>(w1, 64);
+    for (int64_t kb = 0; kb < k32; ++kb) {
+        if constexpr (STREAM) {
+            prefetch_tile(w0 + (kb + PREFETCH_TILES) * TILE_ELEMS);
+            if constexpr (NV == 2) prefetch_tile(w1 + (kb + PREFETCH_TILES) * TILE_ELEMS);
         }
-    } else {
-        for (int64_t kb = 0; kb < k32; ++kb) {
-            const uint16_t* x = a.base + kb * K_STEP;
-            if constexpr (STREAM) {
-                prefetch_tile(w0 + (kb + PREFETCH_TILES) * TILE_ELEMS);
-                if constexpr (NV == 2) prefetch_tile(w1 + (kb + PREFETCH_TILES) * TILE_ELEMS);
-            }
-            Tiles::template load<A0>(x, a_stride);
-            if constexpr (NA == 2) Tiles::template load<A1>(x + ROWS * a.stride, a_stride);
-            Tiles::template load<B0>(w0 + kb * TILE_ELEMS, 64);
-            if constexpr (NV == 2) Tiles::template load<B1>(w1 + kb * TILE_ELEMS, 64);
-            Tiles::template dpbf16ps<0, A0, B0>();
-            if constexpr (NV == 2) Tiles::template dpbf16ps<1, A0, B1>();
-            if constexpr (NA == 2) Tiles::template dpbf16ps<2, A1, B0>();
-            if constexpr (NA == 2 && NV == 2) Tiles::template dpbf16ps<3, A1, B1>();
+        const bool more = kb + 1 < k32;
+        const int64_t next = (kb + 1) * K_STEP, next_tile = (kb + 1) * TILE_ELEMS;
+        Tiles::template dpbf16ps<0, A0, B0>();
+        if constexpr (NV == 2) Tiles::template dpbf16ps<1, A0, B1>();
+        if (more) Tiles::template load<A0>(a.base + next, a_stride);
+        if constexpr (NA == 2) Tiles::template dpbf16ps<2, A1, B0>();
+        if (more) Tiles::template load<B0>(w0 + next_tile, 64);
+        if constexpr (NA == 2 && NV == 2) Tiles::template dpbf16ps<3, A1, B1>();
+        if (more) {
+            if constexpr (NV == 2) Tiles::template load<B1>(w1 + next_tile, 64);
+            if constexpr (NA == 2) Tiles::template load<A1>(x1 + next, a_stride);
         }
     }
     constexpr int64_t STRIDE = NV * COLS * 4;  // acc's row, in bytes
