@@ -71,15 +71,14 @@ def isa_name(device: torch.device) -> str:
 
 
 def measured_kernels(
-    cfg: QuantizeConfig, device: torch.device, isa: str, dtype_name: str
+    cfg: QuantizeConfig, device: torch.device, dtype_name: str
 ) -> dict[str, tuple[str, str]]:
     """format -> (kernel, what /info says of it) from the kernel table, for this machine's
     entry (else the file's only one: a table handed over from another machine); {} on a
     GPU or without a table."""
-    if not cfg.kernel_table or device.type != "cpu" or cfg.products is ProductKernels.TRITON:
+    if cfg.products is ProductKernels.TRITON:
         return {}
-    key = calibrate.machine_key(isa, dtype_name)
-    table = read_table(cfg.kernel_table, key)
+    table = _machine_table(cfg.kernel_table, device, dtype_name)
     if table is None:
         return {}
     use_measured_tiles(table)
@@ -230,7 +229,7 @@ def dispatch_for(
     if cfg.one_kernel:
         found = {fmt: Crossover(ALL_ROWS, "one kernel: --deterministic") for fmt in FORMATS}
     keep = keeps_float(cfg.keep_float, device, float_linear_bytes(model))
-    measured = measured_kernels(cfg, device, isa, dtype_name)
+    measured = measured_kernels(cfg, device, dtype_name)
     floats = {fmt: why for fmt, (kernel, why) in measured.items() if kernel == calibrate.FLOAT}
     if floats and keep:  # where the float copies fit (auto) or are asked for (on)
         found |= {fmt: Crossover(0, why) for fmt, why in floats.items()}
