@@ -46,8 +46,10 @@ def test_rmsnorm_matches_reference(hidden: int, dtype: torch.dtype, with_residua
     expected = rmsnorm_ref(x, w, 1e-5, residual)
     got = rmsnorm(x, w, 1e-5, residual.clone() if residual is not None else None)
     if with_residual:
-        assert_close(got[0], expected[0], dtype)
-        assert_close(got[1], expected[1], dtype)
+        assert_close(got[1], expected[1], dtype)  # the sum, within the dtype's rounding
+        # the norm of the sum the kernel wrote: Triton's interpreter may round a bfloat16 sum
+        # an ulp away from torch's, which shifts every element of the row's norm
+        assert_close(got[0], rmsnorm_ref(got[1], w, 1e-5), dtype)
     else:
         assert_close(got, expected, dtype)
 
