@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import random
+import zlib
 from collections.abc import Iterator
 
+import numpy
 import pytest
 import torch
 
@@ -28,3 +31,15 @@ def cpu_isa(request: pytest.FixtureRequest) -> Iterator[str]:
         pytest.skip(why_not)
     with cpu.selected(request.param):
         yield request.param
+
+
+@pytest.fixture(autouse=True)
+def seeded_random_inputs(request: pytest.FixtureRequest) -> None:
+    """Seeds torch's, numpy's and Python's generators from the test's id, so every run of a
+    test draws the same random inputs: a tolerance holds or fails for the same values each
+    time, and a failure reproduces (an unseeded bfloat16 kernel test failed about one run in
+    500 on a rounding it drew by chance). Tests that seed for themselves still do."""
+    seed = zlib.crc32(request.node.nodeid.encode())
+    torch.manual_seed(seed)
+    numpy.random.seed(seed)
+    random.seed(seed)
