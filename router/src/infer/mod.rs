@@ -6,8 +6,8 @@
 //! the sampled tokens into text, check EOS / stop strings / length, stream, and retire
 //! finished requests (their blocks are freed at once, their shard state at the next step).
 //!
-//! Asynchronous scheduling (unless `--no-async-scheduling`; `cadence launch` keeps it for
-//! GPUs, see docs/scheduler.md): while step N runs, the loop schedules step
+//! Asynchronous scheduling (unless `--no-async-scheduling`; `cadence launch` has it on for
+//! every device, see docs/scheduler.md): while step N runs, the loop schedules step
 //! N + 1 ahead (`Scheduler::schedule_ahead`, N's samples pending) and sends it, then waits
 //! for N's tokens. The shards run steps in the order sent, so they go from N to N + 1
 //! without waiting for the router, and the router's work and the round trip overlap the
