@@ -49,7 +49,10 @@ class StepLayout:
 
     def to(self, device: torch.device) -> StepLayout:
         """This layout with its tensors on `device` (copies that do not wait for the
-        device), its ints as they are."""
+        device), its ints as they are; itself where they are there already (the CPU
+        shard's every step)."""
+        if self.slot_mapping.device == device:
+            return self
         return StepLayout(
             slot_mapping=self.slot_mapping.to(device, non_blocking=True),
             query_start=self.query_start.to(device, non_blocking=True),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from cadence.attention_backends import StepLayout
@@ -28,18 +29,22 @@ class FlatRows:
 
 
 def flat_rows(
-    tables: torch.Tensor, starts: torch.Tensor, counts: list[int], block_size: int
+    tables: np.ndarray, starts: np.ndarray, counts: list[int], block_size: int
 ) -> FlatRows:
     """Row i holds `counts[i]` tokens from position `starts[i]`, written through block
-    table `tables[i]`; the rows already in `decode_first` order."""
-    n = torch.tensor(counts)
-    total = sum(counts)
-    query_start = torch.zeros(len(counts) + 1, dtype=torch.long)
-    torch.cumsum(n, 0, out=query_start[1:])
-    row = torch.repeat_interleave(torch.arange(len(counts)), n, output_size=total)
-    positions = starts[row] + torch.arange(total) - query_start[row]
-    blocks = tables[row, positions // block_size]
-    context_lens = starts + n
+    table `tables[i]` (int64 arrays); the rows already in `decode_first` order. The index
+    arithmetic runs in numpy: on a step's few dozen rows a numpy call costs about a
+    microsecond against several in torch's dispatcher, and this is the step's serial path
+    (the kernels' other threads wait)."""
+    table, start = tables, starts
+    n = np.asarray(counts, dtype=np.int64)
+    total = int(n.sum())
+    query_start = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(n, out=query_start[1:])
+    row = np.repeat(np.arange(len(counts), dtype=np.int64), n)
+    positions = start[row] + np.arange(total, dtype=np.int64) - query_start[row]
+    blocks = table[row, positions // block_size]
+    context_lens = start + n
     lens = context_lens.tolist()
     num_decode = sum(1 for c in counts if c == 1)
     short = [c for c in counts if 1 < c <= SHORT_CHUNK]
@@ -51,13 +56,13 @@ def flat_rows(
     # NaN value still poisons the attention's weighted sum.
     width = max(decode_blocks, prefill_blocks)
     spanned = (context_lens + block_size - 1) // block_size
-    past = torch.arange(width) >= spanned.unsqueeze(1)
-    padded_tables = torch.where(past, tables[:, :1], tables[:, :width])
+    past = np.arange(width) >= spanned[:, None]
+    padded_tables = np.where(past, table[:, :1], table[:, :width])
     layout = StepLayout(
-        slot_mapping=blocks * block_size + positions % block_size,
-        query_start=query_start,
-        context_lens=context_lens,
-        block_tables=padded_tables,
+        slot_mapping=torch.from_numpy(blocks * block_size + positions % block_size),
+        query_start=torch.from_numpy(query_start),
+        context_lens=torch.from_numpy(context_lens),
+        block_tables=torch.from_numpy(padded_tables),
         block_size=block_size,
         num_decode=num_decode,
         max_query_len=max(counts[num_decode:], default=1),
@@ -68,4 +73,4 @@ def flat_rows(
         num_short=len(short),
         short_tokens=sum(short),
     )
-    return FlatRows(row=row, positions=positions, layout=layout)
+    return FlatRows(row=torch.from_numpy(row), positions=torch.from_numpy(positions), layout=layout)

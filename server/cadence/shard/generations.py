@@ -4,9 +4,10 @@ request asked for, gathered chunk by chunk and sent once with its first token.""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
+from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 
 from cadence.pb import shard_pb2
 from cadence.sampling import TOP_N, SampleOutput, SamplingBatch
@@ -16,26 +17,29 @@ from cadence.speculative.verify import Verified
 
 
 def sampled(
-    batch: ForwardBatch, sb: SamplingBatch, ids: torch.Tensor, out: SampleOutput
-) -> list[shard_pb2.Generation]:
-    """One Generation per sampling row of a plain step: its token and logprob, and its
+    batch: ForwardBatch,
+    sb: SamplingBatch,
+    ids: torch.Tensor,
+    out: SampleOutput,
+    into: RepeatedCompositeFieldContainer[shard_pb2.Generation],
+) -> None:
+    """One Generation per sampling row of a plain step, added to `into` (the response's
+    field: added in place, not built apart and copied in): its token and logprob, and its
     top alternatives when it asked for them."""
     rows = batch.sample_rows.tolist()
     tokens = ids.tolist()
     logprobs = out.logprobs.tolist()
-    top_n = sb.params[:, TOP_N].long().tolist()
-    top_ids = top_lps = None
+    top_ids = top_lps = top_n = None
     if out.top_ids is not None:
         top_ids = out.top_ids.tolist()
         top_lps = out.top_logprobs.tolist()
-    gens = []
+        top_n = sb.params[:, TOP_N].long().tolist()
+    add = into.add
     for i, row in enumerate(rows):
-        g = shard_pb2.Generation(id=batch.ids[row], token_ids=[tokens[i]], logprobs=[logprobs[i]])
-        if top_ids is not None and top_n[i] > 0:
+        g = add(id=batch.ids[row], token_ids=[tokens[i]], logprobs=[logprobs[i]])
+        if top_n is not None and top_n[i] > 0:
             n = top_n[i]
             g.top_tokens.append(shard_pb2.TopTokens(ids=top_ids[i][:n], logprobs=top_lps[i][:n]))
-        gens.append(g)
-    return gens
 
 
 def verified(
@@ -98,7 +102,7 @@ def gather_prompt_logprobs(
             acc.top_logprobs += values.tolist()
 
 
-def attach_prompt_logprobs(state: BatchState, generations: list[shard_pb2.Generation]) -> None:
+def attach_prompt_logprobs(state: BatchState, generations: Iterable[shard_pb2.Generation]) -> None:
     """Sends each request's prompt logprobs once, with its first sampled token."""
     for g in generations:
         acc = state.prompt_logprobs.get(state.slot_of[g.id])

@@ -25,8 +25,10 @@ the model's next token (computed = p + 1 + a), cutting the block table to the bl
 computed tokens fill.
 
 `StepPlan` is the diff as `cadence.shard.step_checks` passed it; `BatchState.apply` takes
-it in, `BatchState.prepare` turns its rows into flat forward inputs with vectorized tensor
-ops (a handful of Python operations per request, none per token).
+it in, `BatchState.prepare` turns its rows into flat forward inputs with vectorized numpy
+ops on views of the CPU tensors (a handful of Python operations per request, none per
+token; numpy rather than torch calls, each a fraction of the dispatcher's cost, since the
+step's serial Python is time the kernels' other threads spend waiting).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from loguru import logger
 
@@ -264,34 +267,42 @@ class BatchState:
     # -- forward inputs -------------------------------------------------------------
 
     def prepare(self, rows: list[tuple[int, int]]) -> ForwardBatch:
-        """Flat inputs for the scheduled (request id, num_compute) rows, decode first."""
+        """Flat inputs for the scheduled (request id, num_compute) rows, decode first (the
+        index arithmetic on numpy views of the state's CPU tensors, as `flat_rows`)."""
         rows = [rows[i] for i in decode_first([n for _, n in rows])]
         ids = [i for i, _ in rows]
         counts = [n for _, n in rows]
-        slots = torch.tensor([self.slot_of[i] for i in ids])
-        flat = flat_rows(self.block_tables[slots], self.computed[slots], counts, self.block_size)
-        layout, positions = flat.layout, flat.positions
-        query_start, context_lens = layout.query_start, layout.context_lens
-        token_slot = slots[flat.row]
-        input_ids = self.tokens[token_slot, positions]
-        sample_rows = (context_lens == self.seq_lens[slots]).nonzero().squeeze(1)
+        at = np.array([self.slot_of[i] for i in ids], dtype=np.int64)
+        slots = torch.from_numpy(at)
+        flat = flat_rows(
+            self.block_tables.numpy()[at], self.computed.numpy()[at], counts, self.block_size
+        )
+        layout = flat.layout
+        positions = flat.positions.numpy()
+        query_start = layout.query_start.numpy()
+        token_slot = at[flat.row.numpy()]
+        input_ids = self.tokens.numpy()[token_slot, positions]
+        sampling = layout.context_lens.numpy() == self.seq_lens.numpy()[at]
+        sample_rows = np.flatnonzero(sampling)
         sample_tokens = query_start[1:][sample_rows] - 1
         num_proposed = verify_tokens = None
         if self.proposed:
-            sample_slots = slots[sample_rows].tolist()
+            sample_slots = at[sample_rows].tolist()
             num_proposed = torch.tensor([self.proposed.get(s, 0) for s in sample_slots])
             verified = num_proposed + 1  # positions whose logits each row needs
-            starts = torch.repeat_interleave(sample_tokens - num_proposed, verified)
+            starts = torch.repeat_interleave(
+                torch.from_numpy(sample_tokens) - num_proposed, verified
+            )
             verify_tokens = starts + offsets_within(verified)
         return ForwardBatch(
             ids=ids,
             slots=slots,
-            input_ids=input_ids,
-            positions=positions,
+            input_ids=torch.from_numpy(input_ids),
+            positions=flat.positions,
             layout=layout,
-            sample_rows=sample_rows,
-            sample_tokens=sample_tokens,
-            num_prompt_tokens=int((positions < self.prompt_lens[token_slot]).sum()),
+            sample_rows=torch.from_numpy(sample_rows),
+            sample_tokens=torch.from_numpy(sample_tokens),
+            num_prompt_tokens=int((positions < self.prompt_lens.numpy()[token_slot]).sum()),
             num_proposed=num_proposed,
             verify_tokens=verify_tokens,
         )
@@ -308,33 +319,31 @@ class BatchState:
 
     def sampling_rows(self, slots: torch.Tensor) -> SamplingBatch:
         """The sampling inputs of the requests in `slots` for the token after their known
-        ones (no allowed-token masks)."""
-        params = self.params[slots]
+        ones (no allowed-token masks); gathered through numpy views, as `prepare`."""
+        at = slots.numpy()
+        params = self.params.numpy()[at]
         features = frozenset(f for f, c in self.features.items() if c > 0)
         penalties = PENALTY in features
-        seq_lens = self.seq_lens[slots]
-        any_sample = bool(params[:, DO_SAMPLE].any())
+        seq_lens = torch.from_numpy(self.seq_lens.numpy()[at])
         bias_rows = bias_ids = bias_values = None
         if LOGIT_BIAS in features:
             biased = [
-                (i, self.logit_bias[s])
-                for i, s in enumerate(slots.tolist())
-                if s in self.logit_bias
+                (i, self.logit_bias[s]) for i, s in enumerate(at.tolist()) if s in self.logit_bias
             ]
             if biased:
                 bias_rows = torch.cat([torch.full_like(b[0], i) for i, b in biased])
                 bias_ids = torch.cat([b[0] for _, b in biased])
                 bias_values = torch.cat([b[1] for _, b in biased])
         return SamplingBatch(
-            params=params,
-            seeds=self.seeds[slots],
+            params=torch.from_numpy(params),
+            seeds=torch.from_numpy(self.seeds.numpy()[at]),
             positions=seq_lens,
             history=self.tokens[slots, : int(seq_lens.max())] if penalties else None,
             seq_lens=seq_lens if penalties else None,
             prompt_lens=self.prompt_lens[slots] if penalties else None,
             features=features,
-            any_sample=any_sample,
-            max_top_n=int(params[:, TOP_N].max()) if len(slots) else 0,
+            any_sample=bool(params[:, DO_SAMPLE].any()),
+            max_top_n=int(params[:, TOP_N].max()) if len(at) else 0,
             bias_rows=bias_rows,
             bias_ids=bias_ids,
             bias_values=bias_values,
@@ -342,14 +351,16 @@ class BatchState:
 
     def commit(self, batch: ForwardBatch, sampled: torch.Tensor) -> None:
         """After a successful forward: advance computed counts, append sampled tokens."""
-        self.computed[batch.slots] = batch.layout.context_lens
+        at = batch.slots.numpy()
+        self.computed.numpy()[at] = batch.layout.context_lens.numpy()
         if sampled.numel() == 0:
             return
-        slots = batch.slots[batch.sample_rows]
-        lens = self.seq_lens[slots]
+        slots = at[batch.sample_rows.numpy()]
+        seq_lens = self.seq_lens.numpy()
+        lens = seq_lens[slots]
         self.tokens = _grown(self.tokens, self.tokens.shape[0], int(lens.max()) + 1)
-        self.tokens[slots, lens] = sampled.to(self.tokens.device)
-        self.seq_lens[slots] = lens + 1
+        self.tokens.numpy()[slots, lens] = sampled.numpy()
+        seq_lens[slots] = lens + 1
 
     def proposals_of(self, batch: ForwardBatch) -> torch.Tensor:
         """[sum k]: the proposals of the batch's sampling rows, rows in order (the last k

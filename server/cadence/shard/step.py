@@ -79,33 +79,34 @@ class StepRunner:
         started = time.perf_counter_ns()
         drafted = self._propose(plan, state) if plan.drafts else None
         batch = state.prepare(plan.rows)
+        # The sampling inputs do not depend on the forward: gathered now, while the
+        # state's tensors and this code are still in cache (after the forward's stream
+        # of weights and KV blocks the same gathers took several times as long).
+        sb = None
+        if batch.num_proposed is None and batch.sample_rows.numel():
+            sb = self.on_device(state.sampling_batch(batch, plan))
         hidden = self.forward(batch, state)
         if state.prompt_logprobs:
             generations.gather_prompt_logprobs(batch, state, hidden, self.model.compute_logits)
         HEARTBEAT.beat()
         self.counts.computed_tokens += batch.num_tokens
         self.counts.prompt_tokens += batch.num_prompt_tokens
-        answers: list[shard_pb2.Generation] = []
+        response = shard_pb2.StepResponse(computed_tokens=batch.num_tokens)
+        answers = response.generations
         if batch.num_proposed is not None:
-            answers = self._verify(batch, plan, state, hidden, drafted)
-            if state.prompt_logprobs:
-                generations.attach_prompt_logprobs(state, answers)
-        elif batch.sample_rows.numel():
+            answers.extend(self._verify(batch, plan, state, hidden, drafted))
+        elif sb is not None:
             logits = self.model.compute_logits(hidden[batch.sample_tokens.to(self.device)])
-            sb = self.on_device(state.sampling_batch(batch, plan))
             out = sample(logits, sb, self.ops.greedy)
             ids = out.ids.cpu()
             state.commit(batch, ids)
-            answers = generations.sampled(batch, sb, ids, out)
-            if state.prompt_logprobs:
-                generations.attach_prompt_logprobs(state, answers)
+            generations.sampled(batch, sb, ids, out, answers)
         else:
             state.commit(batch, torch.empty(0, dtype=torch.long))
-        return shard_pb2.StepResponse(
-            generations=answers,
-            forward_ns=time.perf_counter_ns() - started,
-            computed_tokens=batch.num_tokens,
-        )
+        if state.prompt_logprobs:
+            generations.attach_prompt_logprobs(state, answers)
+        response.forward_ns = time.perf_counter_ns() - started
+        return response
 
     def apply(self, req: shard_pb2.StepRequest, state: BatchState, kv: KVCache) -> StepPlan:
         """Checks the diff, then applies it in the contract's order: drop `removed`,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from cadence.attention_backends import StepLayout
@@ -31,9 +32,9 @@ def draft_batch(
     """Rows `i` of `counts[i]` tokens from position `starts[i]` of slot `slots[i]`, their
     keys and values written through the slot's row of `block_tables` (CPU)."""
     order = decode_first(counts)
-    rows = torch.tensor([slots[i] for i in order])
-    start = torch.tensor([starts[i] for i in order])
-    flat = flat_rows(block_tables[rows], start, [counts[i] for i in order], block_size)
+    rows = np.array([slots[i] for i in order], dtype=np.int64)
+    start = np.array([starts[i] for i in order], dtype=np.int64)
+    flat = flat_rows(block_tables.numpy()[rows], start, [counts[i] for i in order], block_size)
     order_t = torch.tensor(order)
     last = torch.empty(len(order), dtype=torch.long)
     last[order_t] = flat.layout.query_start[1:] - 1
