@@ -23,20 +23,17 @@ def decode_first(counts: list[int]) -> list[int]:
 
 @dataclass(slots=True)
 class FlatRows:
-    row: torch.Tensor  # [T] each token's row
-    positions: torch.Tensor  # [T]
+    row: np.ndarray  # [T] each token's row
+    positions: np.ndarray  # [T]
     layout: StepLayout  # on CPU
 
 
-def flat_rows(
-    tables: np.ndarray, starts: np.ndarray, counts: list[int], block_size: int
-) -> FlatRows:
-    """Row i holds `counts[i]` tokens from position `starts[i]`, written through block
-    table `tables[i]` (int64 arrays); the rows already in `decode_first` order. The index
+def flat_rows(table: np.ndarray, start: np.ndarray, counts: list[int], block_size: int) -> FlatRows:
+    """Row i holds `counts[i]` tokens from position `start[i]`, written through block
+    table `table[i]` (int64 arrays); the rows already in `decode_first` order. The index
     arithmetic runs in numpy: on a step's few dozen rows a numpy call costs about a
     microsecond against several in torch's dispatcher, and this is the step's serial path
     (the kernels' other threads wait)."""
-    table, start = tables, starts
     n = np.asarray(counts, dtype=np.int64)
     total = int(n.sum())
     query_start = np.zeros(len(counts) + 1, dtype=np.int64)
@@ -73,4 +70,4 @@ def flat_rows(
         num_short=len(short),
         short_tokens=sum(short),
     )
-    return FlatRows(row=torch.from_numpy(row), positions=torch.from_numpy(positions), layout=layout)
+    return FlatRows(row=row, positions=positions, layout=layout)

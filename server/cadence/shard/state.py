@@ -278,9 +278,9 @@ class BatchState:
             self.block_tables.numpy()[at], self.computed.numpy()[at], counts, self.block_size
         )
         layout = flat.layout
-        positions = flat.positions.numpy()
+        positions = flat.positions
         query_start = layout.query_start.numpy()
-        token_slot = at[flat.row.numpy()]
+        token_slot = at[flat.row]
         input_ids = self.tokens.numpy()[token_slot, positions]
         sampling = layout.context_lens.numpy() == self.seq_lens.numpy()[at]
         sample_rows = np.flatnonzero(sampling)
@@ -298,7 +298,7 @@ class BatchState:
             ids=ids,
             slots=slots,
             input_ids=torch.from_numpy(input_ids),
-            positions=flat.positions,
+            positions=torch.from_numpy(positions),
             layout=layout,
             sample_rows=torch.from_numpy(sample_rows),
             sample_tokens=torch.from_numpy(sample_tokens),

@@ -38,4 +38,5 @@ def draft_batch(
     order_t = torch.tensor(order)
     last = torch.empty(len(order), dtype=torch.long)
     last[order_t] = flat.layout.query_start[1:] - 1
-    return DraftBatch(order_t, flat.positions.to(device), flat.layout.to(device), last.to(device))
+    positions = torch.from_numpy(flat.positions).to(device)
+    return DraftBatch(order_t, positions, flat.layout.to(device), last.to(device))
