@@ -269,6 +269,14 @@ def _layer_stack(model: LlamaModel, rows: int, dtype: torch.dtype) -> _LayerStac
     return stack
 
 
+def forget_layer_stacks(model: nn.Module) -> None:
+    """Drops the `_LayerStack`s found for `model`'s Llama stacks: call after replacing a
+    weight a stack read (a packed copy made again, tensors moved), or the next all-decode
+    step still reads the old tensors."""
+    for module in model.modules():
+        module.__dict__.pop("_flat_layer_stacks", None)
+
+
 # Rows times layers per decode_layers call: a long step's layers go in several calls, the
 # heartbeat bumped between them, so the router still sees a long prefill move.
 ROW_LAYERS_PER_CALL = 8192
