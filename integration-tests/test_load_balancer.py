@@ -133,6 +133,17 @@ def _requests_sent(haproxy: Haproxy, since: dict[str, int] | None = None) -> dic
     return {name: int(row["stot"]) - since.get(name, 0) for name, row in haproxy.servers().items()}
 
 
+def _failed(haproxy: Haproxy, since: dict[str, int] | None = None) -> dict[str, int]:
+    """Requests each replica failed in haproxy's counters (since an earlier count): errors
+    reading its answer, answers it aborted, and 5xx statuses (its own or haproxy's)."""
+    since = since or {}
+    return {
+        name: sum(int(row[field] or 0) for field in ("eresp", "srv_abrt", "hrsp_5xx"))
+        - since.get(name, 0)
+        for name, row in haproxy.servers().items()
+    }
+
+
 def _held(url: str) -> float:
     """Requests the replica holds: running or waiting for a step."""
     now = metrics(url)
@@ -159,6 +170,7 @@ def test_a_killed_shard_fails_its_requests_and_haproxy_moves_the_load_over(
     balanced: Balanced,
 ) -> None:
     haproxy, killed, healthy = balanced.haproxy, balanced.replicas["a"], balanced.replicas["b"]
+    failed_before = _failed(haproxy)
     load = Load(haproxy.url, PROMPTS, NEW_TOKENS, CONCURRENCY).start()
     try:
         wait_for(lambda: _held(killed.url) > 0 and _held(healthy.url) > 0, 120, "both busy")
@@ -187,9 +199,17 @@ def test_a_killed_shard_fails_its_requests_and_haproxy_moves_the_load_over(
     _assert_complete(complete, balanced.expected)
     # What `a` held when its shard died ended in errors, and nothing else did.
     assert held > 0 and len(errors) >= held, (held, errors)
+    log = haproxy.log()[-6000:]
     for error in errors:
-        assert error.server == "a", error
-        assert stopped_at < error.ended and error.sent < down_at, error
+        assert stopped_at < error.ended and error.sent < down_at, (error, log)
+        if error.server:
+            assert error.server == "a", (error, log)
+        else:
+            # No answer at all, so no X-Served-By: haproxy closed the client's connection
+            # when `a`'s stopping router closed the one the request had gone out on. That
+            # it was `a`'s: it came between the stop and DOWN, and `b` failed nothing.
+            assert error.text.startswith("connection:"), (error, log)
+    assert _failed(haproxy, since=failed_before)["b"] == 0, log
     after = [a for a in answers if a.sent > down_at]
     assert after and all(a.outcome == COMPLETE and a.server == "b" for a in after), after
     assert _requests_sent(haproxy)["a"] == sent_to_killed
