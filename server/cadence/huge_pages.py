@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 from loguru import logger
 
+from cadence.layers.packed import forget_packed_views
+
 HUGE_PAGE = 2 << 20
 ALIGN = 64  # bytes between tensors in one mapping: a cache line, what the kernels load
 THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
@@ -128,7 +130,7 @@ def _packed_tensors(model: torch.nn.Module) -> Iterator[_Slot]:
 def place_packed_weights(model: torch.nn.Module, min_bytes: int = HUGE_PAGE) -> int:
     """Moves the model's packed weights into one mapping on 2 MB pages where `supported()`
     and they come to `min_bytes` or more; returns the bytes moved (else 0). Call once
-    every weight is packed, before any step: the flat runner keeps what it found then."""
+    every weight is packed: a step after it finds the moved tensors."""
     if not supported():
         return 0
     slots = list(_packed_tensors(model))
@@ -144,6 +146,7 @@ def place_packed_weights(model: torch.nn.Module, min_bytes: int = HUGE_PAGE) -> 
         moved = _tensor_at(region, offset + start, t.shape, t.dtype)
         moved.copy_(t)
         setattr(slot.owner, slot.attr, moved)
+    forget_packed_views(model)
     logger.info(
         f"packed weights on 2 MB pages: {total / 2**20:.0f} MiB "
         f"(transparent huge pages: {thp_mode()})"

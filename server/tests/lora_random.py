@@ -19,7 +19,6 @@ from cadence.layers.linear import (
 )
 from cadence.layers.packed import pack_linear_weights
 from cadence.lora.weights import AdapterWeights, ExpandPiece, LayerLora
-from cadence.runners.llama_cpu_flat import forget_layer_stacks
 from torch import nn
 
 # (layer name, part of a fused layer or None) -> the rank of its LoRA there, 0: none
@@ -82,7 +81,8 @@ def random_adapter(
 def merge_into(model: nn.Module, weights: AdapterWeights, repack: bool) -> None:
     """Adds the adapter's delta Bᵀᵀ·A to the model's weights (in float64, rounded once),
     and prepacks them again when `repack`. The flat step's one-call layers, found at the
-    engine's first steps, read the old packed copies: they are found again."""
+    engine's first steps from the old packed copies, are found again (pack_linear_weights
+    drops them)."""
     modules = dict(model.named_modules())
     for layer_name, lora in weights.layers.items():
         w = modules[layer_name].weight
@@ -93,7 +93,6 @@ def merge_into(model: nn.Module, weights: AdapterWeights, repack: bool) -> None:
             merged[p.out_offset : p.out_offset + out] += p.b_t.double().T @ a
         w.data.copy_(merged.to(w.dtype))
     pack_linear_weights(model, enabled=repack)
-    forget_layer_stacks(model)
 
 
 def ranks_by_part(ranks: dict[str, int]) -> RankOf:

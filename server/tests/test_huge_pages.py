@@ -9,7 +9,6 @@ import gc
 import pytest
 import torch
 from cadence import huge_pages
-from cadence.runners.llama_cpu_flat import forget_layer_stacks
 from cadence.shard.engine import Engine
 from shard_helpers import MiniRouter
 
@@ -95,7 +94,6 @@ def test_moved_packed_weights_serve_the_same_logits(model_dirs, engine_for):
     assert old, "the integer product packs its weights: something to move"
     moved = huge_pages.place_packed_weights(engine.model, min_bytes=0)
     assert moved >= sum(t.nbytes for t in old)
-    forget_layer_stacks(engine.model)  # the flat runner's stacks, found before the move
     now = [slot.tensor for slot in huge_pages._packed_tensors(engine.model)]
     # one mapping, in order: each starts where the one before ends, rounded to ALIGN
     ends = [t.data_ptr() + -(-t.nbytes // huge_pages.ALIGN) * huge_pages.ALIGN for t in now]

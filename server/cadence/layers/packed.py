@@ -203,6 +203,18 @@ def packing_supported(weight: torch.Tensor) -> bool:
     )
 
 
+# Where a module keeps what it found from its layers' packed tensors (the flat Llama step's
+# one-call layer stacks): whoever replaces packed tensors drops it with `forget_packed_views`,
+# so that no step reads a copy that was replaced.
+PACKED_VIEWS = "_views_of_packed_weights"
+
+
+def forget_packed_views(model: nn.Module) -> None:
+    """Drops what `model`'s modules found from packed tensors that are being replaced."""
+    for module in model.modules():
+        module.__dict__.pop(PACKED_VIEWS, None)
+
+
 def pack_linear_weights(
     model: nn.Module, enabled: bool = True, every_row_count: bool = False
 ) -> int:
@@ -227,6 +239,7 @@ def pack_linear_weights(
         every = every_row_count or weight.dtype is torch.float32 or own
         module.packed_max_rows = EVERY_ROW_COUNT if every else BF16_PACKED_MAX_ROWS
         added += packed.nbytes if own else weight.numel() * weight.element_size()
+    forget_packed_views(model)  # packed again after a step: the steps find the new copies
     return added
 
 

@@ -34,7 +34,12 @@ from cadence.attention_backends.cpu_paged import CpuAttention, CpuMetadata
 from cadence.attention_backends.torch_sdpa import attend_prefill
 from cadence.heartbeat import HEARTBEAT
 from cadence.layers.linear import LinearBase, lora_delta_due, one_float_call, product
-from cadence.layers.packed import HARDWARE_TILES, is_amx_packing, is_tile_packing
+from cadence.layers.packed import (
+    HARDWARE_TILES,
+    PACKED_VIEWS,
+    is_amx_packing,
+    is_tile_packing,
+)
 from cadence.layers.parallel import all_reduce_sum
 from cadence.models.llama import LlamaAttention, LlamaForCausalLM, LlamaModel
 from cadence.runners.generic import ModelRunner
@@ -254,11 +259,11 @@ def _stack_of(
 def _layer_stack(model: LlamaModel, rows: int, dtype: torch.dtype) -> _LayerStack | None:
     """The model's `_LayerStack` where a step of `rows` rows of `dtype` activations may run
     its layers in `decode_layers` calls, else None (found once per model and dtype, and
-    again if the integer product's tiles were chosen anew: its packed weights are fixed
-    once it is loaded)."""
+    again if the integer product's tiles were chosen anew, or after the packed weights were
+    replaced: `forget_packed_views`)."""
     from cadence.quant import cpu_gemm
 
-    found = model.__dict__.setdefault("_flat_layer_stacks", {})
+    found = model.__dict__.setdefault(PACKED_VIEWS, {})
     stack = found.get(dtype, False)
     if stack is False or (stack and stack.integer_tiles != cpu_gemm.tiles_chosen()):
         stack = found[dtype] = _stack_of(model, _layer_parts(model), dtype)
@@ -267,14 +272,6 @@ def _layer_stack(model: LlamaModel, rows: int, dtype: torch.dtype) -> _LayerStac
     if any(context.step is not None for context in stack.lora_contexts):
         return None
     return stack
-
-
-def forget_layer_stacks(model: nn.Module) -> None:
-    """Drops the `_LayerStack`s found for `model`'s Llama stacks: call after replacing a
-    weight a stack read (a packed copy made again, tensors moved), or the next all-decode
-    step still reads the old tensors."""
-    for module in model.modules():
-        module.__dict__.pop("_flat_layer_stacks", None)
 
 
 # Rows times layers per decode_layers call: a long step's layers go in several calls, the
