@@ -202,9 +202,30 @@ constexpr int value_chunks() {
     return n;
 }
 
+// Rows [from, to) of an int8 block (one KV head's, `stride` apart from `at`) times their
+// per-row scales (`scales[t * scale_stride]`), as float32 rows of D in `out`: each query
+// head of the group then reads them as a float32 cache. Widened once for the G heads
+// instead of once per head, where the widening cost more than the products (a decode step's
+// attention with every block in cache, 2-core Zen 3: 28 ms for an int8 cache widened per
+// head against 16 for a float32 cache).
+template <int D>
+inline void scaled_rows_i8(const void* cache, int64_t at, int64_t stride, const float* scales,
+                           int scale_stride, int from, int to, float* out) {
+    for (int t = from; t < to; ++t) {
+        const __m256 s = _mm256_set1_ps(scales[static_cast<int64_t>(t) * scale_stride]);
+        for (int d = 0; d < D; d += 16) {
+            __m256 a, b;
+            load16<I8>(cache, at + t * stride + d, a, b);
+            _mm256_storeu_ps(out + t * D + d, _mm256_mul_ps(a, s));
+            _mm256_storeu_ps(out + t * D + d + 8, _mm256_mul_ps(b, s));
+        }
+    }
+}
+
 // A quantized cache is read as stored and its scales applied outside the inner loops:
-// fp8's layer scales fold into the query (keys) and the final 1 / sum (values); int8's
-// per-row key scales multiply each row's score, its value scales each row's probability.
+// fp8's layer scales fold into the query (keys) and the final 1 / sum (values); an int8
+// block's rows are scaled once per KV head into float32 rows (scaled_rows_i8), as the
+// reference reads them.
 template <int QT, int KT, int D>
 void decode_seq_avx2(const void* q, void* out, const void* k_cache, const void* v_cache,
                      const float* k_scale, const float* v_scale, const int64_t* table,
@@ -219,13 +240,15 @@ void decode_seq_avx2(const void* q, void* out, const void* k_cache, const void* 
     float* l = m + num_heads;                   // [H] running sum
     float* correction = l + num_heads;          // [H] this block's rescaling
     float* row = correction + num_heads;        // [D]
-    float* vs = row + D;                        // [block_size] an int8 block's value scales
+    float* kf = row + D;                        // [block_size, D] an int8 block's keys
+    float* vf = kf + block_size * D;            // [block_size, D] and values, scaled
     constexpr bool per_row = KT == I8, per_layer = KT == F8E4M3 || KT == F8E5M2;
+    constexpr int RT = per_row ? F32 : KT;      // the rows the products read: kf, vf for int8
     const float q_mul = per_layer ? scale * k_scale[0] * FP8_UNIT<KT> : scale;
     const float out_mul = per_layer ? v_scale[0] * FP8_UNIT<KT> : 1.0f;
     for (int h = 0; h < num_heads; ++h) {
         load_row<QT>(q, (seq * num_heads + h) * D, row, D);
-        for (int d = 0; d < D; ++d) qf[h * D + pair_order<KT>(d)] = row[d] * q_mul;
+        for (int d = 0; d < D; ++d) qf[h * D + pair_order<RT>(d)] = row[d] * q_mul;
     }
     std::fill(acc, acc + num_heads * D, 0.0f);
     std::fill(m, m + num_heads, NEG_INF);
@@ -245,33 +268,37 @@ void decode_seq_avx2(const void* q, void* out, const void* k_cache, const void* 
                            last ? 0 : table[b + 1] * block_bytes, last ? 0 : block_bytes, slice};
         for (int kh = 0; kh < num_kv_heads; ++kh) {
             const int64_t at = base * row_stride + kh * D;
+            // Where the products read this block's rows: in place, or an int8 block's
+            // scaled copies (rows in whole groups of 8 for the keys: those outside
+            // [lo, hi), NaN scales and all, are masked by the softmax's select; the
+            // values' rows past hi are never read).
+            const void* keys = k_cache;
+            const void* values = v_cache;
+            int64_t k_at = at, stride = row_stride;
+            if constexpr (per_row) {
+                const float* k_rows = k_scale + base * num_kv_heads + kh;
+                const float* v_rows = v_scale + base * num_kv_heads + kh;
+                scaled_rows_i8<D>(k_cache, at, row_stride, k_rows, num_kv_heads, lo / 8 * 8,
+                                  (hi + 7) / 8 * 8, kf);
+                scaled_rows_i8<D>(v_cache, at, row_stride, v_rows, num_kv_heads, lo, hi, vf);
+                keys = kf;
+                values = vf;
+                k_at = 0;
+                stride = D;
+            }
             for (int h = kh * G; h < (kh + 1) * G; ++h) {
                 for (int t = lo / 8 * 8; t < hi; t += 8) {  // whole groups of 8 rows
                     next.next_slice();
-                    __m256 sc =
-                        scores8<KT, D>(qf + h * D, k_cache, at + t * row_stride, row_stride);
-                    if constexpr (per_row) {  // rows past hi: the block's own, masked below
-                        const __m256i rows = _mm256_mullo_epi32(
-                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-                            _mm256_set1_epi32(num_kv_heads));
-                        sc = _mm256_mul_ps(
-                            sc, _mm256_i32gather_ps(k_scale + (base + t) * num_kv_heads + kh,
-                                                    rows, 4));
-                    }
+                    const __m256 sc = scores8<RT, D>(qf + h * D, keys, k_at + t * stride, stride);
                     _mm256_storeu_ps(s + h * block_size + t, sc);
                 }
             }
             softmax_heads8(s + kh * G * block_size, block_size, G, lo, hi, m + kh * G, l + kh * G,
                            correction + kh * G);
-            if constexpr (per_row) {  // l summed the plain probabilities; acc takes p * scale
-                for (int t = lo; t < hi; ++t) vs[t] = v_scale[(base + t) * num_kv_heads + kh];
-                for (int h = kh * G; h < (kh + 1) * G; ++h)
-                    for (int t = lo; t < hi; ++t) s[h * block_size + t] *= vs[t];
-            }
             for (int h = kh * G; h < (kh + 1) * G; ++h) {
                 next.next_slice();
                 for (int c = 0; c < D; c += 16 * N)
-                    accumulate_values16<KT, N>(v_cache, at + c, row_stride, s + h * block_size,
+                    accumulate_values16<RT, N>(values, k_at + c, stride, s + h * block_size,
                                                lo, hi, correction[h], acc + h * D + c);
             }
         }
@@ -279,7 +306,7 @@ void decode_seq_avx2(const void* q, void* out, const void* k_cache, const void* 
     }
     for (int h = 0; h < num_heads; ++h) {
         const float inv = l[h] > 0.0f ? out_mul / l[h] : 0.0f;  // no visible key: zeros
-        for (int d = 0; d < D; ++d) row[d] = acc[h * D + pair_order<KT>(d)];
+        for (int d = 0; d < D; ++d) row[d] = acc[h * D + pair_order<RT>(d)];
         store_row<QT>(out, (seq * num_heads + h) * D, row, inv, D);
     }
 }

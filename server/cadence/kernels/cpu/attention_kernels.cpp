@@ -227,7 +227,8 @@ void decode_all(const void* q, void* out, const void* k_cache, const void* v_cac
 #ifdef CADENCE_AVX2
     if (fn == nullptr) {
         fn = pick_avx2<QT, KT>(head_dim, block_size);
-        scratch_floats = num_heads * (2 * head_dim + block_size + 3) + head_dim + block_size;
+        scratch_floats =
+            num_heads * (2 * head_dim + block_size + 3) + head_dim + 2 * block_size * head_dim;
     }
 #endif
     if (fn != nullptr)
