@@ -141,6 +141,31 @@ def test_the_integer_product(dtype, kv, model_dirs, engine_for, tmp_path: Path, 
 
 
 @pytest.mark.usefixtures("cpu_isa")
+def test_a_step_in_a_call_per_layer(model_dirs, engine_for, tmp_path: Path, monkeypatch):
+    """A step of more rows x layers than a call may take runs a layer, times it, and goes
+    on in calls sized by that time (here a layer each): the loop's bits, every step's
+    layers in decode_layers calls."""
+    monkeypatch.setattr(llama_cpu_flat, "ROW_LAYERS_PER_CALL", 1)
+    if not cpu_gemm.integer_product_is_fast(cpu.selected_isa() or "scalar"):
+        pytest.skip("the integer product is not this build's kernel: the loop serves")
+    table = _integer_table(tmp_path, "float32")
+    model_dir = model_dirs("llama_head_dim_64")
+    calls = _compare(
+        lambda: engine_for(model_dir, dtype="float32", quantize="int4", kernel_table=table),
+        monkeypatch,
+    )
+    assert calls == [True] * (1 + DECODE_STEPS), calls
+
+
+def test_a_call_takes_about_beat_seconds_at_the_rate_measured() -> None:
+    layers, beat = llama_cpu_flat.layers_per_call, llama_cpu_flat.BEAT_SECONDS
+    assert layers(6, 0, 0.0) == 6  # nothing timed yet: the rows' bound
+    assert layers(6, 1, 3 * beat) == 1  # a layer took three beats: one a call
+    assert layers(6, 2, beat / 2) == 4  # a layer took a quarter of one: four a call
+    assert layers(6, 3, beat / 100) == 6  # fast layers: the rows' bound still holds
+
+
+@pytest.mark.usefixtures("cpu_isa")
 def test_the_float32_tiles(model_dirs, engine_for, monkeypatch):
     """A float32 model on cadence's float32 tiles (where they serve: the avx2 kernels by
     default; elsewhere oneDNN, and the loop)."""

@@ -24,6 +24,7 @@ dispatches per layer (about 2 ms of a 32-row decode step of SmolLM2;
 
 from __future__ import annotations
 
+import time
 from typing import NamedTuple
 
 import torch
@@ -277,6 +278,21 @@ def _layer_stack(model: LlamaModel, rows: int, dtype: torch.dtype) -> _LayerStac
 # Rows times layers per decode_layers call: a long step's layers go in several calls, the
 # heartbeat bumped between them, so the router still sees a long prefill move.
 ROW_LAYERS_PER_CALL = 8192
+# And about this long a call, at the rate the step's calls so far ran: a prompt's attention
+# grows with its length and a larger model's layer takes longer, so a bound in rows alone
+# let a call outlast a short --ready-stall-timeout-ms (2-core Zen 3, a 1,000-token prompt
+# of the embedded model: 8 layers a call, beats 385-531 ms apart, and /ready read `wedged`
+# under a 300 ms timeout; timed, 44-68 ms apart and the step no longer).
+BEAT_SECONDS = 0.1
+
+
+def layers_per_call(budget: int, done: int, seconds: float) -> int:
+    """Layers for a step's next decode_layers call: `budget` (its rows' bound), fewer
+    where the `done` layers before took `seconds`, so that it takes about BEAT_SECONDS;
+    at least one."""
+    if done == 0 or seconds <= 0.0:
+        return budget
+    return max(1, min(budget, int(BEAT_SECONDS * done / seconds)))
 
 
 def _decode_layers(
@@ -284,9 +300,10 @@ def _decode_layers(
     cos: torch.Tensor, sin: torch.Tensor,
 ) -> torch.Tensor | None:  # fmt: skip
     """The layers of a step whose rows all attend over the cache in C++ calls
-    (`decode_layers`: all of them in one for a decode step, ROW_LAYERS_PER_CALL rows x
-    layers a call for more rows): the per-layer loop of `forward_step` without its Python,
-    the same bits. None where the caches' scales are not all there or all absent."""
+    (`decode_layers`: all of them in one for a decode step; for more rows, at most
+    ROW_LAYERS_PER_CALL rows x layers and about BEAT_SECONDS a call): the per-layer loop
+    of `forward_step` without its Python, the same bits. None where the caches' scales
+    are not all there or all absent."""
     caches: list[torch.Tensor] = []
     scales: list[torch.Tensor] = []
     for part in _layer_parts(model):
@@ -298,17 +315,23 @@ def _decode_layers(
         return None
     first = model.layers[0].self_attn
     layers = len(stack.windows)
-    per_call = max(1, ROW_LAYERS_PER_CALL // residual.shape[0])
+    budget = max(1, ROW_LAYERS_PER_CALL // residual.shape[0])
+    per_call = budget if budget >= layers else 1  # a step of several calls: time one layer
     x = None
-    for a in range(0, layers, per_call):
+    a, spent = 0, 0.0
+    while a < layers:
         b = min(layers, a + per_call)
         HEARTBEAT.beat()
+        started = time.perf_counter()
         x = torch.ops.cadence.decode_layers(
             residual, x, stack.weights[10 * a : 10 * b], stack.specs[16 * a : 16 * b],
             caches[2 * a : 2 * b], scales[2 * a : 2 * b], stack.windows[a:b], cos, sin,
             ctx.slot_mapping, ctx.decode_tables, ctx.decode_lens, first.num_heads,
             first.num_kv_heads, stack.scale, model.norm.eps,
         )  # fmt: skip
+        spent += time.perf_counter() - started
+        a = b
+        per_call = layers_per_call(budget, a, spent)
     HEARTBEAT.beat()
     return x
 
