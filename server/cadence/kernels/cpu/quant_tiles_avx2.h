@@ -6,6 +6,7 @@
 
 #pragma once
 
+#include "cpu_elements.h"  // bf16_to_f32
 #include "cpu_kernels.h"
 #include "quant_rows.h"
 
@@ -20,6 +21,58 @@ using cadence_kernels::QUANT_INT8;
 
 constexpr int HALVES = 2;  // 8-lane halves of a 16-channel block
 constexpr int64_t HALF_BYTES = 32;
+
+// Eight activations at x[at..] (float32 or bfloat16) as float32.
+inline __m256 load8(const void* x, int64_t at, int dtype) {
+    if (dtype == cadence_kernels::BF16) {
+        const __m128i h = _mm_loadu_si128(
+            reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(x) + at));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_loadu_ps(static_cast<const float*>(x) + at);
+}
+
+// quantize_block_portable's block in four vectors, bit for bit: the same amax, the same
+// products rounded to nearest even (vcvtps2dq under the default rounding, as nearbyint),
+// an exact integer sum; a block reaching past k is read through a zero-padded copy, as the
+// portable path zeroes it. The scalar loop took 4% of a prompt's prefill on a Zen 3.
+#define CADENCE_QUANT_VECTOR_QUANTIZE 1
+
+inline BlockQuantized quantize_block_vector(const void* x, int64_t base, int64_t col0,
+                                            int64_t k, int dtype, int8_t* q) {
+    if (col0 + BLOCK > k) {
+        float padded[BLOCK] = {};
+        for (int64_t i = 0; col0 + i < k; ++i)
+            padded[i] = dtype == cadence_kernels::BF16
+                            ? bf16_to_f32(
+                                  static_cast<const uint16_t*>(x)[base + col0 + i])
+                            : static_cast<const float*>(x)[base + col0 + i];
+        return quantize_block_vector(padded, 0, 0, BLOCK, cadence_kernels::F32, q);
+    }
+    __m256 v[4];
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 amax8 = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+        v[i] = load8(x, base + col0 + 8 * i, dtype);
+        amax8 = _mm256_max_ps(_mm256_and_ps(v[i], abs_mask), amax8);  // NaN: ignored, as std::max
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+    const __m256 scale = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    __m256i qi[4];
+    for (int i = 0; i < 4; ++i) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], scale));
+    // packs interleave 128-bit lanes: dwords come out as 0a 1a 2a 3a 0b 1b 2b 3b
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]),
+                                             _mm256_packs_epi32(qi[2], qi[3]));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(bytes, order));
+    const __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    return {amax / 127.0f, _mm_cvtsi128_si32(s4)};
+}
 
 inline __m256i broadcast4(const int8_t* p) {
     int32_t v;
