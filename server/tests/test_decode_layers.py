@@ -159,10 +159,11 @@ def test_a_step_in_a_call_per_layer(model_dirs, engine_for, tmp_path: Path, monk
 
 def test_a_call_takes_about_beat_seconds_at_the_rate_measured() -> None:
     layers, beat = llama_cpu_flat.layers_per_call, llama_cpu_flat.BEAT_SECONDS
-    assert layers(6, 0, 0.0) == 6  # nothing timed yet: the rows' bound
-    assert layers(6, 1, 3 * beat) == 1  # a layer took three beats: one a call
-    assert layers(6, 2, beat / 2) == 4  # a layer took a quarter of one: four a call
-    assert layers(6, 3, beat / 100) == 6  # fast layers: the rows' bound still holds
+    assert layers(30, 30, 0, 0.0) == 30  # the rows allow every layer: one call
+    assert layers(6, 30, 0, 0.0) == 1  # a step of several calls: one layer first, timed
+    assert layers(6, 30, 1, 3 * beat) == 1  # a layer took three beats: one a call
+    assert layers(6, 30, 2, beat / 2) == 4  # a layer took a quarter of one: four a call
+    assert layers(6, 30, 3, beat / 100) == 6  # fast layers: the rows' bound still holds
 
 
 @pytest.mark.usefixtures("cpu_isa")

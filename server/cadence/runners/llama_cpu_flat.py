@@ -286,11 +286,14 @@ ROW_LAYERS_PER_CALL = 8192
 BEAT_SECONDS = 0.1
 
 
-def layers_per_call(budget: int, done: int, seconds: float) -> int:
-    """Layers for a step's next decode_layers call: `budget` (its rows' bound), fewer
-    where the `done` layers before took `seconds`, so that it takes about BEAT_SECONDS;
-    at least one."""
-    if done == 0 or seconds <= 0.0:
+def layers_per_call(budget: int, layers: int, done: int, seconds: float) -> int:
+    """Layers for a step's next decode_layers call, of `layers` in all: first, all of them
+    where `budget` (its rows' bound) allows, else one, timed; then `budget`, fewer where
+    the `done` layers before took `seconds`, so that a call takes about BEAT_SECONDS; at
+    least one."""
+    if done == 0:
+        return budget if budget >= layers else 1
+    if seconds <= 0.0:
         return budget
     return max(1, min(budget, int(BEAT_SECONDS * done / seconds)))
 
@@ -316,7 +319,7 @@ def _decode_layers(
     first = model.layers[0].self_attn
     layers = len(stack.windows)
     budget = max(1, ROW_LAYERS_PER_CALL // residual.shape[0])
-    per_call = budget if budget >= layers else 1  # a step of several calls: time one layer
+    per_call = layers_per_call(budget, layers, 0, 0.0)
     x = None
     a, spent = 0, 0.0
     while a < layers:
@@ -331,7 +334,7 @@ def _decode_layers(
         )  # fmt: skip
         spent += time.perf_counter() - started
         a = b
-        per_call = layers_per_call(budget, a, spent)
+        per_call = layers_per_call(budget, layers, a, spent)
     HEARTBEAT.beat()
     return x
 
