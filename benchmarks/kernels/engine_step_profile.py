@@ -30,7 +30,10 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--prompt", type=int, default=320)
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument(
+        "--steps", type=int, default=10,
+        help="decode steps: one to warm, three profiled, the rest (at least one) timed",
+    )  # fmt: skip
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--kv-mib", type=int, default=512)
     p.add_argument("--profile-prefill", action="store_true", help="profile a prefill step too")
@@ -39,6 +42,8 @@ def main() -> None:
     p.add_argument("--float-product", choices=("tiles", "onednn"), default="tiles")
     p.add_argument("--kernel-table", default="", help="a kernel table, as a launch passes")
     a = p.parse_args()
+    if a.steps < 5:
+        p.error("--steps must be at least 5 (one warm-up step, three profiled, one timed)")
     if a.float_product == "onednn":
         packed.float_tiles_serve = lambda: False  # read when the weights are packed
     cfg = ShardConfig(
