@@ -11,6 +11,10 @@ picks the kernels' build.
         [--in-cache]   # every sequence and layer reads the same blocks: compute alone
         [--prefill]    # every token of --batch prompts of --context tokens a query
         [--cpu-time]   # time in CPU seconds of this process, not wall time
+        [--threads 1]  # the kernels' threads (default: torch's)
+
+The C++ kernel's line gives the mean of --steps calls, then their fastest and median
+(each call timed alone), which move less on a shared machine.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from cadence.kv_cache import bytes_per_block
 from cadence.kv_format import kv_format, quantize
 
 # The same timing (run as a script, this folder is on sys.path).
-from cpu_decode_step import clock_of, timed
+from cpu_decode_step import call_times, clock_of, timed
 
 
 def main() -> None:
@@ -41,6 +45,7 @@ def main() -> None:
         help="every sequence and layer reads the same blocks (they stay in L2): compute alone",
     )  # fmt: skip
     p.add_argument("--cpu-time", action="store_true", help="CPU time instead of wall time")
+    p.add_argument("--threads", type=int, default=0, help="the kernels' threads (0: torch's)")
     p.add_argument(
         "--prefill", action="store_true",
         help="batch-invariant prefill: every token of --batch prompts of --context tokens is "
@@ -48,6 +53,8 @@ def main() -> None:
     )  # fmt: skip
     a = p.parse_args()
     clock = clock_of(a.cpu_time)
+    if a.threads > 0:
+        torch.set_num_threads(a.threads)
     cpu.select()  # $CADENCE_CPU_ISA, else the best this CPU runs: defines the operators
     torch.manual_seed(0)
     dtype = getattr(torch, a.dtype)
@@ -78,7 +85,7 @@ def main() -> None:
         rows = torch.arange(b).repeat_interleave(n)
         tables, lens = tables[rows], torch.arange(1, n + 1).repeat(b)
         q = torch.randn(b * n, 9, 64).to(dtype)
-    t_kernel = timed(
+    times = call_times(
         lambda: [
             cpu.paged_decode_attention(q, k, v, tables, lens, 0.125, k_scale=ks, v_scale=vs)
             for k, v, ks, vs in caches
@@ -86,9 +93,12 @@ def main() -> None:
         a.steps,
         clock,
     )
+    t_kernel = sum(times) / len(times)
+    spread = f"(fastest {times[0]:.1f}, median {times[len(times) // 2]:.1f} ms)"
     if a.prefill:
-        print(f"{a.layers} layers, {b} prompts of {n} tokens, every token a query: "
-              f"{t_kernel:.1f} ms ({b * n / t_kernel * 1000:.0f} tokens/s)")  # fmt: skip
+        print(f"{a.layers} layers, {b} prompts of {n} tokens, every token a query, "
+              f"{torch.get_num_threads()} threads: {t_kernel:.1f} ms "
+              f"({b * n / t_kernel * 1000:.0f} tokens/s) {spread}")  # fmt: skip
         return
     mask = (torch.arange(per_seq * bs) < lens.unsqueeze(1)).view(b, 1, 1, -1)
     kv_mb = b * n * bytes_per_block(a.layers, 1, 3, 64, fmt) / 1e6  # scales included
@@ -104,7 +114,7 @@ def main() -> None:
         f"{a.layers} layers, batch {b}, context {n}, {a.dtype} queries over a "
         f"{a.kv_dtype or a.dtype} cache, {cpu.selected_isa()} kernels: {kv_mb:.0f} MB of KV read"
     )
-    print(f"C++ kernel       {t_kernel:6.1f} ms  ({kv_mb / t_kernel:.1f} GB/s)")
+    print(f"C++ kernel       {t_kernel:6.1f} ms  ({kv_mb / t_kernel:.1f} GB/s) {spread}")
     print(f"gather + SDPA    {t_torch:6.1f} ms  ({kv_mb / t_torch:.1f} GB/s)")
 
 

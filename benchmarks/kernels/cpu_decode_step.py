@@ -46,6 +46,18 @@ def timed(fn, steps: int, clock: Callable[[], float] = time.perf_counter) -> flo
     return (clock() - started) / steps * 1000
 
 
+def call_times(fn, steps: int, clock: Callable[[], float] = time.perf_counter) -> list[float]:
+    """Milliseconds of each of `steps` calls of fn, timed one by one (after one to warm up),
+    sorted: their fastest and median hold still on a shared machine where their mean moves."""
+    fn()
+    times = []
+    for _ in range(steps):
+        started = clock()
+        fn()
+        times.append((clock() - started) * 1000)
+    return sorted(times)
+
+
 def clock_of(cpu_time: bool) -> Callable[[], float]:
     return time.process_time if cpu_time else time.perf_counter
 
