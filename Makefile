@@ -12,6 +12,10 @@ PY := $(VENV)/bin/python3
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/cadence-target
 # The environment's scripts (cadence, maturin) come first for every recipe.
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+# A virtual environment active in the caller's shell is where maturin looks before the
+# PATH: test_wheel_entrypoint.py's `maturin build` then built for that one's Python (and
+# compiled the router again, 100 s, where its PYO3_PYTHON differed from this one's).
+unexport VIRTUAL_ENV
 
 .PHONY: install venv deps proto router-release router-tests router router-inplace cpu-kernels model haproxy chromium test test-rust test-python test-integration lint fmt clean
 
