@@ -37,18 +37,16 @@ MODEL = Path.home() / ".cache/cadence/models/SmolLM2-135M-Instruct"
 
 
 def timed(fn, steps: int, clock: Callable[[], float] = time.perf_counter) -> float:
-    """Milliseconds per call of fn by `clock`: wall time, or with time.process_time the CPU
-    time of every thread of this process, which other jobs on a shared machine inflate less."""
-    fn()  # warm the workspace and the allocator
-    started = clock()
-    for _ in range(steps):
-        fn()
-    return (clock() - started) / steps * 1000
+    """Milliseconds per call of fn by `clock`, the mean of `call_times`: wall time, or with
+    time.process_time the CPU time of every thread of this process, which other jobs on a
+    shared machine inflate less."""
+    return sum(call_times(fn, steps, clock)) / steps
 
 
 def call_times(fn, steps: int, clock: Callable[[], float] = time.perf_counter) -> list[float]:
-    """Milliseconds of each of `steps` calls of fn, timed one by one (after one to warm up),
-    sorted: their fastest and median hold still on a shared machine where their mean moves."""
+    """Milliseconds of each of `steps` calls of fn, timed one by one after one to warm the
+    workspace and the allocator, sorted: their fastest and median hold still on a shared
+    machine where their mean moves."""
     fn()
     times = []
     for _ in range(steps):

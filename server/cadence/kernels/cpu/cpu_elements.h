@@ -44,6 +44,18 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN kept NaN
     return static_cast<uint16_t>((bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
 }
 
+#ifdef CADENCE_AVX2
+// ---- 8 float32 lanes from float32, bfloat16 or float16 --------------------------------
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {  // bfloat16
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+}
+inline __m256 load8(const half_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#endif  // CADENCE_AVX2
+
 #ifdef CADENCE_AVX512_BF16
 // ---- 16 bfloat16 lanes at a time ------------------------------------------------------
 // Same rounding as f32_to_bf16 (round to nearest even, NaN kept a quiet NaN), so a vector

@@ -186,15 +186,6 @@ inline void sum_columns(float* acc, const T* h, const T* pool, int64_t stride, i
     for (int k = 0; k < 4; ++k) _mm512_storeu_ps(acc + 16 * k, a[k]);
 }
 #elif defined(CADENCE_AVX2)
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) {  // bfloat16
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
-}
-inline __m256 load8(const half_t* p) {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
 template <typename T>
 inline void sum_columns(float* acc, const T* h, const T* pool, int64_t stride, int64_t c0,
                         const int64_t* idx, int64_t rank) {

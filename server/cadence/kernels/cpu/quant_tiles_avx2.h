@@ -6,7 +6,7 @@
 
 #pragma once
 
-#include "cpu_elements.h"  // bf16_to_f32
+#include "cpu_elements.h"  // bf16_to_f32, load8
 #include "cpu_kernels.h"
 #include "quant_rows.h"
 
@@ -21,16 +21,6 @@ using cadence_kernels::QUANT_INT8;
 
 constexpr int HALVES = 2;  // 8-lane halves of a 16-channel block
 constexpr int64_t HALF_BYTES = 32;
-
-// Eight activations at x[at..] (float32 or bfloat16) as float32.
-inline __m256 load8(const void* x, int64_t at, int dtype) {
-    if (dtype == cadence_kernels::BF16) {
-        const __m128i h = _mm_loadu_si128(
-            reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(x) + at));
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    }
-    return _mm256_loadu_ps(static_cast<const float*>(x) + at);
-}
 
 // quantize_block_portable's block in four vectors, bit for bit: the same amax, the same
 // products rounded to nearest even (vcvtps2dq under the default rounding, as nearbyint),
@@ -53,7 +43,9 @@ inline BlockQuantized quantize_block_vector(const void* x, int64_t base, int64_t
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     __m256 amax8 = _mm256_setzero_ps();
     for (int i = 0; i < 4; ++i) {
-        v[i] = load8(x, base + col0 + 8 * i, dtype);
+        const int64_t at = base + col0 + 8 * i;
+        v[i] = dtype == cadence_kernels::BF16 ? load8(static_cast<const uint16_t*>(x) + at)
+                                              : load8(static_cast<const float*>(x) + at);
         amax8 = _mm256_max_ps(_mm256_and_ps(v[i], abs_mask), amax8);  // NaN: ignored, as std::max
     }
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
