@@ -213,6 +213,8 @@ def test_greedy_logprobs_match_log_softmax(dtype, vocab):
     logits[6, 7] = float("nan")  # NaN is the argmax in torch
     logits[7, vocab - 1] = 60.0  # the maximum in the last lane
     logits[8, 4000] = float("inf")
+    logits[9, [3, 11]] = 50.0  # a tie within one of 8 lanes
+    logits[10, [9, vocab - 1]] = 50.0  # a tie with the row's last entry (a 5003 row's tail)
     logits = logits.to(dtype)
     ids, logprobs = cpu.greedy_logprobs(logits)
     ref_ids, ref_logprobs = cpu.greedy_logprobs_ref(logits)
