@@ -1,0 +1,151 @@
+"""A change to the C++ kernel sources measured against a commit's version of the same files,
+call by call in one process: both kernel libraries are built (cached per source hash, as a
+launch builds them) and loaded side by side, and each call of the benchmark runs on one
+and then the other (A B, then B A), so a drift of the host between calls weighs on both
+alike. On a shared 2-core guest, whose speed moves by a third within minutes,
+`ab_source.sh`'s alternation of whole processes could not tell 2% apart; the median of
+the per-pair ratios here can.
+
+    PYTHONPATH=server python benchmarks/kernels/ab_paired.py REV FILE... --bench NAME
+        [--threads 2] [--pairs 300]
+
+FILE: kernel sources under server/cadence/kernels/cpu (not the operator shim cpu_ops.cpp,
+of which a process loads one). The working tree's files are put back however the build
+of REV's ends. Benchmarks (SmolLM2-135M's shapes: 9 query heads over 3 KV heads of 64):
+
+- decode: one layer's decode attention, 32 sequences of 380-460 tokens, float32 queries
+  over a bfloat16 cache, each sequence its own blocks;
+- prefill: one layer's batch-invariant prompt attention, 3 prompts of 320 tokens, each
+  token a query over the prompt up to itself;
+- int4, int8: a 32-row product by a gate/up weight (3072 x 576) in that format;
+- greedy: greedy sampling with log-probabilities over 32 rows of 49,152 logits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from cadence.kernels.cpu import ops, selection
+
+ROOT = Path(__file__).resolve().parents[2]
+KERNELS = ROOT / "server/cadence/kernels/cpu"
+WARM_PAIRS = 5  # pairs run before any is counted (pages, caches)
+
+
+def build_at(rev: str, files: list[Path], isa: str) -> Path:
+    """The library of `isa` with REV's version of `files` (built unless cached); the
+    working tree's files are restored before this returns or raises."""
+    saved = {f: f.read_bytes() for f in files}
+    try:
+        for f in files:
+            shown = subprocess.run(
+                ["git", "show", f"{rev}:{f.relative_to(ROOT)}"],
+                cwd=ROOT, check=True, capture_output=True,
+            )  # fmt: skip
+            f.write_bytes(shown.stdout)
+        return selection.library(isa)
+    finally:
+        for f, text in saved.items():
+            f.write_bytes(text)
+
+
+def decode_bench(prefill: bool) -> Callable[[], None]:
+    g = torch.Generator().manual_seed(0)
+    kv_heads, heads, head_dim, block, per_seq = 3, 9, 64, 16, 30
+    if prefill:  # 3 prompts x 320 tokens, token i attending over tokens 0..i of its prompt
+        tokens = 320
+        tables = torch.randperm(3 * per_seq, generator=g).view(3, per_seq)
+        tables = tables.repeat_interleave(tokens, 0)
+        lens = torch.arange(1, tokens + 1).repeat(3)
+    else:
+        tables = torch.randperm(32 * per_seq, generator=g).view(32, per_seq)
+        lens = torch.randint(380, 461, (32,), generator=g)
+    blocks = int(tables.max()) + 1
+    k = torch.randn(blocks, block, kv_heads, head_dim, generator=g).bfloat16()
+    v = torch.randn(blocks, block, kv_heads, head_dim, generator=g).bfloat16()
+    q = torch.randn(len(lens), heads, head_dim, generator=g)
+    out = torch.empty_like(q)
+    attend = torch.ops.cadence.paged_decode_attention.out
+    return lambda: attend(q, k, v, tables, lens, head_dim**-0.5, None, out)
+
+
+def product_bench(fmt: str) -> Callable[[], None]:
+    from cadence.quant import cpu_gemm
+    from cadence.quant.quantize import quantize_int4, quantize_int8_blocks
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(3072, 576, generator=g) * 0.05
+    weight = quantize_int4(w, 32) if fmt == "int4" else quantize_int8_blocks(w)
+    kernel = cpu_gemm.IntegerCpuKernel(weight)
+    x = torch.randn(32, 576, generator=g)
+    return lambda: kernel(x)
+
+
+def greedy_bench() -> Callable[[], None]:
+    logits = torch.randn(32, 49152, generator=torch.Generator().manual_seed(0)) * 3
+    return lambda: torch.ops.cadence.greedy_logprobs(logits)
+
+
+BENCHES: dict[str, Callable[[], Callable[[], None]]] = {
+    "decode": lambda: decode_bench(prefill=False),
+    "prefill": lambda: decode_bench(prefill=True),
+    "int4": lambda: product_bench("int4"),
+    "int8": lambda: product_bench("int8"),
+    "greedy": greedy_bench,
+}
+
+
+def paired_times(libraries: dict[str, Path], isa: str, call: Callable[[], None], pairs: int):
+    """Seconds of each side's calls, A then B on even pairs and B then A on odd ones."""
+    times: dict[str, list[float]] = {side: [] for side in libraries}
+    for i in range(WARM_PAIRS + pairs):
+        for side in ("A", "B") if i % 2 == 0 else ("B", "A"):
+            ops.use(isa, libraries[side])
+            started = time.perf_counter()
+            call()
+            if i >= WARM_PAIRS:
+                times[side].append(time.perf_counter() - started)
+    return times["A"], times["B"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("rev", help="the commit whose version of FILE... is side A")
+    p.add_argument("files", nargs="+", type=Path, help="kernel sources (B: the working tree's)")
+    p.add_argument("--bench", choices=sorted(BENCHES), required=True)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--pairs", type=int, default=300)
+    a = p.parse_args()
+    files = [f.resolve() for f in a.files]
+    for f in files:
+        if f.parent != KERNELS or f.name == "cpu_ops.cpp":
+            p.error(f"{f}: not a kernel library source under {KERNELS} (cpu_ops.cpp excluded)")
+    if a.pairs < 2:
+        p.error("--pairs must be at least 2")
+    isa = selection.select()  # this CPU's (or $CADENCE_CPU_ISA's) kernels
+    libraries = {"A": build_at(a.rev, files, isa), "B": selection.library(isa)}
+    torch.set_num_threads(a.threads)
+    call = BENCHES[a.bench]()
+    times_a, times_b = paired_times(libraries, isa, call, a.pairs)
+    ratios = sorted(b / x for x, b in zip(times_a, times_b, strict=True))
+    quartile = len(ratios) // 4
+    print(f"{a.bench}, {isa} kernels, {a.threads} threads, {a.pairs} pairs")
+    for side, t in (("A", times_a), ("B", times_b)):
+        print(
+            f"  {side} ({a.rev if side == 'A' else 'working tree'}): fastest "
+            f"{min(t) * 1e3:.3f} ms, median {statistics.median(t) * 1e3:.3f} ms"
+        )
+    print(
+        f"  B / A per pair: median {statistics.median(ratios):.3f} "
+        f"(quartiles {ratios[quartile]:.3f}-{ratios[-quartile - 1]:.3f})"
+    )
+
+
+if __name__ == "__main__":
+    main()
