@@ -1,0 +1,68 @@
+"""benchmarks/kernels/ab_paired.py: the files it may swap, the working tree put back
+whether REV's version builds or not, and a whole run through its printed ratio."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "kernels" / "ab_paired.py"
+KERNELS = ROOT / "server" / "cadence" / "kernels" / "cpu"
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env=os.environ | {"PYTHONPATH": str(ROOT / "server")},
+    )  # fmt: skip
+
+
+def unchanged_source() -> Path:
+    """A kernel source the working tree has as HEAD has it: REV's library is then this
+    tree's, which the suite has built already."""
+    for f in sorted(KERNELS.glob("*.h")):
+        diff = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", str(f)], cwd=ROOT)
+        if diff.returncode == 0:
+            return f
+    raise AssertionError("every kernel header differs from HEAD")
+
+
+@pytest.mark.parametrize(
+    "source", ["server/cadence/kernels/cpu/cpu_ops.cpp", "server/cadence/shard/step.py"]
+)
+def test_only_kernel_library_sources_are_taken(source: str) -> None:
+    done = run("HEAD", source, "--bench", "greedy")
+    assert done.returncode == 2
+    assert "not a kernel library source" in done.stderr
+
+
+def test_the_working_tree_is_put_back_when_revs_version_cannot_be_had() -> None:
+    spec = importlib.util.spec_from_file_location("ab_paired", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    ab: ModuleType = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    source = unchanged_source()
+    before = source.read_bytes()
+    with pytest.raises(subprocess.CalledProcessError):
+        ab.build_at("no-such-revision", [source], "avx2")  # git show fails
+    assert source.read_bytes() == before
+
+
+def test_a_run_prints_both_sides_and_the_paired_ratio() -> None:
+    source = unchanged_source()
+    before = source.read_bytes()
+    done = run("HEAD", str(source.relative_to(ROOT)), "--bench", "greedy", "--pairs", "4")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "A (HEAD): fastest" in done.stdout
+    assert "B (working tree): fastest" in done.stdout
+    ratio = float(done.stdout.split("B / A per pair: median ")[1].split()[0])
+    assert 0.2 < ratio < 5.0  # the same library on both sides
+    assert source.read_bytes() == before
