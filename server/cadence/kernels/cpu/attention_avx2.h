@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
@@ -21,8 +22,9 @@ using namespace cadence_kernels;  // DType, Status
 // D a multiple of 16, block_size a multiple of 8: one sequence, all of its KV heads, so
 // each cache block is read front to back once. Keys and values are read in place and
 // converted in registers; each query head scores 8 rows at a time with one accumulator
-// per row and a single transposed reduction, the block's softmax step runs in registers,
-// and each head accumulates its D dimensions in registers.
+// per row and a single transposed reduction, and each head accumulates its D dimensions
+// in registers. A float cache's softmax is one pass over all of a sequence's scores
+// (decode_seq_two_pass); an int8 cache's is a step per block (the online loop).
 
 // Asks for cache lines ahead of use: blocks sit anywhere in the pool, so the hardware
 // prefetcher only finds each one after its start (and stops at every 4 KiB page). Into
@@ -249,6 +251,100 @@ inline void scaled_rows_i8(const void* cache, int64_t at, int64_t stride, const 
     }
 }
 
+// The rows of KV head kh in block `block` (block_size rows of D elements, row_stride
+// apart), asked for into L2 while the block before is worked on.
+template <int KT, int D>
+inline void prefetch_head_rows(const void* cache, int64_t block, int kh, int block_size,
+                               int64_t row_stride) {
+    constexpr int64_t bytes = D * sizeof_dtype<KT>();
+    const char* p = static_cast<const char*>(cache) +
+                    (block * block_size * row_stride + kh * D) * sizeof_dtype<KT>();
+    for (int t = 0; t < block_size; ++t)
+        for (int64_t off = 0; off < bytes; off += 64)
+            _mm_prefetch(p + t * row_stride * sizeof_dtype<KT>() + off, _MM_HINT_T1);
+}
+
+// A float cache's attention in two passes: every key's score first (into a per-thread
+// buffer of the sequence's scores), one softmax over them all, then the values; the online
+// loop below instead takes a softmax step and rescales the accumulators block by block. On
+// a 2-core Zen 3, the two libraries alternated call by call (ab_paired.py): a prompt's
+// attention (3 x 320 tokens, each a query over the prompt up to itself) 0.88-0.90 of the
+// online loop's time, a decode step's (32 sequences of ~420 keys in scattered blocks)
+// 0.89-0.94 on 2 threads (1.01-1.06 on one). Each block's rows of the next block are
+// prefetched per KV head: without it decode took 1.2-1.9x as long, and with the online
+// loop's slices per score group the prompts lost their gain. An int8 cache keeps the
+// online loop, which scales each block's rows once per KV head.
+template <int QT, int KT, int D>
+void decode_seq_two_pass(const void* k_cache, const void* v_cache, const int64_t* table,
+                         int64_t first_key, int64_t context_len, int num_heads, int G,
+                         int num_kv_heads, int block_size, const float* qf, float* acc,
+                         float* l) {
+    constexpr int N = value_chunks<D>();
+    const int64_t row_stride = static_cast<int64_t>(num_kv_heads) * D;
+    const int64_t num_blocks = (context_len + block_size - 1) / block_size;
+    const int64_t width = num_blocks * block_size;  // head h's scores at s + h * width
+    static thread_local std::vector<float> scores;
+    if (static_cast<int64_t>(scores.size()) < num_heads * width) scores.resize(num_heads * width);
+    float* s = scores.data();
+    const int64_t b0 = first_key / block_size;
+    const auto rows = [&](int64_t b, int& lo, int& hi) {
+        lo = static_cast<int>(std::max<int64_t>(0, first_key - b * block_size));
+        hi = static_cast<int>(std::min<int64_t>(block_size, context_len - b * block_size));
+    };
+    for (int64_t b = b0; b < num_blocks; ++b) {  // scores, in whole groups of 8 rows
+        int lo, hi;
+        rows(b, lo, hi);
+        const int64_t base = table[b] * block_size * row_stride;
+        for (int kh = 0; kh < num_kv_heads; ++kh) {
+            if (b + 1 < num_blocks)
+                prefetch_head_rows<KT, D>(k_cache, table[b + 1], kh, block_size, row_stride);
+            for (int h = kh * G; h < (kh + 1) * G; ++h)
+                for (int t = lo / 8 * 8; t < hi; t += 8)
+                    _mm256_storeu_ps(s + h * width + b * block_size + t,
+                                     scores8<KT, D>(qf + h * D, k_cache,
+                                                    base + kh * D + t * row_stride, row_stride));
+        }
+    }
+    if (b0 < num_blocks)  // the values' first block, while the softmax runs
+        for (int kh = 0; kh < num_kv_heads; ++kh)
+            prefetch_head_rows<KT, D>(v_cache, table[b0], kh, block_size, row_stride);
+    for (int h = 0; h < num_heads; ++h) {  // softmax over keys [first_key, context_len)
+        float* sh = s + h * width;
+        __m256 top8 = _mm256_set1_ps(NEG_INF);
+        int64_t t = first_key;
+        for (; t + 8 <= context_len; t += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(sh + t));
+        float top = hmax8(top8);
+        for (; t < context_len; ++t) top = std::max(top, sh[t]);
+        const __m256 mv = _mm256_set1_ps(top);
+        __m256 sum8 = _mm256_setzero_ps();
+        for (t = first_key; t + 8 <= context_len; t += 8) {
+            const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(sh + t), mv));
+            _mm256_storeu_ps(sh + t, p);
+            sum8 = _mm256_add_ps(sum8, p);
+        }
+        float sum = hsum8(sum8);
+        for (; t < context_len; ++t) {
+            sh[t] = fast_exp(sh[t] - top);
+            sum += sh[t];
+        }
+        l[h] = sum;
+    }
+    for (int64_t b = b0; b < num_blocks; ++b) {  // values
+        int lo, hi;
+        rows(b, lo, hi);
+        const int64_t base = table[b] * block_size * row_stride;
+        for (int kh = 0; kh < num_kv_heads; ++kh) {
+            if (b + 1 < num_blocks)
+                prefetch_head_rows<KT, D>(v_cache, table[b + 1], kh, block_size, row_stride);
+            for (int h = kh * G; h < (kh + 1) * G; ++h)
+                for (int c = 0; c < D; c += 16 * N)
+                    accumulate_values16<KT, N>(v_cache, base + kh * D + c, row_stride,
+                                               s + h * width + b * block_size, lo, hi, 1.0f,
+                                               acc + h * D + c);
+        }
+    }
+}
+
 // A quantized cache is read as stored and its scales applied outside the inner loops:
 // fp8's layer scales fold into the query (keys) and the final 1 / sum (values); an int8
 // block's rows are scaled once per KV head into float32 rows (scaled_rows_i8), as the
@@ -281,6 +377,16 @@ void decode_seq_avx2(const void* q, void* out, const void* k_cache, const void* 
     std::fill(m, m + num_heads, NEG_INF);
     std::fill(l, l + num_heads, 0.0f);
     const int64_t first_key = window > 0 ? std::max<int64_t>(0, context_len - window) : 0;
+    if constexpr (!per_row) {
+        decode_seq_two_pass<QT, KT, D>(k_cache, v_cache, table, first_key, context_len,
+                                       num_heads, G, num_kv_heads, block_size, qf, acc, l);
+        for (int h = 0; h < num_heads; ++h) {
+            const float inv = l[h] > 0.0f ? out_mul / l[h] : 0.0f;  // no visible key: zeros
+            from_pair_order<RT, D>(acc + h * D, row);
+            store_row<QT>(out, (seq * num_heads + h) * D, row, inv, D);
+        }
+        return;
+    }
     const int64_t row_stride = static_cast<int64_t>(num_kv_heads) * D;
     const int64_t block_bytes = block_size * row_stride * sizeof_dtype<KT>();
     const int64_t slices = num_heads * (block_size / 8 + 1);  // score groups, value passes
