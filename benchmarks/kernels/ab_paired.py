@@ -4,7 +4,8 @@ launch builds them) and loaded side by side, and each call of the benchmark runs
 and then the other (A B, then B A), so a drift of the host between calls weighs on both
 alike. On a shared 2-core guest, whose speed moves by a third within minutes,
 `ab_source.sh`'s alternation of whole processes could not tell 2% apart; the median of
-the per-pair ratios here can.
+the per-pair ratios here can. Before timing, one call on each side is compared bit for
+bit, so a change meant to move no bit is shown to move none (or how far it moves them).
 
     PYTHONPATH=server python benchmarks/kernels/ab_paired.py REV FILE... --bench NAME
         [--threads 2] [--pairs 300]
@@ -55,7 +56,7 @@ def build_at(rev: str, files: list[Path], isa: str) -> Path:
             f.write_bytes(text)
 
 
-def decode_bench(prefill: bool) -> Callable[[], None]:
+def decode_bench(prefill: bool) -> Callable[[], object]:
     g = torch.Generator().manual_seed(0)
     kv_heads, heads, head_dim, block, per_seq = 3, 9, 64, 16, 30
     if prefill:  # 3 prompts x 320 tokens, token i attending over tokens 0..i of its prompt
@@ -72,10 +73,15 @@ def decode_bench(prefill: bool) -> Callable[[], None]:
     q = torch.randn(len(lens), heads, head_dim, generator=g)
     out = torch.empty_like(q)
     attend = torch.ops.cadence.paged_decode_attention.out
-    return lambda: attend(q, k, v, tables, lens, head_dim**-0.5, None, out)
+
+    def call() -> torch.Tensor:
+        attend(q, k, v, tables, lens, head_dim**-0.5, None, out)
+        return out
+
+    return call
 
 
-def product_bench(fmt: str) -> Callable[[], None]:
+def product_bench(fmt: str) -> Callable[[], object]:
     from cadence.quant import cpu_gemm
     from cadence.quant.quantize import quantize_int4, quantize_int8_blocks
 
@@ -87,12 +93,12 @@ def product_bench(fmt: str) -> Callable[[], None]:
     return lambda: kernel(x)
 
 
-def greedy_bench() -> Callable[[], None]:
+def greedy_bench() -> Callable[[], object]:
     logits = torch.randn(32, 49152, generator=torch.Generator().manual_seed(0)) * 3
     return lambda: torch.ops.cadence.greedy_logprobs(logits)
 
 
-BENCHES: dict[str, Callable[[], Callable[[], None]]] = {
+BENCHES: dict[str, Callable[[], Callable[[], object]]] = {
     "decode": lambda: decode_bench(prefill=False),
     "prefill": lambda: decode_bench(prefill=True),
     "int4": lambda: product_bench("int4"),
@@ -101,7 +107,30 @@ BENCHES: dict[str, Callable[[], Callable[[], None]]] = {
 }
 
 
-def paired_times(libraries: dict[str, Path], isa: str, call: Callable[[], None], pairs: int):
+def tensors_of(result: object) -> list[torch.Tensor]:
+    """A call's outputs as a flat list of copies (a tensor, or a tuple of them)."""
+    items = result if isinstance(result, tuple | list) else (result,)
+    return [t.clone() for t in items if isinstance(t, torch.Tensor)]
+
+
+def compare_outputs(libraries: dict[str, Path], isa: str, call: Callable[[], object]) -> str:
+    """Whether both sides give the same bits for the benchmark's inputs, or how far apart
+    their outputs are: a change meant to move no bit is checked here, not only timed."""
+    outputs = {}
+    for side in ("A", "B"):
+        ops.use(isa, libraries[side])
+        outputs[side] = tensors_of(call())
+    pairs = list(zip(outputs["A"], outputs["B"], strict=True))
+    assert pairs, "the benchmark's call returns no tensor to compare"
+    if all(torch.equal(a, b) for a, b in pairs):
+        return "the same bits"
+    worst = max(
+        float((b.double() - a.double()).abs().max()) for a, b in pairs if not torch.equal(a, b)
+    )
+    return f"different bits, max |B - A| {worst:.3g}"
+
+
+def paired_times(libraries: dict[str, Path], isa: str, call: Callable[[], object], pairs: int):
     """Seconds of each side's calls, A then B on even pairs and B then A on odd ones."""
     times: dict[str, list[float]] = {side: [] for side in libraries}
     for i in range(WARM_PAIRS + pairs):
@@ -132,6 +161,7 @@ def main() -> None:
     libraries = {"A": build_at(a.rev, files, isa), "B": selection.library(isa)}
     torch.set_num_threads(a.threads)
     call = BENCHES[a.bench]()
+    outputs = compare_outputs(libraries, isa, call)
     times_a, times_b = paired_times(libraries, isa, call, a.pairs)
     ratios = sorted(b / x for x, b in zip(times_a, times_b, strict=True))
     quartile = len(ratios) // 4
@@ -145,6 +175,7 @@ def main() -> None:
         f"  B / A per pair: median {statistics.median(ratios):.3f} "
         f"(quartiles {ratios[quartile]:.3f}-{ratios[-quartile - 1]:.3f})"
     )
+    print(f"  outputs: {outputs}")
 
 
 if __name__ == "__main__":

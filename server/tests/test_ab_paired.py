@@ -1,5 +1,6 @@
 """benchmarks/kernels/ab_paired.py: the files it may swap, the working tree put back
-whether REV's version builds or not, and a whole run through its printed ratio."""
+whether REV's version builds or not, the two sides' outputs compared bit for bit, and a
+whole run through its printed ratio."""
 
 from __future__ import annotations
 
@@ -44,16 +45,39 @@ def test_only_kernel_library_sources_are_taken(source: str) -> None:
     assert "not a kernel library source" in done.stderr
 
 
-def test_the_working_tree_is_put_back_when_revs_version_cannot_be_had() -> None:
+def script() -> ModuleType:
     spec = importlib.util.spec_from_file_location("ab_paired", SCRIPT)
     assert spec is not None and spec.loader is not None
-    ab: ModuleType = importlib.util.module_from_spec(spec)
+    ab = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ab)
+    return ab
+
+
+def test_the_working_tree_is_put_back_when_revs_version_cannot_be_had() -> None:
+    ab = script()
     source = unchanged_source()
     before = source.read_bytes()
     with pytest.raises(subprocess.CalledProcessError):
         ab.build_at("no-such-revision", [source], "avx2")  # git show fails
     assert source.read_bytes() == before
+
+
+def test_outputs_are_compared_bit_for_bit_and_a_difference_is_sized() -> None:
+    import torch
+    from cadence.kernels.cpu import selection
+
+    ab = script()
+    isa = selection.select()
+    library = selection.library(isa)  # built by the suite already
+    sides = {"A": library, "B": library}
+    first = torch.tensor([1.0, 2.0, 3.0])
+    assert ab.compare_outputs(sides, isa, lambda: (first, first.long())) == "the same bits"
+    calls = iter([first, first + torch.tensor([0.0, 0.25, 0.0])])
+    assert ab.compare_outputs(sides, isa, lambda: next(calls)) == (
+        "different bits, max |B - A| 0.25"
+    )
+    with pytest.raises(AssertionError, match="no tensor"):
+        ab.compare_outputs(sides, isa, lambda: None)
 
 
 def test_a_run_prints_both_sides_and_the_paired_ratio() -> None:
@@ -65,4 +89,5 @@ def test_a_run_prints_both_sides_and_the_paired_ratio() -> None:
     assert "B (working tree): fastest" in done.stdout
     ratio = float(done.stdout.split("B / A per pair: median ")[1].split()[0])
     assert 0.2 < ratio < 5.0  # the same library on both sides
+    assert "outputs: the same bits" in done.stdout
     assert source.read_bytes() == before

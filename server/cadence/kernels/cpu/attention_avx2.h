@@ -264,6 +264,28 @@ inline void prefetch_head_rows(const void* cache, int64_t block, int kh, int blo
             _mm_prefetch(p + t * row_stride * sizeof_dtype<KT>() + off, _MM_HINT_T1);
 }
 
+// Scores [t0, t1) of one head turned in place into exp(score - max); returns their sum.
+inline float softmax_span(float* sh, int64_t t0, int64_t t1) {
+    __m256 top8 = _mm256_set1_ps(NEG_INF);
+    int64_t t = t0;
+    for (; t + 8 <= t1; t += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(sh + t));
+    float top = hmax8(top8);
+    for (; t < t1; ++t) top = std::max(top, sh[t]);
+    const __m256 mv = _mm256_set1_ps(top);
+    __m256 sum8 = _mm256_setzero_ps();
+    for (t = t0; t + 8 <= t1; t += 8) {
+        const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(sh + t), mv));
+        _mm256_storeu_ps(sh + t, p);
+        sum8 = _mm256_add_ps(sum8, p);
+    }
+    float sum = hsum8(sum8);
+    for (; t < t1; ++t) {
+        sh[t] = fast_exp(sh[t] - top);
+        sum += sh[t];
+    }
+    return sum;
+}
+
 // A float cache's attention in two passes: every key's score first (into a per-thread
 // buffer of the sequence's scores), one softmax over them all, then the values; the online
 // loop below instead takes a softmax step and rescales the accumulators block by block. On
@@ -287,62 +309,41 @@ void decode_seq_two_pass(const void* k_cache, const void* v_cache, const int64_t
     if (static_cast<int64_t>(scores.size()) < num_heads * width) scores.resize(num_heads * width);
     float* s = scores.data();
     const int64_t b0 = first_key / block_size;
-    const auto rows = [&](int64_t b, int& lo, int& hi) {
-        lo = static_cast<int>(std::max<int64_t>(0, first_key - b * block_size));
-        hi = static_cast<int>(std::min<int64_t>(block_size, context_len - b * block_size));
-    };
-    for (int64_t b = b0; b < num_blocks; ++b) {  // scores, in whole groups of 8 rows
-        int lo, hi;
-        rows(b, lo, hi);
-        const int64_t base = table[b] * block_size * row_stride;
-        for (int kh = 0; kh < num_kv_heads; ++kh) {
-            if (b + 1 < num_blocks)
-                prefetch_head_rows<KT, D>(k_cache, table[b + 1], kh, block_size, row_stride);
-            for (int h = kh * G; h < (kh + 1) * G; ++h)
-                for (int t = lo / 8 * 8; t < hi; t += 8)
-                    _mm256_storeu_ps(s + h * width + b * block_size + t,
-                                     scores8<KT, D>(qf + h * D, k_cache,
-                                                    base + kh * D + t * row_stride, row_stride));
+    // Calls body(b, lo, hi, at, kh) for each block b and KV head kh of the sequence: rows
+    // [lo, hi) of the block hold keys, `at` is head kh's first row in the cache; the next
+    // block's rows of that head are asked for first.
+    const auto each_head_block = [&](const void* cache, auto&& body) {
+        for (int64_t b = b0; b < num_blocks; ++b) {
+            const int lo = static_cast<int>(std::max<int64_t>(0, first_key - b * block_size));
+            const int hi =
+                static_cast<int>(std::min<int64_t>(block_size, context_len - b * block_size));
+            const int64_t base = table[b] * block_size * row_stride;
+            for (int kh = 0; kh < num_kv_heads; ++kh) {
+                if (b + 1 < num_blocks)
+                    prefetch_head_rows<KT, D>(cache, table[b + 1], kh, block_size, row_stride);
+                body(b, lo, hi, base + kh * D, kh);
+            }
         }
-    }
+    };
+    each_head_block(k_cache, [&](int64_t b, int lo, int hi, int64_t at, int kh) {
+        for (int h = kh * G; h < (kh + 1) * G; ++h)  // scores, in whole groups of 8 rows
+            for (int t = lo / 8 * 8; t < hi; t += 8)
+                _mm256_storeu_ps(s + h * width + b * block_size + t,
+                                 scores8<KT, D>(qf + h * D, k_cache, at + t * row_stride,
+                                                row_stride));
+    });
     if (b0 < num_blocks)  // the values' first block, while the softmax runs
         for (int kh = 0; kh < num_kv_heads; ++kh)
             prefetch_head_rows<KT, D>(v_cache, table[b0], kh, block_size, row_stride);
-    for (int h = 0; h < num_heads; ++h) {  // softmax over keys [first_key, context_len)
-        float* sh = s + h * width;
-        __m256 top8 = _mm256_set1_ps(NEG_INF);
-        int64_t t = first_key;
-        for (; t + 8 <= context_len; t += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(sh + t));
-        float top = hmax8(top8);
-        for (; t < context_len; ++t) top = std::max(top, sh[t]);
-        const __m256 mv = _mm256_set1_ps(top);
-        __m256 sum8 = _mm256_setzero_ps();
-        for (t = first_key; t + 8 <= context_len; t += 8) {
-            const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(sh + t), mv));
-            _mm256_storeu_ps(sh + t, p);
-            sum8 = _mm256_add_ps(sum8, p);
-        }
-        float sum = hsum8(sum8);
-        for (; t < context_len; ++t) {
-            sh[t] = fast_exp(sh[t] - top);
-            sum += sh[t];
-        }
-        l[h] = sum;
-    }
-    for (int64_t b = b0; b < num_blocks; ++b) {  // values
-        int lo, hi;
-        rows(b, lo, hi);
-        const int64_t base = table[b] * block_size * row_stride;
-        for (int kh = 0; kh < num_kv_heads; ++kh) {
-            if (b + 1 < num_blocks)
-                prefetch_head_rows<KT, D>(v_cache, table[b + 1], kh, block_size, row_stride);
-            for (int h = kh * G; h < (kh + 1) * G; ++h)
-                for (int c = 0; c < D; c += 16 * N)
-                    accumulate_values16<KT, N>(v_cache, base + kh * D + c, row_stride,
-                                               s + h * width + b * block_size, lo, hi, 1.0f,
-                                               acc + h * D + c);
-        }
-    }
+    for (int h = 0; h < num_heads; ++h)
+        l[h] = softmax_span(s + h * width, first_key, context_len);
+    each_head_block(v_cache, [&](int64_t b, int lo, int hi, int64_t at, int kh) {
+        for (int h = kh * G; h < (kh + 1) * G; ++h)
+            for (int c = 0; c < D; c += 16 * N)
+                accumulate_values16<KT, N>(v_cache, at + c, row_stride,
+                                           s + h * width + b * block_size, lo, hi, 1.0f,
+                                           acc + h * D + c);
+    });
 }
 
 // A quantized cache is read as stored and its scales applied outside the inner loops:
