@@ -143,14 +143,14 @@ def paired_times(libraries: dict[str, Path], isa: str, call: Callable[[], object
     return times["A"], times["B"]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("rev", help="the commit whose version of FILE... is side A")
     p.add_argument("files", nargs="+", type=Path, help="kernel sources (B: the working tree's)")
     p.add_argument("--bench", choices=sorted(BENCHES), required=True)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--pairs", type=int, default=300)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     files = [f.resolve() for f in a.files]
     for f in files:
         if f.parent != KERNELS or f.name == "cpu_ops.cpp":
