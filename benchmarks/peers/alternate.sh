@@ -24,7 +24,9 @@
 #   LLAMA_ARGS    its flags (-np 32 -c 32768 -t <cores>: 1024 tokens for each of 32 slots)
 #   SERVERS       which servers, comma-separated, in the order of odd rounds (default
 #                 cadence-default,cadence-bf16,vllm-cpu,vllm-cpu-all-cores,llama-server;
-#                 also cadence-float32). vllm-cpu is vLLM as its documented command starts
+#                 also cadence-float32, and cadence-ngram: the default launch with
+#                 prompt lookup, `--speculative ngram`). vllm-cpu is vLLM as its
+#                 documented command starts
 #                 it: its `auto` thread binding reserves one core for its API server, so on
 #                 2 cores its model runs on one; vllm-cpu-all-cores runs its model on every
 #                 core with none reserved, as cadence's shard does
@@ -90,6 +92,7 @@ run_one() {
     cadence-default) bench "$name" "$round" ;;
     cadence-bf16) bench "$name" "$round" --server-args "--model-id $(printf %q "$FOLDER")" ;;
     cadence-float32) bench "$name" "$round" --server-args "--model-id $(printf %q "$FOLDER32")" ;;
+    cadence-ngram) bench "$name" "$round" --server-args "--speculative ngram" ;;
     vllm-cpu | vllm-cpu-all-cores)
         local pythonpath=${PYTHONPATH:-} bind=${VLLM_CPU_OMP_THREADS_BIND:-auto}
         local reserved=${VLLM_CPU_NUM_OF_RESERVED_CPU:-}
