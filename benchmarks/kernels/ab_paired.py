@@ -113,6 +113,15 @@ def tensors_of(result: object) -> list[torch.Tensor]:
     return [t.clone() for t in items if isinstance(t, torch.Tensor)]
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Byte for byte (torch.equal holds -0.0 equal to 0.0, and a NaN unequal to itself)."""
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
+
+
 def compare_outputs(libraries: dict[str, Path], isa: str, call: Callable[[], object]) -> str:
     """Whether both sides give the same bits for the benchmark's inputs, or how far apart
     their outputs are: a change meant to move no bit is checked here, not only timed."""
@@ -122,10 +131,10 @@ def compare_outputs(libraries: dict[str, Path], isa: str, call: Callable[[], obj
         outputs[side] = tensors_of(call())
     pairs = list(zip(outputs["A"], outputs["B"], strict=True))
     assert pairs, "the benchmark's call returns no tensor to compare"
-    if all(torch.equal(a, b) for a, b in pairs):
+    if all(same_bits(a, b) for a, b in pairs):
         return "the same bits"
     worst = max(
-        float((b.double() - a.double()).abs().max()) for a, b in pairs if not torch.equal(a, b)
+        float((b.double() - a.double()).abs().max()) for a, b in pairs if not same_bits(a, b)
     )
     return f"different bits, max |B - A| {worst:.3g}"
 

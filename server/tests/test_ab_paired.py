@@ -80,6 +80,10 @@ def test_outputs_are_compared_bit_for_bit_and_a_difference_is_sized() -> None:
     assert ab.compare_outputs(sides, isa, lambda: next(calls)) == (
         "different bits, max |B - A| 0.25"
     )
+    signs = iter([torch.tensor([0.0, 1.0]), torch.tensor([-0.0, 1.0])])
+    assert ab.compare_outputs(sides, isa, lambda: next(signs)) == "different bits, max |B - A| 0"
+    nan = torch.tensor([float("nan"), 1.0])
+    assert ab.compare_outputs(sides, isa, lambda: nan) == "the same bits"
     with pytest.raises(AssertionError, match="no tensor"):
         ab.compare_outputs(sides, isa, lambda: None)
 
