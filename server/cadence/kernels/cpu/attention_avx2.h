@@ -381,62 +381,57 @@ void decode_seq_avx2(const void* q, void* out, const void* k_cache, const void* 
     if constexpr (!per_row) {
         decode_seq_two_pass<QT, KT, D>(k_cache, v_cache, table, first_key, context_len,
                                        num_heads, G, num_kv_heads, block_size, qf, acc, l);
-        for (int h = 0; h < num_heads; ++h) {
-            const float inv = l[h] > 0.0f ? out_mul / l[h] : 0.0f;  // no visible key: zeros
-            from_pair_order<RT, D>(acc + h * D, row);
-            store_row<QT>(out, (seq * num_heads + h) * D, row, inv, D);
-        }
-        return;
-    }
-    const int64_t row_stride = static_cast<int64_t>(num_kv_heads) * D;
-    const int64_t block_bytes = block_size * row_stride * sizeof_dtype<KT>();
-    const int64_t slices = num_heads * (block_size / 8 + 1);  // score groups, value passes
-    const int64_t slice = ((block_bytes + slices - 1) / slices + 63) / 64 * 64;
-    const int64_t num_blocks = (context_len + block_size - 1) / block_size;
-    for (int64_t b = first_key / block_size; b < num_blocks; ++b) {
-        const int64_t base = table[b] * block_size;
-        const int lo = static_cast<int>(std::max<int64_t>(0, first_key - b * block_size));
-        const int hi = static_cast<int>(std::min<int64_t>(block_size, context_len - b * block_size));
-        const bool last = b + 1 == num_blocks;
-        BlockPrefetch next{static_cast<const char*>(k_cache), static_cast<const char*>(v_cache),
-                           last ? 0 : table[b + 1] * block_bytes, last ? 0 : block_bytes, slice};
-        for (int kh = 0; kh < num_kv_heads; ++kh) {
-            const int64_t at = base * row_stride + kh * D;
-            // Where the products read this block's rows: in place, or an int8 block's
-            // scaled copies (rows in whole groups of 8 for the keys: those outside
-            // [lo, hi), NaN scales and all, are masked by the softmax's select; the
-            // values' rows past hi are never read).
-            const void* keys = k_cache;
-            const void* values = v_cache;
-            int64_t k_at = at, stride = row_stride;
-            if constexpr (per_row) {
-                const float* k_rows = k_scale + base * num_kv_heads + kh;
-                const float* v_rows = v_scale + base * num_kv_heads + kh;
-                scaled_rows_i8<D>(k_cache, at, row_stride, k_rows, num_kv_heads, lo / 8 * 8,
-                                  (hi + 7) / 8 * 8, kf);
-                scaled_rows_i8<D>(v_cache, at, row_stride, v_rows, num_kv_heads, lo, hi, vf);
-                keys = kf;
-                values = vf;
-                k_at = 0;
-                stride = D;
-            }
-            for (int h = kh * G; h < (kh + 1) * G; ++h) {
-                for (int t = lo / 8 * 8; t < hi; t += 8) {  // whole groups of 8 rows
+    } else {  // the online loop: an int8 cache
+        const int64_t row_stride = static_cast<int64_t>(num_kv_heads) * D;
+        const int64_t block_bytes = block_size * row_stride * sizeof_dtype<KT>();
+        const int64_t slices = num_heads * (block_size / 8 + 1);  // score groups, value passes
+        const int64_t slice = ((block_bytes + slices - 1) / slices + 63) / 64 * 64;
+        const int64_t num_blocks = (context_len + block_size - 1) / block_size;
+        for (int64_t b = first_key / block_size; b < num_blocks; ++b) {
+            const int64_t base = table[b] * block_size;
+            const int lo = static_cast<int>(std::max<int64_t>(0, first_key - b * block_size));
+            const int hi = static_cast<int>(std::min<int64_t>(block_size, context_len - b * block_size));
+            const bool last = b + 1 == num_blocks;
+            BlockPrefetch next{static_cast<const char*>(k_cache), static_cast<const char*>(v_cache),
+                               last ? 0 : table[b + 1] * block_bytes, last ? 0 : block_bytes, slice};
+            for (int kh = 0; kh < num_kv_heads; ++kh) {
+                const int64_t at = base * row_stride + kh * D;
+                // Where the products read this block's rows: in place, or an int8 block's
+                // scaled copies (rows in whole groups of 8 for the keys: those outside
+                // [lo, hi), NaN scales and all, are masked by the softmax's select; the
+                // values' rows past hi are never read).
+                const void* keys = k_cache;
+                const void* values = v_cache;
+                int64_t k_at = at, stride = row_stride;
+                if constexpr (per_row) {
+                    const float* k_rows = k_scale + base * num_kv_heads + kh;
+                    const float* v_rows = v_scale + base * num_kv_heads + kh;
+                    scaled_rows_i8<D>(k_cache, at, row_stride, k_rows, num_kv_heads, lo / 8 * 8,
+                                      (hi + 7) / 8 * 8, kf);
+                    scaled_rows_i8<D>(v_cache, at, row_stride, v_rows, num_kv_heads, lo, hi, vf);
+                    keys = kf;
+                    values = vf;
+                    k_at = 0;
+                    stride = D;
+                }
+                for (int h = kh * G; h < (kh + 1) * G; ++h) {
+                    for (int t = lo / 8 * 8; t < hi; t += 8) {  // whole groups of 8 rows
+                        next.next_slice();
+                        const __m256 sc = scores8<RT, D>(qf + h * D, keys, k_at + t * stride, stride);
+                        _mm256_storeu_ps(s + h * block_size + t, sc);
+                    }
+                }
+                softmax_heads8(s + kh * G * block_size, block_size, G, lo, hi, m + kh * G, l + kh * G,
+                               correction + kh * G);
+                for (int h = kh * G; h < (kh + 1) * G; ++h) {
                     next.next_slice();
-                    const __m256 sc = scores8<RT, D>(qf + h * D, keys, k_at + t * stride, stride);
-                    _mm256_storeu_ps(s + h * block_size + t, sc);
+                    for (int c = 0; c < D; c += 16 * N)
+                        accumulate_values16<RT, N>(values, k_at + c, stride, s + h * block_size,
+                                                   lo, hi, correction[h], acc + h * D + c);
                 }
             }
-            softmax_heads8(s + kh * G * block_size, block_size, G, lo, hi, m + kh * G, l + kh * G,
-                           correction + kh * G);
-            for (int h = kh * G; h < (kh + 1) * G; ++h) {
-                next.next_slice();
-                for (int c = 0; c < D; c += 16 * N)
-                    accumulate_values16<RT, N>(values, k_at + c, stride, s + h * block_size,
-                                               lo, hi, correction[h], acc + h * D + c);
-            }
+            next.rest();  // what a partial block's fewer passes left over
         }
-        next.rest();  // what a partial block's fewer passes left over
     }
     for (int h = 0; h < num_heads; ++h) {
         const float inv = l[h] > 0.0f ? out_mul / l[h] : 0.0f;  // no visible key: zeros
