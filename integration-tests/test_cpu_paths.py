@@ -67,7 +67,8 @@ def _float_copy_table(path: Path) -> Path:
     seconds = {calibrate.DECODE_ROWS: 1.0, calibrate.PREFILL_ROWS: 10.0}
     measured = calibrate.Measured(calibrate.FLOAT, seconds, seconds, "for the test")
     kv = isa.default_kv_cache_dtype("cpu", dtype)
-    kv_cache = kv_calibrate.KvMeasured(kv, {kv: 1.0, "int8": 1.0}, "for the test")
+    even = {kv: 1.0, "int8": 1.0}
+    kv_cache = kv_calibrate.KvMeasured(kv, even, "for the test", prompt_seconds=even)
     key = calibrate.machine_key(best, dtype)
     formats = {"int4": measured, "int8": measured}
     calibrate.write(calibrate.KernelTable(key, formats, kv_cache), path)

@@ -252,11 +252,14 @@ def needs_measuring(
 ) -> bool:
     """What the launch serves is not in the table for this machine: for quantized weights
     the formats and KV cache (a table from before the KV cache's measurement, or one
-    holding only a float launch's), for float32 weights the float32 product's, for
-    bfloat16 ones on the avx512_bf16 kernels the bfloat16 product's."""
+    holding only a float launch's, or one whose KV cache choice saw the decode step alone),
+    for float32 weights the float32 product's, for bfloat16 ones on the avx512_bf16 kernels
+    the bfloat16 product's."""
+    from cadence.quant import calibrate
+
     if cached is None:
         return True
-    if quantized and (cached.kv_cache is None or not cached.formats):
+    if quantized and (not calibrate.kv_measured(cached) or not cached.formats):
         return True
     return (float32 and cached.float32 is None) or (bf16 and cached.bf16 is None)
 
@@ -265,9 +268,10 @@ def with_measured_kv_cache(
     cfg: LaunchConfig, kv_asked: bool, quantized: bool = True
 ) -> LaunchConfig:
     """`cfg` with the KV cache dtype the kernel table measured fastest for quantized
-    serving on this machine (`cadence.quant.kv_calibrate`: int8 where it decodes clearly
-    faster), unless one was asked for; unchanged without a table for this machine or for
-    float weights (`quantized` False: they keep a float cache)."""
+    serving on this machine (`cadence.quant.kv_calibrate`: int8 where its decode steps and
+    prompts, mixed as the charter workload's, are clearly faster), unless one was asked for;
+    unchanged without a table for this machine or for float weights (`quantized` False:
+    they keep a float cache)."""
     from cadence.quant import calibrate, kv_calibrate
 
     if kv_asked or cfg.kv_cache_scales or not cfg.kernel_table or not quantized:

@@ -181,7 +181,7 @@ def test_the_tiles_take_the_calls_they_win_by_the_margin():
 
 def test_the_measurement_times_the_tiles_where_amx_passes_its_self_test(avx512_bf16):
     amx = calibrate.amx_usable(amx_check.ISA)
-    measured = kv_calibrate.measure("bfloat16", rows=2, context=40, amx=amx)
+    measured = kv_calibrate.measure("bfloat16", rows=2, context=40, prompt_len=32, amx=amx)
     if not (amx[0] and torch.ops.cadence.amx_available()):
         assert measured.tiles_min_rows == 0 and not measured.tiles_seconds
         assert "AMX tiles not timed" in measured.tiles_note
@@ -190,14 +190,18 @@ def test_the_measurement_times_the_tiles_where_amx_passes_its_self_test(avx512_b
         "decode vector", "decode amx", "prompt vector", "prompt amx"
     }  # fmt: skip
     assert measured.tiles_min_rows == kv_calibrate.choose_tiles(measured.tiles_seconds)
+    if measured.tiles_min_rows:  # the int8 cache's prompts weighed on the tiles that serve them
+        on_tiles = measured.tiles_seconds["prompt amx"] / kv_calibrate.PROMPTS
+        assert measured.prompt_seconds["int8"] == on_tiles
     assert "AMX-INT8 tiles" in kv_calibrate.describe(measured)
     assert torch.ops.cadence.use_attention_tiles(VECTOR, 1) == (VECTOR, 1)  # left as found
 
 
 def _table_choosing_tiles(path: Path, min_rows: int) -> str:
     seconds = {"decode vector": 1.0, "decode amx": 0.5, "prompt vector": 1.0, "prompt amx": 0.5}
-    kv = kv_calibrate.KvMeasured("int8", {"bfloat16": 1.0, "int8": 0.5}, "now",
-                                 tiles_min_rows=min_rows, tiles_seconds=seconds)  # fmt: skip
+    halved = {"bfloat16": 1.0, "int8": 0.5}
+    kv = kv_calibrate.KvMeasured("int8", halved, "now", tiles_min_rows=min_rows,
+                                 tiles_seconds=seconds, prompt_seconds=halved)  # fmt: skip
     key = calibrate.machine_key(amx_check.ISA, "bfloat16")
     calibrate.write(calibrate.KernelTable(key, kv_cache=kv), path)
     return str(path)

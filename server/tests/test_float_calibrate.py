@@ -46,7 +46,7 @@ def test_the_side_that_is_not_the_default_must_win_by_the_margin() -> None:
 def test_the_measurement_times_both_sides_and_is_kept_per_machine(tmp_path: Path) -> None:
     isa = isa_with_tiles()
     measured = calibrate.measure(
-        isa, "float32", shapes=[(64, 128), (128, 64)], formats=("int8",), kv_step=(4, 40)
+        isa, "float32", shapes=[(64, 128), (128, 64)], formats=("int8",), kv_step=(4, 40, 32)
     )
     m = measured.float32
     assert m is not None and set(m.tiles_s) == set(m.onednn_s) == set(ROWS)
@@ -60,7 +60,7 @@ def test_the_measurement_times_both_sides_and_is_kept_per_machine(tmp_path: Path
     assert set(json.loads(path.read_text())) == {measured.key, *sections}
     again = calibrate.read(path, measured.key)
     assert again is not None and again.float32 == m
-    bf16 = calibrate.measure(isa, "bfloat16", shapes=[(64, 128)], formats=(), kv_step=(4, 40))
+    bf16 = calibrate.measure(isa, "bfloat16", shapes=[(64, 128)], formats=(), kv_step=(4, 40, 32))
     assert bf16.float32 is None  # bfloat16 weights have no float32 product to choose
     alone = float_calibrate.only_tiles()  # where oneDNN cannot prepack float32
     assert "oneDNN cannot prepack" in float_calibrate.describe(alone)
@@ -129,7 +129,8 @@ def test_a_float32_launch_measures_the_float32_product_alone_and_keeps_the_rest(
     assert needs_measuring(alone, float32=True, quantized=True)  # no formats, no KV cache
     assert needs_measuring(replace(alone, float32=None), float32=True, quantized=False)
     assert needs_measuring(None, float32=False, quantized=True)
-    full = calibrate.measure(isa, "float32", shapes=[(64, 128)], formats=("int8",), kv_step=(4, 40))
+    small = {"shapes": [(64, 128)], "formats": ("int8",), "kv_step": (4, 40, 32)}
+    full = calibrate.measure(isa, "float32", **small)
     assert not needs_measuring(full, float32=True, quantized=True)
     assert needs_measuring(replace(full, kv_cache=None), float32=False, quantized=True)
     calibrate.write(full, path)
@@ -149,7 +150,7 @@ def test_a_launch_keeps_what_the_machine_s_entry_holds(
 
     isa = isa_with_tiles()
     monkeypatch.setenv("CADENCE_CACHE_DIR", str(tmp_path))
-    small = {"shapes": [(64, 128)], "formats": ("int8",), "kv_step": (4, 40)}
+    small = {"shapes": [(64, 128)], "formats": ("int8",), "kv_step": (4, 40, 32)}
     alone = calibrate.measure(isa, "float32", shapes=[(64, 128)], formats=(), kv_step=None)
     # the side not measured faster held as chosen, so that measuring again would show
     sides = {float_calibrate.TILES, float_calibrate.ONEDNN} - {alone.float32.choice}

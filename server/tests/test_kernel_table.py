@@ -13,7 +13,7 @@ import torch
 from cadence import cpu_isa
 from cadence.config import LaunchConfig
 from cadence.kernels import cpu as cpu_kernels
-from cadence.launcher import with_kernel_table, with_measured_kv_cache
+from cadence.launcher import needs_measuring, with_kernel_table, with_measured_kv_cache
 from cadence.quant import calibrate, float_calibrate, kv_calibrate
 from cadence.quant.crossover import ALL_ROWS
 from shard_helpers import prefill_then_decode_logits
@@ -25,7 +25,8 @@ def table(kernel: str, isa: str, dtype: str, kv: str = "bfloat16") -> calibrate.
     seconds = {calibrate.DECODE_ROWS: 1.0, calibrate.PREFILL_ROWS: 10.0}
     key = calibrate.machine_key(isa, dtype)
     entry = calibrate.Measured(kernel, seconds, seconds, "now")
-    kv_cache = kv_calibrate.KvMeasured(kv, {"bfloat16": 1.0, "int8": 0.5}, "now")
+    halved = {"bfloat16": 1.0, "int8": 0.5}
+    kv_cache = kv_calibrate.KvMeasured(kv, halved, "now", prompt_seconds=halved)
     return calibrate.KernelTable(key, {"int4": entry, "int8": entry}, kv_cache)
 
 
@@ -39,19 +40,48 @@ def test_the_float_copy_must_win_by_the_margin() -> None:
 
 
 def test_an_int8_kv_cache_must_win_by_the_margin() -> None:
-    assert kv_calibrate.choose({"bfloat16": 1.0, "int8": 0.97}, "bfloat16") == "bfloat16"
-    assert kv_calibrate.choose({"bfloat16": 1.0, "int8": 0.9}, "bfloat16") == "int8"
-    assert kv_calibrate.choose({"bfloat16": 1.0, "int8": 1.2}, "bfloat16") == "bfloat16"
+    def choose(decode_int8: float, prompt_int8: float) -> str:
+        float_s = {"bfloat16": 1.0}
+        return kv_calibrate.choose(float_s | {"int8": decode_int8}, float_s | {"int8": prompt_int8},
+                                   "bfloat16")  # fmt: skip
+
+    assert choose(0.97, 0.97) == "bfloat16"
+    assert choose(0.9, 0.9) == "int8"
+    assert choose(1.2, 1.2) == "bfloat16"
+    # a Zen 3's AVX2 kernels: int8 wins the decode step and loses the prompts by more than
+    # the decode steps make up in the charter's mix (4.5 decode steps a prompt)
+    assert choose(28.3 / 30.5, 90.2 / 56.7) == "bfloat16"
+    assert choose(0.8, 1.2) == "int8"  # 4.5 x 0.2 saved, 0.2 lost
+
+
+def test_a_kv_choice_made_on_the_decode_step_alone_is_measured_again() -> None:
+    """A table from before prompts were timed: a launch measures its KV cache again (and
+    keeps its products), so the choice a decode step alone made does not serve on."""
+    old = table("integer", "avx2", "float32", kv="int8")
+    assert old.kv_cache is not None
+    old.kv_cache.prompt_seconds = {}
+    assert needs_measuring(old, float32=False, quantized=True)
+    assert not needs_measuring(table("integer", "avx2", "float32"), float32=False, quantized=True)
+    isa = cpu_kernels.select("auto") or "scalar"
+    kept = table("integer", isa, "float32", kv="int8")
+    assert kept.kv_cache is not None
+    kept.kv_cache.prompt_seconds = {}
+    again = calibrate.measure(isa, "float32", shapes=[(64, 128)], formats=("int4", "int8"),
+                              kv_step=(4, 40, 32), kept=kept)  # fmt: skip
+    assert again.formats == kept.formats
+    assert again.kv_cache is not None and set(again.kv_cache.prompt_seconds) == {"bfloat16", "int8"}
+    assert again.kv_cache.prompt_len == 32
 
 
 def test_a_measurement_is_written_per_machine_and_read_back(tmp_path: Path) -> None:
     isa = cpu_kernels.select("auto") or "scalar"
-    measured = calibrate.measure(isa, "float32", shapes=[(64, 128), (128, 64)], kv_step=(4, 40))
+    measured = calibrate.measure(isa, "float32", shapes=[(64, 128), (128, 64)], kv_step=(4, 40, 32))
     assert measured.key == calibrate.machine_key(isa, "float32")
     kv = measured.kv_cache  # a float32 serve's cache is bfloat16: int8 is timed against it
     assert kv is not None and set(kv.seconds) == {"bfloat16", "int8"}
-    assert kv.choice == kv_calibrate.choose(kv.seconds, "bfloat16")
-    assert (kv.rows, kv.context) == (4, 40)
+    assert set(kv.prompt_seconds) == {"bfloat16", "int8"}
+    assert kv.choice == kv_calibrate.choose(kv.seconds, kv.prompt_seconds, "bfloat16")
+    assert (kv.rows, kv.context, kv.prompt_len) == (4, 40, 32)
     assert cpu_isa.cpu_model() in measured.key
     for m in measured.formats.values():
         assert m.tiles == calibrate.choose_tiles(m.integer_s, m.amx_s)

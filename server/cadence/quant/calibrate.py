@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING
 from cadence.model_source import cache_dir
 from cadence.quant import float_calibrate, kv_calibrate
 from cadence.quant.float_calibrate import FloatMeasured
-from cadence.quant.kv_calibrate import KvMeasured
+from cadence.quant.kv_calibrate import DECODE_WEIGHT, KvMeasured
 
 if TYPE_CHECKING:  # torch is imported where it is used: the launcher keys the table without it
     import torch
@@ -69,7 +69,6 @@ FLOAT32 = "float32_products"  # the same for the float32 product's measurements
 BF16 = "bfloat16_products"  # and the bfloat16 one's (AMX-BF16 tiles or oneDNN)
 SECTIONS = (KV_CACHE, FLOAT32, BF16)
 DECODE_ROWS, PREFILL_ROWS = 32, 320
-DECODE_WEIGHT = 4.5  # decode steps per prefill chunk in the charter workload
 FLOAT_MARGIN = 1.05  # the float copy must be this much faster to be chosen
 REPEATS = 2  # timed passes per side and row count (the fastest counts)
 FORMATS = ("int4", "int8")
@@ -129,6 +128,12 @@ class KernelTable:
     def kernel(self, fmt: str) -> str | None:
         measured = self.formats.get(fmt)
         return measured.kernel if measured else None
+
+
+def kv_measured(table: KernelTable) -> bool:
+    """Whether `table` holds the KV cache's measurement as this cadence takes it (one
+    from before prompts were timed chose on the decode step alone)."""
+    return table.kv_cache is not None and bool(table.kv_cache.prompt_seconds)
 
 
 def table_path() -> Path:
@@ -242,12 +247,13 @@ def measure(
     dtype_name: str,
     shapes: list[tuple[int, int]] | None = None,
     formats: tuple[str, ...] = FORMATS,
-    kv_step: tuple[int, int] | None = (kv_calibrate.DECODE_ROWS, kv_calibrate.CONTEXT),
+    kv_step: tuple[int, int, int] | None = kv_calibrate.CHARTER,
     kept: KernelTable | None = None,
 ) -> KernelTable:
     """Times the integer product and the float copy for each of `formats` over `shapes`
     (default: SmolLM2-135M's, CALIBRATION_LAYERS layers and the head), and an int8 KV
-    cache against a float one at `kv_step` (rows, tokens of context; None: not), with
+    cache against a float one at `kv_step` (a decode step's rows and tokens of context, a
+    prompt's tokens; None: not), with
     the C++ kernels of `isa`; for float32, the float32 tiles against oneDNN first.
 
     `kept`: this machine's entry as cached, whose measurements are kept instead of taken
@@ -268,7 +274,7 @@ def measure(
         table.formats = {f: m for f, m in kept.formats.items() if f in formats}
         table.kv_cache, table.float32, table.bf16 = kept.kv_cache, kept.float32, kept.bf16
         formats = tuple(f for f in formats if f not in kept.formats)
-        kv_step = None if kept.kv_cache is not None else kv_step
+        kv_step = None if kv_measured(kept) else kv_step
     layers = timing.SMOLLM2_LAYER_SHAPES * CALIBRATION_LAYERS + [timing.SMOLLM2_HEAD]
     if table.float32 is None and dtype_name == "float32":
         if float_calibrate.can_measure(isa):

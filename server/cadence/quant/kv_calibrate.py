@@ -1,28 +1,33 @@
-"""Whether an int8 KV cache decodes faster than the activations' dtype on this machine,
-measured, for quantized serving's default cache.
+"""Whether an int8 KV cache serves attention faster than the activations' dtype on this
+machine, measured, for quantized serving's default cache.
 
 An int8 cache halves the bytes decode attention reads, but its values are converted to
-the activations' dtype as they are read: on a Zen 4 the halved reads win (a decode step
-of SmolLM2 at 32 rows and 400 tokens of context 44.4 -> 40.1 ms), on AVX2 kernels the
-conversion costs more than the reads save. So it is measured with the kernel table
-(`cadence.quant.calibrate`), once per machine key: the shard's paged decode attention over
-SmolLM2-135M's 30 layers (9 query heads on 3 KV heads of 64) for DECODE_ROWS rows at
-CONTEXT tokens, the charter workload's decode step, with each cache in its own blocks
-(more than a CPU's caches hold: 30 layers x 32 x 400 tokens is 295 MB in bfloat16, so they
-stream from memory as in a real step). int8 is chosen only when KV_MARGIN faster: it
-moves logits more than a 16-bit cache (docs/quantization.md, "the margin rule"), which is
-worth it only for a clear gain, and a choice that flipped with a shared machine's noise
-would change answers from one start to the next.
+the activations' dtype as they are read, once per query row: a decode step's 32 rows
+each read their own sequence, a prompt's 320 tokens each read the prompt up to
+themselves, and there the conversion is repeated for every token that attends. So both
+are timed, with the kernel table (`cadence.quant.calibrate`), once per machine key, and
+weighed as the charter workload mixes them (DECODE_WEIGHT decode steps per prompt, as the
+products are): the shard's paged attention over SmolLM2-135M's 30 layers (9 query heads on
+3 KV heads of 64) for a decode step of DECODE_ROWS rows at CONTEXT tokens, with each cache
+in its own blocks (more than a CPU's caches hold: 30 layers x 32 x 400 tokens is 295 MB in
+bfloat16, so they stream from memory as in a real step), and for PROMPTS prompts of
+PROMPT_LEN tokens, each token a query over its prompt up to itself, as batch-invariant
+prefill attends. On a 2-core Zen 3 (AVX2 kernels) int8 won the decode step (28.3 against
+30.5 ms) and lost the prompts (90.2 against 56.7 ms a prompt), and the charter workload
+ran 4% slower with it than with bfloat16: timed on the decode step alone, the choice was
+int8. int8 is chosen only when KV_MARGIN faster: it moves logits more than a 16-bit cache
+(docs/quantization.md, "the margin rule"), which is worth it only for a clear gain, and a
+choice that flipped with a shared machine's noise would change answers from one start to
+the next.
 
 Only quantized serving takes the measured choice (`cadence.launcher`): it already serves
 quantized arithmetic under the margin rule; float weights keep a float cache by default.
 
 Where AMX-INT8 passes its self-test, the int8 cache's attention is timed on AMX tiles too
 (attention_int8_amx.h, bitwise equal to the VNNI kernel, so the choice moves no answer),
-for a decode step and for a prompt chunk's tokens (PROMPTS prompts of PROMPT_LEN tokens,
-each token a query over the context up to itself, as batch-invariant prefill asks): the
-tiles take the calls they win by TILES_MARGIN, every call (`tiles_min_rows` 1) or only a
-prompt chunk's (PROMPT_ROWS: a call of at least 2 rows); 0: none.
+for the decode step and for the prompts: the tiles take the calls they win by
+TILES_MARGIN, every call (`tiles_min_rows` 1) or only a prompt chunk's (PROMPT_ROWS: a call
+of at least 2 rows); 0: none. The int8 cache is then weighed on what serves it.
 """
 
 from __future__ import annotations
@@ -30,13 +35,23 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported where they are used: the launcher reads the table without torch
+    import torch
+
+    from cadence.kv_cache import KVCache
 
 INT8 = "int8"
 DECODE_ROWS, CONTEXT = 32, 400
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 9, 3, 64, 16
 KV_MARGIN = 1.05  # int8 must be this much faster to be chosen
 REPEATS = 4  # timed passes per cache dtype, in turn with the other's (the fastest counts)
-PROMPTS, PROMPT_LEN = 3, 320  # the prompt chunk the tiles are timed on
+PROMPTS, PROMPT_LEN = 3, 320  # the prompts timed in one pass
+# The charter workload's mix: 64 prompts of 320 tokens and ~9,200 tokens decoded 32 at a
+# time, 288 decode steps to 64 prompts (`calibrate.mix` weighs the products so too).
+DECODE_WEIGHT = 4.5
+CHARTER = (DECODE_ROWS, CONTEXT, PROMPT_LEN)  # what `measure` times by default
 TILES_MARGIN = 1.05  # the AMX tiles must be this much faster to take a kind of call
 EVERY_CALL, PROMPT_ROWS = 1, 2  # tiles_min_rows: the tiles take every call, or a chunk's
 VECTOR_TILES, AMX_TILES = 0, 1  # use_attention_tiles' codes
@@ -44,8 +59,9 @@ VECTOR_TILES, AMX_TILES = 0, 1  # use_attention_tiles' codes
 
 @dataclass(slots=True)
 class KvMeasured:
-    """Seconds per decode step's attention over every layer, by cache dtype, and the
-    dtype chosen for quantized serving's default."""
+    """Seconds of attention over every layer, by cache dtype: a decode step's (`seconds`)
+    and a prompt's (`prompt_seconds`), and the dtype chosen for quantized serving's
+    default."""
 
     choice: str
     seconds: dict[str, float]
@@ -58,25 +74,30 @@ class KvMeasured:
     tiles_min_rows: int = 0
     tiles_seconds: dict[str, float] = field(default_factory=dict)
     tiles_note: str = ""
+    # one prompt of `prompt_len` tokens ({} in a table written before prompts were timed:
+    # its choice saw the decode step alone, and is measured again)
+    prompt_seconds: dict[str, float] = field(default_factory=dict)
+    prompt_len: int = PROMPT_LEN
 
 
-def choose(seconds: dict[str, float], float_dtype: str) -> str:
-    return INT8 if seconds[INT8] * KV_MARGIN < seconds[float_dtype] else float_dtype
+def mix(decode_s: float, prompt_s: float) -> float:
+    """Attention's cost in the charter workload's proportions."""
+    return DECODE_WEIGHT * decode_s + prompt_s
 
 
-def _attention_step(
-    cache_dtype: str, dtype_name: str, rows: int, context: int
-) -> Callable[[], None]:
-    """One decode step's attention over every layer, `rows` rows at `context` tokens, over
-    a `cache_dtype` cache of random keys and values (warmed once)."""
+def choose(seconds: dict[str, float], prompt_seconds: dict[str, float], float_dtype: str) -> str:
+    """int8 where its decode steps and prompts, mixed as the charter's, take KV_MARGIN
+    less time than the float cache's."""
+    cost = {name: mix(seconds[name], prompt_seconds[name]) for name in (INT8, float_dtype)}
+    return INT8 if cost[INT8] * KV_MARGIN < cost[float_dtype] else float_dtype
+
+
+def _random_cache(cache_dtype: str, num_blocks: int) -> KVCache:
+    """A `cache_dtype` cache of SmolLM2's shape holding random keys and values."""
     import torch
 
-    from cadence.kernels import cpu as cpu_kernels
     from cadence.kv_cache import KVCache
 
-    dtype = getattr(torch, dtype_name)
-    blocks_per_row = -(-context // BLOCK_SIZE)
-    num_blocks = rows * blocks_per_row
     cache = KVCache(LAYERS, num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, cache_dtype, "cpu")
     if cache.blocks.dtype == torch.int8:
         cache.blocks.copy_(torch.randint(-127, 128, cache.blocks.shape, dtype=torch.int8))
@@ -84,44 +105,17 @@ def _attention_step(
         cache.token_scales.uniform_(0.01, 0.05)
     else:
         cache.blocks.normal_()
-    # each row's blocks spread over the pool, as a running batch's are after a while
-    tables = torch.randperm(num_blocks).reshape(rows, blocks_per_row)
-    lens = torch.full((rows,), context, dtype=torch.int64)
-    q = torch.randn(rows, HEADS, HEAD_DIM).to(dtype)
-    out = torch.empty_like(q)
-    scale = HEAD_DIM**-0.5
-
-    def one_step() -> None:
-        for layer in range(LAYERS):
-            k, v = cache.layer(layer)
-            k_scale, v_scale = cache.scales(layer)
-            cpu_kernels.paged_decode_attention(
-                q, k, v, tables, lens, scale, None, out=out, k_scale=k_scale, v_scale=v_scale
-            )
-
-    one_step()  # warm-up: first touches, the kernel's workspaces
-    return one_step
+    return cache
 
 
-def _prompt_step(dtype_name: str) -> Callable[[], None]:
-    """The attention of PROMPTS prompts of PROMPT_LEN tokens over every layer, each token a
-    query over its prompt up to itself (one block table per prompt), on an int8 cache."""
-    import torch
-
+def _every_layer(
+    cache: KVCache, q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor
+) -> Callable[[], None]:
+    """The shard's paged attention of `q` over every layer of `cache` (run once, to warm
+    it: first touches, the kernel's workspaces)."""
     from cadence.kernels import cpu as cpu_kernels
-    from cadence.kv_cache import KVCache
 
-    blocks_per = -(-PROMPT_LEN // BLOCK_SIZE)
-    num_blocks = PROMPTS * blocks_per
-    cache = KVCache(LAYERS, num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, INT8, "cpu")
-    cache.blocks.copy_(torch.randint(-127, 128, cache.blocks.shape, dtype=torch.int8))
-    assert cache.token_scales is not None
-    cache.token_scales.uniform_(0.01, 0.05)
-    order = torch.randperm(num_blocks).reshape(PROMPTS, blocks_per)
-    tables = order.repeat_interleave(PROMPT_LEN, dim=0)
-    lens = torch.arange(1, PROMPT_LEN + 1, dtype=torch.int64).repeat(PROMPTS)
-    q = torch.randn(PROMPTS * PROMPT_LEN, HEADS, HEAD_DIM).to(getattr(torch, dtype_name))
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape)
 
     def one_pass() -> None:
         for layer in range(LAYERS):
@@ -134,6 +128,37 @@ def _prompt_step(dtype_name: str) -> Callable[[], None]:
 
     one_pass()
     return one_pass
+
+
+def _attention_step(
+    cache_dtype: str, dtype_name: str, rows: int, context: int
+) -> Callable[[], None]:
+    """One decode step's attention over every layer, `rows` rows at `context` tokens."""
+    import torch
+
+    blocks_per_row = -(-context // BLOCK_SIZE)
+    num_blocks = rows * blocks_per_row
+    cache = _random_cache(cache_dtype, num_blocks)
+    # each row's blocks spread over the pool, as a running batch's are after a while
+    tables = torch.randperm(num_blocks).reshape(rows, blocks_per_row)
+    lens = torch.full((rows,), context, dtype=torch.int64)
+    q = torch.randn(rows, HEADS, HEAD_DIM).to(getattr(torch, dtype_name))
+    return _every_layer(cache, q, tables, lens)
+
+
+def _prompt_step(cache_dtype: str, dtype_name: str, prompt_len: int) -> Callable[[], None]:
+    """The attention of PROMPTS prompts of `prompt_len` tokens over every layer, each token
+    a query over its prompt up to itself (one block table per prompt)."""
+    import torch
+
+    blocks_per = -(-prompt_len // BLOCK_SIZE)
+    num_blocks = PROMPTS * blocks_per
+    cache = _random_cache(cache_dtype, num_blocks)
+    order = torch.randperm(num_blocks).reshape(PROMPTS, blocks_per)
+    tables = order.repeat_interleave(prompt_len, dim=0)
+    lens = torch.arange(1, prompt_len + 1, dtype=torch.int64).repeat(PROMPTS)
+    q = torch.randn(PROMPTS * prompt_len, HEADS, HEAD_DIM).to(getattr(torch, dtype_name))
+    return _every_layer(cache, q, tables, lens)
 
 
 def _on_tiles(step: Callable[[], None], tiles: int) -> Callable[[], None]:
@@ -176,44 +201,56 @@ def measure(
     dtype_name: str,
     rows: int = DECODE_ROWS,
     context: int = CONTEXT,
+    prompt_len: int = PROMPT_LEN,
     amx: tuple[bool, str] | None = None,
 ) -> KvMeasured:
     """Times an int8 cache against one in `dtype_name` (the activations' dtype; a float32
     serve's cache is bfloat16, `cpu_isa.default_kv_cache_dtype`) with the C++ kernels
-    already selected, at `rows` x `context` (the charter's decode step unless a test asks
-    for less); `amx`: `calibrate.amx_usable`'s answer, (True, ...) to time the int8 cache's
-    attention on AMX tiles too."""
+    already selected: a decode step of `rows` x `context` and PROMPTS prompts of
+    `prompt_len` tokens (the charter's unless a test asks for less); `amx`:
+    `calibrate.amx_usable`'s answer, (True, ...) to time the int8 cache's attention on
+    AMX tiles too."""
     import torch
 
     from cadence.cpu_isa import default_kv_cache_dtype
 
     float_dtype = default_kv_cache_dtype("cpu", dtype_name)
-    steps = {name: _attention_step(name, dtype_name, rows, context) for name in (float_dtype, INT8)}
+    caches = (float_dtype, INT8)
+    steps = {name: _attention_step(name, dtype_name, rows, context) for name in caches}
+    prompts = {f"prompt {name}": _prompt_step(name, dtype_name, prompt_len) for name in caches}
+    steps |= prompts
     tiles_s: dict[str, float] = {}
     note = amx[1] if amx else ""
     granted = bool(amx and amx[0]) and bool(torch.ops.cadence.amx_available())
     if amx and amx[0] and not granted:
         note = "AMX tiles not timed: the kernel refused AMX permission"
     if granted and dtype_name in ("bfloat16", "float16"):  # the int8 kernel's query dtypes
-        prompt = _prompt_step(dtype_name)
         steps |= {
             "decode amx": _on_tiles(steps[INT8], AMX_TILES),
-            "prompt vector": prompt,
-            "prompt amx": _on_tiles(prompt, AMX_TILES),
+            "prompt amx": _on_tiles(prompts[f"prompt {INT8}"], AMX_TILES),
         }
     elif granted:
         note = f"AMX tiles not timed: {dtype_name} queries keep the vector kernel"
-    seconds = _fastest(steps)
-    if len(steps) > 2:
-        tiles_s = {"decode vector": seconds[INT8]} | {
-            name: seconds.pop(name) for name in ("decode amx", "prompt vector", "prompt amx")
+    timed = _fastest(steps)
+    seconds = {name: timed[name] for name in caches}
+    passes = {name: timed[f"prompt {name}"] for name in caches}
+    if "decode amx" in timed:
+        tiles_s = {
+            "decode vector": seconds[INT8],
+            "decode amx": timed["decode amx"],
+            "prompt vector": passes[INT8],
+            "prompt amx": timed["prompt amx"],
         }
     min_rows = choose_tiles(tiles_s) if tiles_s else 0
     if min_rows == EVERY_CALL:  # the int8 cache decodes on the tiles
         seconds[INT8] = tiles_s["decode amx"]
+    if min_rows in (EVERY_CALL, PROMPT_ROWS):  # and its prompts
+        passes[INT8] = tiles_s["prompt amx"]
+    prompt_s = {name: s / PROMPTS for name, s in passes.items()}
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    choice = choose(seconds, prompt_s, float_dtype)
     return KvMeasured(
-        choose(seconds, float_dtype), seconds, stamp, rows, context, min_rows, tiles_s, note
+        choice, seconds, stamp, rows, context, min_rows, tiles_s, note, prompt_s, prompt_len
     )
 
 
@@ -226,17 +263,25 @@ def tiles_text(measured: KvMeasured) -> str:
     return (
         f"int8 attention on AMX-INT8 tiles for {serves[measured.tiles_min_rows]} (decode step "
         f"vector {t['decode vector']:.1f} / AMX {t['decode amx']:.1f} ms, {PROMPTS} prompts of "
-        f"{PROMPT_LEN} tokens {t['prompt vector']:.1f} / {t['prompt amx']:.1f} ms)"
+        f"{measured.prompt_len} tokens {t['prompt vector']:.1f} / {t['prompt amx']:.1f} ms)"
     )
 
 
 def describe(measured: KvMeasured) -> str:
-    """ "int8 (bfloat16 13.7 / int8 12.6 ms of decode attention a step, measured ...)", and
-    what the AMX tiles serve where they were timed."""
-    times = " / ".join(f"{name} {s * 1e3:.1f}" for name, s in measured.seconds.items())
+    """ "bfloat16 (attention of a decode step of 32 rows at 400 tokens: bfloat16 30.5 /
+    int8 28.3 ms; of a prompt of 320 tokens: bfloat16 56.7 / int8 90.2 ms; 4.5 decode steps
+    a prompt, as the charter workload mixes them; measured ...)", and what the AMX tiles
+    serve where they were timed."""
+
+    def times(seconds: dict[str, float]) -> str:
+        return " / ".join(f"{name} {s * 1e3:.1f}" for name, s in seconds.items())
+
+    what = f"attention of a decode step of {measured.rows} rows at {measured.context} tokens"
+    what += f": {times(measured.seconds)} ms"
+    if measured.prompt_seconds:
+        what += f"; of a prompt of {measured.prompt_len} tokens: "
+        what += f"{times(measured.prompt_seconds)} ms; {DECODE_WEIGHT:g} decode steps a prompt, "
+        what += "as the charter workload mixes them"
+    text = f"{measured.choice} ({what}; measured {measured.measured_at})"
     tiles = tiles_text(measured)
-    return (
-        f"{measured.choice} ({times} ms of attention for a decode step of {measured.rows} rows "
-        f"at {measured.context} tokens; measured {measured.measured_at})"
-        + (f"; {tiles}" if tiles else "")
-    )
+    return f"{text}; {tiles}" if tiles else text
