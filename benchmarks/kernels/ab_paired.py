@@ -16,6 +16,8 @@ of REV's ends. Benchmarks (SmolLM2-135M's shapes: 9 query heads over 3 KV heads 
 
 - decode: one layer's decode attention, 32 sequences of 380-460 tokens, float32 queries
   over a bfloat16 cache, each sequence its own blocks;
+- decode-layers: the same over 30 layers, each with its own cache (280 MB: the blocks
+  stream from memory, as in a real step, instead of sitting in the last-level cache);
 - prefill: one layer's batch-invariant prompt attention, 3 prompts of 320 tokens, each
   token a query over the prompt up to itself;
 - int4, int8: a 32-row product by a gate/up weight (3072 x 576) in that format;
@@ -56,7 +58,7 @@ def build_at(rev: str, files: list[Path], isa: str) -> Path:
             f.write_bytes(text)
 
 
-def decode_bench(prefill: bool) -> Callable[[], object]:
+def decode_bench(prefill: bool, layers: int = 1) -> Callable[[], object]:
     g = torch.Generator().manual_seed(0)
     kv_heads, heads, head_dim, block, per_seq = 3, 9, 64, 16, 30
     if prefill:  # 3 prompts x 320 tokens, token i attending over tokens 0..i of its prompt
@@ -68,15 +70,18 @@ def decode_bench(prefill: bool) -> Callable[[], object]:
         tables = torch.randperm(32 * per_seq, generator=g).view(32, per_seq)
         lens = torch.randint(380, 461, (32,), generator=g)
     blocks = int(tables.max()) + 1
-    k = torch.randn(blocks, block, kv_heads, head_dim, generator=g).bfloat16()
-    v = torch.randn(blocks, block, kv_heads, head_dim, generator=g).bfloat16()
+    caches = [
+        [torch.randn(blocks, block, kv_heads, head_dim, generator=g).bfloat16() for _ in "kv"]
+        for _ in range(layers)
+    ]
     q = torch.randn(len(lens), heads, head_dim, generator=g)
-    out = torch.empty_like(q)
+    outs = torch.empty(layers, *q.shape)
     attend = torch.ops.cadence.paged_decode_attention.out
 
     def call() -> torch.Tensor:
-        attend(q, k, v, tables, lens, head_dim**-0.5, None, out)
-        return out
+        for (k, v), out in zip(caches, outs, strict=True):
+            attend(q, k, v, tables, lens, head_dim**-0.5, None, out)
+        return outs
 
     return call
 
@@ -100,6 +105,7 @@ def greedy_bench() -> Callable[[], object]:
 
 BENCHES: dict[str, Callable[[], Callable[[], object]]] = {
     "decode": lambda: decode_bench(prefill=False),
+    "decode-layers": lambda: decode_bench(prefill=False, layers=30),
     "prefill": lambda: decode_bench(prefill=True),
     "int4": lambda: product_bench("int4"),
     "int8": lambda: product_bench("int8"),

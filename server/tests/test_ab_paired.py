@@ -12,6 +12,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "kernels" / "ab_paired.py"
@@ -99,3 +100,13 @@ def test_a_run_prints_both_sides_and_the_paired_ratio() -> None:
     assert 0.2 < ratio < 5.0  # the same library on both sides
     assert "outputs: the same bits" in done.stdout
     assert source.read_bytes() == before
+
+
+def test_decode_layers_attends_over_each_layers_own_cache() -> None:
+    """The streaming benchmark: every layer's output written, each from its own cache."""
+    from cadence.kernels import cpu
+
+    cpu.select("auto")
+    outs = script().decode_bench(prefill=False, layers=3)()
+    assert outs.shape == (3, 32, 9, 64) and bool(outs.isfinite().all())
+    assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[1], outs[2])
