@@ -169,14 +169,21 @@ def test_only_the_avx512_bf16_kernels_have_the_tiles():
 
 def test_the_tiles_take_the_calls_they_win_by_the_margin():
     def times(decode_amx: float, prompt_amx: float) -> dict[str, float]:
-        return {"decode vector": 1.0, "decode amx": decode_amx, "prompt vector": 1.0,
-                "prompt amx": prompt_amx}  # fmt: skip
+        prompts = kv_calibrate.PROMPTS  # the prompts' times are for that many
+        return {"decode vector": 1.0, "decode amx": decode_amx, "prompt vector": prompts,
+                "prompt amx": prompt_amx * prompts}  # fmt: skip
 
     assert kv_calibrate.choose_tiles(times(0.9, 0.9)) == kv_calibrate.EVERY_CALL
-    assert kv_calibrate.choose_tiles(times(0.9, 1.2)) == kv_calibrate.EVERY_CALL
+    assert kv_calibrate.choose_tiles(times(0.8, 1.2)) == kv_calibrate.EVERY_CALL
+    # the decode step won by less than the prompts lose, in the charter's mix: vector
+    assert kv_calibrate.choose_tiles(times(0.9, 1.2)) == 0
     assert kv_calibrate.choose_tiles(times(1.1, 0.7)) == kv_calibrate.PROMPT_ROWS
+    assert kv_calibrate.choose_tiles(times(0.99, 0.5)) == kv_calibrate.PROMPT_ROWS
     assert kv_calibrate.choose_tiles(times(0.97, 0.97)) == 0  # within the margin: vector
     assert kv_calibrate.choose_tiles(times(1.2, 1.3)) == 0
+    # a Sapphire Rapids (family 6 model 167): decode 14.3 / 14.1 ms, prompts 61.4 / 42.3
+    on_spr = {"decode vector": 14.3, "decode amx": 14.1, "prompt vector": 61.4, "prompt amx": 42.3}
+    assert kv_calibrate.choose_tiles(on_spr) == kv_calibrate.PROMPT_ROWS
 
 
 def test_the_measurement_times_the_tiles_where_amx_passes_its_self_test(avx512_bf16):

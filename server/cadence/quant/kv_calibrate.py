@@ -25,9 +25,10 @@ quantized arithmetic under the margin rule; float weights keep a float cache by 
 
 Where AMX-INT8 passes its self-test, the int8 cache's attention is timed on AMX tiles too
 (attention_int8_amx.h, bitwise equal to the VNNI kernel, so the choice moves no answer),
-for the decode step and for the prompts: the tiles take the calls they win by
-TILES_MARGIN, every call (`tiles_min_rows` 1) or only a prompt chunk's (PROMPT_ROWS: a call
-of at least 2 rows); 0: none. The int8 cache is then weighed on what serves it.
+for the decode step and for the prompts: the tiles take the calls they win by TILES_MARGIN,
+every call (`tiles_min_rows` 1) or only a prompt chunk's (PROMPT_ROWS: a call of at least 2
+rows); 0: none. Where they win the decode step and lose the prompts, every call goes to
+them only if that wins in the same mix. The int8 cache is then weighed on what serves it.
 """
 
 from __future__ import annotations
@@ -176,13 +177,21 @@ def _on_tiles(step: Callable[[], None], tiles: int) -> Callable[[], None]:
 
 
 def choose_tiles(seconds: dict[str, float]) -> int:
-    """tiles_min_rows from the four times: every call where the tiles win a decode step,
-    a prompt chunk's calls where they win only those, else none."""
-    if seconds["decode amx"] * TILES_MARGIN < seconds["decode vector"]:
-        return EVERY_CALL
-    if seconds["prompt amx"] * TILES_MARGIN < seconds["prompt vector"]:
-        return PROMPT_ROWS
-    return 0
+    """tiles_min_rows from the four times (the prompts' for PROMPTS prompts): every call
+    where the tiles win both kinds by TILES_MARGIN, a prompt chunk's calls where they win
+    only those; where they win only the decode step (they cannot take it alone), every
+    call if that still wins by the margin in the charter's mix, else none."""
+    decode = seconds["decode amx"] * TILES_MARGIN < seconds["decode vector"]
+    prompt = seconds["prompt amx"] * TILES_MARGIN < seconds["prompt vector"]
+    if prompt:
+        return EVERY_CALL if decode else PROMPT_ROWS
+    if not decode:
+        return 0
+
+    def cost(side: str) -> float:
+        return mix(seconds[f"decode {side}"], seconds[f"prompt {side}"] / PROMPTS)
+
+    return EVERY_CALL if cost("amx") * TILES_MARGIN < cost("vector") else 0
 
 
 def _fastest(steps: dict[str, Callable[[], None]]) -> dict[str, float]:
