@@ -18,6 +18,8 @@ of REV's ends. Benchmarks (SmolLM2-135M's shapes: 9 query heads over 3 KV heads 
   over a bfloat16 cache, each sequence its own blocks;
 - decode-layers: the same over 30 layers, each with its own cache (280 MB: the blocks
   stream from memory, as in a real step, instead of sitting in the last-level cache);
+- decode-layers-int8, prefill-int8: those over an int8 cache (its rows' scales drawn at
+  random), float32 queries;
 - prefill: one layer's batch-invariant prompt attention, 3 prompts of 320 tokens, each
   token a query over the prompt up to itself;
 - int4, int8: a 32-row product by a gate/up weight (3072 x 576) in that format;
@@ -58,7 +60,7 @@ def build_at(rev: str, files: list[Path], isa: str) -> Path:
             f.write_bytes(text)
 
 
-def decode_bench(prefill: bool, layers: int = 1) -> Callable[[], object]:
+def decode_bench(prefill: bool, layers: int = 1, int8: bool = False) -> Callable[[], object]:
     g = torch.Generator().manual_seed(0)
     kv_heads, heads, head_dim, block, per_seq = 3, 9, 64, 16, 30
     if prefill:  # 3 prompts x 320 tokens, token i attending over tokens 0..i of its prompt
@@ -70,17 +72,23 @@ def decode_bench(prefill: bool, layers: int = 1) -> Callable[[], object]:
         tables = torch.randperm(32 * per_seq, generator=g).view(32, per_seq)
         lens = torch.randint(380, 461, (32,), generator=g)
     blocks = int(tables.max()) + 1
-    caches = [
-        [torch.randn(blocks, block, kv_heads, head_dim, generator=g).bfloat16() for _ in "kv"]
-        for _ in range(layers)
-    ]
+    shape = (blocks, block, kv_heads, head_dim)
+    if int8:  # codes and each row's scale, as the cache stores them
+        caches = [
+            [torch.randint(-127, 128, shape, generator=g, dtype=torch.int8) for _ in "kv"]
+            for _ in range(layers)
+        ]
+        scales = [torch.rand(shape[:3], generator=g) * 0.04 + 0.01 for _ in "kv"]
+    else:
+        caches = [[torch.randn(shape, generator=g).bfloat16() for _ in "kv"] for _ in range(layers)]
+        scales = [None, None]
     q = torch.randn(len(lens), heads, head_dim, generator=g)
     outs = torch.empty(layers, *q.shape)
     attend = torch.ops.cadence.paged_decode_attention.out
 
     def call() -> torch.Tensor:
         for (k, v), out in zip(caches, outs, strict=True):
-            attend(q, k, v, tables, lens, head_dim**-0.5, None, out)
+            attend(q, k, v, tables, lens, head_dim**-0.5, None, out, *scales)
         return outs
 
     return call
@@ -107,6 +115,8 @@ BENCHES: dict[str, Callable[[], Callable[[], object]]] = {
     "decode": lambda: decode_bench(prefill=False),
     "decode-layers": lambda: decode_bench(prefill=False, layers=30),
     "prefill": lambda: decode_bench(prefill=True),
+    "decode-layers-int8": lambda: decode_bench(prefill=False, layers=30, int8=True),
+    "prefill-int8": lambda: decode_bench(prefill=True, int8=True),
     "int4": lambda: product_bench("int4"),
     "int8": lambda: product_bench("int8"),
     "greedy": greedy_bench,

@@ -103,10 +103,14 @@ def test_a_run_prints_both_sides_and_the_paired_ratio() -> None:
 
 
 def test_decode_layers_attends_over_each_layers_own_cache() -> None:
-    """The streaming benchmark: every layer's output written, each from its own cache."""
+    """The streaming benchmark: every layer's output written, each from its own cache;
+    and the int8 prompts' benchmark reads its cache through the scales."""
     from cadence.kernels import cpu
 
     cpu.select("auto")
     outs = script().decode_bench(prefill=False, layers=3)()
     assert outs.shape == (3, 32, 9, 64) and bool(outs.isfinite().all())
     assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[1], outs[2])
+    (prompts,) = script().decode_bench(prefill=True, int8=True)()
+    assert prompts.shape == (960, 9, 64) and bool(prompts.isfinite().all())
+    assert float(prompts.abs().max()) > 0.5  # codes up to 127 at scales of 0.01-0.05

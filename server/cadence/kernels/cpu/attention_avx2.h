@@ -440,6 +440,128 @@ void decode_seq_avx2(const void* q, void* out, const void* k_cache, const void* 
     }
 }
 
+// The most query rows decode_rows_avx2_i8 takes together: consecutive tokens of one
+// prompt chunk, each a query over the context up to itself (batch-invariant prefill).
+constexpr int AVX2_I8_GROUP_ROWS = 16;
+
+// decode_rows_avx2_i8's scratch: shared by its rows (a block's scaled key and value rows
+// of one KV head, the scores of the row at hand, a row buffer), then each row's own.
+inline int64_t avx2_i8_shared_floats(int head_dim, int num_heads, int block_size) {
+    return head_dim + 2 * static_cast<int64_t>(block_size) * head_dim + num_heads * block_size;
+}
+inline int64_t avx2_i8_row_floats(int head_dim, int num_heads) {
+    return static_cast<int64_t>(num_heads) * (2 * head_dim + 3);  // q, acc, m, l, correction
+}
+
+// Up to AVX2_I8_GROUP_ROWS consecutive rows over one block table and an int8 cache, with
+// no sliding window (decode_row_groups): each block's rows are scaled into float32 once
+// per KV head for every row that sees the block, where decode_seq_avx2 scales them again
+// for each row (a prompt of 320 tokens scaled each block up to 320 times: 1.6x the
+// bfloat16 cache's attention on a Zen 3). Each row then takes decode_seq_avx2's steps in
+// its order on the same float32 rows -- the rows past a row's own length are masked by
+// its softmax as they are there -- so a row's bits do not depend on the rows beside it.
+// One row is decode_seq_avx2 itself.
+template <int QT, int D>
+void decode_rows_avx2_i8(const void* q, void* out, const void* k_cache, const void* v_cache,
+                         const float* k_scale, const float* v_scale, const int64_t* table,
+                         const int64_t* context_lens, int64_t seq0, int rows, int num_heads,
+                         int num_kv_heads, int block_size, float scale, int64_t window,
+                         float* scratch) {
+    if (rows == 1)  // the scratch holds decode_seq_avx2's: the shared part and one row's
+        return decode_seq_avx2<QT, I8, D>(q, out, k_cache, v_cache, k_scale, v_scale, table,
+                                          context_lens[0], seq0, num_heads, num_kv_heads,
+                                          block_size, scale, window, scratch);
+    constexpr int N = value_chunks<D>();
+    const int G = num_heads / num_kv_heads;
+    float* row = scratch;                      // [D]
+    float* kf = row + D;                       // [block_size, D] a block's keys, scaled
+    float* vf = kf + block_size * D;           // [block_size, D] and values
+    float* s = vf + block_size * D;            // [H, block_size] the row at hand's scores
+    float* own = scratch + avx2_i8_shared_floats(D, num_heads, block_size);
+    const int64_t per_row = avx2_i8_row_floats(D, num_heads);
+    const int64_t row_stride = static_cast<int64_t>(num_kv_heads) * D;
+    const int64_t block_bytes = block_size * row_stride;  // int8
+    int64_t num_blocks_all = 0;
+    for (int r = 0; r < rows; ++r) {
+        float* qf = own + r * per_row;
+        float* acc = qf + num_heads * D;
+        float* m = acc + num_heads * D;
+        for (int h = 0; h < num_heads; ++h) {
+            load_row<QT>(q, ((seq0 + r) * num_heads + h) * D, row, D);
+            to_pair_order<F32, D>(row, scale, qf + h * D);
+        }
+        std::fill(acc, acc + num_heads * D, 0.0f);
+        std::fill(m, m + num_heads, NEG_INF);
+        std::fill(m + num_heads, m + 2 * num_heads, 0.0f);  // l
+        num_blocks_all = std::max(num_blocks_all, (context_lens[r] + block_size - 1) / block_size);
+    }
+    for (int64_t b = 0; b < num_blocks_all; ++b) {
+        const int64_t base = table[b] * block_size;
+        if (b + 1 < num_blocks_all) {  // the next block, while this one is worked on
+            prefetch_block(static_cast<const int8_t*>(k_cache) + table[b + 1] * block_bytes,
+                           block_bytes);
+            prefetch_block(static_cast<const int8_t*>(v_cache) + table[b + 1] * block_bytes,
+                           block_bytes);
+        }
+        int hi_all = 0;  // the most rows of this block any row sees
+        for (int r = 0; r < rows; ++r)
+            hi_all = std::max<int>(
+                hi_all, static_cast<int>(std::clamp<int64_t>(context_lens[r] - b * block_size, 0,
+                                                             block_size)));
+        for (int kh = 0; kh < num_kv_heads; ++kh) {
+            const int64_t at = base * row_stride + kh * D;
+            const float* k_rows = k_scale + base * num_kv_heads + kh;
+            const float* v_rows = v_scale + base * num_kv_heads + kh;
+            scaled_rows_i8<D>(k_cache, at, row_stride, k_rows, num_kv_heads, 0,
+                              (hi_all + 7) / 8 * 8, kf);
+            scaled_rows_i8<D>(v_cache, at, row_stride, v_rows, num_kv_heads, 0, hi_all, vf);
+            for (int r = 0; r < rows; ++r) {
+                const int64_t left = context_lens[r] - b * block_size;
+                if (left <= 0) continue;  // a shorter row ends before this block
+                const int hi = static_cast<int>(std::min<int64_t>(block_size, left));
+                float* qf = own + r * per_row;
+                float* acc = qf + num_heads * D;
+                float* m = acc + num_heads * D;
+                float* l = m + num_heads;
+                float* correction = l + num_heads;
+                for (int h = kh * G; h < (kh + 1) * G; ++h)
+                    for (int t = 0; t < hi; t += 8)  // whole groups of 8 rows
+                        _mm256_storeu_ps(s + h * block_size + t,
+                                         scores8<F32, D>(qf + h * D, kf, t * D, D));
+                softmax_heads8(s + kh * G * block_size, block_size, G, 0, hi, m + kh * G,
+                               l + kh * G, correction + kh * G);
+                for (int h = kh * G; h < (kh + 1) * G; ++h)
+                    for (int c = 0; c < D; c += 16 * N)
+                        accumulate_values16<F32, N>(vf, c, D, s + h * block_size, 0, hi,
+                                                    correction[h], acc + h * D + c);
+            }
+        }
+    }
+    for (int r = 0; r < rows; ++r) {
+        const float* acc = own + r * per_row + num_heads * D;
+        const float* l = acc + num_heads * D + num_heads;
+        for (int h = 0; h < num_heads; ++h) {
+            const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;  // no visible key: zeros
+            from_pair_order<F32, D>(acc + h * D, row);
+            store_row<QT>(out, ((seq0 + r) * num_heads + h) * D, row, inv, D);
+        }
+    }
+}
+
+template <int QT>
+DecodeRowsFn pick_rows_avx2_i8(int head_dim, int block_size) {
+    if (block_size % 8 != 0) return nullptr;
+    switch (head_dim) {
+        case 32: return decode_rows_avx2_i8<QT, 32>;
+        case 64: return decode_rows_avx2_i8<QT, 64>;
+        case 80: return decode_rows_avx2_i8<QT, 80>;
+        case 96: return decode_rows_avx2_i8<QT, 96>;
+        case 128: return decode_rows_avx2_i8<QT, 128>;
+        case 256: return decode_rows_avx2_i8<QT, 256>;
+        default: return nullptr;
+    }
+}
+
 template <int QT, int KT>
 DecodeSeqFn pick_avx2(int head_dim, int block_size) {
     if (block_size % 8 != 0) return nullptr;
