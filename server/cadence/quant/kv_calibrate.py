@@ -2,23 +2,25 @@
 machine, measured, for quantized serving's default cache.
 
 An int8 cache halves the bytes decode attention reads, but its values are converted to
-the activations' dtype as they are read, once per query row: a decode step's 32 rows
-each read their own sequence, a prompt's 320 tokens each read the prompt up to
-themselves, and there the conversion is repeated for every token that attends. So both
-are timed, with the kernel table (`cadence.quant.calibrate`), once per machine key, and
-weighed as the charter workload mixes them (DECODE_WEIGHT decode steps per prompt, as the
-products are): the shard's paged attention over SmolLM2-135M's 30 layers (9 query heads on
-3 KV heads of 64) for a decode step of DECODE_ROWS rows at CONTEXT tokens, with each cache
-in its own blocks (more than a CPU's caches hold: 30 layers x 32 x 400 tokens is 295 MB in
+the activations' dtype as they are read: a decode step's 32 rows each read their own
+sequence, a prompt's 320 tokens each read the prompt up to themselves, and how often a
+prompt's blocks are converted depends on the kernel (once for every 8 or 16 rows of a
+prompt chunk on the AVX-512 BF16 and AVX2 kernels). So both are timed, with the kernel
+table (`cadence.quant.calibrate`), once per machine key, and weighed as the charter
+workload mixes them (DECODE_WEIGHT decode steps per prompt, as the products are): the
+shard's paged attention over SmolLM2-135M's 30 layers (9 query heads on 3 KV heads of
+64) for a decode step of DECODE_ROWS rows at CONTEXT tokens, with each cache in its own
+blocks (more than a CPU's caches hold: 30 layers x 32 x 400 tokens is 295 MB in
 bfloat16, so they stream from memory as in a real step), and for PROMPTS prompts of
 PROMPT_LEN tokens, each token a query over its prompt up to itself, as batch-invariant
-prefill attends. On a 2-core Zen 3 (AVX2 kernels) int8 won the decode step (28.3 against
-30.5 ms) and lost the prompts (90.2 against 56.7 ms a prompt), and the charter workload
-ran 4% slower with it than with bfloat16: timed on the decode step alone, the choice was
-int8. int8 is chosen only when KV_MARGIN faster: it moves logits more than a 16-bit cache
-(docs/quantization.md, "the margin rule"), which is worth it only for a clear gain, and a
-choice that flipped with a shared machine's noise would change answers from one start to
-the next.
+prefill attends. On a 2-core Zen 3 (AVX2 kernels), while its kernel scaled an int8
+block's rows again for each row of a prompt, int8 won the decode step (28.3 against 30.5
+ms) and lost the prompts (90.2 against 56.7 ms a prompt), and the charter workload ran
+5% slower with it than with bfloat16: timed on the decode step alone, the choice was
+int8. int8 is chosen only when KV_MARGIN faster: it moves logits more than a 16-bit
+cache (docs/quantization.md, "the margin rule"), which is worth it only for a clear
+gain, and a choice that flipped with a shared machine's noise would change answers from
+one start to the next.
 
 Only quantized serving takes the measured choice (`cadence.launcher`): it already serves
 quantized arithmetic under the margin rule; float weights keep a float cache by default.
