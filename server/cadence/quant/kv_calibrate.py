@@ -15,9 +15,9 @@ bfloat16, so they stream from memory as in a real step), and for PROMPTS prompts
 PROMPT_LEN tokens, each token a query over its prompt up to itself, as batch-invariant
 prefill attends. On a 2-core Zen 3 (AVX2 kernels), while its kernel scaled an int8
 block's rows again for each row of a prompt, int8 won the decode step (28.3 against 30.5
-ms) and lost the prompts (90.2 against 56.7 ms a prompt), and the charter workload ran
-5% slower with it than with bfloat16: timed on the decode step alone, the choice was
-int8. int8 is chosen only when KV_MARGIN faster: it moves logits more than a 16-bit
+ms) and lost the prompts (90.2 against 56.7 ms a prompt), and the charter workload was
+slower with it in two of three alternated rounds: timed on the decode step alone, the
+choice was int8. int8 is chosen only when KV_MARGIN faster: it moves logits more than a 16-bit
 cache (docs/quantization.md, "the margin rule"), which is worth it only for a clear
 gain, and a choice that flipped with a shared machine's noise would change answers from
 one start to the next.
