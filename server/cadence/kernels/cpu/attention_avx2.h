@@ -167,9 +167,13 @@ inline __m256 scores8(const float* qf, const void* k, int64_t at, int64_t stride
 // step at a time over all of them so that their latency chains overlap: whole groups of
 // 8 scores, rows outside [lo, hi) made -inf by a select whatever their slot held (NaN
 // included), so they weigh exactly 0. correction[i] gets the factor head i's accumulator
-// is rescaled by, which accumulate_values16 applies.
-inline void softmax_heads8(float* sc, int stride, int n, int lo, int hi, float* m, float* l,
-                           float* correction) {
+// is rescaled by, which accumulate_values16 applies. Out of line: its scalar steps (the
+// running sum, fast_exp's polynomial) are multiplies and adds the compiler may fuse or not
+// in each place it inlines them (-ffp-contract), and both int8 kernels must take the same
+// steps for a row's bits to match (inlined into each, rows differed by an ulp; a call per
+// block and KV head costs nothing measurable: prefill-int8 1.004, decode-layers-int8 1.000).
+__attribute__((noinline)) void softmax_heads8(float* sc, int stride, int n, int lo, int hi,
+                                              float* m, float* l, float* correction) {
     const int first = lo / 8 * 8;
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     for (int i = 0; i < n; ++i) {
@@ -346,44 +350,114 @@ void decode_seq_two_pass(const void* k_cache, const void* v_cache, const int64_t
     });
 }
 
-// A quantized cache is read as stored and its scales applied outside the inner loops:
-// fp8's layer scales fold into the query (keys) and the final 1 / sum (values); an int8
-// block's rows are scaled once per KV head into float32 rows (scaled_rows_i8), as the
-// reference reads them.
+// One query row's state in an int8 cache's online loop, laid out one after another in a
+// scratch of row_floats(H, D): its queries times scale and its accumulators ([H, D] each,
+// pair order), then the running max, running sum and this block's rescaling ([H] each).
+struct OnlineRowI8 {
+    float *qf, *acc, *m, *l, *correction;
+    static int64_t row_floats(int num_heads, int head_dim) {
+        return static_cast<int64_t>(num_heads) * (2 * head_dim + 3);
+    }
+    static OnlineRowI8 at(float* p, int num_heads, int head_dim) {
+        const int64_t hd = static_cast<int64_t>(num_heads) * head_dim;
+        return {p, p + hd, p + 2 * hd, p + 2 * hd + num_heads, p + 2 * hd + 2 * num_heads};
+    }
+    // Query row `seq` of q (QT) times scale, in pair order, with nothing seen yet (`row`:
+    // D floats of scratch).
+    template <int QT, int D>
+    void start(const void* q, int64_t seq, int num_heads, float scale, float* row) const {
+        for (int h = 0; h < num_heads; ++h) {
+            load_row<QT>(q, (seq * num_heads + h) * D, row, D);
+            to_pair_order<F32, D>(row, scale, qf + h * D);
+        }
+        std::fill(acc, acc + num_heads * D, 0.0f);
+        std::fill(m, m + num_heads, NEG_INF);
+        std::fill(l, l + num_heads, 0.0f);
+    }
+    // Its output rows: the accumulators over the sum (zeros where no key was visible).
+    template <int QT, int D>
+    void finish(void* out, int64_t seq, int num_heads, float* row) const {
+        for (int h = 0; h < num_heads; ++h) {
+            const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
+            from_pair_order<F32, D>(acc + h * D, row);
+            store_row<QT>(out, (seq * num_heads + h) * D, row, inv, D);
+        }
+    }
+};
+
+// One block's step of the online loop for one row and the G query heads of KV head kh:
+// the block's rows [lo, hi) of that head scaled into kf and vf ([block_size, D] each,
+// scaled_rows_i8; the keys' rows in whole groups of 8, those outside [lo, hi) masked by the
+// softmax's select whatever they hold), scores into s ([H, block_size]), softmax_heads8,
+// then the values with the correction. `next` (decode_seq_avx2's prefetch of the next
+// block; null in decode_rows_avx2_i8) takes a slice before each score group and each
+// head's values. Both int8 kernels take a row's steps here, so its bits are the same
+// whichever serves it (with softmax_heads8 out of line: see there).
+template <int D>
+inline void online_block_i8(const OnlineRowI8& r, const float* kf, const float* vf, float* s,
+                            int block_size, int G, int kh, int lo, int hi, BlockPrefetch* next) {
+    constexpr int N = value_chunks<D>();
+    for (int h = kh * G; h < (kh + 1) * G; ++h)
+        for (int t = lo / 8 * 8; t < hi; t += 8) {
+            if (next) next->next_slice();
+            _mm256_storeu_ps(s + h * block_size + t, scores8<F32, D>(r.qf + h * D, kf, t * D, D));
+        }
+    softmax_heads8(s + kh * G * block_size, block_size, G, lo, hi, r.m + kh * G, r.l + kh * G,
+                   r.correction + kh * G);
+    for (int h = kh * G; h < (kh + 1) * G; ++h) {
+        if (next) next->next_slice();
+        for (int c = 0; c < D; c += 16 * N)
+            accumulate_values16<F32, N>(vf, c, D, s + h * block_size, lo, hi, r.correction[h],
+                                        r.acc + h * D + c);
+    }
+}
+
+// decode_seq_avx2's scratch: a row's state (OnlineRowI8's layout; a float cache reads its
+// qf, acc and l), the scores of one block, a row buffer, an int8 block's scaled rows.
+inline int64_t avx2_seq_floats(int head_dim, int num_heads, int block_size) {
+    return OnlineRowI8::row_floats(num_heads, head_dim) +
+           static_cast<int64_t>(num_heads) * block_size + head_dim +
+           2 * static_cast<int64_t>(block_size) * head_dim;
+}
+
+// One sequence. A float cache takes two passes (decode_seq_two_pass); an int8 cache the
+// online loop, a softmax step per block, its rows scaled once per KV head into float32
+// (scaled_rows_i8), as the reference reads them. fp8's layer scales fold into the query
+// (keys) and the final 1 / sum (values).
 template <int QT, int KT, int D>
 void decode_seq_avx2(const void* q, void* out, const void* k_cache, const void* v_cache,
                      const float* k_scale, const float* v_scale, const int64_t* table,
                      int64_t context_len, int64_t seq, int num_heads, int num_kv_heads,
                      int block_size, float scale, int64_t window, float* scratch) {
-    constexpr int N = value_chunks<D>();
     const int G = num_heads / num_kv_heads;
-    float* qf = scratch;                        // [H, D] queries times scale, pair order
-    float* acc = qf + num_heads * D;            // [H, D] pair order
-    float* s = acc + num_heads * D;             // [H, block_size] scores, then probabilities
-    float* m = s + num_heads * block_size;      // [H] running max
-    float* l = m + num_heads;                   // [H] running sum
-    float* correction = l + num_heads;          // [H] this block's rescaling
-    float* row = correction + num_heads;        // [D]
+    const OnlineRowI8 state = OnlineRowI8::at(scratch, num_heads, D);
+    float* s = scratch + OnlineRowI8::row_floats(num_heads, D);  // [H, block_size]
+    float* row = s + num_heads * block_size;                     // [D]
     float* kf = row + D;                        // [block_size, D] an int8 block's keys
     float* vf = kf + block_size * D;            // [block_size, D] and values, scaled
-    constexpr bool per_row = KT == I8, per_layer = KT == F8E4M3 || KT == F8E5M2;
-    constexpr int RT = per_row ? F32 : KT;      // the rows the products read: kf, vf for int8
-    const float q_mul = per_layer ? scale * k_scale[0] * FP8_UNIT<KT> : scale;
-    const float out_mul = per_layer ? v_scale[0] * FP8_UNIT<KT> : 1.0f;
-    for (int h = 0; h < num_heads; ++h) {
-        load_row<QT>(q, (seq * num_heads + h) * D, row, D);
-        to_pair_order<RT, D>(row, q_mul, qf + h * D);
-    }
-    std::fill(acc, acc + num_heads * D, 0.0f);
-    std::fill(m, m + num_heads, NEG_INF);
-    std::fill(l, l + num_heads, 0.0f);
     const int64_t first_key = window > 0 ? std::max<int64_t>(0, context_len - window) : 0;
-    if constexpr (!per_row) {
+    if constexpr (KT != I8) {
+        constexpr bool per_layer = KT == F8E4M3 || KT == F8E5M2;
+        const float q_mul = per_layer ? scale * k_scale[0] * FP8_UNIT<KT> : scale;
+        const float out_mul = per_layer ? v_scale[0] * FP8_UNIT<KT> : 1.0f;
+        for (int h = 0; h < num_heads; ++h) {
+            load_row<QT>(q, (seq * num_heads + h) * D, row, D);
+            to_pair_order<KT, D>(row, q_mul, state.qf + h * D);
+        }
+        std::fill(state.acc, state.acc + num_heads * D, 0.0f);
+        std::fill(state.l, state.l + num_heads, 0.0f);
         decode_seq_two_pass<QT, KT, D>(k_cache, v_cache, table, first_key, context_len,
-                                       num_heads, G, num_kv_heads, block_size, qf, acc, l);
-    } else {  // the online loop: an int8 cache
+                                       num_heads, G, num_kv_heads, block_size, state.qf,
+                                       state.acc, state.l);
+        for (int h = 0; h < num_heads; ++h) {
+            const float inv = state.l[h] > 0.0f ? out_mul / state.l[h] : 0.0f;  // no key: zeros
+            from_pair_order<KT, D>(state.acc + h * D, row);
+            store_row<QT>(out, (seq * num_heads + h) * D, row, inv, D);
+        }
+    } else {
+        state.start<QT, D>(q, seq, num_heads, scale, row);
         const int64_t row_stride = static_cast<int64_t>(num_kv_heads) * D;
-        const int64_t block_bytes = block_size * row_stride * sizeof_dtype<KT>();
+        const int64_t block_bytes = block_size * row_stride;  // int8
         const int64_t slices = num_heads * (block_size / 8 + 1);  // score groups, value passes
         const int64_t slice = ((block_bytes + slices - 1) / slices + 63) / 64 * 64;
         const int64_t num_blocks = (context_len + block_size - 1) / block_size;
@@ -396,47 +470,15 @@ void decode_seq_avx2(const void* q, void* out, const void* k_cache, const void* 
                                last ? 0 : table[b + 1] * block_bytes, last ? 0 : block_bytes, slice};
             for (int kh = 0; kh < num_kv_heads; ++kh) {
                 const int64_t at = base * row_stride + kh * D;
-                // Where the products read this block's rows: in place, or an int8 block's
-                // scaled copies (rows in whole groups of 8 for the keys: those outside
-                // [lo, hi), NaN scales and all, are masked by the softmax's select; the
-                // values' rows past hi are never read).
-                const void* keys = k_cache;
-                const void* values = v_cache;
-                int64_t k_at = at, stride = row_stride;
-                if constexpr (per_row) {
-                    const float* k_rows = k_scale + base * num_kv_heads + kh;
-                    const float* v_rows = v_scale + base * num_kv_heads + kh;
-                    scaled_rows_i8<D>(k_cache, at, row_stride, k_rows, num_kv_heads, lo / 8 * 8,
-                                      (hi + 7) / 8 * 8, kf);
-                    scaled_rows_i8<D>(v_cache, at, row_stride, v_rows, num_kv_heads, lo, hi, vf);
-                    keys = kf;
-                    values = vf;
-                    k_at = 0;
-                    stride = D;
-                }
-                for (int h = kh * G; h < (kh + 1) * G; ++h) {
-                    for (int t = lo / 8 * 8; t < hi; t += 8) {  // whole groups of 8 rows
-                        next.next_slice();
-                        const __m256 sc = scores8<RT, D>(qf + h * D, keys, k_at + t * stride, stride);
-                        _mm256_storeu_ps(s + h * block_size + t, sc);
-                    }
-                }
-                softmax_heads8(s + kh * G * block_size, block_size, G, lo, hi, m + kh * G, l + kh * G,
-                               correction + kh * G);
-                for (int h = kh * G; h < (kh + 1) * G; ++h) {
-                    next.next_slice();
-                    for (int c = 0; c < D; c += 16 * N)
-                        accumulate_values16<RT, N>(values, k_at + c, stride, s + h * block_size,
-                                                   lo, hi, correction[h], acc + h * D + c);
-                }
+                scaled_rows_i8<D>(k_cache, at, row_stride, k_scale + base * num_kv_heads + kh,
+                                  num_kv_heads, lo / 8 * 8, (hi + 7) / 8 * 8, kf);
+                scaled_rows_i8<D>(v_cache, at, row_stride, v_scale + base * num_kv_heads + kh,
+                                  num_kv_heads, lo, hi, vf);
+                online_block_i8<D>(state, kf, vf, s, block_size, G, kh, lo, hi, &next);
             }
             next.rest();  // what a partial block's fewer passes left over
         }
-    }
-    for (int h = 0; h < num_heads; ++h) {
-        const float inv = l[h] > 0.0f ? out_mul / l[h] : 0.0f;  // no visible key: zeros
-        from_pair_order<RT, D>(acc + h * D, row);
-        store_row<QT>(out, (seq * num_heads + h) * D, row, inv, D);
+        state.finish<QT, D>(out, seq, num_heads, row);
     }
 }
 
@@ -444,23 +486,21 @@ void decode_seq_avx2(const void* q, void* out, const void* k_cache, const void* 
 // prompt chunk, each a query over the context up to itself (batch-invariant prefill).
 constexpr int AVX2_I8_GROUP_ROWS = 16;
 
-// decode_rows_avx2_i8's scratch: shared by its rows (a block's scaled key and value rows
-// of one KV head, the scores of the row at hand, a row buffer), then each row's own.
+// decode_rows_avx2_i8's scratch: shared by its rows (a row buffer, a block's scaled key
+// and value rows of one KV head, the scores of the row at hand), then each row's own
+// (OnlineRowI8::row_floats). The shared part and one row are decode_seq_avx2's scratch.
 inline int64_t avx2_i8_shared_floats(int head_dim, int num_heads, int block_size) {
-    return head_dim + 2 * static_cast<int64_t>(block_size) * head_dim + num_heads * block_size;
-}
-inline int64_t avx2_i8_row_floats(int head_dim, int num_heads) {
-    return static_cast<int64_t>(num_heads) * (2 * head_dim + 3);  // q, acc, m, l, correction
+    return avx2_seq_floats(head_dim, num_heads, block_size) -
+           OnlineRowI8::row_floats(num_heads, head_dim);
 }
 
 // Up to AVX2_I8_GROUP_ROWS consecutive rows over one block table and an int8 cache, with
 // no sliding window (decode_row_groups): each block's rows are scaled into float32 once
 // per KV head for every row that sees the block, where decode_seq_avx2 scales them again
 // for each row (a prompt of 320 tokens scaled each block up to 320 times: 1.6x the
-// bfloat16 cache's attention on a Zen 3). Each row then takes decode_seq_avx2's steps in
-// its order on the same float32 rows -- the rows past a row's own length are masked by
-// its softmax as they are there -- so a row's bits do not depend on the rows beside it.
-// One row is decode_seq_avx2 itself.
+// bfloat16 cache's attention on a Zen 3). Each row then takes its step in
+// online_block_i8, as decode_seq_avx2's rows do, on the same float32 rows, so a row's
+// bits do not depend on the rows beside it. One row is decode_seq_avx2 itself.
 template <int QT, int D>
 void decode_rows_avx2_i8(const void* q, void* out, const void* k_cache, const void* v_cache,
                          const float* k_scale, const float* v_scale, const int64_t* table,
@@ -471,28 +511,20 @@ void decode_rows_avx2_i8(const void* q, void* out, const void* k_cache, const vo
         return decode_seq_avx2<QT, I8, D>(q, out, k_cache, v_cache, k_scale, v_scale, table,
                                           context_lens[0], seq0, num_heads, num_kv_heads,
                                           block_size, scale, window, scratch);
-    constexpr int N = value_chunks<D>();
     const int G = num_heads / num_kv_heads;
     float* row = scratch;                      // [D]
     float* kf = row + D;                       // [block_size, D] a block's keys, scaled
     float* vf = kf + block_size * D;           // [block_size, D] and values
     float* s = vf + block_size * D;            // [H, block_size] the row at hand's scores
     float* own = scratch + avx2_i8_shared_floats(D, num_heads, block_size);
-    const int64_t per_row = avx2_i8_row_floats(D, num_heads);
+    const auto state = [&](int r) -> OnlineRowI8 {
+        return OnlineRowI8::at(own + r * OnlineRowI8::row_floats(num_heads, D), num_heads, D);
+    };
     const int64_t row_stride = static_cast<int64_t>(num_kv_heads) * D;
     const int64_t block_bytes = block_size * row_stride;  // int8
     int64_t num_blocks_all = 0;
     for (int r = 0; r < rows; ++r) {
-        float* qf = own + r * per_row;
-        float* acc = qf + num_heads * D;
-        float* m = acc + num_heads * D;
-        for (int h = 0; h < num_heads; ++h) {
-            load_row<QT>(q, ((seq0 + r) * num_heads + h) * D, row, D);
-            to_pair_order<F32, D>(row, scale, qf + h * D);
-        }
-        std::fill(acc, acc + num_heads * D, 0.0f);
-        std::fill(m, m + num_heads, NEG_INF);
-        std::fill(m + num_heads, m + 2 * num_heads, 0.0f);  // l
+        state(r).template start<QT, D>(q, seq0 + r, num_heads, scale, row);
         num_blocks_all = std::max(num_blocks_all, (context_lens[r] + block_size - 1) / block_size);
     }
     for (int64_t b = 0; b < num_blocks_all; ++b) {
@@ -510,70 +542,33 @@ void decode_rows_avx2_i8(const void* q, void* out, const void* k_cache, const vo
                                                              block_size)));
         for (int kh = 0; kh < num_kv_heads; ++kh) {
             const int64_t at = base * row_stride + kh * D;
-            const float* k_rows = k_scale + base * num_kv_heads + kh;
-            const float* v_rows = v_scale + base * num_kv_heads + kh;
-            scaled_rows_i8<D>(k_cache, at, row_stride, k_rows, num_kv_heads, 0,
-                              (hi_all + 7) / 8 * 8, kf);
-            scaled_rows_i8<D>(v_cache, at, row_stride, v_rows, num_kv_heads, 0, hi_all, vf);
+            scaled_rows_i8<D>(k_cache, at, row_stride, k_scale + base * num_kv_heads + kh,
+                              num_kv_heads, 0, (hi_all + 7) / 8 * 8, kf);
+            scaled_rows_i8<D>(v_cache, at, row_stride, v_scale + base * num_kv_heads + kh,
+                              num_kv_heads, 0, hi_all, vf);
             for (int r = 0; r < rows; ++r) {
                 const int64_t left = context_lens[r] - b * block_size;
                 if (left <= 0) continue;  // a shorter row ends before this block
                 const int hi = static_cast<int>(std::min<int64_t>(block_size, left));
-                float* qf = own + r * per_row;
-                float* acc = qf + num_heads * D;
-                float* m = acc + num_heads * D;
-                float* l = m + num_heads;
-                float* correction = l + num_heads;
-                for (int h = kh * G; h < (kh + 1) * G; ++h)
-                    for (int t = 0; t < hi; t += 8)  // whole groups of 8 rows
-                        _mm256_storeu_ps(s + h * block_size + t,
-                                         scores8<F32, D>(qf + h * D, kf, t * D, D));
-                softmax_heads8(s + kh * G * block_size, block_size, G, 0, hi, m + kh * G,
-                               l + kh * G, correction + kh * G);
-                for (int h = kh * G; h < (kh + 1) * G; ++h)
-                    for (int c = 0; c < D; c += 16 * N)
-                        accumulate_values16<F32, N>(vf, c, D, s + h * block_size, 0, hi,
-                                                    correction[h], acc + h * D + c);
+                online_block_i8<D>(state(r), kf, vf, s, block_size, G, kh, 0, hi, nullptr);
             }
         }
     }
-    for (int r = 0; r < rows; ++r) {
-        const float* acc = own + r * per_row + num_heads * D;
-        const float* l = acc + num_heads * D + num_heads;
-        for (int h = 0; h < num_heads; ++h) {
-            const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;  // no visible key: zeros
-            from_pair_order<F32, D>(acc + h * D, row);
-            store_row<QT>(out, ((seq0 + r) * num_heads + h) * D, row, inv, D);
-        }
-    }
+    for (int r = 0; r < rows; ++r) state(r).template finish<QT, D>(out, seq0 + r, num_heads, row);
 }
 
 template <int QT>
 DecodeRowsFn pick_rows_avx2_i8(int head_dim, int block_size) {
     if (block_size % 8 != 0) return nullptr;
-    switch (head_dim) {
-        case 32: return decode_rows_avx2_i8<QT, 32>;
-        case 64: return decode_rows_avx2_i8<QT, 64>;
-        case 80: return decode_rows_avx2_i8<QT, 80>;
-        case 96: return decode_rows_avx2_i8<QT, 96>;
-        case 128: return decode_rows_avx2_i8<QT, 128>;
-        case 256: return decode_rows_avx2_i8<QT, 256>;
-        default: return nullptr;
-    }
+    return for_head_dim<DecodeRowsFn, 32, 64, 80, 96, 128, 256>(
+        head_dim, [](auto d) { return decode_rows_avx2_i8<QT, decltype(d)::value>; });
 }
 
 template <int QT, int KT>
 DecodeSeqFn pick_avx2(int head_dim, int block_size) {
     if (block_size % 8 != 0) return nullptr;
-    switch (head_dim) {
-        case 32: return decode_seq_avx2<QT, KT, 32>;
-        case 64: return decode_seq_avx2<QT, KT, 64>;
-        case 80: return decode_seq_avx2<QT, KT, 80>;
-        case 96: return decode_seq_avx2<QT, KT, 96>;
-        case 128: return decode_seq_avx2<QT, KT, 128>;
-        case 256: return decode_seq_avx2<QT, KT, 256>;
-        default: return nullptr;
-    }
+    return for_head_dim<DecodeSeqFn, 32, 64, 80, 96, 128, 256>(
+        head_dim, [](auto d) { return decode_seq_avx2<QT, KT, decltype(d)::value>; });
 }
 #endif
 

@@ -392,14 +392,8 @@ constexpr bool dpbf16_serves() {
 
 template <int QT, int KT>
 DecodeSeqFn pick_dpbf16(int head_dim) {
-    switch (head_dim) {
-        case 32: return decode_seq_dpbf16<QT, KT, 32>;
-        case 64: return decode_seq_dpbf16<QT, KT, 64>;
-        case 96: return decode_seq_dpbf16<QT, KT, 96>;
-        case 128: return decode_seq_dpbf16<QT, KT, 128>;
-        case 256: return decode_seq_dpbf16<QT, KT, 256>;
-        default: return nullptr;
-    }
+    return for_head_dim<DecodeSeqFn, 32, 64, 96, 128, 256>(
+        head_dim, [](auto d) { return decode_seq_dpbf16<QT, KT, decltype(d)::value>; });
 }
 #endif
 

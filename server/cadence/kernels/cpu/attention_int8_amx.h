@@ -349,12 +349,8 @@ CADENCE_AMX_TARGET void decode_rows_int8_amx(const void* q, void* out, const voi
 template <class Tiles, int QT>
 DecodeRowsFn pick_int8_amx(int head_dim, int block_size) {
     if (block_size % 16 != 0 || block_size > INT8_CHUNK) return nullptr;
-    switch (head_dim) {
-        case 64: return decode_rows_int8_amx<Tiles, QT, 64>;
-        case 128: return decode_rows_int8_amx<Tiles, QT, 128>;
-        case 256: return decode_rows_int8_amx<Tiles, QT, 256>;
-        default: return nullptr;
-    }
+    return for_head_dim<DecodeRowsFn, 64, 128, 256>(
+        head_dim, [](auto d) { return decode_rows_int8_amx<Tiles, QT, decltype(d)::value>; });
 }
 #endif
 

@@ -444,14 +444,8 @@ void decode_rows_int8(const void* q, void* out, const void* k_cache, const void*
 template <int QT>
 DecodeRowsFn pick_int8(int head_dim, int block_size) {
     if (block_size % 16 != 0 || block_size > INT8_CHUNK) return nullptr;
-    switch (head_dim) {
-        case 32: return decode_rows_int8<QT, 32>;
-        case 64: return decode_rows_int8<QT, 64>;
-        case 96: return decode_rows_int8<QT, 96>;
-        case 128: return decode_rows_int8<QT, 128>;
-        case 256: return decode_rows_int8<QT, 256>;
-        default: return nullptr;
-    }
+    return for_head_dim<DecodeRowsFn, 32, 64, 96, 128, 256>(
+        head_dim, [](auto d) { return decode_rows_int8<QT, decltype(d)::value>; });
 }
 #endif
 

@@ -228,7 +228,7 @@ void decode_all(const void* q, void* out, const void* k_cache, const void* v_cac
     if constexpr (KT == I8) if (fn == nullptr) {  // a prompt chunk's rows scale each block once
         const RowsKernel rows{pick_rows_avx2_i8<QT>(head_dim, block_size),
                               avx2_i8_shared_floats(head_dim, num_heads, block_size),
-                              avx2_i8_row_floats(head_dim, num_heads), AVX2_I8_GROUP_ROWS};
+                              OnlineRowI8::row_floats(num_heads, head_dim), AVX2_I8_GROUP_ROWS};
         if (rows.fn != nullptr)
             return decode_row_groups(rows, RowsKernel{}, 1, q, out, k_cache, v_cache, k_scale,
                                      v_scale, block_tables, table_stride, context_lens, num_seqs,
@@ -237,8 +237,7 @@ void decode_all(const void* q, void* out, const void* k_cache, const void* v_cac
     }
     if (fn == nullptr) {
         fn = pick_avx2<QT, KT>(head_dim, block_size);
-        scratch_floats =
-            num_heads * (2 * head_dim + block_size + 3) + head_dim + 2 * block_size * head_dim;
+        scratch_floats = avx2_seq_floats(head_dim, num_heads, block_size);
     }
 #endif
     if (fn != nullptr)

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 namespace {
 
@@ -46,5 +47,14 @@ using DecodeSeqFn = void (*)(const void*, void*, const void*, const void*, const
 using DecodeRowsFn = void (*)(const void*, void*, const void*, const void*, const float*,
                               const float*, const int64_t*, const int64_t*, int64_t, int, int,
                               int, int, float, int64_t, float*);
+
+// The kernel a pick_* function hands out for head_dim: make(std::integral_constant<int, D>{})
+// for the D of Ds equal to it, or nullptr where none of Ds is (no kernel built for it).
+template <typename Fn, int... Ds, typename Make>
+Fn for_head_dim(int head_dim, Make&& make) {
+    Fn fn = nullptr;
+    (void)((head_dim == Ds && (fn = make(std::integral_constant<int, Ds>{}), true)) || ...);
+    return fn;
+}
 
 }  // namespace
