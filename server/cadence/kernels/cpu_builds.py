@@ -66,7 +66,19 @@ OPS_FILES = local_files((OPS_SOURCE,))
 # -fno-trapping-math: loops with a select or a min/max around fast_exp (greedy's sum, the
 # generic SwiGLU) vectorize without AVX-512's masked stores (avx2 greedy: 1.5 -> 0.43 ms at
 # 32 x 49152); no FP exception flag is ever read here.
-BASE_FLAGS = ("-O3", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+# -ffp-contract=off: a multiply and an add fuse into one FMA only where the source says so
+# (the intrinsics, fast_exp.h's mul_add), never where the compiler chooses to in each place
+# it inlines a helper: two AVX2 int8 attention kernels sharing softmax_heads8 gave one row
+# bits an ulp apart for that alone, where batch invariance needs them equal.
+BASE_FLAGS = (
+    "-O3",
+    "-fno-trapping-math",
+    "-ffp-contract=off",
+    "-fopenmp",
+    "-shared",
+    "-fPIC",
+    "-std=c++17",
+)
 # torch's headers need C++20 (this torch); -O2: the shim only checks and forwards.
 OPS_FLAGS = ("-O2", "-shared", "-fPIC", "-std=c++20", "-Wall")
 OPS_LIBS = ("-lc10", "-ltorch_cpu")  # after the source: linkers drop unneeded libraries

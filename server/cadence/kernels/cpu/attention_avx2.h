@@ -167,13 +167,9 @@ inline __m256 scores8(const float* qf, const void* k, int64_t at, int64_t stride
 // step at a time over all of them so that their latency chains overlap: whole groups of
 // 8 scores, rows outside [lo, hi) made -inf by a select whatever their slot held (NaN
 // included), so they weigh exactly 0. correction[i] gets the factor head i's accumulator
-// is rescaled by, which accumulate_values16 applies. Out of line: its scalar steps (the
-// running sum, fast_exp's polynomial) are multiplies and adds the compiler may fuse or not
-// in each place it inlines them (-ffp-contract), and both int8 kernels must take the same
-// steps for a row's bits to match (inlined into each, rows differed by an ulp; a call per
-// block and KV head costs nothing measurable: prefill-int8 1.004, decode-layers-int8 1.000).
-__attribute__((noinline)) void softmax_heads8(float* sc, int stride, int n, int lo, int hi,
-                                              float* m, float* l, float* correction) {
+// is rescaled by, which accumulate_values16 applies.
+inline void softmax_heads8(float* sc, int stride, int n, int lo, int hi, float* m, float* l,
+                           float* correction) {
     const int first = lo / 8 * 8;
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     for (int i = 0; i < n; ++i) {
@@ -392,7 +388,8 @@ struct OnlineRowI8 {
 // then the values with the correction. `next` (decode_seq_avx2's prefetch of the next
 // block; null in decode_rows_avx2_i8) takes a slice before each score group and each
 // head's values. Both int8 kernels take a row's steps here, so its bits are the same
-// whichever serves it (with softmax_heads8 out of line: see there).
+// whichever serves it: the same operations, none of them fused by the compiler in one
+// kernel and not in the other (cpu_builds.py builds with -ffp-contract=off).
 template <int D>
 inline void online_block_i8(const OnlineRowI8& r, const float* kf, const float* vf, float* s,
                             int block_size, int G, int kh, int lo, int hi, BlockPrefetch* next) {

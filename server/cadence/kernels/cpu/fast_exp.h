@@ -22,6 +22,17 @@ constexpr float EXP2_POLY[EXP2_POLY_TERMS] = {
     0.009618129107628477f,   0.055504108664821576f,   0.2402265069591007f,
     0.6931471805599453f,     1.0f};
 
+// a * b + c, rounded once where the build has FMA (as exp8's and exp16's _mm*_fmadd_ps),
+// else twice: written out, so the bits never depend on whether the compiler fuses a
+// multiply and an add where it inlines them (the kernels build with -ffp-contract=off).
+inline float mul_add(float a, float b, float c) {
+#ifdef __FMA__
+    return __builtin_fmaf(a, b, c);
+#else
+    return a * b + c;
+#endif
+}
+
 // exp(x) in a form the compiler vectorizes (libm's expf is a scalar call): x = n ln2 +
 // f ln2 with n an integer and |f| <= 1/2, 2^f by its Taylor series to degree 7 (relative
 // error below 1e-8), 2^n by writing the exponent bits. Inputs below -87 give 0, so
@@ -34,7 +45,8 @@ inline float fast_exp(float x) {
     const float n = (y + 12582912.0f) - 12582912.0f;  // round to nearest (1.5 * 2^23)
     const float f = y - n;
     float p = EXP2_POLY[0];
-    for (int i = 1; i < EXP2_POLY_TERMS; ++i) p = p * f + EXP2_POLY[i];
+#pragma GCC unroll 8  // unrolled, as before the loops around it are vectorized
+    for (int i = 1; i < EXP2_POLY_TERMS; ++i) p = mul_add(p, f, EXP2_POLY[i]);
     const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
     float scale;
     std::memcpy(&scale, &bits, sizeof scale);
@@ -44,7 +56,7 @@ inline float fast_exp(float x) {
 #ifdef CADENCE_AVX2
 // fast_exp on 8 lanes, in pieces: exp(x) = p * scale (scale = 2^n written into the
 // exponent) in the lanes of `normal`, 0 in the others. The same operations as fast_exp,
-// whose polynomial the compiler fuses into FMAs too: the same bits.
+// whose polynomial takes the same FMAs (mul_add): the same bits.
 inline __m256 exp8_parts(__m256 x, __m256& scale, __m256& normal) {
     __m256 y = _mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f));
     normal = _mm256_cmp_ps(y, _mm256_set1_ps(-126.0f), _CMP_GT_OQ);
