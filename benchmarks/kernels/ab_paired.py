@@ -8,11 +8,13 @@ the per-pair ratios here can. Before timing, one call on each side is compared b
 bit, so a change meant to move no bit is shown to move none (or how far it moves them).
 
     PYTHONPATH=server python benchmarks/kernels/ab_paired.py REV FILE... --bench NAME
-        [--threads 2] [--pairs 300]
+        [--threads 2] [--pairs 300] [--a-base-flags "FLAG..."]
 
 FILE: kernel sources under server/cadence/kernels/cpu (not the operator shim cpu_ops.cpp,
 of which a process loads one). The working tree's files are put back however the build
-of REV's ends. Benchmarks (SmolLM2-135M's shapes: 9 query heads over 3 KV heads of 64):
+of REV's ends. --a-base-flags: side A compiled with these in place of cpu_builds.py's
+BASE_FLAGS (a change of the build's flags, measured as a change of its sources is).
+Benchmarks (SmolLM2-135M's shapes: 9 query heads over 3 KV heads of 64):
 
 - decode: one layer's decode attention, 32 sequences of 380-460 tokens, float32 queries
   over a bfloat16 cache, each sequence its own blocks;
@@ -29,13 +31,15 @@ of REV's ends. Benchmarks (SmolLM2-135M's shapes: 9 query heads over 3 KV heads 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
+from cadence.kernels import cpu_builds
 from cadence.kernels.cpu import ops, selection
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,9 +47,23 @@ KERNELS = ROOT / "server/cadence/kernels/cpu"
 WARM_PAIRS = 5  # pairs run before any is counted (pages, caches)
 
 
-def build_at(rev: str, files: list[Path], isa: str) -> Path:
-    """The library of `isa` with REV's version of `files` (built unless cached); the
-    working tree's files are restored before this returns or raises."""
+@contextlib.contextmanager
+def base_flags(flags: Sequence[str] | None) -> Iterator[None]:
+    """Builds inside compile with `flags` as cpu_builds.BASE_FLAGS (None: as they are),
+    which are put back however the block ends."""
+    saved = cpu_builds.BASE_FLAGS
+    if flags is not None:
+        cpu_builds.BASE_FLAGS = tuple(flags)
+    try:
+        yield
+    finally:
+        cpu_builds.BASE_FLAGS = saved
+
+
+def build_at(rev: str, files: list[Path], isa: str, flags: Sequence[str] | None = None) -> Path:
+    """The library of `isa` with REV's version of `files` (built unless cached), compiled
+    with `flags` as the base flags if given; the working tree's files and the flags are
+    restored before this returns or raises."""
     saved = {f: f.read_bytes() for f in files}
     try:
         for f in files:
@@ -54,7 +72,8 @@ def build_at(rev: str, files: list[Path], isa: str) -> Path:
                 cwd=ROOT, check=True, capture_output=True,
             )  # fmt: skip
             f.write_bytes(shown.stdout)
-        return selection.library(isa)
+        with base_flags(flags):
+            return selection.library(isa)
     finally:
         for f, text in saved.items():
             f.write_bytes(text)
@@ -175,6 +194,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--bench", choices=sorted(BENCHES), required=True)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--pairs", type=int, default=300)
+    p.add_argument(
+        "--a-base-flags",
+        help="side A's compiler flags in place of cpu_builds.BASE_FLAGS, space-separated",
+    )
     a = p.parse_args(argv)
     files = [f.resolve() for f in a.files]
     for f in files:
@@ -183,7 +206,8 @@ def main(argv: list[str] | None = None) -> None:
     if a.pairs < 2:
         p.error("--pairs must be at least 2")
     isa = selection.select()  # this CPU's (or $CADENCE_CPU_ISA's) kernels
-    libraries = {"A": build_at(a.rev, files, isa), "B": selection.library(isa)}
+    a_flags = a.a_base_flags.split() if a.a_base_flags is not None else None
+    libraries = {"A": build_at(a.rev, files, isa, a_flags), "B": selection.library(isa)}
     torch.set_num_threads(a.threads)
     call = BENCHES[a.bench]()
     outputs = compare_outputs(libraries, isa, call)
@@ -191,6 +215,8 @@ def main(argv: list[str] | None = None) -> None:
     ratios = sorted(b / x for x, b in zip(times_a, times_b, strict=True))
     quartile = len(ratios) // 4
     print(f"{a.bench}, {isa} kernels, {a.threads} threads, {a.pairs} pairs")
+    if a_flags is not None:
+        print(f"  A's base flags: {' '.join(a_flags)}; B's: {' '.join(cpu_builds.BASE_FLAGS)}")
     for side, t in (("A", times_a), ("B", times_b)):
         print(
             f"  {side} ({a.rev if side == 'A' else 'working tree'}): fastest "

@@ -67,6 +67,22 @@ def test_the_working_tree_is_put_back_when_revs_version_cannot_be_had() -> None:
     assert source.read_bytes() == before
 
 
+def test_side_a_builds_with_other_flags_which_are_put_back() -> None:
+    from cadence.kernels import cpu_builds
+
+    ab = script()
+    before, default_path = cpu_builds.BASE_FLAGS, cpu_builds.library_path("avx2")
+    other = tuple(f for f in before if f != "-ffp-contract=off")
+    assert other != before
+    with ab.base_flags(other):
+        assert cpu_builds.BASE_FLAGS == other
+        assert cpu_builds.library_path("avx2") != default_path  # another build, keyed apart
+    assert cpu_builds.BASE_FLAGS == before
+    with pytest.raises(RuntimeError), ab.base_flags(other):
+        raise RuntimeError("a build that fails")
+    assert cpu_builds.BASE_FLAGS == before
+
+
 def test_outputs_are_compared_bit_for_bit_and_a_difference_is_sized() -> None:
     import torch
     from cadence.kernels.cpu import selection
