@@ -24,7 +24,7 @@ from cadence.config import ShardConfig
 from cadence.model_source import resolve_model
 from cadence.pb import shard_pb2 as pb
 from cadence.quant import calibrate
-from cadence.quant.kv_calibrate import DECODE_WEIGHT
+from cadence.quant.kv_calibrate import DECODE_WEIGHT, mix
 from cadence.shard.engine import Engine
 
 
@@ -117,8 +117,8 @@ def main(argv: list[str] | None = None) -> None:
           f"B {statistics.median(decode_s['B']) * 1e3:.1f} ms")  # fmt: skip
     prompts = summary("prompts' steps", prompt_ratios)
     steps = summary("decode steps", decode_ratios)
-    a_cost = DECODE_WEIGHT * statistics.median(decode_s["A"]) + per_prompt["A"]
-    b_cost = DECODE_WEIGHT * statistics.median(decode_s["B"]) + per_prompt["B"]
+    a_cost = mix(statistics.median(decode_s["A"]), per_prompt["A"])
+    b_cost = mix(statistics.median(decode_s["B"]), per_prompt["B"])
     print(
         f"in the charter's mix ({DECODE_WEIGHT:g} decode steps a prompt): B / A "
         f"{b_cost / a_cost:.3f} (per-pair medians: prompts {prompts:.3f}, decode {steps:.3f})"
